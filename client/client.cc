@@ -1,0 +1,681 @@
+// Implementation of lossd::Client over the generated lossd.v1 stubs: the one
+// place where gRPC status codes become absl ones, and where plain C++ structs
+// are translated to and from the protobuf messages.
+#include "client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <deque>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kernels/status_macros.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+
+namespace lossd {
+
+namespace v1 = ::lossd::v1;
+namespace health = ::grpc::health::v1;
+
+struct Client::Channel {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Lossd::Stub> lossd;
+  std::unique_ptr<health::Health::Stub> health;
+};
+
+namespace {
+
+// Room left in a message for everything but the payload bytes.
+constexpr std::size_t kMessageOverheadBytes = 4096;
+
+// The single grpc::Status -> absl::Status conversion. Both use the canonical
+// code numbering (google.rpc.Code), so the value carries over unchanged.
+absl::Status ToAbsl(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(status.error_code());
+  if (code < 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    return absl::UnknownError(
+        absl::StrCat("gRPC status code ", code, ": ", status.error_message()));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      status.error_message());
+}
+
+void PrepareContext(const ClientOptions& options,
+                    grpc::ClientContext* context) {
+  if (options.deadline != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options.deadline));
+  }
+  if (!options.bearer_token.empty()) {
+    context->AddMetadata("authorization",
+                         absl::StrCat("Bearer ", options.bearer_token));
+  }
+}
+
+absl::Time FromTimestamp(const google::protobuf::Timestamp& ts) {
+  return absl::FromUnixSeconds(ts.seconds()) + absl::Nanoseconds(ts.nanos());
+}
+
+TensorInfo FromProto(const v1::TensorInfo& proto) {
+  TensorInfo info;
+  info.handle = proto.handle();
+  info.dtype = static_cast<DType>(proto.dtype());
+  info.shape.assign(proto.shape().begin(), proto.shape().end());
+  info.bytes = proto.bytes();
+  info.device = proto.device();
+  info.state = static_cast<TensorState>(proto.state());
+  info.tenant = proto.tenant();
+  info.label = proto.label();
+  if (proto.has_created()) info.created = FromTimestamp(proto.created());
+  if (proto.has_last_used()) info.last_used = FromTimestamp(proto.last_used());
+  info.pending_scale = proto.pending_scale();
+  info.pending_token_scale = proto.pending_token_scale();
+  return info;
+}
+
+ServerInfo FromProto(const v1::ServerInfo& proto) {
+  ServerInfo info;
+  info.instance_id = proto.instance_id();
+  info.device = proto.device();
+  info.budget_bytes = proto.budget_bytes();
+  info.used_bytes = proto.used_bytes();
+  info.free_bytes = proto.free_bytes();
+  info.tensors = proto.tensors();
+  info.version = proto.version();
+  return info;
+}
+
+void ToProto(const CrossEntropyOptions& loss, const std::string& class_weights,
+             v1::LossOptions* proto) {
+  proto->set_ignore_index(loss.ignore_index);
+  proto->set_label_smoothing(loss.label_smoothing);
+  proto->set_reduction(static_cast<v1::Reduction>(loss.reduction));
+  proto->set_z_loss_scale(loss.z_loss_scale);
+  proto->set_softcap(loss.softcap);
+  proto->set_class_weights(class_weights);
+  proto->set_normalizer(loss.normalizer);
+  proto->set_grad_scale(loss.grad_scale);
+}
+
+// product(shape) * DTypeSize(dtype), or INVALID_ARGUMENT on a negative
+// dimension or overflow.
+absl::StatusOr<uint64_t> TensorBytes(DType dtype,
+                                     absl::Span<const int64_t> shape) {
+  uint64_t bytes = DTypeSize(dtype);
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
+  }
+  for (int64_t dim : shape) {
+    if (dim < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("negative dimension ", dim, " in shape"));
+    }
+    const uint64_t d = static_cast<uint64_t>(dim);
+    if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / d) {
+      return absl::InvalidArgumentError("tensor size overflows 64 bits");
+    }
+    bytes *= d;
+  }
+  return bytes;
+}
+
+absl::StatusOr<BackwardResult> FinishBackward(const ClientOptions& options,
+                                              v1::Lossd::Stub* stub,
+                                              const v1::BackwardRequest& req) {
+  grpc::ClientContext context;
+  PrepareContext(options, &context);
+  v1::BackwardResponse response;
+  RETURN_IF_ERROR(ToAbsl(stub->Backward(&context, req, &response)));
+  BackwardResult result;
+  result.tensor = FromProto(response.tensor());
+  result.kernel_launched = response.kernel_launched();
+  return result;
+}
+
+// Hands row blocks from the producer thread to the sending thread, at most
+// kDepth at a time, so reading the next block overlaps sending this one.
+class BlockQueue {
+ public:
+  static constexpr std::size_t kDepth = 2;
+
+  // Producer side. Returns false when the consumer stopped.
+  bool Push(RowBlock block) {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &BlockQueue::HasRoomOrStopped));
+    if (stopped_) return false;
+    blocks_.push_back(std::move(block));
+    return true;
+  }
+  // Producer side: no more blocks; `status` is the producer's outcome.
+  void Close(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    producer_status_ = std::move(status);
+  }
+  // Consumer side. False when closed and drained.
+  bool Pop(RowBlock* block) {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &BlockQueue::HasBlockOrClosed));
+    if (blocks_.empty()) return false;
+    *block = std::move(blocks_.front());
+    blocks_.pop_front();
+    return true;
+  }
+  // Consumer side: stop early; a waiting producer returns.
+  void Stop() {
+    absl::MutexLock lock(&mu_);
+    stopped_ = true;
+  }
+  absl::Status producer_status() {
+    absl::MutexLock lock(&mu_);
+    return producer_status_;
+  }
+
+ private:
+  bool HasRoomOrStopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopped_ || blocks_.size() < kDepth;
+  }
+  bool HasBlockOrClosed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closed_ || !blocks_.empty();
+  }
+
+  absl::Mutex mu_;
+  std::deque<RowBlock> blocks_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status producer_status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+Client::Client(std::string target, ClientOptions options,
+               std::unique_ptr<Channel> channel)
+    : target_(std::move(target)),
+      options_(std::move(options)),
+      channel_(std::move(channel)) {}
+
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
+                                                        ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty server target");
+  if (options.max_message_bytes <= static_cast<int>(kMessageOverheadBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes ", options.max_message_bytes, " is too small"));
+  }
+  if (options.chunk_bytes == 0 ||
+      options.chunk_bytes >
+          static_cast<std::size_t>(options.max_message_bytes) -
+              kMessageOverheadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", options.chunk_bytes, " must be in [1, ",
+                     options.max_message_bytes - kMessageOverheadBytes, "]"));
+  }
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("deadline must be positive");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  auto channel = std::make_unique<Channel>();
+  channel->channel = grpc::CreateCustomChannel(
+      target, grpc::InsecureChannelCredentials(), args);
+  channel->lossd = v1::Lossd::NewStub(channel->channel);
+  channel->health = health::Health::NewStub(channel->channel);
+  return std::unique_ptr<Client>(
+      new Client(std::move(target), std::move(options), std::move(channel)));
+}
+
+absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
+                                          absl::Span<const int64_t> shape,
+                                          const void* data, std::size_t bytes,
+                                          const std::string& label,
+                                          const ProgressCallback& progress) {
+  ASSIGN_OR_RETURN(const uint64_t expected, TensorBytes(dtype, shape));
+  if (expected != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(bytes, " bytes given; dtype ", DTypeName(dtype),
+                     " and the shape need ", expected));
+  }
+  if (data == nullptr && bytes > 0) {
+    return absl::InvalidArgumentError("null data");
+  }
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::UploadResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
+      channel_->lossd->Upload(&context, &response);
+  v1::UploadRequest request;
+  v1::TensorHeader* header = request.mutable_header();
+  header->set_dtype(static_cast<v1::DType>(dtype));
+  header->mutable_shape()->Add(shape.begin(), shape.end());
+  header->set_label(label);
+  bool sending = writer->Write(request);
+  const char* bytes_in = static_cast<const char*>(data);
+  std::size_t sent = 0;
+  while (sending && sent < bytes) {
+    const std::size_t n = std::min(options_.chunk_bytes, bytes - sent);
+    request.set_chunk(bytes_in + sent, n);
+    sending = writer->Write(request);
+    if (sending) {
+      sent += n;
+      if (progress) {
+        progress(static_cast<int64_t>(sent), static_cast<int64_t>(bytes));
+      }
+    }
+  }
+  if (sending) writer->WritesDone();
+  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
+  if (sent != bytes) {
+    return absl::DataLossError(absl::StrCat(
+        "the server ended the upload after ", sent, " of ", bytes, " bytes"));
+  }
+  return FromProto(response.tensor());
+}
+
+absl::Status Client::DownloadStream(
+    const std::string& handle, DType as_dtype,
+    const std::function<absl::Status(const TensorInfo&)>& on_header,
+    const std::function<absl::Status(const void*, std::size_t)>& on_chunk,
+    const ProgressCallback& progress) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::DownloadRequest request;
+  request.set_handle(handle);
+  request.set_dtype(static_cast<v1::DType>(as_dtype));
+  request.set_chunk_bytes(static_cast<int64_t>(options_.chunk_bytes));
+  std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
+      channel_->lossd->Download(&context, request);
+
+  // The first error seen locally; the RPC is cancelled and drained after it.
+  absl::Status local;
+  bool have_header = false;
+  int64_t expected = 0;
+  int64_t received = 0;
+  v1::DownloadResponse response;
+  while (local.ok() && reader->Read(&response)) {
+    if (response.has_header()) {
+      if (have_header) {
+        local = absl::DataLossError("the server sent a second header");
+        break;
+      }
+      have_header = true;
+      expected = response.header().bytes();
+      local = on_header(FromProto(response.header()));
+      continue;
+    }
+    if (!have_header) {
+      local = absl::DataLossError("the server sent data before the header");
+      break;
+    }
+    const std::string& chunk = response.chunk();
+    if (static_cast<int64_t>(chunk.size()) > expected - received) {
+      local = absl::DataLossError(absl::StrCat("the server sent more than the ",
+                                               expected,
+                                               " bytes its header announced"));
+      break;
+    }
+    local = on_chunk(chunk.data(), chunk.size());
+    received += static_cast<int64_t>(chunk.size());
+    if (local.ok() && progress) progress(received, expected);
+  }
+  if (!local.ok()) {
+    context.TryCancel();
+    while (reader->Read(&response)) {
+    }
+    reader->Finish().ok();  // the local error is what matters now
+    return local;
+  }
+  RETURN_IF_ERROR(ToAbsl(reader->Finish()));
+  if (!have_header) {
+    return absl::DataLossError("the server sent no header");
+  }
+  if (received != expected) {
+    return absl::DataLossError(
+        absl::StrCat("the server sent ", received, " of ", expected, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DownloadedTensor> Client::Download(
+    const std::string& handle, DType as_dtype,
+    const ProgressCallback& progress) {
+  DownloadedTensor out;
+  RETURN_IF_ERROR(DownloadStream(
+      handle, as_dtype,
+      [&out](const TensorInfo& info) {
+        if (info.bytes < 0) {
+          return absl::DataLossError("negative byte count in header");
+        }
+        out.info = info;
+        out.data.reserve(static_cast<std::size_t>(info.bytes));
+        return absl::OkStatus();
+      },
+      [&out](const void* data, std::size_t bytes) {
+        const uint8_t* p = static_cast<const uint8_t*>(data);
+        out.data.insert(out.data.end(), p, p + bytes);
+        return absl::OkStatus();
+      },
+      progress));
+  return out;
+}
+
+absl::StatusOr<TensorInfo> Client::DownloadInto(
+    const std::string& handle, DType as_dtype, void* buffer,
+    std::size_t capacity, const ProgressCallback& progress) {
+  TensorInfo info;
+  std::size_t written = 0;
+  RETURN_IF_ERROR(DownloadStream(
+      handle, as_dtype,
+      [&info, capacity](const TensorInfo& header) {
+        if (header.bytes < 0 ||
+            static_cast<uint64_t>(header.bytes) > capacity) {
+          return absl::OutOfRangeError(
+              absl::StrCat("the tensor has ", header.bytes,
+                           " bytes; the buffer holds ", capacity));
+        }
+        info = header;
+        return absl::OkStatus();
+      },
+      [buffer, &written](const void* data, std::size_t bytes) {
+        // DownloadStream never passes more than the header's byte count.
+        std::copy_n(static_cast<const uint8_t*>(data), bytes,
+                    static_cast<uint8_t*>(buffer) + written);
+        written += bytes;
+        return absl::OkStatus();
+      },
+      progress));
+  return info;
+}
+
+absl::StatusOr<TensorInfo> Client::Describe(const std::string& handle) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::DescribeRequest request;
+  request.set_handle(handle);
+  v1::TensorInfo response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->Describe(&context, request, &response)));
+  return FromProto(response);
+}
+
+absl::StatusOr<ListResult> Client::List() {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::ListResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->List(&context, v1::ListRequest(), &response)));
+  ListResult result;
+  for (const v1::TensorInfo& tensor : response.tensors()) {
+    result.tensors.push_back(FromProto(tensor));
+  }
+  result.server = FromProto(response.server());
+  return result;
+}
+
+absl::StatusOr<int64_t> Client::Release(const std::string& handle) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::ReleaseRequest request;
+  request.set_handle(handle);
+  v1::ReleaseResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->Release(&context, request, &response)));
+  return response.released_bytes();
+}
+
+absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
+                                              const Targets& targets,
+                                              const ForwardOptions& options) {
+  v1::ForwardRequest request;
+  request.set_logits(logits);
+  if (!targets.handle.empty()) {
+    request.set_targets_handle(targets.handle);
+  } else {
+    if (!IsTargetsDType(targets.inline_dtype)) {
+      return absl::InvalidArgumentError(
+          "targets: neither a handle nor inline int32/int64 data");
+    }
+    if (targets.inline_data == nullptr && targets.inline_bytes > 0) {
+      return absl::InvalidArgumentError("inline targets: null data");
+    }
+    v1::InlineTensor* inline_targets = request.mutable_targets_inline();
+    inline_targets->set_dtype(static_cast<v1::DType>(targets.inline_dtype));
+    inline_targets->set_data(static_cast<const char*>(targets.inline_data),
+                             targets.inline_bytes);
+  }
+  ToProto(options.loss, options.class_weights, request.mutable_options());
+  request.set_mode(static_cast<v1::GradientMode>(options.mode));
+  request.mutable_outputs()->set_token_loss(options.token_loss);
+  request.mutable_outputs()->set_token_lse(options.token_lse);
+  request.mutable_outputs()->set_token_argmax(options.token_argmax);
+  request.set_gradient_label(options.gradient_label);
+
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::ForwardResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->Forward(&context, request, &response)));
+  ForwardResult result;
+  result.loss = response.loss();
+  result.z_loss = response.z_loss();
+  result.valid_tokens = response.valid_tokens();
+  result.correct_tokens = response.correct_tokens();
+  result.nonfinite_rows = response.nonfinite_rows();
+  result.gradient = response.gradient();
+  result.token_loss.assign(response.token_loss().begin(),
+                           response.token_loss().end());
+  result.token_lse.assign(response.token_lse().begin(),
+                          response.token_lse().end());
+  result.token_argmax.assign(response.token_argmax().begin(),
+                             response.token_argmax().end());
+  result.kernel_seconds = response.kernel_seconds();
+  result.denominator = response.denominator();
+  return result;
+}
+
+absl::StatusOr<BackwardResult> Client::Backward(const std::string& gradient,
+                                                double grad_output,
+                                                bool materialize) {
+  v1::BackwardRequest request;
+  request.set_gradient(gradient);
+  request.set_scalar(grad_output);
+  request.set_materialize(materialize);
+  return FinishBackward(options_, channel_->lossd.get(), request);
+}
+
+absl::StatusOr<BackwardResult> Client::Backward(
+    const std::string& gradient, absl::Span<const float> token_grad_output,
+    bool materialize) {
+  v1::BackwardRequest request;
+  request.set_gradient(gradient);
+  request.mutable_per_token()->mutable_values()->Add(token_grad_output.begin(),
+                                                     token_grad_output.end());
+  request.set_materialize(materialize);
+  return FinishBackward(options_, channel_->lossd.get(), request);
+}
+
+absl::StatusOr<EvaluateResult> Client::Evaluate(
+    int64_t vocab, DType logits_dtype, DType targets_dtype,
+    const EvaluateOptions& options, const RowBlockProducer& next_block,
+    const ProgressCallback& progress) {
+  if (vocab < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("vocab ", vocab, " < 1"));
+  }
+  if (!IsLogitsDType(logits_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logits dtype ", DTypeName(logits_dtype), " is not floating point"));
+  }
+  if (!IsTargetsDType(targets_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets dtype ", DTypeName(targets_dtype), " is not int32/int64"));
+  }
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::EvaluateResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
+      channel_->lossd->Evaluate(&context, &response);
+  v1::EvaluateRequest request;
+  v1::EvaluateHeader* header = request.mutable_header();
+  header->set_vocab(vocab);
+  header->set_logits_dtype(static_cast<v1::DType>(logits_dtype));
+  header->set_targets_dtype(static_cast<v1::DType>(targets_dtype));
+  ToProto(options.loss, options.class_weights, header->mutable_options());
+  bool sending = writer->Write(request);
+
+  BlockQueue queue;
+  std::thread producer([&queue, &next_block] {
+    while (true) {
+      RowBlock block;
+      absl::StatusOr<bool> more = next_block(&block);
+      if (!more.ok()) {
+        queue.Close(more.status());
+        return;
+      }
+      if (!*more || !queue.Push(std::move(block))) break;
+    }
+    queue.Close(absl::OkStatus());
+  });
+  const std::size_t target_bytes = DTypeSize(targets_dtype);
+  int64_t rows_sent = 0;
+  RowBlock block;
+  while (sending && queue.Pop(&block)) {
+    const int64_t rows =
+        static_cast<int64_t>(block.targets.size() / target_bytes);
+    request.mutable_block()->set_logits(std::move(block.logits));
+    request.mutable_block()->set_targets(std::move(block.targets));
+    sending = writer->Write(request);
+    if (sending) {
+      rows_sent += rows;
+      if (progress) progress(rows_sent, options.total_rows);
+    }
+  }
+  queue.Stop();
+  producer.join();
+  const absl::Status produced = queue.producer_status();
+  if (!produced.ok()) {
+    context.TryCancel();
+    writer->Finish().ok();  // the producer's error is what matters
+    return produced;
+  }
+  if (sending) writer->WritesDone();
+  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
+  EvaluateResult result;
+  result.loss = response.loss();
+  result.z_loss = response.z_loss();
+  result.rows = response.rows();
+  result.valid_tokens = response.valid_tokens();
+  result.correct_tokens = response.correct_tokens();
+  result.nonfinite_rows = response.nonfinite_rows();
+  result.denominator = response.denominator();
+  return result;
+}
+
+absl::StatusOr<EvaluateResult> Client::Evaluate(
+    int64_t rows, int64_t vocab, DType logits_dtype, const void* logits,
+    DType targets_dtype, const void* targets, const EvaluateOptions& options,
+    int64_t block_rows, const ProgressCallback& progress) {
+  if (rows < 0 || vocab < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad shape [", rows, ", ", vocab, "]"));
+  }
+  const std::size_t row_bytes =
+      static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
+  const std::size_t target_bytes = DTypeSize(targets_dtype);
+  if (block_rows <= 0) {
+    block_rows = std::max<int64_t>(
+        1, static_cast<int64_t>(options_.chunk_bytes /
+                                std::max<std::size_t>(row_bytes, 1)));
+  }
+  EvaluateOptions with_total = options;
+  with_total.total_rows = rows;
+  int64_t next_row = 0;
+  const char* logits_bytes = static_cast<const char*>(logits);
+  const char* targets_bytes = static_cast<const char*>(targets);
+  return Evaluate(
+      vocab, logits_dtype, targets_dtype, with_total,
+      [&](RowBlock* block) -> absl::StatusOr<bool> {
+        if (next_row >= rows) return false;
+        const int64_t n = std::min(block_rows, rows - next_row);
+        block->logits.assign(logits_bytes + next_row * row_bytes,
+                             n * row_bytes);
+        block->targets.assign(targets_bytes + next_row * target_bytes,
+                              n * target_bytes);
+        next_row += n;
+        return true;
+      },
+      progress);
+}
+
+absl::StatusOr<bool> Client::Health(const std::string& service) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  health::HealthCheckRequest request;
+  request.set_service(service);
+  health::HealthCheckResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->health->Check(&context, request, &response)));
+  return response.status() == health::HealthCheckResponse::SERVING;
+}
+
+absl::StatusOr<ServerInfo> Client::GetServerInfo() {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::ServerInfo response;
+  RETURN_IF_ERROR(ToAbsl(channel_->lossd->GetServerInfo(
+      &context, v1::GetServerInfoRequest(), &response)));
+  return FromProto(response);
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    default:
+      return "invalid";
+  }
+}
+
+absl::StatusOr<DType> ParseDType(const std::string& name) {
+  const std::string lower = absl::AsciiStrToLower(name);
+  if (lower == "float32" || lower == "fp32" || lower == "f32") {
+    return DType::kFloat32;
+  }
+  if (lower == "bfloat16" || lower == "bf16") return DType::kBFloat16;
+  if (lower == "float16" || lower == "fp16" || lower == "f16" ||
+      lower == "half") {
+    return DType::kFloat16;
+  }
+  if (lower == "int32" || lower == "i32") return DType::kInt32;
+  if (lower == "int64" || lower == "i64") return DType::kInt64;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown dtype '", name, "' (float32, bf16, float16, int32, int64)"));
+}
+
+const char* TensorStateName(TensorState state) {
+  switch (state) {
+    case TensorState::kLogits:
+      return "LOGITS";
+    case TensorState::kGradient:
+      return "GRADIENT";
+    default:
+      return "UNSPECIFIED";
+  }
+}
+
+}  // namespace lossd

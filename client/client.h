@@ -1,0 +1,297 @@
+// lossd::Client: the C++ client library of the lossd.v1 API. Plain C++ types
+// and absl::Status only, so callers never include gRPC or protobuf headers;
+// uploads and downloads are chunked so no message comes near the size limits.
+#ifndef LOSSD_CLIENT_CLIENT_H_
+#define LOSSD_CLIENT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/cross_entropy.h"
+
+namespace lossd {
+
+struct ClientOptions {
+  // Bytes of tensor data per Upload / Evaluate message and the chunk size
+  // asked of the server on Download. 1 MiB keeps each message far below the
+  // limits while amortising per-message costs.
+  std::size_t chunk_bytes = 1 << 20;
+  // Send and receive limit of the channel (gRPC's default is 4 MiB receive).
+  int max_message_bytes = 64 << 20;
+  // Deadline of each call, counted from its start; infinite = none.
+  absl::Duration deadline = absl::InfiniteDuration();
+  // Sent as "authorization: Bearer <token>" when not empty (the server does
+  // not check it yet).
+  std::string bearer_token;
+};
+
+// Values match lossd.v1.TensorState.
+enum class TensorState : int { kUnspecified = 0, kLogits = 1, kGradient = 2 };
+
+// Metadata of a stored tensor (lossd.v1.TensorInfo).
+struct TensorInfo {
+  std::string handle;
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  std::string device;  // "cpu", "cuda:0", ...
+  TensorState state = TensorState::kUnspecified;
+  std::string tenant;
+  std::string label;
+  absl::Time created = absl::InfinitePast();
+  absl::Time last_used = absl::InfinitePast();
+  double pending_scale = 1.0;        // grad_output recorded by Backward
+  bool pending_token_scale = false;  // per-token grad_output recorded
+};
+
+// Identity and memory of a server instance (lossd.v1.ServerInfo).
+struct ServerInfo {
+  std::string instance_id;
+  std::string device;
+  int64_t budget_bytes = 0;
+  int64_t used_bytes = 0;
+  int64_t free_bytes = 0;
+  int64_t tensors = 0;
+  std::string version;
+};
+
+struct ListResult {
+  std::vector<TensorInfo> tensors;
+  ServerInfo server;
+};
+
+struct DownloadedTensor {
+  TensorInfo info;  // dtype and bytes are those sent (after conversion)
+  std::vector<uint8_t> data;
+};
+
+// Options of Forward: the loss options of the kernel contract plus what only
+// the service knows (handles, mode, outputs).
+struct ForwardOptions {
+  CrossEntropyOptions loss;
+  std::string class_weights;  // handle of a fp32 [V] tensor; empty = none
+  GradientMode mode = GradientMode::kInPlace;
+  bool token_loss = false;
+  bool token_lse = false;
+  bool token_argmax = false;
+  std::string gradient_label;  // label of an out-of-place gradient
+};
+
+struct ForwardResult {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  int64_t valid_tokens = 0;
+  int64_t correct_tokens = 0;
+  int64_t nonfinite_rows = 0;
+  // The logits handle for kInPlace, a new handle for kOutOfPlace, empty for
+  // kNone.
+  std::string gradient;
+  std::vector<float> token_loss;
+  std::vector<float> token_lse;
+  std::vector<int32_t> token_argmax;
+  double kernel_seconds = 0.0;
+  double denominator = 0.0;
+};
+
+struct BackwardResult {
+  TensorInfo tensor;
+  bool kernel_launched = false;
+};
+
+// The targets of a Forward: a stored int32/int64 [N] tensor, or bytes sent
+// inline with the request (for small N). Inline() does not copy: `data` must
+// outlive the Forward call.
+struct Targets {
+  static Targets Handle(std::string handle) {
+    Targets t;
+    t.handle = std::move(handle);
+    return t;
+  }
+  static Targets Inline(DType dtype, const void* data, std::size_t bytes) {
+    Targets t;
+    t.inline_dtype = dtype;
+    t.inline_data = data;
+    t.inline_bytes = bytes;
+    return t;
+  }
+  std::string handle;  // used when not empty
+  DType inline_dtype = DType::kInvalid;
+  const void* inline_data = nullptr;
+  std::size_t inline_bytes = 0;
+};
+
+// Options of Evaluate; reduction kNone is not allowed there.
+struct EvaluateOptions {
+  CrossEntropyOptions loss;
+  std::string class_weights;  // handle of a fp32 [V] tensor; empty = none
+  // Only for progress reports (the second argument); -1 = unknown.
+  int64_t total_rows = -1;
+};
+
+// One block of whole rows for Evaluate: rows * vocab logits of the header's
+// dtype and rows targets, little-endian. The strings are moved into the
+// request, so a producer can fill them without an extra copy.
+struct RowBlock {
+  std::string logits;
+  std::string targets;
+};
+
+struct EvaluateResult {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  int64_t rows = 0;
+  int64_t valid_tokens = 0;
+  int64_t correct_tokens = 0;
+  int64_t nonfinite_rows = 0;
+  double denominator = 0.0;
+};
+
+// Called as work proceeds with (done, total): bytes for Upload / Download,
+// rows for Evaluate; total is -1 when unknown. Called on the calling thread.
+using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
+
+// Fills *block with the next block and returns true, or returns false when
+// there are no more rows. An error aborts the Evaluate and is returned by it.
+using RowBlockProducer = std::function<absl::StatusOr<bool>(RowBlock* block)>;
+
+// A connection to one lossd instance. Every method is thread-safe and may be
+// called concurrently (each call is its own RPC on a shared channel).
+//
+// Errors: methods return the server's status with its code and message
+// (codes documented per RPC in proto/lossd/v1/lossd.proto), UNAVAILABLE when
+// the server cannot be reached, DEADLINE_EXCEEDED when options.deadline
+// passes, and INVALID_ARGUMENT for arguments rejected before any RPC.
+class Client {
+ public:
+  // Creates a client for `target` ("host:port" or any gRPC target URI) over an
+  // insecure channel. Does not contact the server (channels connect lazily;
+  // use Health to check). INVALID_ARGUMENT: empty target, chunk_bytes of 0 or
+  // larger than max_message_bytes - 4 KiB, max_message_bytes <= 4 KiB, a
+  // negative deadline.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      std::string target, ClientOptions options = {});
+
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const ClientOptions& options() const { return options_; }
+
+  // Uploads `bytes` bytes at `data` as a tensor of `dtype` and `shape`, in
+  // chunks of options().chunk_bytes. Success: the stored tensor's metadata.
+  // INVALID_ARGUMENT (client side): bytes != product(shape) * size of dtype,
+  // or data == nullptr with bytes > 0. Server errors as the Upload RPC. On any
+  // error the server keeps nothing. `data` is only read during the call.
+  absl::StatusOr<TensorInfo> Upload(DType dtype,
+                                    absl::Span<const int64_t> shape,
+                                    const void* data, std::size_t bytes,
+                                    const std::string& label = "",
+                                    const ProgressCallback& progress = nullptr);
+
+  // Streams a tensor back, converted to `as_dtype` (kInvalid = as stored) and
+  // with its pending grad_output applied. `on_header` sees the metadata first
+  // (dtype and bytes as sent); `on_chunk` then receives the data in order.
+  // An error from a callback cancels the RPC and is returned. DATA_LOSS: the
+  // server sent more or fewer bytes than its header said, or no header.
+  // Otherwise server errors as the Download RPC.
+  absl::Status DownloadStream(
+      const std::string& handle, DType as_dtype,
+      const std::function<absl::Status(const TensorInfo&)>& on_header,
+      const std::function<absl::Status(const void* data, std::size_t bytes)>&
+          on_chunk,
+      const ProgressCallback& progress = nullptr);
+
+  // Downloads a whole tensor into memory. Errors as DownloadStream.
+  absl::StatusOr<DownloadedTensor> Download(
+      const std::string& handle, DType as_dtype = DType::kInvalid,
+      const ProgressCallback& progress = nullptr);
+
+  // Downloads into a caller buffer of `capacity` bytes. Success: metadata;
+  // info.bytes bytes were written to `buffer`. OUT_OF_RANGE: the tensor does
+  // not fit `capacity` (nothing useful written). Otherwise as DownloadStream.
+  absl::StatusOr<TensorInfo> DownloadInto(
+      const std::string& handle, DType as_dtype, void* buffer,
+      std::size_t capacity, const ProgressCallback& progress = nullptr);
+
+  // Metadata of one tensor. NOT_FOUND: unknown, released, expired, foreign.
+  absl::StatusOr<TensorInfo> Describe(const std::string& handle);
+
+  // The caller's tensors and the instance's memory figures.
+  absl::StatusOr<ListResult> List();
+
+  // Frees a tensor; returns the bytes released. NOT_FOUND as Describe.
+  absl::StatusOr<int64_t> Release(const std::string& handle);
+
+  // Cross entropy on stored logits (see the Forward RPC). INVALID_ARGUMENT
+  // (client side): inline targets with an unknown dtype or null data. Server
+  // errors as the Forward RPC: NOT_FOUND, INVALID_ARGUMENT,
+  // FAILED_PRECONDITION (logits consumed or busy), RESOURCE_EXHAUSTED.
+  absl::StatusOr<ForwardResult> Forward(const std::string& logits,
+                                        const Targets& targets,
+                                        const ForwardOptions& options = {});
+
+  // Records a scalar grad_output for a gradient (applied on download, or now
+  // with `materialize`). NOT_FOUND, FAILED_PRECONDITION (holds logits),
+  // INVALID_ARGUMENT (non-finite).
+  absl::StatusOr<BackwardResult> Backward(const std::string& gradient,
+                                          double grad_output,
+                                          bool materialize = false);
+  // Per-token grad_output [N], for a gradient computed with reduction kNone.
+  // INVALID_ARGUMENT also for a count other than N or another reduction.
+  absl::StatusOr<BackwardResult> Backward(
+      const std::string& gradient, absl::Span<const float> token_grad_output,
+      bool materialize = false);
+
+  // Forward-only evaluation of the blocks `next_block` produces; the server
+  // retains nothing. Blocks are sent as produced (one in flight while the next
+  // is prepared). INVALID_ARGUMENT (client side): vocab < 1, bad dtypes.
+  // Server errors as the Evaluate RPC; an error of the producer cancels the
+  // RPC and is returned.
+  absl::StatusOr<EvaluateResult> Evaluate(
+      int64_t vocab, DType logits_dtype, DType targets_dtype,
+      const EvaluateOptions& options, const RowBlockProducer& next_block,
+      const ProgressCallback& progress = nullptr);
+
+  // Convenience: evaluates in-memory logits [rows, vocab] and targets [rows]
+  // in blocks of `block_rows` rows (0 = as many as fit options().chunk_bytes,
+  // at least one). Errors as Evaluate.
+  absl::StatusOr<EvaluateResult> Evaluate(
+      int64_t rows, int64_t vocab, DType logits_dtype, const void* logits,
+      DType targets_dtype, const void* targets, const EvaluateOptions& options,
+      int64_t block_rows = 0, const ProgressCallback& progress = nullptr);
+
+  // Standard gRPC health check (grpc.health.v1). `service` "" asks about
+  // liveness, "lossd.v1.Lossd" about readiness. Success: true when SERVING.
+  // NOT_FOUND: the server does not know `service`. UNAVAILABLE: unreachable.
+  absl::StatusOr<bool> Health(const std::string& service = "");
+
+  absl::StatusOr<ServerInfo> GetServerInfo();
+
+ private:
+  struct Channel;  // gRPC channel and stubs, kept out of this header
+  Client(std::string target, ClientOptions options,
+         std::unique_ptr<Channel> channel);
+
+  const std::string target_;
+  const ClientOptions options_;
+  const std::unique_ptr<Channel> channel_;
+};
+
+// Readable names, for CLIs and logs: "float32", "bf16", "int64", ...
+const char* DTypeName(DType dtype);
+// Parses "float32"/"fp32"/"f32", "bfloat16"/"bf16", "float16"/"fp16"/"half",
+// "int32", "int64". INVALID_ARGUMENT otherwise.
+absl::StatusOr<DType> ParseDType(const std::string& name);
+const char* TensorStateName(TensorState state);  // "LOGITS", "GRADIENT"
+
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_CLIENT_H_

@@ -1,0 +1,572 @@
+// lossctl: the command-line client of lossd, for people and shell scripts.
+// Thin over lossd::Client; results go to stdout (one parseable line each),
+// progress and diagnostics to stderr.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "client/npy.h"
+#include "kernels/cpu/float16.h"
+#include "kernels/status_macros.h"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:50051", "lossd address, host:port");
+ABSL_FLAG(absl::Duration, deadline, absl::InfiniteDuration(),
+          "deadline of each RPC, e.g. 30s (default: none)");
+ABSL_FLAG(int64_t, chunk_bytes, 1 << 20,
+          "bytes per upload/download/eval message");
+ABSL_FLAG(std::string, token, "", "bearer token sent with every RPC");
+ABSL_FLAG(bool, progress, false,
+          "show progress on stderr even when it is not a terminal");
+
+ABSL_FLAG(std::string, dtype, "",
+          "upload/eval: convert the logits to this dtype before sending "
+          "(float32, bf16, float16); download: ask the server for this dtype");
+ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
+
+ABSL_FLAG(std::string, reduction, "mean", "mean, sum or none");
+ABSL_FLAG(int64_t, ignore_index, -100, "target value that is ignored");
+ABSL_FLAG(double, label_smoothing, 0.0, "in [0, 1]");
+ABSL_FLAG(double, z_loss_scale, 0.0, "weight of the lse^2 term (>= 0)");
+ABSL_FLAG(double, softcap, 0.0, "logit soft-capping (0 = off)");
+ABSL_FLAG(std::string, weights, "", "handle of fp32 [V] class weights");
+ABSL_FLAG(std::string, mode, "in_place",
+          "forward: in_place, out_of_place or none");
+ABSL_FLAG(double, normalizer, 0.0,
+          "divide a mean by this token count (0 = the valid-token count)");
+ABSL_FLAG(double, grad_scale, 1.0, "grad_output folded into the gradient");
+ABSL_FLAG(std::string, gradient_label, "",
+          "forward: label of an out-of-place gradient");
+
+ABSL_FLAG(std::string, grad_output, "1",
+          "backward: a number, or a float32 [N] .npy of per-token factors");
+ABSL_FLAG(bool, materialize, false,
+          "backward: apply the factor on the server now, in place");
+ABSL_FLAG(int64_t, block_rows, 0,
+          "eval: rows per message (0 = as many as fit --chunk_bytes)");
+
+namespace lossd {
+namespace {
+
+constexpr char kUsage[] =
+    R"(lossctl: command-line client of lossd.
+
+usage: lossctl [--server=host:port] COMMAND [ARGS] [FLAGS]
+
+commands:
+  health                         liveness and readiness of the server
+  info                           instance id, device, memory
+  upload FILE.npy                store a tensor; prints its handle
+         [--dtype=bf16] [--label=TEXT]
+  forward LOGITS TARGETS         cross entropy; TARGETS is a handle or an
+         [--reduction --ignore_index --label_smoothing --z_loss_scale
+          --softcap --weights --mode --normalizer --grad_scale]
+                                 int32/int64 .npy file sent inline
+  backward HANDLE                record grad_output for a gradient
+         [--grad_output=X|FILE.npy] [--materialize]
+  download HANDLE OUT.npy        fetch a tensor (bf16 is written as float32)
+         [--dtype]
+  ls                             list tensors
+  rm HANDLE...                   release tensors
+  eval LOGITS.npy TARGETS.npy    stream the files to Evaluate; prints loss
+         [loss options] [--block_rows] [--dtype] [--progress]
+)";
+
+// A one-line progress bar on stderr, redrawn at most ten times a second.
+class ProgressBar {
+ public:
+  ProgressBar(std::string what, std::string unit, double unit_scale)
+      : what_(std::move(what)),
+        unit_(std::move(unit)),
+        unit_scale_(unit_scale),
+        enabled_(absl::GetFlag(FLAGS_progress) || isatty(STDERR_FILENO)),
+        start_(absl::Now()) {}
+  ~ProgressBar() {
+    if (drawn_) std::fputc('\n', stderr);
+  }
+
+  void Update(int64_t done, int64_t total) {
+    if (!enabled_) return;
+    const absl::Time now = absl::Now();
+    if (drawn_ && done != total && now - last_draw_ < absl::Milliseconds(100)) {
+      return;
+    }
+    last_draw_ = now;
+    drawn_ = true;
+    const double seconds = std::max(absl::ToDoubleSeconds(now - start_), 1e-9);
+    const double rate = done / unit_scale_ / seconds;
+    constexpr int kWidth = 30;
+    std::string bar;
+    if (total > 0) {
+      const double fraction = std::min(1.0, static_cast<double>(done) / total);
+      const int filled = static_cast<int>(fraction * kWidth);
+      bar = absl::StrCat("[", std::string(filled, '#'),
+                         std::string(kWidth - filled, '.'), "] ",
+                         absl::StrFormat("%5.1f%% ", 100.0 * fraction));
+    }
+    std::string count =
+        total > 0 ? absl::StrFormat("%.1f/%.1f %s", done / unit_scale_,
+                                    total / unit_scale_, unit_)
+                  : absl::StrFormat("%.1f %s", done / unit_scale_, unit_);
+    std::fprintf(stderr, "\r%s %s%s %.1f %s/s   ", what_.c_str(), bar.c_str(),
+                 count.c_str(), rate, unit_.c_str());
+    std::fflush(stderr);
+  }
+
+  ProgressCallback Callback() {
+    return [this](int64_t done, int64_t total) { Update(done, total); };
+  }
+
+ private:
+  const std::string what_;
+  const std::string unit_;
+  const double unit_scale_;
+  const bool enabled_;
+  const absl::Time start_;
+  absl::Time last_draw_;
+  bool drawn_ = false;
+};
+
+absl::Status UsageError(absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat("usage: ", message));
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<std::unique_ptr<Client>> MakeClient() {
+  ClientOptions options;
+  const int64_t chunk = absl::GetFlag(FLAGS_chunk_bytes);
+  if (chunk <= 0) return UsageError("--chunk_bytes must be positive");
+  options.chunk_bytes = static_cast<std::size_t>(chunk);
+  options.deadline = absl::GetFlag(FLAGS_deadline);
+  options.bearer_token = absl::GetFlag(FLAGS_token);
+  return Client::Connect(absl::GetFlag(FLAGS_server), options);
+}
+
+absl::StatusOr<Reduction> ParseReduction(const std::string& name) {
+  if (name == "mean") return Reduction::kMean;
+  if (name == "sum") return Reduction::kSum;
+  if (name == "none") return Reduction::kNone;
+  return UsageError(
+      absl::StrCat("--reduction=", name, ": expected mean, sum or none"));
+}
+
+absl::StatusOr<GradientMode> ParseMode(const std::string& name) {
+  if (name == "in_place") return GradientMode::kInPlace;
+  if (name == "out_of_place") return GradientMode::kOutOfPlace;
+  if (name == "none") return GradientMode::kNone;
+  return UsageError(absl::StrCat("--mode=", name,
+                                 ": expected in_place, out_of_place or none"));
+}
+
+absl::StatusOr<CrossEntropyOptions> LossOptionsFromFlags() {
+  CrossEntropyOptions loss;
+  ASSIGN_OR_RETURN(loss.reduction,
+                   ParseReduction(absl::GetFlag(FLAGS_reduction)));
+  loss.ignore_index = absl::GetFlag(FLAGS_ignore_index);
+  loss.label_smoothing =
+      static_cast<float>(absl::GetFlag(FLAGS_label_smoothing));
+  loss.z_loss_scale = static_cast<float>(absl::GetFlag(FLAGS_z_loss_scale));
+  loss.softcap = static_cast<float>(absl::GetFlag(FLAGS_softcap));
+  loss.normalizer = absl::GetFlag(FLAGS_normalizer);
+  loss.grad_scale = static_cast<float>(absl::GetFlag(FLAGS_grad_scale));
+  return loss;
+}
+
+// The dtype --dtype asks for, or `fallback` when the flag is empty.
+absl::StatusOr<DType> DTypeFlag(DType fallback) {
+  const std::string name = absl::GetFlag(FLAGS_dtype);
+  if (name.empty()) return fallback;
+  return ParseDType(name);
+}
+
+// Converts `count` elements between float dtypes (or copies when equal).
+// Integer conversions are limited to int64 -> int32 with a range check.
+absl::Status ConvertElements(const void* src, DType from, void* dst, DType to,
+                             uint64_t count) {
+  if (from == to) {
+    std::memcpy(dst, src, count * DTypeSize(from));
+    return absl::OkStatus();
+  }
+  if (IsLogitsDType(from) && IsLogitsDType(to)) {
+    for (uint64_t i = 0; i < count; ++i) {
+      float value;
+      if (from == DType::kFloat32) {
+        std::memcpy(&value, static_cast<const char*>(src) + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, static_cast<const char*>(src) + 2 * i, 2);
+        value =
+            from == DType::kBFloat16 ? BF16ToFloat(bits) : HalfToFloat(bits);
+      }
+      if (to == DType::kFloat32) {
+        std::memcpy(static_cast<char*>(dst) + 4 * i, &value, 4);
+      } else {
+        const uint16_t bits =
+            to == DType::kBFloat16 ? FloatToBF16(value) : FloatToHalf(value);
+        std::memcpy(static_cast<char*>(dst) + 2 * i, &bits, 2);
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (from == DType::kInt64 && to == DType::kInt32) {
+    for (uint64_t i = 0; i < count; ++i) {
+      int64_t value;
+      std::memcpy(&value, static_cast<const char*>(src) + 8 * i, 8);
+      if (value < std::numeric_limits<int32_t>::min() ||
+          value > std::numeric_limits<int32_t>::max()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("element ", i, " = ", value, " does not fit int32"));
+      }
+      const int32_t narrow = static_cast<int32_t>(value);
+      std::memcpy(static_cast<char*>(dst) + 4 * i, &narrow, 4);
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("cannot convert ", DTypeName(from), " to ", DTypeName(to)));
+}
+
+absl::Status Health(Client& client) {
+  ASSIGN_OR_RETURN(const bool live, client.Health(""));
+  ASSIGN_OR_RETURN(const bool ready, client.Health("lossd.v1.Lossd"));
+  std::printf("liveness %s\nreadiness %s\n", live ? "SERVING" : "NOT_SERVING",
+              ready ? "SERVING" : "NOT_SERVING");
+  if (!live || !ready) {
+    return absl::UnavailableError("the server is not serving");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Info(Client& client) {
+  ASSIGN_OR_RETURN(const ServerInfo info, client.GetServerInfo());
+  std::printf(
+      "instance %s\ndevice %s\nversion %s\ntensors %lld\nbudget_bytes "
+      "%lld\nused_bytes %lld\nfree_bytes %lld\n",
+      info.instance_id.c_str(), info.device.c_str(), info.version.c_str(),
+      static_cast<long long>(info.tensors),
+      static_cast<long long>(info.budget_bytes),
+      static_cast<long long>(info.used_bytes),
+      static_cast<long long>(info.free_bytes));
+  return absl::OkStatus();
+}
+
+absl::Status Upload(Client& client, const std::vector<std::string>& args) {
+  if (args.size() != 1) return UsageError("lossctl upload FILE.npy");
+  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> file, NpyFile::Open(args[0]));
+  const NpyHeader& header = file->header();
+  ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(header.dtype));
+  const void* data = file->data();
+  std::vector<uint8_t> converted;
+  if (dtype != header.dtype) {
+    converted.resize(header.elements * DTypeSize(dtype));
+    RETURN_IF_ERROR(ConvertElements(file->data(), header.dtype,
+                                    converted.data(), dtype, header.elements));
+    data = converted.data();
+  }
+  const std::size_t bytes = header.elements * DTypeSize(dtype);
+  ProgressBar bar("upload", "MB", 1e6);
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(const TensorInfo info,
+                   client.Upload(dtype, header.shape, data, bytes,
+                                 absl::GetFlag(FLAGS_label), bar.Callback()));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::fprintf(stderr, "uploaded %s %s, %zu bytes in %.3f s\n",
+               DTypeName(dtype), ShapeString(header.shape).c_str(), bytes,
+               seconds);
+  std::printf("%s\n", info.handle.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Forward(Client& client, const std::vector<std::string>& args) {
+  if (args.size() != 2) {
+    return UsageError("lossctl forward LOGITS_HANDLE TARGETS(handle|.npy)");
+  }
+  ForwardOptions options;
+  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
+  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
+  options.class_weights = absl::GetFlag(FLAGS_weights);
+  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  std::unique_ptr<NpyFile> targets_file;
+  Targets targets = Targets::Handle(args[1]);
+  if (absl::EndsWith(args[1], ".npy")) {
+    ASSIGN_OR_RETURN(targets_file, NpyFile::Open(args[1]));
+    targets = Targets::Inline(targets_file->header().dtype,
+                              targets_file->data(), targets_file->data_bytes());
+  }
+  ASSIGN_OR_RETURN(const ForwardResult result,
+                   client.Forward(args[0], targets, options));
+  std::printf(
+      "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
+      "denominator %.17g kernel_seconds %.6f\n",
+      result.loss, result.z_loss, static_cast<long long>(result.valid_tokens),
+      static_cast<long long>(result.correct_tokens),
+      static_cast<long long>(result.nonfinite_rows), result.denominator,
+      result.kernel_seconds);
+  if (!result.gradient.empty()) {
+    std::printf("gradient %s\n", result.gradient.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backward(Client& client, const std::vector<std::string>& args) {
+  if (args.size() != 1) return UsageError("lossctl backward HANDLE");
+  const std::string grad_output = absl::GetFlag(FLAGS_grad_output);
+  const bool materialize = absl::GetFlag(FLAGS_materialize);
+  BackwardResult result;
+  if (absl::EndsWith(grad_output, ".npy")) {
+    ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> file, NpyFile::Open(grad_output));
+    if (file->header().dtype != DType::kFloat32 ||
+        file->header().shape.size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(grad_output, ": expected a float32 [N] array"));
+    }
+    std::vector<float> values(file->header().elements);
+    std::memcpy(values.data(), file->data(), file->data_bytes());
+    ASSIGN_OR_RETURN(result, client.Backward(args[0], values, materialize));
+  } else {
+    double scalar;
+    if (!absl::SimpleAtod(grad_output, &scalar)) {
+      return UsageError(absl::StrCat("--grad_output=", grad_output,
+                                     ": expected a number or a .npy file"));
+    }
+    ASSIGN_OR_RETURN(result, client.Backward(args[0], scalar, materialize));
+  }
+  std::printf("%s %s pending_scale %.17g%s kernel_launched %s\n",
+              result.tensor.handle.c_str(),
+              TensorStateName(result.tensor.state), result.tensor.pending_scale,
+              result.tensor.pending_token_scale ? " (per-token)" : "",
+              result.kernel_launched ? "true" : "false");
+  return absl::OkStatus();
+}
+
+absl::Status Download(Client& client, const std::vector<std::string>& args) {
+  if (args.size() != 2) return UsageError("lossctl download HANDLE OUT.npy");
+  ASSIGN_OR_RETURN(const DType as_dtype, DTypeFlag(DType::kInvalid));
+  std::unique_ptr<NpyWriter> writer;
+  DType sent_dtype = DType::kInvalid;
+  // A chunk may end inside a 2-byte bf16 element; the odd byte waits here.
+  std::vector<uint8_t> carry;
+  std::vector<uint8_t> widened;
+  ProgressBar bar("download", "MB", 1e6);
+  RETURN_IF_ERROR(client.DownloadStream(
+      args[0], as_dtype,
+      [&](const TensorInfo& info) -> absl::Status {
+        sent_dtype = info.dtype;
+        // numpy has no bf16: store the exact float32 values instead.
+        const DType file_dtype =
+            info.dtype == DType::kBFloat16 ? DType::kFloat32 : info.dtype;
+        ASSIGN_OR_RETURN(writer,
+                         NpyWriter::Create(args[1], file_dtype, info.shape));
+        return absl::OkStatus();
+      },
+      [&](const void* data, std::size_t bytes) -> absl::Status {
+        if (sent_dtype != DType::kBFloat16) return writer->Append(data, bytes);
+        const uint8_t* p = static_cast<const uint8_t*>(data);
+        carry.insert(carry.end(), p, p + bytes);
+        const std::size_t elements = carry.size() / 2;
+        widened.resize(elements * 4);
+        RETURN_IF_ERROR(ConvertElements(carry.data(), DType::kBFloat16,
+                                        widened.data(), DType::kFloat32,
+                                        elements));
+        carry.erase(carry.begin(), carry.begin() + elements * 2);
+        return writer->Append(widened.data(), widened.size());
+      },
+      bar.Callback()));
+  RETURN_IF_ERROR(writer->Close());
+  std::fprintf(stderr, "wrote %s\n", args[1].c_str());
+  return absl::OkStatus();
+}
+
+std::string Age(absl::Time since) {
+  if (since == absl::InfinitePast()) return "-";
+  const int64_t seconds = absl::ToInt64Seconds(absl::Now() - since);
+  if (seconds < 120) return absl::StrCat(seconds, "s");
+  if (seconds < 7200) return absl::StrCat(seconds / 60, "m");
+  return absl::StrCat(seconds / 3600, "h");
+}
+
+absl::Status List(Client& client, const std::vector<std::string>& args) {
+  if (!args.empty()) return UsageError("lossctl ls");
+  ASSIGN_OR_RETURN(const ListResult list, client.List());
+  std::printf("%-45s %-8s %-16s %12s %-9s %-6s %5s %5s %s\n", "HANDLE", "DTYPE",
+              "SHAPE", "BYTES", "STATE", "DEVICE", "AGE", "IDLE", "LABEL");
+  for (const TensorInfo& t : list.tensors) {
+    std::printf("%-45s %-8s %-16s %12lld %-9s %-6s %5s %5s %s\n",
+                t.handle.c_str(), DTypeName(t.dtype),
+                ShapeString(t.shape).c_str(), static_cast<long long>(t.bytes),
+                TensorStateName(t.state), t.device.c_str(),
+                Age(t.created).c_str(), Age(t.last_used).c_str(),
+                t.label.c_str());
+  }
+  std::fprintf(stderr, "%zu tensors; %lld of %lld bytes used on %s\n",
+               list.tensors.size(),
+               static_cast<long long>(list.server.used_bytes),
+               static_cast<long long>(list.server.budget_bytes),
+               list.server.device.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status Remove(Client& client, const std::vector<std::string>& args) {
+  if (args.empty()) return UsageError("lossctl rm HANDLE...");
+  absl::Status first_error;
+  for (const std::string& handle : args) {
+    absl::StatusOr<int64_t> released = client.Release(handle);
+    if (released.ok()) {
+      std::printf("released %s %lld bytes\n", handle.c_str(),
+                  static_cast<long long>(*released));
+    } else {
+      std::fprintf(stderr, "lossctl: rm %s: %s\n", handle.c_str(),
+                   released.status().ToString().c_str());
+      if (first_error.ok()) first_error = released.status();
+    }
+  }
+  if (!first_error.ok()) {
+    return absl::Status(first_error.code(), "some handles were not released");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Eval(Client& client, const std::vector<std::string>& args) {
+  if (args.size() != 2)
+    return UsageError("lossctl eval LOGITS.npy TARGETS.npy");
+  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> logits, NpyFile::Open(args[0]));
+  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> targets, NpyFile::Open(args[1]));
+  const NpyHeader& lh = logits->header();
+  const NpyHeader& th = targets->header();
+  if (lh.shape.size() != 2 || !IsLogitsDType(lh.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args[0], ": expected float32/float16 logits [N, V], got ",
+                     DTypeName(lh.dtype), " ", ShapeString(lh.shape)));
+  }
+  if (th.shape.size() != 1 || !IsTargetsDType(th.dtype) ||
+      th.shape[0] != lh.shape[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args[1], ": expected int32/int64 targets [", lh.shape[0], "], got ",
+        DTypeName(th.dtype), " ", ShapeString(th.shape)));
+  }
+  const int64_t rows = lh.shape[0];
+  const int64_t vocab = lh.shape[1];
+  if (vocab < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(args[0], ": vocab is 0"));
+  }
+  ASSIGN_OR_RETURN(const DType send_dtype, DTypeFlag(lh.dtype));
+  if (!IsLogitsDType(send_dtype)) {
+    return UsageError("--dtype for eval must be float32, bf16 or float16");
+  }
+  EvaluateOptions options;
+  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
+  options.class_weights = absl::GetFlag(FLAGS_weights);
+  options.total_rows = rows;
+  const std::size_t file_row_bytes = vocab * DTypeSize(lh.dtype);
+  const std::size_t send_row_bytes = vocab * DTypeSize(send_dtype);
+  const std::size_t target_bytes = DTypeSize(th.dtype);
+  int64_t block_rows = absl::GetFlag(FLAGS_block_rows);
+  if (block_rows <= 0) {
+    block_rows = std::max<int64_t>(
+        1, static_cast<int64_t>(client.options().chunk_bytes / send_row_bytes));
+  }
+  int64_t next_row = 0;
+  const char* logits_data = reinterpret_cast<const char*>(logits->data());
+  const char* targets_data = reinterpret_cast<const char*>(targets->data());
+  ProgressBar bar("eval", "rows", 1.0);
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(
+      const EvaluateResult result,
+      client.Evaluate(
+          vocab, send_dtype, th.dtype, options,
+          [&](RowBlock* block) -> absl::StatusOr<bool> {
+            if (next_row >= rows) return false;
+            const int64_t n = std::min(block_rows, rows - next_row);
+            const char* src = logits_data + next_row * file_row_bytes;
+            if (send_dtype == lh.dtype) {
+              block->logits.assign(src, n * file_row_bytes);
+            } else {
+              block->logits.resize(n * send_row_bytes);
+              RETURN_IF_ERROR(ConvertElements(
+                  src, lh.dtype, block->logits.data(), send_dtype,
+                  static_cast<uint64_t>(n) * vocab));
+            }
+            block->targets.assign(targets_data + next_row * target_bytes,
+                                  n * target_bytes);
+            next_row += n;
+            return true;
+          },
+          bar.Callback()));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const double accuracy =
+      result.valid_tokens > 0
+          ? static_cast<double>(result.correct_tokens) / result.valid_tokens
+          : 0.0;
+  std::fprintf(stderr, "evaluated %lld rows x %lld in %.3f s (%.1f MB/s)\n",
+               static_cast<long long>(result.rows),
+               static_cast<long long>(vocab), seconds,
+               rows * send_row_bytes / 1e6 / std::max(seconds, 1e-9));
+  if (result.nonfinite_rows > 0) {
+    std::fprintf(stderr, "warning: %lld rows have a non-finite loss\n",
+                 static_cast<long long>(result.nonfinite_rows));
+  }
+  std::printf("loss %.12g accuracy %.6f tokens %lld\n", result.loss, accuracy,
+              static_cast<long long>(result.valid_tokens));
+  return absl::OkStatus();
+}
+
+absl::Status Run(const std::vector<std::string>& positional) {
+  if (positional.empty()) return UsageError("no command; see lossctl --help");
+  const std::string& command = positional[0];
+  const std::vector<std::string> args(positional.begin() + 1, positional.end());
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, MakeClient());
+  if (command == "health") {
+    if (!args.empty()) return UsageError("lossctl health");
+    return Health(*client);
+  }
+  if (command == "info") {
+    if (!args.empty()) return UsageError("lossctl info");
+    return Info(*client);
+  }
+  if (command == "upload") return Upload(*client, args);
+  if (command == "forward") return Forward(*client, args);
+  if (command == "backward") return Backward(*client, args);
+  if (command == "download") return Download(*client, args);
+  if (command == "ls") return List(*client, args);
+  if (command == "rm") return Remove(*client, args);
+  if (command == "eval") return Eval(*client, args);
+  return UsageError(
+      absl::StrCat("unknown command '", command, "'; see lossctl --help"));
+}
+
+}  // namespace
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(lossd::kUsage);
+  std::vector<char*> parsed = absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> positional(parsed.begin() + 1, parsed.end());
+  const absl::Status status = lossd::Run(positional);
+  if (!status.ok()) {
+    std::fprintf(stderr, "lossctl: %s\n", status.ToString().c_str());
+    return absl::StartsWith(status.message(), "usage: ") ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,459 @@
+// Argument validation and the fast multithreaded CPU backend. Rows are
+// independent, so threads take fixed blocks of rows; per-block fp64 totals are
+// summed in block order afterwards, which keeps the result independent of the
+// thread count.
+#include "kernels/cpu/cross_entropy_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cross_entropy_internal.h"
+#include "kernels/cpu/float16.h"
+
+namespace lossd {
+namespace {
+
+using cpu_internal::ArgmaxUpdate;
+using cpu_internal::LoadTarget;
+using cpu_internal::StoreDouble;
+
+absl::Status Invalid(const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat("cross_entropy: ", message));
+}
+
+bool IsFiniteNonNegative(double value) {
+  return std::isfinite(value) && value >= 0.0;
+}
+
+// Bytes from the first logit to one past the last of a [rows, vocab] tensor
+// with `row_stride`; callers have checked that this fits in int64.
+int64_t SpanBytes(const CrossEntropyArgs& args) {
+  return ((args.rows - 1) * args.row_stride + args.vocab) *
+         static_cast<int64_t>(DTypeSize(args.logits_dtype));
+}
+
+// Storage formats of the logits; Load is exact, Store rounds once.
+struct Float32Format {
+  using Storage = float;
+  static float Load(float v) { return v; }
+  static float Store(float v) { return v; }
+};
+struct BFloat16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return BF16ToFloat(v); }
+  static uint16_t Store(float v) { return FloatToBF16(v); }
+};
+struct Float16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return HalfToFloat(v); }
+  static uint16_t Store(float v) { return FloatToHalf(v); }
+};
+
+// Everything a row needs that is the same for all rows of one call.
+struct Plan {
+  const CrossEntropyArgs* args;
+  void* gradient;  // where the gradient goes; nullptr for kNone
+  double total_weight;
+  double row_scale;  // s of the contract: grad_scale, divided by D for kMean
+};
+
+struct Totals {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  int64_t correct = 0;
+  int64_t nonfinite = 0;
+};
+
+// Per-thread scratch rows of `vocab` floats.
+struct Scratch {
+  std::vector<float> z;          // z (softcap applied)
+  std::vector<float> e;          // exp(z - max)
+  std::vector<float> softcap_d;  // dz/dx, only with softcap and a gradient
+};
+
+// d tanh(u)/du = sech(u)^2 = 4q / (1 + q)^2 with q = exp(-2|u|): accurate
+// relative to its (tiny) value where tanh saturates, unlike 1 - tanh(u)^2.
+inline float SoftcapDerivative(float u) {
+  const float q = std::exp(-2.0f * std::fabs(u));
+  return 4.0f * q / ((1.0f + q) * (1.0f + q));
+}
+
+// One row: pass 1 converts to z (softcap applied) and finds the max; pass 2
+// stores exp(z - max) with fp64 sums; pass 3 writes the gradient in fp32 math
+// with one rounding, and the target column from fp64 math with an expm1 so
+// that p_y - 1 does not cancel.
+template <typename Format>
+void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
+                Totals* totals) {
+  using Storage = typename Format::Storage;
+  const CrossEntropyArgs& args = *plan.args;
+  const CrossEntropyOptions& options = args.options;
+  const int64_t vocab = args.vocab;
+  const Storage* in =
+      static_cast<const Storage*>(args.logits) + row * args.row_stride;
+  const float softcap = options.softcap;
+  const float* weights = args.class_weights;
+  const float eps = options.label_smoothing;
+  float* z = scratch->z.data();
+  float* e = scratch->e.data();
+  float* softcap_d = scratch->softcap_d.data();
+
+  float max_z = -std::numeric_limits<float>::infinity();
+  int64_t argmax = 0;
+  if (softcap > 0.0f) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      z[c] = softcap * std::tanh(Format::Load(in[c]) / softcap);
+    }
+    if (plan.gradient != nullptr) {
+      for (int64_t c = 0; c < vocab; ++c) {
+        softcap_d[c] = SoftcapDerivative(Format::Load(in[c]) / softcap);
+      }
+    }
+  } else {
+    for (int64_t c = 0; c < vocab; ++c) z[c] = Format::Load(in[c]);
+  }
+  for (int64_t c = 0; c < vocab; ++c) ArgmaxUpdate(z[c], c, &max_z, &argmax);
+
+  double sum_exp = 0.0;
+  double weighted_shifted_sum = 0.0;  // sum_c w_c * (z_c - max)
+  for (int64_t c = 0; c < vocab; ++c) {
+    const float value = std::exp(z[c] - max_z);
+    e[c] = value;
+    sum_exp += value;
+  }
+  if (eps > 0.0f) {
+    const double max_d = max_z;
+    if (weights == nullptr) {
+      for (int64_t c = 0; c < vocab; ++c) weighted_shifted_sum += z[c] - max_d;
+    } else {
+      for (int64_t c = 0; c < vocab; ++c) {
+        weighted_shifted_sum +=
+            static_cast<double>(weights[c]) * (z[c] - max_d);
+      }
+    }
+  }
+  const double log_sum = std::log(sum_exp);
+  const double lse = max_z + log_sum;
+  if (args.token_lse != nullptr) args.token_lse[row] = static_cast<float>(lse);
+  if (args.token_argmax != nullptr) {
+    args.token_argmax[row] = static_cast<int32_t>(argmax);
+  }
+
+  const int64_t target = LoadTarget(args.targets, args.targets_dtype, row);
+  Storage* out =
+      plan.gradient == nullptr
+          ? nullptr
+          : static_cast<Storage*>(plan.gradient) + row * args.row_stride;
+  if (target == options.ignore_index) {
+    if (args.token_loss != nullptr) args.token_loss[row] = 0.0f;
+    if (out != nullptr) {
+      const Storage zero = Format::Store(0.0f);
+      for (int64_t c = 0; c < vocab; ++c) out[c] = zero;
+    }
+    return;
+  }
+
+  const double target_weight = weights == nullptr ? 1.0 : weights[target];
+  const double z_target = z[target];
+  const double smooth = plan.total_weight * log_sum - weighted_shifted_sum;
+  const double z_loss = static_cast<double>(options.z_loss_scale) * lse * lse;
+  const double loss = (1.0 - eps) * target_weight * (lse - z_target) +
+                      eps / static_cast<double>(vocab) * smooth + z_loss;
+  if (!std::isfinite(loss)) ++totals->nonfinite;
+  if (argmax == target) ++totals->correct;
+  totals->loss += loss;
+  totals->z_loss += z_loss;
+  if (args.token_loss != nullptr) {
+    args.token_loss[row] = static_cast<float>(loss);
+  }
+  if (out == nullptr) return;
+
+  // dL/dz_c = s * (p_c * a - eps * w_c / V - (1 - eps) * w_y * [c == y]).
+  const double target_coeff = (1.0 - eps) * target_weight;
+  const double a = target_coeff +
+                   eps * plan.total_weight / static_cast<double>(vocab) +
+                   2.0 * options.z_loss_scale * lse;
+  const double s = plan.row_scale;
+  // p_y * a - (1 - eps) * w_y = (1 - eps) * w_y * (p_y - 1) + p_y * (a - (1 -
+  // eps) * w_y), with p_y - 1 = expm1(z_y - lse) exact even when p_y ~ 1.
+  // Computed before the loop below overwrites the logits (in-place mode).
+  const double p_target_minus_one = std::expm1(z_target - lse);
+  double g_target = s * (target_coeff * p_target_minus_one +
+                         (p_target_minus_one + 1.0) * (a - target_coeff) -
+                         eps * target_weight / static_cast<double>(vocab));
+  if (softcap > 0.0f) {
+    const double cosh_u =
+        std::cosh(static_cast<double>(Format::Load(in[target])) / softcap);
+    g_target /= cosh_u * cosh_u;
+  }
+
+  const float s_a = static_cast<float>(s * a);
+  const float s_eps_v =
+      static_cast<float>(s * eps / static_cast<double>(vocab));
+  const float inv_sum = static_cast<float>(1.0 / sum_exp);
+  if (softcap > 0.0f) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      const float w = weights == nullptr ? 1.0f : weights[c];
+      out[c] =
+          Format::Store((e[c] * inv_sum * s_a - s_eps_v * w) * softcap_d[c]);
+    }
+  } else if (weights == nullptr) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v);
+    }
+  } else {
+    for (int64_t c = 0; c < vocab; ++c) {
+      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v * weights[c]);
+    }
+  }
+  StoreDouble(out, args.logits_dtype, target, g_target);
+}
+
+template <typename Format>
+void RunRows(const Plan& plan, int num_threads, int64_t block_rows,
+             std::vector<Totals>* block_totals) {
+  const int64_t rows = plan.args->rows;
+  const int64_t vocab = plan.args->vocab;
+  const int64_t num_blocks = static_cast<int64_t>(block_totals->size());
+  std::atomic<int64_t> next_block{0};
+  auto worker = [&]() {
+    Scratch scratch;
+    scratch.z.resize(vocab);
+    scratch.e.resize(vocab);
+    if (plan.gradient != nullptr && plan.args->options.softcap > 0.0f) {
+      scratch.softcap_d.resize(vocab);
+    }
+    for (int64_t block = next_block.fetch_add(1); block < num_blocks;
+         block = next_block.fetch_add(1)) {
+      Totals& totals = (*block_totals)[block];
+      const int64_t end = std::min(rows, (block + 1) * block_rows);
+      for (int64_t row = block * block_rows; row < end; ++row) {
+        ProcessRow<Format>(plan, row, &scratch, &totals);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(num_threads - 1);
+  for (int i = 1; i < num_threads; ++i) threads.emplace_back(worker);
+  worker();
+  for (std::thread& thread : threads) thread.join();
+}
+
+}  // namespace
+
+absl::Status ValidateCrossEntropyArgs(const CrossEntropyArgs& args) {
+  if (args.rows < 0)
+    return Invalid(absl::StrCat("rows must be >= 0, got ", args.rows));
+  if (args.vocab < 1) {
+    return Invalid(absl::StrCat("vocab must be >= 1, got ", args.vocab));
+  }
+  if (args.vocab > std::numeric_limits<int32_t>::max()) {
+    return Invalid(absl::StrCat(
+        "vocab must fit in int32 (argmax is int32), got ", args.vocab));
+  }
+  if (args.row_stride < args.vocab) {
+    return Invalid(absl::StrCat("row_stride (", args.row_stride,
+                                ") must be >= vocab (", args.vocab, ")"));
+  }
+  if (!IsLogitsDType(args.logits_dtype)) {
+    return Invalid(
+        absl::StrCat("logits_dtype must be float32, bfloat16 or float16, got ",
+                     static_cast<int>(args.logits_dtype)));
+  }
+  if (!IsTargetsDType(args.targets_dtype)) {
+    return Invalid(absl::StrCat("targets_dtype must be int32 or int64, got ",
+                                static_cast<int>(args.targets_dtype)));
+  }
+  const int64_t element_size =
+      static_cast<int64_t>(DTypeSize(args.logits_dtype));
+  if (args.rows > 0 && args.row_stride > std::numeric_limits<int64_t>::max() /
+                                             element_size / args.rows) {
+    return Invalid(absl::StrCat("rows (", args.rows, ") * row_stride (",
+                                args.row_stride, ") overflows"));
+  }
+  const CrossEntropyOptions& options = args.options;
+  if (options.reduction != Reduction::kMean &&
+      options.reduction != Reduction::kSum &&
+      options.reduction != Reduction::kNone) {
+    return Invalid(absl::StrCat("reduction must be mean, sum or none, got ",
+                                static_cast<int>(options.reduction)));
+  }
+  if (!(options.label_smoothing >= 0.0f && options.label_smoothing <= 1.0f)) {
+    return Invalid(absl::StrCat("label_smoothing must be in [0, 1], got ",
+                                options.label_smoothing));
+  }
+  if (!IsFiniteNonNegative(options.z_loss_scale)) {
+    return Invalid(absl::StrCat("z_loss_scale must be finite and >= 0, got ",
+                                options.z_loss_scale));
+  }
+  if (!IsFiniteNonNegative(options.softcap)) {
+    return Invalid(
+        absl::StrCat("softcap must be finite and >= 0, got ", options.softcap));
+  }
+  if (!IsFiniteNonNegative(options.normalizer)) {
+    return Invalid(absl::StrCat("normalizer must be finite and >= 0, got ",
+                                options.normalizer));
+  }
+  if (!std::isfinite(options.grad_scale)) {
+    return Invalid(
+        absl::StrCat("grad_scale must be finite, got ", options.grad_scale));
+  }
+  if (args.rows > 0 && args.logits == nullptr) {
+    return Invalid("logits is nullptr");
+  }
+  if (args.rows > 0 && args.targets == nullptr) {
+    return Invalid("targets is nullptr");
+  }
+  switch (args.mode) {
+    case GradientMode::kInPlace:
+      if (args.gradient != args.logits) {
+        return Invalid("mode in-place needs gradient == logits");
+      }
+      break;
+    case GradientMode::kOutOfPlace:
+      if (args.rows > 0) {
+        if (args.gradient == nullptr) {
+          return Invalid(
+              "mode out-of-place needs a gradient buffer, got nullptr");
+        }
+        const auto logits_begin = reinterpret_cast<uintptr_t>(args.logits);
+        const auto gradient_begin = reinterpret_cast<uintptr_t>(args.gradient);
+        const auto span = static_cast<uintptr_t>(SpanBytes(args));
+        if (logits_begin < gradient_begin + span &&
+            gradient_begin < logits_begin + span) {
+          return Invalid(
+              "mode out-of-place needs a gradient buffer that does not "
+              "overlap the logits");
+        }
+      }
+      break;
+    case GradientMode::kNone:
+      if (args.gradient != nullptr) {
+        return Invalid("mode none (forward only) needs gradient == nullptr");
+      }
+      break;
+    default:
+      return Invalid(
+          absl::StrCat("mode must be in-place, out-of-place or none, got ",
+                       static_cast<int>(args.mode)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTargets(const void* targets, DType targets_dtype,
+                          int64_t rows, int64_t vocab, int64_t ignore_index) {
+  if (!IsTargetsDType(targets_dtype)) {
+    return Invalid(absl::StrCat("targets_dtype must be int32 or int64, got ",
+                                static_cast<int>(targets_dtype)));
+  }
+  if (rows > 0 && targets == nullptr) return Invalid("targets is nullptr");
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t target = LoadTarget(targets, targets_dtype, row);
+    if ((target < 0 || target >= vocab) && target != ignore_index) {
+      return Invalid(absl::StrCat("targets[", row, "] = ", target,
+                                  " is out of range: must be in [0, ", vocab,
+                                  ") or equal ignore_index ", ignore_index));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyCpu(const CrossEntropyArgs& args,
+                             CrossEntropyResult* result, int num_threads) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  absl::Status status = ValidateCrossEntropyArgs(args);
+  if (!status.ok()) return status;
+  status = CheckTargets(args.targets, args.targets_dtype, args.rows, args.vocab,
+                        args.options.ignore_index);
+  if (!status.ok()) return status;
+
+  const CrossEntropyOptions& options = args.options;
+  int64_t valid_tokens = 0;
+  double target_weight_sum = 0.0;
+  for (int64_t row = 0; row < args.rows; ++row) {
+    const int64_t target = LoadTarget(args.targets, args.targets_dtype, row);
+    if (target == options.ignore_index) continue;
+    ++valid_tokens;
+    target_weight_sum +=
+        args.class_weights == nullptr ? 1.0 : args.class_weights[target];
+  }
+  double total_weight = static_cast<double>(args.vocab);
+  if (args.class_weights != nullptr) {
+    total_weight = 0.0;
+    for (int64_t c = 0; c < args.vocab; ++c)
+      total_weight += args.class_weights[c];
+  }
+  const bool mean = options.reduction == Reduction::kMean;
+  const double denominator =
+      options.normalizer > 0.0 ? options.normalizer : target_weight_sum;
+
+  Plan plan;
+  plan.args = &args;
+  plan.gradient = args.mode == GradientMode::kNone ? nullptr : args.gradient;
+  plan.total_weight = total_weight;
+  plan.row_scale = options.grad_scale;
+  if (mean)
+    plan.row_scale = valid_tokens > 0 ? options.grad_scale / denominator : 0.0;
+
+  // Blocks depend only on the shape, never on the thread count, so the block
+  // totals (and their ordered sum) are the same for any num_threads.
+  constexpr int64_t kBlockElements = int64_t{1} << 16;
+  constexpr int64_t kMinElementsPerThread = int64_t{1} << 16;
+  const int64_t block_rows =
+      std::clamp<int64_t>(kBlockElements / args.vocab, 1, 256);
+  const int64_t num_blocks = (args.rows + block_rows - 1) / block_rows;
+  if (num_threads <= 0) {
+    num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  }
+  const int64_t by_work =
+      std::max<int64_t>(1, args.rows * args.vocab / kMinElementsPerThread);
+  num_threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({num_threads, num_blocks, by_work})));
+
+  std::vector<Totals> block_totals(num_blocks);
+  switch (args.logits_dtype) {
+    case DType::kFloat32:
+      RunRows<Float32Format>(plan, num_threads, block_rows, &block_totals);
+      break;
+    case DType::kBFloat16:
+      RunRows<BFloat16Format>(plan, num_threads, block_rows, &block_totals);
+      break;
+    default:
+      RunRows<Float16Format>(plan, num_threads, block_rows, &block_totals);
+      break;
+  }
+
+  Totals totals;
+  for (const Totals& block : block_totals) {
+    totals.loss += block.loss;
+    totals.z_loss += block.z_loss;
+    totals.correct += block.correct;
+    totals.nonfinite += block.nonfinite;
+  }
+  CrossEntropyResult out;
+  out.valid_tokens = valid_tokens;
+  out.correct_tokens = totals.correct;
+  out.nonfinite_rows = totals.nonfinite;
+  out.loss = totals.loss;
+  out.z_loss = totals.z_loss;
+  if (mean) {
+    if (valid_tokens > 0) {
+      out.loss = totals.loss / denominator;
+      out.z_loss = totals.z_loss / denominator;
+      out.denominator = denominator;
+    } else {
+      out.loss = 0.0;
+      out.z_loss = 0.0;
+    }
+  }
+  *result = out;
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

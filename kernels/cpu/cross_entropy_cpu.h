@@ -1,0 +1,63 @@
+// The CPU backend of the cross-entropy contract in kernels/cross_entropy.h: a
+// multithreaded fast path for GPU-less deployments and CI, and an fp64
+// reference that is the oracle for every other backend's tests.
+#ifndef LOSSD_KERNELS_CPU_CROSS_ENTROPY_CPU_H_
+#define LOSSD_KERNELS_CPU_CROSS_ENTROPY_CPU_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cross_entropy.h"
+
+namespace lossd {
+
+// Checks everything about `args` that can be checked without reading tensor
+// data: rows >= 0; vocab >= 1 and <= INT32_MAX (argmax is int32); row_stride
+// >= vocab; rows * row_stride fits in int64; logits and targets dtypes; logits
+// and targets not nullptr when rows > 0; the gradient pointer consistent with
+// mode (kInPlace: == logits; kOutOfPlace: not nullptr and not overlapping the
+// logits when rows > 0; kNone: nullptr); options (label_smoothing in [0, 1],
+// z_loss_scale >= 0, softcap >= 0, normalizer >= 0, grad_scale finite, all
+// finite; reduction and mode valid enum values).
+//
+// Returns OK, or INVALID_ARGUMENT whose message names the field and its value.
+// Reads no memory behind any pointer. Thread safety: pure function.
+absl::Status ValidateCrossEntropyArgs(const CrossEntropyArgs& args);
+
+// Checks host `targets` ([rows] of int32 or int64): every value is in
+// [0, vocab) or equals ignore_index.
+//
+// Returns OK, or INVALID_ARGUMENT naming the first bad row and its value (also
+// for a bad dtype, or targets == nullptr with rows > 0). Reads targets only.
+// Thread safety: pure function.
+absl::Status CheckTargets(const void* targets, DType targets_dtype,
+                          int64_t rows, int64_t vocab, int64_t ignore_index);
+
+// The fast backend: computes the loss and, as `args.mode` says, the gradient
+// (kInPlace overwrites args.logits; kOutOfPlace writes args.gradient; kNone
+// writes no tensor), plus the requested per-token outputs and `*result`.
+// Rows are split across `num_threads` threads (0 = hardware concurrency; a
+// small problem uses fewer). Row math is fp32 with fp64 row accumulators and
+// one rounding per gradient element; the totals are reduced in fp64 in a fixed
+// order, so every output is bitwise identical for any num_threads.
+//
+// Returns OK on success. INVALID_ARGUMENT when ValidateCrossEntropyArgs or
+// CheckTargets fails or result == nullptr; then nothing at all is written.
+// Non-finite logits are not an error: the affected rows' loss is NaN/Inf as in
+// torch and they are counted in result->nonfinite_rows. A kMean whose
+// denominator is 0 with valid rows (class weights summing to 0) gives NaN like
+// torch. Ownership: borrows every buffer for the duration of the call; the
+// caller must not touch them concurrently. Thread safety: reentrant.
+absl::Status CrossEntropyCpu(const CrossEntropyArgs& args,
+                             CrossEntropyResult* result, int num_threads = 0);
+
+// The reference: single-threaded, straightforward code that mirrors the
+// formulas of kernels/cross_entropy.h with every quantity in fp64 and one
+// rounding per written element. Same contract, validation and outputs as
+// CrossEntropyCpu; slow, meant as the oracle for the other backends' tests.
+absl::Status CrossEntropyReference(const CrossEntropyArgs& args,
+                                   CrossEntropyResult* result);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_CROSS_ENTROPY_CPU_H_

@@ -1,0 +1,801 @@
+// Fused cross-entropy on the GPU: one read of the logits and one write of the
+// gradient, the row kept in registers across a thread-block cluster between
+// its softmax statistics and its gradient. See cross_entropy_cuda.h.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cross_entropy_cuda.h"
+
+namespace lossd {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;         // cluster path: threads per block
+constexpr int kGenericThreads = 512;  // generic path: threads per block
+constexpr int kReduceThreads = 1024;  // prepare/finalize: one block
+constexpr int kMaxCluster = 16;
+
+// Workspace: header, then per-row loss, z-loss and flags (kFlag*).
+struct WorkspaceHeader {
+  int error;
+  int pad;
+  long long bad_row;
+  long long valid;
+  double denominator;  // D for kMean (0 without valid rows)
+  float scale;         // s of the contract, rounded once to fp32
+  float weight_total;  // W
+};
+constexpr std::size_t kHeaderBytes = 256;
+constexpr int kFlagCorrect = 1;
+constexpr int kFlagNonfinite = 2;
+
+std::size_t AlignUp(std::size_t n) { return (n + 255) / 256 * 256; }
+
+struct Params {
+  const void* logits;
+  void* grad;  // nullptr for GradientMode::kNone
+  const void* targets;
+  const float* weights;
+  float* token_loss;
+  float* token_lse;
+  int32_t* token_argmax;
+  WorkspaceHeader* header;
+  float* row_loss;
+  float* row_zloss;
+  int* row_flags;
+  long long rows;
+  long long stride;
+  long long ignore_index;
+  double normalizer;
+  int vocab;
+  int chunk;  // cluster path: elements per block
+  int targets64;
+  int reduction;
+  float eps;
+  float zls;
+  float softcap;
+  float grad_scale;
+};
+
+// ---- element access -------------------------------------------------------
+
+template <typename T>
+struct Traits;
+template <>
+struct Traits<float> {
+  static constexpr int kVec = 4;
+  __device__ static float Get(const uint4& v, int j) {
+    const unsigned r[4] = {v.x, v.y, v.z, v.w};
+    return __uint_as_float(r[j]);
+  }
+  __device__ static void Pack(const float* g, uint4* out) {
+    *out = make_uint4(__float_as_uint(g[0]), __float_as_uint(g[1]),
+                      __float_as_uint(g[2]), __float_as_uint(g[3]));
+  }
+  __device__ static float Load(const float* p) { return *p; }
+  __device__ static void Store(float* p, float g) { *p = g; }
+};
+template <>
+struct Traits<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ static float Get(const uint4& v, int j) {
+    const unsigned r[4] = {v.x, v.y, v.z, v.w};
+    const unsigned w = r[j / 2];
+    return __uint_as_float((j % 2 == 0) ? (w << 16) : (w & 0xffff0000u));
+  }
+  __device__ static void Pack(const float* g, uint4* out) {
+    unsigned r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(g[2 * i], g[2 * i + 1]);
+      r[i] = *reinterpret_cast<unsigned*>(&h);
+    }
+    *out = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+  __device__ static float Load(const __nv_bfloat16* p) {
+    return __bfloat162float(*p);
+  }
+  __device__ static void Store(__nv_bfloat16* p, float g) {
+    *p = __float2bfloat16_rn(g);
+  }
+};
+template <>
+struct Traits<__half> {
+  static constexpr int kVec = 8;
+  __device__ static float Get(const uint4& v, int j) {
+    const unsigned r[4] = {v.x, v.y, v.z, v.w};
+    const unsigned w = r[j / 2];
+    const unsigned short b =
+        static_cast<unsigned short>((j % 2 == 0) ? (w & 0xffffu) : (w >> 16));
+    return __half2float(__ushort_as_half(b));
+  }
+  __device__ static void Pack(const float* g, uint4* out) {
+    unsigned r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h = __floats2half2_rn(g[2 * i], g[2 * i + 1]);
+      r[i] = *reinterpret_cast<unsigned*>(&h);
+    }
+    *out = make_uint4(r[0], r[1], r[2], r[3]);
+  }
+  __device__ static float Load(const __half* p) { return __half2float(*p); }
+  __device__ static void Store(__half* p, float g) { *p = __float2half_rn(g); }
+};
+
+__device__ __forceinline__ long long LoadTarget(const Params& p,
+                                                long long row) {
+  return p.targets64 ? static_cast<const long long*>(p.targets)[row]
+                     : static_cast<const int*>(p.targets)[row];
+}
+
+// ---- per-row math shared by both paths --------------------------------------
+
+// Softmax statistics of a slice: max m at first index arg, and
+// t = sum_{c != arg} exp(z_c - m), so that sum exp(z - m) = 1 + t keeps the
+// digits of a tiny t (p_y -> 1); an empty slice has m = -inf, t = -1. sum_wz
+// is sum_c w_c z_c for label smoothing.
+struct Stats {
+  float m;
+  float t;
+  float sum_wz;
+  int arg;
+};
+
+__device__ __forceinline__ void Combine(Stats& a, const Stats& b) {
+  const bool b_wins = b.m > a.m || (b.m == a.m && b.arg < a.arg);
+  const Stats& win = b_wins ? b : a;
+  const Stats& lose = b_wins ? a : b;
+  const float m = win.m;
+  const float t =
+      m == -INFINITY ? -1.0f : win.t + (1.0f + lose.t) * __expf(lose.m - m);
+  a.arg = win.arg;
+  a.m = m;
+  a.t = t;
+  a.sum_wz += b.sum_wz;
+}
+
+__device__ __forceinline__ Stats ShuffleStats(const Stats& a, int lane_mask) {
+  Stats b;
+  b.m = __shfl_xor_sync(0xffffffffu, a.m, lane_mask);
+  b.t = __shfl_xor_sync(0xffffffffu, a.t, lane_mask);
+  b.sum_wz = __shfl_xor_sync(0xffffffffu, a.sum_wz, lane_mask);
+  b.arg = __shfl_xor_sync(0xffffffffu, a.arg, lane_mask);
+  return b;
+}
+
+// Block-wide fixed-order reduction; the result is valid in every thread.
+// `scratch` holds one Stats per warp plus one.
+template <int kBlock>
+__device__ Stats BlockReduce(Stats v, Stats* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) Combine(v, ShuffleStats(v, o));
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kWarps = kBlock / 32;
+    Stats w = scratch[threadIdx.x % kWarps];
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o >>= 1) Combine(w, ShuffleStats(w, o));
+    if (threadIdx.x == 0) scratch[kWarps] = w;
+  }
+  __syncthreads();
+  return scratch[kBlock / 32];
+}
+
+// Everything the gradient and the row outputs need, from the row's statistics.
+struct RowMath {
+  float lse;
+  float l1p;  // lse - m, kept apart so that z_y - lse keeps its digits
+  float a;    // dz_c = p_c * a + b * w_c (w_c = 1 without weights)
+  float b;
+  float gy;  // dz_y, computed without cancellation
+  float loss;
+  float zloss;
+};
+
+__device__ __forceinline__ RowMath MakeRowMath(const Params& p,
+                                               const WorkspaceHeader& h,
+                                               const Stats& st, bool valid,
+                                               float zy, float wy) {
+  RowMath r;
+  r.l1p = log1pf(st.t);
+  r.lse = st.m + r.l1p;
+  const float zy_minus_lse = (zy - st.m) - r.l1p;
+  const float inv_v = 1.0f / static_cast<float>(p.vocab);
+  const float s = valid ? h.scale : 0.0f;
+  const float big_a = (1.0f - p.eps) * wy + p.eps * h.weight_total * inv_v +
+                      2.0f * p.zls * r.lse;
+  r.a = s * big_a;
+  r.b = -s * p.eps * inv_v;
+  // p_y * A - B with B = (1 - eps) w_y + eps w_y / V, written as
+  // A * (p_y - 1) + (A - B) so that p_y -> 1 keeps its digits.
+  const float a_minus_b =
+      p.eps * (h.weight_total - wy) * inv_v + 2.0f * p.zls * r.lse;
+  r.gy = s * (big_a * expm1f(zy_minus_lse) + a_minus_b);
+  r.zloss = valid ? p.zls * r.lse * r.lse : 0.0f;
+  r.loss = valid ? -(1.0f - p.eps) * wy * zy_minus_lse +
+                       p.eps * inv_v * (r.lse * h.weight_total - st.sum_wz) +
+                       r.zloss
+                 : 0.0f;
+  return r;
+}
+
+__device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
+                                                bool valid, long long y,
+                                                const RowMath& r, int arg,
+                                                bool have_stats) {
+  const float lse = have_stats ? r.lse : 0.0f;
+  const float loss = valid ? r.loss : 0.0f;
+  if (p.token_loss) p.token_loss[row] = loss;
+  if (p.token_lse) p.token_lse[row] = lse;
+  if (p.token_argmax) p.token_argmax[row] = have_stats ? arg : 0;
+  p.row_loss[row] = loss;
+  p.row_zloss[row] = valid ? r.zloss : 0.0f;
+  int flags = 0;
+  if (valid && arg == y) flags |= kFlagCorrect;
+  if (valid && !isfinite(loss)) flags |= kFlagNonfinite;
+  p.row_flags[row] = flags;
+}
+
+__device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
+  const float t = tanhf(x / c);
+  *dfac = 1.0f - t * t;
+  return c * t;
+}
+
+// ---- prepare: target check, D, W, s ---------------------------------------
+
+template <typename A>
+__device__ A BlockSum(A v, A* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+#pragma unroll 1
+  for (int o = kReduceThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) scratch[threadIdx.x] += scratch[threadIdx.x + o];
+    __syncthreads();
+  }
+  const A total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+__global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
+  __shared__ double dscratch[kReduceThreads];
+  __shared__ long long lscratch[kReduceThreads];
+  long long bad = LLONG_MAX;
+  long long valid = 0;
+  double wsum = 0.0;
+  for (long long i = threadIdx.x; i < p.rows; i += kReduceThreads) {
+    const long long y = LoadTarget(p, i);
+    if (y == p.ignore_index) continue;
+    if (y < 0 || y >= p.vocab) {
+      bad = min(bad, i);
+      continue;
+    }
+    ++valid;
+    wsum += p.weights ? static_cast<double>(p.weights[y]) : 1.0;
+  }
+  double wtotal = 0.0;
+  if (p.weights) {
+    for (int c = threadIdx.x; c < p.vocab; c += kReduceThreads) {
+      wtotal += p.weights[c];
+    }
+  } else if (threadIdx.x == 0) {
+    wtotal = p.vocab;
+  }
+  // Minimum by a fixed-order tree as well.
+  lscratch[threadIdx.x] = bad;
+  __syncthreads();
+  for (int o = kReduceThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) {
+      lscratch[threadIdx.x] =
+          min(lscratch[threadIdx.x], lscratch[threadIdx.x + o]);
+    }
+    __syncthreads();
+  }
+  bad = lscratch[0];
+  __syncthreads();
+  valid = BlockSum(valid, lscratch);
+  wsum = BlockSum(wsum, dscratch);
+  wtotal = BlockSum(wtotal, dscratch);
+  if (threadIdx.x == 0) {
+    WorkspaceHeader h = {};
+    h.error = bad != LLONG_MAX ? kCrossEntropyBadTarget : 0;
+    h.bad_row = bad != LLONG_MAX ? bad : -1;
+    h.valid = valid;
+    // As the reference: a mean over zero valid rows is 0; a zero D with valid
+    // rows (weights summing to 0) gives NaN/Inf as torch does.
+    const bool mean = p.reduction == static_cast<int>(Reduction::kMean);
+    const double d = p.normalizer > 0 ? p.normalizer : wsum;
+    h.denominator = mean && valid > 0 ? d : 0.0;
+    double s = p.grad_scale;
+    if (mean) s = valid > 0 ? s / d : 0.0;
+    h.scale = static_cast<float>(s);
+    h.weight_total = static_cast<float>(wtotal);
+    *p.header = h;
+  }
+}
+
+// ---- finalize: fixed-order reduction of the per-row values ----------------
+
+__global__ void __launch_bounds__(kReduceThreads)
+    FinalizeKernel(Params p, CrossEntropyCudaResult* out) {
+  __shared__ double dscratch[kReduceThreads];
+  __shared__ long long lscratch[kReduceThreads];
+  const WorkspaceHeader h = *p.header;
+  if (h.error) {
+    if (threadIdx.x == 0) {
+      CrossEntropyCudaResult r = {};
+      r.error = h.error;
+      r.bad_row = h.bad_row;
+      r.bad_target = LoadTarget(p, h.bad_row);
+      *out = r;
+    }
+    return;
+  }
+  double loss = 0.0, zloss = 0.0;
+  long long correct = 0, nonfinite = 0;
+  for (long long i = threadIdx.x; i < p.rows; i += kReduceThreads) {
+    loss += p.row_loss[i];
+    zloss += p.row_zloss[i];
+    const int f = p.row_flags[i];
+    correct += (f & kFlagCorrect) ? 1 : 0;
+    nonfinite += (f & kFlagNonfinite) ? 1 : 0;
+  }
+  loss = BlockSum(loss, dscratch);
+  zloss = BlockSum(zloss, dscratch);
+  correct = BlockSum(correct, lscratch);
+  nonfinite = BlockSum(nonfinite, lscratch);
+  if (threadIdx.x == 0) {
+    CrossEntropyCudaResult r = {};
+    if (p.reduction == static_cast<int>(Reduction::kMean)) {
+      loss = h.valid > 0 ? loss / h.denominator : 0.0;
+      zloss = h.valid > 0 ? zloss / h.denominator : 0.0;
+    }
+    r.loss = loss;
+    r.z_loss = zloss;
+    r.denominator = h.denominator;
+    r.valid_tokens = h.valid;
+    r.correct_tokens = correct;
+    r.nonfinite_rows = nonfinite;
+    r.bad_row = -1;
+    *out = r;
+  }
+}
+
+// ---- cluster path
+// ------------------------------------------------------------
+
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// Logits [N, V] with row stride; grid = N * C blocks in clusters of C; block
+// `rank` of row `row` keeps elements [rank*chunk, rank*chunk + chunk) in
+// registers as VPT 16-byte vectors per thread, vector q = k*kThreads + tid.
+// kGeneral adds softcap, class weights and label smoothing; the plain variant
+// is the fast path for the common options.
+template <typename T, int VPT, bool kGeneral>
+__global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
+    ClusterKernel(Params p) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ Stats partial;
+
+  const WorkspaceHeader& hdr = *p.header;
+  if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const long long row = blockIdx.x / csize;
+  const int tid = threadIdx.x;
+  const int start = rank * p.chunk;
+  const int vocab = p.vocab;
+
+  const long long y = LoadTarget(p, row);
+  const bool valid = y != p.ignore_index;
+  const bool owner = valid ? (y >= start && y < start + p.chunk) : rank == 0;
+  const bool have_stats = valid || p.token_lse || p.token_argmax;
+  const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+  T* out = p.grad ? static_cast<T*>(p.grad) + row * p.stride : nullptr;
+
+  if (!have_stats) {
+    // Ignored row with no per-row statistics requested: zeros, no reads.
+    if (out) {
+      const float zero[kVec] = {};
+      uint4 zv;
+      Tr::Pack(zero, &zv);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int e = start + (k * kThreads + tid) * kVec;
+        if (e + kVec <= vocab) {
+          __stcs(reinterpret_cast<uint4*>(out + e), zv);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (e + j < vocab) Tr::Store(out + e + j, 0.0f);
+        }
+      }
+    }
+    if (owner && tid == 0) {
+      RowMath r = {};
+      WriteRowOutputs(p, row, false, y, r, 0, false);
+    }
+    return;
+  }
+
+  uint4 data[VPT];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int e = start + (k * kThreads + tid) * kVec;
+    if (e + kVec <= vocab) {
+      data[k] = __ldcs(reinterpret_cast<const uint4*>(in + e));
+    } else {
+      // Tail (or past the row): -inf never wins the max and adds exp() = 0.
+      float f[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        f[j] = e + j < vocab ? Tr::Load(in + e + j) : -INFINITY;
+      }
+      Tr::Pack(f, &data[k]);
+    }
+  }
+  // The owner reads z_y before the cluster barrier; only it writes column y.
+  float zy = 0.0f, wy = 1.0f;
+  if (valid && owner) {
+    float unused;
+    const float xy = Tr::Load(in + y);
+    zy = (kGeneral && p.softcap > 0) ? SoftcapZ(xy, p.softcap, &unused) : xy;
+  }
+  if (kGeneral && valid && p.weights) wy = p.weights[y];
+
+  Stats st;
+  st.m = -INFINITY;
+  st.t = 0.0f;
+  st.sum_wz = 0.0f;
+  st.arg = INT_MAX;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float z = Tr::Get(data[k], j);
+      const int c = start + (k * kThreads + tid) * kVec + j;
+      if (kGeneral) {
+        if (c >= vocab) continue;
+        float unused;
+        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+      }
+      if (z > st.m) {
+        st.m = z;
+        st.arg = c;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float z = Tr::Get(data[k], j);
+      const int c = start + (k * kThreads + tid) * kVec + j;
+      if (kGeneral) {
+        if (c >= vocab) continue;
+        float unused;
+        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+        if (p.eps > 0) {
+          st.sum_wz += (p.weights ? p.weights[c] : 1.0f) * z;
+        }
+      }
+      st.t += __expf(z - st.m);  // the max itself adds exactly 1
+    }
+  }
+  if (st.m == -INFINITY) {
+    st.t = -1.0f;
+  } else if (st.t < 1.0625f) {
+    // One element dominates this slice: 1 + t lost t's low digits, so sum
+    // the others alone (rare; keeps p_y -> 1 exact in the gradient).
+    st.t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        float z = Tr::Get(data[k], j);
+        const int c = start + (k * kThreads + tid) * kVec + j;
+        if (kGeneral) {
+          if (c >= vocab) continue;
+          float unused;
+          if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+        }
+        st.t += c == st.arg ? 0.0f : __expf(z - st.m);
+      }
+    }
+  } else {
+    st.t -= 1.0f;
+  }
+
+  st = BlockReduce<kThreads>(st, scratch);
+  if (tid == 0) partial = st;
+  cluster.sync();
+  // Every block combines the partials in rank order, so all get the same bits.
+  Stats row_st = *cluster.map_shared_rank(&partial, 0);
+  for (int r = 1; r < csize; ++r) {
+    Combine(row_st, *cluster.map_shared_rank(&partial, r));
+  }
+  // Done reading peers' shared memory; the matching wait is before exit.
+  ClusterArrive();
+
+  const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, wy);
+  if (owner && tid == 0)
+    WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+
+  if (out) {
+    const int yq = (valid && owner) ? static_cast<int>(y - start) / kVec : -1;
+    const int yj = (valid && owner) ? static_cast<int>(y - start) % kVec : -1;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int q = k * kThreads + tid;
+      const int e = start + q * kVec;
+      float g[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float x = Tr::Get(data[k], j);
+        if (kGeneral) {
+          float dfac = 1.0f;
+          const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
+          const int c = e + j;
+          const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
+          float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
+          if (q == yq && j == yj) gz = rm.gy;
+          g[j] = valid ? gz * dfac : 0.0f;
+        } else {
+          g[j] = valid ? __expf(x - rm.lse) * rm.a + rm.b : 0.0f;
+        }
+      }
+      if (!kGeneral && q == yq) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (j == yj) g[j] = rm.gy;
+      }
+      if (e + kVec <= vocab) {
+        uint4 v;
+        Tr::Pack(g, &v);
+        __stcs(reinterpret_cast<uint4*>(out + e), v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (e + j < vocab) Tr::Store(out + e + j, g[j]);
+      }
+    }
+  }
+  ClusterWait();
+}
+
+// ---- generic path: one block per row, any alignment ----------------------
+
+// Logits [N, V]; grid = N blocks. Reads the row three times (the later reads
+// mostly from L2); used for unaligned rows and vocabularies past the cluster
+// path's reach.
+template <typename T>
+__global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
+  using Tr = Traits<T>;
+  __shared__ Stats scratch[kGenericThreads / 32 + 1];
+  const WorkspaceHeader& hdr = *p.header;
+  if (hdr.error) return;
+  const long long row = blockIdx.x;
+  const int vocab = p.vocab;
+  const long long y = LoadTarget(p, row);
+  const bool valid = y != p.ignore_index;
+  const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+  T* out = p.grad ? static_cast<T*>(p.grad) + row * p.stride : nullptr;
+  const float c = p.softcap;
+
+  float zy = 0.0f, wy = 1.0f, unused;
+  if (valid) {
+    const float xy = Tr::Load(in + y);
+    zy = c > 0 ? SoftcapZ(xy, c, &unused) : xy;
+    if (p.weights) wy = p.weights[y];
+  }
+  Stats st;
+  st.m = -INFINITY;
+  st.t = 0.0f;
+  st.sum_wz = 0.0f;
+  st.arg = INT_MAX;
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &unused);
+    if (z > st.m) {
+      st.m = z;
+      st.arg = i;
+    }
+    if (p.eps > 0) st.sum_wz += (p.weights ? p.weights[i] : 1.0f) * z;
+  }
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &unused);
+    const float e = __expf(z - st.m);
+    st.t += i == st.arg ? 0.0f : e;
+  }
+  if (st.m == -INFINITY) st.t = -1.0f;
+  st = BlockReduce<kGenericThreads>(st, scratch);  // also orders the zy read
+  const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, wy);
+  if (threadIdx.x == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
+  if (!out) return;
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float dfac = 1.0f;
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &dfac);
+    const float wc = p.weights ? p.weights[i] : 1.0f;
+    float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
+    if (valid && i == y) gz = rm.gy;
+    Tr::Store(out + i, valid ? gz * dfac : 0.0f);
+  }
+}
+
+// ---- launch
+// ------------------------------------------------------------------
+
+template <typename T, int VPT, bool kGeneral>
+cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
+  auto kernel = ClusterKernel<T, VPT, kGeneral>;
+  if (csize > 8) {
+    cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+template <typename T, bool kGeneral>
+cudaError_t LaunchClusterVpt(const Params& p, int vpt, int csize,
+                             cudaStream_t stream) {
+  switch (vpt) {
+    case 1:
+      return LaunchCluster<T, 1, kGeneral>(p, csize, stream);
+    case 2:
+      return LaunchCluster<T, 2, kGeneral>(p, csize, stream);
+    case 4:
+      return LaunchCluster<T, 4, kGeneral>(p, csize, stream);
+    case 8:
+      return LaunchCluster<T, 8, kGeneral>(p, csize, stream);
+    case 16:
+      return LaunchCluster<T, 16, kGeneral>(p, csize, stream);
+    case 32:
+      // Only fp32 needs 32 vectors (a 2^18 row in 8 blocks); halves use 16.
+      if constexpr (sizeof(T) == 4) {
+        return LaunchCluster<T, 32, kGeneral>(p, csize, stream);
+      }
+      return cudaErrorInvalidValue;
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
+                       std::size_t esize, cudaStream_t stream) {
+  const bool general = p.softcap > 0 || p.weights != nullptr || p.eps > 0;
+  const auto aligned = [](const void* ptr) {
+    return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+  };
+  const bool vec_ok = aligned(p.logits) &&
+                      (p.grad == nullptr || aligned(p.grad)) &&
+                      (p.stride * static_cast<long long>(esize)) % 16 == 0;
+  const int vec = static_cast<int>(16 / esize);
+  int vpt = config.vectors_per_thread;
+  if (vpt == 0) {
+    // Smallest slice that fits the row in a portable cluster (<= 8 blocks);
+    // past that, 16-vector slices in clusters of up to 16.
+    vpt = 16;
+    for (int v = 1; v <= 16; v *= 2) {
+      if ((p.vocab + v * kThreads * vec - 1) / (v * kThreads * vec) <= 8) {
+        vpt = v;
+        break;
+      }
+    }
+  }
+  const long long chunk = static_cast<long long>(vpt) * kThreads * vec;
+  const long long csize = (p.vocab + chunk - 1) / chunk;
+  if (config.generic || !vec_ok || csize > kMaxCluster ||
+      p.rows * csize > INT_MAX) {
+    GenericKernel<T>
+        <<<static_cast<unsigned>(p.rows), kGenericThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  p.chunk = static_cast<int>(chunk);
+  return general ? LaunchClusterVpt<T, true>(p, vpt, static_cast<int>(csize),
+                                             stream)
+                 : LaunchClusterVpt<T, false>(p, vpt, static_cast<int>(csize),
+                                              stream);
+}
+
+}  // namespace
+
+std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
+  const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
+  return kHeaderBytes + 3 * AlignUp(n * 4);
+}
+
+cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
+                                   CrossEntropyCudaResult* device_result,
+                                   void* workspace, std::size_t workspace_bytes,
+                                   cudaStream_t stream,
+                                   const CrossEntropyCudaConfig* config) {
+  if (workspace_bytes < CrossEntropyCudaWorkspaceBytes(args.rows) ||
+      args.vocab <= 0 || args.vocab > INT_MAX || args.rows < 0 ||
+      args.rows > INT_MAX || device_result == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  Params p = {};
+  p.logits = args.logits;
+  p.grad = args.mode == GradientMode::kNone ? nullptr : args.gradient;
+  p.targets = args.targets;
+  p.weights = args.class_weights;
+  p.token_loss = args.token_loss;
+  p.token_lse = args.token_lse;
+  p.token_argmax = args.token_argmax;
+  char* ws = static_cast<char*>(workspace);
+  const std::size_t col = AlignUp(static_cast<std::size_t>(args.rows) * 4);
+  p.header = reinterpret_cast<WorkspaceHeader*>(ws);
+  p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
+  p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
+  p.row_flags = reinterpret_cast<int*>(ws + kHeaderBytes + 2 * col);
+  p.rows = args.rows;
+  p.stride = args.row_stride;
+  p.ignore_index = args.options.ignore_index;
+  p.normalizer = args.options.normalizer;
+  p.vocab = static_cast<int>(args.vocab);
+  p.targets64 = args.targets_dtype == DType::kInt64 ? 1 : 0;
+  p.reduction = static_cast<int>(args.options.reduction);
+  p.eps = args.options.label_smoothing;
+  p.zls = args.options.z_loss_scale;
+  p.softcap = args.options.softcap;
+  p.grad_scale = args.options.grad_scale;
+
+  PrepareKernel<<<1, kReduceThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  if (args.rows > 0) {
+    const CrossEntropyCudaConfig cfg =
+        config ? *config : CrossEntropyCudaConfig{};
+    switch (args.logits_dtype) {
+      case DType::kFloat32:
+        e = LaunchMain<float>(p, cfg, 4, stream);
+        break;
+      case DType::kBFloat16:
+        e = LaunchMain<__nv_bfloat16>(p, cfg, 2, stream);
+        break;
+      case DType::kFloat16:
+        e = LaunchMain<__half>(p, cfg, 2, stream);
+        break;
+      default:
+        return cudaErrorInvalidValue;
+    }
+    if (e != cudaSuccess) return e;
+  }
+  FinalizeKernel<<<1, kReduceThreads, 0, stream>>>(p, device_result);
+  return cudaGetLastError();
+}
+
+}  // namespace lossd

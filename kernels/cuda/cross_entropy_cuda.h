@@ -1,0 +1,67 @@
+// The CUDA backend of the cross-entropy contract (kernels/cross_entropy.h):
+// device-side launch with no host synchronization, for the server's streams.
+// CUDA runtime headers only; the absl wrapper is cross_entropy_cuda_host.h.
+#ifndef LOSSD_KERNELS_CUDA_CROSS_ENTROPY_CUDA_H_
+#define LOSSD_KERNELS_CUDA_CROSS_ENTROPY_CUDA_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cross_entropy.h"
+
+namespace lossd {
+
+// Written to device memory by CrossEntropyCudaLaunch. Same meaning as
+// CrossEntropyResult, plus the bad-target report: when `error` is
+// kCrossEntropyBadTarget, nothing else was written anywhere (gradient,
+// per-token outputs and logits are untouched) and the sums are 0.
+struct CrossEntropyCudaResult {
+  double loss;
+  double z_loss;
+  double denominator;
+  long long valid_tokens;
+  long long correct_tokens;
+  long long nonfinite_rows;
+  long long bad_row;     // first row whose target is out of range, or -1
+  long long bad_target;  // that row's target value
+  int error;             // 0 = ok, kCrossEntropyBadTarget
+  int reserved;
+};
+
+constexpr int kCrossEntropyBadTarget = 1;
+
+// Tuning override for benchmarks and tests; 0 fields mean "choose".
+// vectors_per_thread (1, 2, 4, 8, 16 or 32) sets the row slice each block keeps
+// in registers (vectors_per_thread * 256 threads * 16 bytes); cluster_size is
+// then ceil(vocab / slice) and must come out <= 16. generic = true forces the
+// simple one-block-per-row path (no clusters, rows re-read from L2).
+struct CrossEntropyCudaConfig {
+  int vectors_per_thread = 0;
+  bool generic = false;
+};
+
+// Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows
+// (aligned to 256 bytes). Thread-safe, pure.
+std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows);
+
+// Enqueues the fused cross-entropy on `stream`: a target check, the fused
+// loss+gradient kernel and a fixed-order reduction into *device_result.
+// `args` must already be valid (ValidateCrossEntropyArgs) and hold device
+// pointers; `device_result` and `workspace` (>= CrossEntropyCudaWorkspaceBytes)
+// are device memory owned by the caller and must outlive the stream work. The
+// result is deterministic: the same inputs give the same bits on every run.
+// Returns cudaSuccess when the work was enqueued; cudaErrorInvalidValue for a
+// too-small workspace or an unsupported shape (vocab >= 2^31); or a launch
+// error. A bad target is not a launch error: it is reported in
+// device_result->error once the stream reaches it. Thread-safe for distinct
+// buffers; `config` (may be nullptr) overrides the automatic choice of path.
+cudaError_t CrossEntropyCudaLaunch(
+    const CrossEntropyArgs& args, CrossEntropyCudaResult* device_result,
+    void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+    const CrossEntropyCudaConfig* config = nullptr);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_CROSS_ENTROPY_CUDA_H_

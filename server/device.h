@@ -1,0 +1,86 @@
+// The memory + compute interface the server runs on. The tensor store and the
+// service only see this class, so that the CPU backend (now) and the CUDA
+// backend (later) are interchangeable behind --device.
+#ifndef LOSSD_SERVER_DEVICE_H_
+#define LOSSD_SERVER_DEVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cross_entropy.h"
+
+namespace lossd {
+
+// Bytes a device has allocated and could hold in total.
+struct DeviceMemoryInfo {
+  int64_t allocated_bytes = 0;  // live allocations made through Allocate
+  int64_t total_bytes = 0;      // physical memory of the device
+};
+
+// One compute device. "Device pointers" below are pointers returned by
+// Allocate (host pointers for the CPU device, GPU pointers for CUDA). Budgets
+// are enforced by the caller (TensorStore); the device only reports what it
+// has. Implementations are thread-safe: any method may be called from any
+// thread concurrently, on distinct buffers.
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // "cpu", "cuda:0", ... as shown in TensorInfo.device.
+  virtual std::string name() const = 0;
+
+  // True when device pointers may be read and written by host code (the CPU
+  // device): callers then skip staging copies of host data.
+  virtual bool host_accessible() const = 0;
+
+  virtual DeviceMemoryInfo memory() const = 0;
+
+  // Allocates `bytes` (> 0) bytes of device memory, aligned for any dtype.
+  // RESOURCE_EXHAUSTED when the device has no room. The caller owns the buffer
+  // and returns it with Free.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+
+  // Returns a buffer from Allocate. `bytes` is the size it was allocated with.
+  // nullptr is ignored.
+  virtual void Free(void* buffer, size_t bytes) = 0;
+
+  // Copies `bytes` bytes of host memory to `buffer + offset`. The caller keeps
+  // the range inside the allocation. INTERNAL on a device failure.
+  virtual absl::Status CopyFromHost(void* buffer, size_t offset,
+                                    const void* host, size_t bytes) = 0;
+
+  // Reads `count` elements starting at flat element `first` of a
+  // [rows, row_length] tensor at `buffer` (src_dtype) into host memory
+  // `host_dst` (dst_dtype), multiplying floating-point values by `scale` and,
+  // when `host_row_scale` (a host array of [rows] factors) is not null, by
+  // host_row_scale[element / row_length]. INVALID_ARGUMENT for a conversion
+  // between integer and floating-point dtypes or a scaled integer tensor.
+  virtual absl::Status ReadConverted(const void* buffer, DType src_dtype,
+                                     int64_t first, int64_t count,
+                                     int64_t row_length, float scale,
+                                     const float* host_row_scale,
+                                     void* host_dst, DType dst_dtype) = 0;
+
+  // Multiplies `count` floating-point elements of `buffer` (a [rows,
+  // row_length] tensor of `dtype`) in place by `scale` and, when not null, by
+  // host_row_scale[element / row_length], with one rounding per element.
+  virtual absl::Status ScaleInPlace(void* buffer, DType dtype, int64_t count,
+                                    int64_t row_length, float scale,
+                                    const float* host_row_scale) = 0;
+
+  // Runs the cross-entropy contract of kernels/cross_entropy.h. logits,
+  // targets, class_weights and gradient are device pointers; the per-token
+  // outputs (token_loss, token_lse, token_argmax) are HOST pointers (the device
+  // stages them when it must). INVALID_ARGUMENT for bad options or a target
+  // out of range, in which case no buffer is changed; INTERNAL for a device
+  // failure. Blocks until the result is ready.
+  virtual absl::Status CrossEntropy(const CrossEntropyArgs& args,
+                                    CrossEntropyResult* result) = 0;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_DEVICE_H_

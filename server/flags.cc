@@ -1,0 +1,95 @@
+// Flag definitions of lossd (see docs/operations.md for their use).
+#include "server/flags.h"
+
+#include <limits>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (see --port_file)");
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, device, "auto",
+          "auto | cpu | cuda (auto = cuda when built with CUDA and a GPU is "
+          "visible, else cpu)");
+ABSL_FLAG(std::string, memory_budget, "auto",
+          "bytes the tensors may use, e.g. 8G or 512M; auto = half the RAM "
+          "(cpu) or most of the device memory (cuda)");
+ABSL_FLAG(absl::Duration, ttl, absl::Hours(1),
+          "idle tensors are dropped after this long");
+ABSL_FLAG(std::string, chunk_bytes, "1M", "default Download chunk size");
+ABSL_FLAG(int, threads, 0, "compute threads of the cpu device; 0 = all cores");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
+          "on SIGTERM, how long running RPCs may take before shutdown");
+ABSL_FLAG(std::string, port_file, "",
+          "write the bound port to this file once serving");
+
+namespace lossd {
+
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
+  const std::string lower =
+      absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  if (lower == "auto") return 0;
+  size_t digits = 0;
+  while (digits < lower.size() && absl::ascii_isdigit(lower[digits])) ++digits;
+  int64_t value;
+  if (digits == 0 || !absl::SimpleAtoi(lower.substr(0, digits), &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not a byte count (e.g. 8G, 512M)"));
+  }
+  std::string suffix = lower.substr(digits);
+  if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();
+  if (suffix.size() == 2 && suffix[1] == 'i') suffix.pop_back();
+  int shift;
+  if (suffix.empty()) {
+    shift = 0;
+  } else if (suffix == "k") {
+    shift = 10;
+  } else if (suffix == "m") {
+    shift = 20;
+  } else if (suffix == "g") {
+    shift = 30;
+  } else if (suffix == "t") {
+    shift = 40;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "': unknown suffix (K, M, G or T)"));
+  }
+  if (value > (std::numeric_limits<int64_t>::max() >> shift)) {
+    return absl::InvalidArgumentError(absl::StrCat("'", text, "' overflows"));
+  }
+  return value << shift;
+}
+
+absl::StatusOr<ServerConfig> ConfigFromFlags() {
+  ServerConfig config;
+  config.port = absl::GetFlag(FLAGS_port);
+  config.host = absl::GetFlag(FLAGS_host);
+  config.device = absl::GetFlag(FLAGS_device);
+  absl::StatusOr<int64_t> budget =
+      ParseByteSize(absl::GetFlag(FLAGS_memory_budget));
+  if (!budget.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory_budget: ", budget.status().message()));
+  }
+  config.memory_budget = *budget;
+  config.ttl = absl::GetFlag(FLAGS_ttl);
+  absl::StatusOr<int64_t> chunk =
+      ParseByteSize(absl::GetFlag(FLAGS_chunk_bytes));
+  if (!chunk.ok() || *chunk <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--chunk_bytes: '", absl::GetFlag(FLAGS_chunk_bytes),
+                     "' is not a positive byte count"));
+  }
+  config.chunk_bytes = *chunk;
+  config.threads = absl::GetFlag(FLAGS_threads);
+  if (config.threads < 0) {
+    return absl::InvalidArgumentError("--threads must be >= 0");
+  }
+  config.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  config.port_file = absl::GetFlag(FLAGS_port_file);
+  return config;
+}
+
+}  // namespace lossd

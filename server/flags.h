@@ -1,0 +1,38 @@
+// The command-line flags of the lossd binary and their translation into a
+// ServerConfig, kept apart from main so that parsing can be tested.
+#ifndef LOSSD_SERVER_FLAGS_H_
+#define LOSSD_SERVER_FLAGS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+
+ABSL_DECLARE_FLAG(int, port);
+ABSL_DECLARE_FLAG(std::string, host);
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, memory_budget);
+ABSL_DECLARE_FLAG(absl::Duration, ttl);
+ABSL_DECLARE_FLAG(std::string, chunk_bytes);
+ABSL_DECLARE_FLAG(int, threads);
+ABSL_DECLARE_FLAG(absl::Duration, drain_timeout);
+ABSL_DECLARE_FLAG(std::string, port_file);
+
+namespace lossd {
+
+// Parses a byte count: digits with an optional binary suffix K, M, G or T
+// (also Ki/KiB/KB..., all powers of 1024), e.g. "8G", "512MiB", "1048576".
+// "auto" and "0" give 0. INVALID_ARGUMENT for anything else or an overflow.
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
+
+// The ServerConfig the flags describe. INVALID_ARGUMENT naming the flag when
+// one is malformed.
+absl::StatusOr<ServerConfig> ConfigFromFlags();
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_FLAGS_H_

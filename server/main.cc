@@ -1,0 +1,43 @@
+// lossd: the GPU-resident cross-entropy service. Parses flags, serves until
+// SIGTERM/SIGINT, then drains and exits 0.
+#include <csignal>
+#include <cstdio>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "server/flags.h"
+#include "server/server.h"
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "lossd [--port=50051] [--device=auto|cpu|cuda] [--memory_budget=8G] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  // Blocked before any thread starts, so that every thread inherits the mask
+  // and the signals are only taken by sigwait below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<lossd::ServerConfig> config = lossd::ConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<lossd::LossdServer>> server =
+      lossd::LossdServer::Start(*config);
+  if (!server.ok()) {
+    std::fprintf(stderr, "lossd: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  int signal = 0;
+  sigwait(&signals, &signal);
+  std::fprintf(stderr, "lossd: signal %d, draining (up to %s)\n", signal,
+               absl::FormatDuration(config->drain_timeout).c_str());
+  const bool clean = (*server)->Drain();
+  std::fprintf(stderr, "lossd: stopped%s\n",
+               clean ? "" : " (drain timeout: running RPCs were cancelled)");
+  return 0;
+}

@@ -1,0 +1,345 @@
+// The tensors lossd holds behind handles: their memory (under a budget),
+// states (LOGITS -> GRADIENT), pending grad_output, leases and TTL expiry.
+// Knows nothing about gRPC or protobuf; the service maps its results to RPCs.
+#ifndef LOSSD_SERVER_TENSOR_STORE_H_
+#define LOSSD_SERVER_TENSOR_STORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/cross_entropy.h"
+#include "server/device.h"
+
+namespace lossd {
+
+// The only tenant until authentication exists; every API takes a tenant.
+inline constexpr char kDefaultTenant[] = "default";
+
+// Values match lossd.v1.TensorState.
+enum class TensorState : int { kLogits = 1, kGradient = 2 };
+
+// A consistent snapshot of one tensor's metadata.
+struct TensorInfo {
+  std::string handle;
+  std::string tenant;
+  std::string label;
+  std::string device;
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  TensorState state = TensorState::kLogits;
+  absl::Time created;
+  absl::Time last_used;
+  double pending_scale = 1.0;        // grad_output recorded by Backward
+  bool pending_token_scale = false;  // per-token factors recorded
+};
+
+// Memory figures of a store.
+struct StoreStats {
+  int64_t budget_bytes = 0;
+  int64_t used_bytes = 0;  // reserved (uploads in progress) + held
+  int64_t tensors = 0;
+};
+
+// What a reader sees of a tensor for the duration of its lease: the factor to
+// apply to a gradient on the way out (1 and no per-token factors for logits).
+struct ReadView {
+  double scale = 1.0;
+  std::vector<float> row_scale;  // empty, or [rows]
+};
+
+class TensorStore;
+class ReadLease;
+class ForwardLease;
+
+namespace internal {
+class MemoryAccount;
+// A device buffer together with its share of the budget; both are returned
+// when the last owner lets go.
+class Allocation;
+}  // namespace internal
+
+// One stored tensor. Shared by the store and by the RPCs using it: the memory
+// is returned when the last shared_ptr goes, so a Release during a Download is
+// safe. Immutable fields are readable without locks; the rest is reached
+// through TensorStore and the leases. Thread-safe.
+class Tensor {
+ public:
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  ~Tensor();
+
+  const std::string& handle() const { return handle_; }
+  const std::string& tenant() const { return tenant_; }
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t elements() const;
+  // shape[0]; and shape[1], or 1 for a 1-D tensor.
+  int64_t rows() const { return shape_[0]; }
+  int64_t row_length() const { return shape_.size() == 2 ? shape_[1] : 1; }
+  Device* device() const;
+  // The device buffer. Writing it is only allowed under a ForwardLease (or
+  // by TensorStore); reading it under a ReadLease or a ForwardLease.
+  void* data() const;
+
+  TensorInfo Info() const ABSL_LOCKS_EXCLUDED(mu_);
+  TensorState state() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend class TensorStore;
+  friend class ReadLease;
+  friend class ForwardLease;
+
+  Tensor(std::string handle, std::string tenant, std::string label, DType dtype,
+         std::vector<int64_t> shape,
+         std::shared_ptr<internal::Allocation> allocation, TensorState state,
+         absl::Time now);
+
+  void TouchLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return readers_ == 0 && !forward_running_ && !writing_;
+  }
+
+  const std::string handle_;
+  const std::string tenant_;
+  const std::string label_;
+  const DType dtype_;
+  const std::vector<int64_t> shape_;
+  const int64_t bytes_;
+  const absl::Time created_;
+  const std::shared_ptr<internal::Allocation> allocation_;
+
+  mutable absl::Mutex mu_;
+  TensorState state_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_used_ ABSL_GUARDED_BY(mu_);
+  int readers_ ABSL_GUARDED_BY(mu_) = 0;
+  bool forward_running_ ABSL_GUARDED_BY(mu_) = false;
+  // The buffer is being changed in place (Forward in place, materialize):
+  // readers wait for it to end.
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // For a gradient: the reduction it was computed with, the factor recorded
+  // by Backward, and (materialize) the factor already applied to the buffer.
+  Reduction reduction_ ABSL_GUARDED_BY(mu_) = Reduction::kMean;
+  double pending_scale_ ABSL_GUARDED_BY(mu_) = 1.0;
+  std::vector<float> pending_token_scale_ ABSL_GUARDED_BY(mu_);
+  bool materialized_ ABSL_GUARDED_BY(mu_) = false;
+  double applied_scale_ ABSL_GUARDED_BY(mu_) = 1.0;
+  std::vector<float> applied_token_scale_ ABSL_GUARDED_BY(mu_);
+};
+
+// Shared read access to a tensor (Download, targets, class weights). Waits for
+// an in-place write to finish when it starts; while it lives an in-place
+// Forward on the tensor fails. Movable, not copyable.
+class ReadLease {
+ public:
+  ReadLease() = default;
+  ReadLease(ReadLease&& other) noexcept;
+  ReadLease& operator=(ReadLease&& other) noexcept;
+  ~ReadLease();
+
+  const std::shared_ptr<Tensor>& tensor() const { return tensor_; }
+  // The pending grad_output as it was when the lease began.
+  const ReadView& view() const { return view_; }
+
+ private:
+  friend class TensorStore;
+  ReadLease(std::shared_ptr<Tensor> tensor, ReadView view,
+            std::function<absl::Time()> clock);
+  void Reset();
+
+  std::shared_ptr<Tensor> tensor_;
+  ReadView view_;
+  std::function<absl::Time()> clock_;
+};
+
+// The right to run one Forward on a logits tensor. Exactly one can exist per
+// tensor at a time. Movable, not copyable; dropping it without Finish leaves
+// the tensor as it was.
+class ForwardLease {
+ public:
+  ForwardLease() = default;
+  ForwardLease(ForwardLease&& other) noexcept;
+  ForwardLease& operator=(ForwardLease&& other) noexcept;
+  ~ForwardLease();
+
+  const std::shared_ptr<Tensor>& tensor() const { return tensor_; }
+
+  // Records that an in-place Forward wrote the gradient into the buffer: the
+  // tensor moves to GRADIENT with no pending factor. Only for in-place leases.
+  void FinishInPlace(Reduction reduction);
+
+ private:
+  friend class TensorStore;
+  ForwardLease(std::shared_ptr<Tensor> tensor, bool in_place,
+               std::function<absl::Time()> clock);
+  void Reset();
+
+  std::shared_ptr<Tensor> tensor_;
+  bool in_place_ = false;
+  std::function<absl::Time()> clock_;
+};
+
+// A tensor being filled (an Upload in progress, or the output of a Forward):
+// its memory is reserved and allocated but it has no visible handle yet.
+// Destroying it without Commit returns everything. Not thread-safe: one owner.
+class PendingTensor {
+ public:
+  PendingTensor(const PendingTensor&) = delete;
+  PendingTensor& operator=(const PendingTensor&) = delete;
+  ~PendingTensor();
+
+  int64_t bytes() const { return bytes_; }
+  int64_t received_bytes() const { return received_; }
+  void* data() const;
+
+  // Appends upload bytes. INVALID_ARGUMENT (and nothing written) when they
+  // would exceed the size of the header; INTERNAL on a device failure.
+  absl::Status Append(const void* host, size_t bytes);
+
+  // Declares the buffer fully written by the device (a Forward output).
+  void MarkFilled() { received_ = bytes_; }
+
+  // Publishes the tensor under its handle. INVALID_ARGUMENT when fewer bytes
+  // than the header said were received (the pending tensor is then still
+  // discarded on destruction). May be called once.
+  absl::StatusOr<std::shared_ptr<Tensor>> Commit(
+      Reduction gradient_reduction = Reduction::kMean);
+
+ private:
+  friend class TensorStore;
+  PendingTensor(TensorStore* store, std::string tenant, std::string label,
+                DType dtype, std::vector<int64_t> shape, TensorState state,
+                std::shared_ptr<internal::Allocation> allocation);
+
+  TensorStore* const store_;
+  const std::string tenant_;
+  const std::string label_;
+  const DType dtype_;
+  const std::vector<int64_t> shape_;
+  const TensorState state_;
+  const int64_t bytes_;
+  std::shared_ptr<internal::Allocation> allocation_;
+  int64_t received_ = 0;
+  bool committed_ = false;
+};
+
+// All the tensors of one instance on one device. Thread-safe; lock order is
+// store -> tensor -> memory account.
+class TensorStore {
+ public:
+  struct Options {
+    int64_t budget_bytes = 0;  // > 0
+    absl::Duration ttl = absl::Hours(1);
+    // Injectable for tests; defaults to absl::Now.
+    std::function<absl::Time()> clock;
+    // How many released/expired handles are remembered to explain NOT_FOUND.
+    size_t remembered_handles = 1 << 16;
+    // Fixed instance id (tests); empty = 8 random hex digits.
+    std::string instance_id;
+  };
+
+  // `device` must outlive the store and every tensor it hands out.
+  TensorStore(Device* device, Options options);
+  TensorStore(const TensorStore&) = delete;
+  TensorStore& operator=(const TensorStore&) = delete;
+  ~TensorStore();
+
+  const std::string& instance_id() const { return instance_id_; }
+  Device* device() const { return device_; }
+  absl::Duration ttl() const { return options_.ttl; }
+  absl::Time Now() const { return clock_(); }
+
+  // Reserves and allocates a tensor of `dtype` and `shape`. INVALID_ARGUMENT
+  // for an invalid dtype, not 1 or 2 dims, a dimension <= 0 or a size
+  // overflow; RESOURCE_EXHAUSTED (naming requested, used and budget bytes)
+  // when it does not fit the budget or the device. The caller owns the result.
+  absl::StatusOr<std::unique_ptr<PendingTensor>> Create(
+      const std::string& tenant, DType dtype, std::vector<int64_t> shape,
+      std::string label, TensorState state = TensorState::kLogits);
+
+  // The tensor `handle` of `tenant`, touched as used. NOT_FOUND when the
+  // handle is malformed, unknown, of another tenant, of another instance,
+  // released or expired (the message says which when it can).
+  absl::StatusOr<std::shared_ptr<Tensor>> Get(const std::string& tenant,
+                                              const std::string& handle);
+
+  // Removes `handle` from the store and returns its size. NOT_FOUND as Get.
+  // Users holding the tensor keep it until they finish.
+  absl::StatusOr<int64_t> Release(const std::string& tenant,
+                                  const std::string& handle);
+
+  // The tensors of `tenant`, oldest first.
+  std::vector<TensorInfo> List(const std::string& tenant);
+
+  StoreStats Stats() const;
+
+  // Starts reading `tensor`: waits while an in-place write runs on it.
+  ReadLease BeginRead(std::shared_ptr<Tensor> tensor);
+
+  // Starts a Forward on `tensor`. FAILED_PRECONDITION when it holds a
+  // gradient, when another Forward runs on it, or (in_place) while it is
+  // being read.
+  absl::StatusOr<ForwardLease> BeginForward(std::shared_ptr<Tensor> tensor,
+                                            bool in_place);
+
+  // Records grad_output for a gradient (Backward): `token_scale` empty means
+  // the scalar `scale`. With `materialize`, applies it to the buffer on the
+  // device, in place; `*kernel_launched` says whether that ran. The factor
+  // replaces the previous one. FAILED_PRECONDITION when the tensor holds
+  // logits, is being read or written, or was materialized with another
+  // factor; INVALID_ARGUMENT for a non-finite factor, per-token factors whose
+  // count is not rows or for a gradient not computed with reduction NONE.
+  absl::Status RecordGradOutput(const std::shared_ptr<Tensor>& tensor,
+                                double scale, std::vector<float> token_scale,
+                                bool materialize, bool* kernel_launched);
+
+  // Drops tensors idle for longer than the TTL (not in use by any RPC);
+  // returns how many.
+  int ExpireIdle();
+
+  // Waits until the used bytes equal `bytes` or `timeout` passes; returns
+  // whether they do. For tests: uploads are torn down asynchronously.
+  bool AwaitUsedBytes(int64_t bytes, absl::Duration timeout) const;
+
+ private:
+  friend class PendingTensor;
+
+  std::string NewHandle() const;
+  absl::StatusOr<std::shared_ptr<Tensor>> Publish(
+      const std::string& tenant, std::string label, DType dtype,
+      std::vector<int64_t> shape, TensorState state,
+      std::shared_ptr<internal::Allocation> allocation, Reduction reduction);
+  void ForgetLocked(const std::string& handle, const char* reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeSweep() ABSL_LOCKS_EXCLUDED(mu_);
+
+  Device* const device_;
+  const Options options_;
+  const std::function<absl::Time()> clock_;
+  const std::string instance_id_;
+  const std::shared_ptr<internal::MemoryAccount> account_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Tensor>> tensors_
+      ABSL_GUARDED_BY(mu_);
+  // Recently released or expired handles and why, oldest first.
+  absl::flat_hash_map<std::string, const char*> gone_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_TENSOR_STORE_H_

@@ -1,0 +1,620 @@
+// lossd::Client against a real lossd process on 127.0.0.1:0: chunked transfers
+// are bit-exact, Forward/Backward/Download give the gradient the formulas say,
+// Evaluate agrees with Forward, and server errors arrive as the right absl
+// codes.
+#include "client/client.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/float16.h"
+#include "tests/client/lossd_process.h"
+
+namespace lossd {
+namespace {
+
+using ::lossd::client_test::LossdProcess;
+using ::testing::HasSubstr;
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = std::random_device{}();
+    rng_.seed(seed_);
+    absl::StatusOr<std::unique_ptr<LossdProcess>> server =
+        LossdProcess::Start(LOSSD_BINARY_PATH);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    client_ = Connect(ClientOptions());
+  }
+
+  void TearDown() override {
+    if (HasFailure()) std::fprintf(stderr, "random seed: %u\n", seed_);
+  }
+
+  std::unique_ptr<Client> Connect(ClientOptions options) {
+    absl::StatusOr<std::unique_ptr<Client>> client =
+        Client::Connect(server_->address(), options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  std::vector<float> RandomLogits(int64_t count, float scale = 3.0f) {
+    std::normal_distribution<float> dist(0.0f, scale);
+    std::vector<float> values(count);
+    for (float& v : values) v = dist(rng_);
+    return values;
+  }
+
+  std::vector<int64_t> RandomTargets(int64_t rows, int64_t vocab,
+                                     double ignore_fraction = 0.0) {
+    std::uniform_int_distribution<int64_t> dist(0, vocab - 1);
+    std::bernoulli_distribution ignore(ignore_fraction);
+    std::vector<int64_t> targets(rows);
+    for (int64_t& t : targets) t = ignore(rng_) ? -100 : dist(rng_);
+    return targets;
+  }
+
+  std::string UploadOrDie(DType dtype, std::vector<int64_t> shape,
+                          const void* data, std::size_t bytes) {
+    absl::StatusOr<TensorInfo> info =
+        client_->Upload(dtype, shape, data, bytes);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->handle : "";
+  }
+
+  unsigned seed_ = 0;
+  std::mt19937 rng_;
+  std::unique_ptr<LossdProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+// Mean cross entropy over rows whose target is not -100, and its gradient,
+// in fp64 (the formulas of kernels/cross_entropy.h without options).
+struct Expected {
+  double loss = 0.0;
+  int64_t valid = 0;
+  std::vector<double> gradient;
+  std::vector<double> token_loss;
+};
+
+Expected MeanCrossEntropy(const std::vector<float>& logits,
+                          const std::vector<int64_t>& targets, int64_t vocab) {
+  const int64_t rows = static_cast<int64_t>(targets.size());
+  Expected e;
+  e.gradient.assign(logits.size(), 0.0);
+  e.token_loss.assign(rows, 0.0);
+  for (int64_t t : targets) e.valid += t != -100;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] == -100) continue;
+    const float* row = logits.data() + r * vocab;
+    double max = row[0];
+    for (int64_t c = 1; c < vocab; ++c) max = std::max<double>(max, row[c]);
+    double sum = 0.0;
+    for (int64_t c = 0; c < vocab; ++c) sum += std::exp(row[c] - max);
+    const double lse = max + std::log(sum);
+    e.token_loss[r] = lse - row[targets[r]];
+    e.loss += e.token_loss[r];
+    for (int64_t c = 0; c < vocab; ++c) {
+      e.gradient[r * vocab + c] =
+          (std::exp(row[c] - lse) - (c == targets[r] ? 1.0 : 0.0)) / e.valid;
+    }
+  }
+  if (e.valid > 0) e.loss /= e.valid;
+  return e;
+}
+
+std::vector<float> AsFloats(const std::vector<uint8_t>& bytes) {
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+TEST_F(ClientTest, UploadDownloadRoundTripIsBitExactAcrossChunkSizes) {
+  ClientOptions small;
+  small.chunk_bytes = 1000;  // not a multiple of any element size but 4/2/8
+  std::unique_ptr<Client> chunky = Connect(small);
+  ASSERT_NE(chunky, nullptr);
+  struct Case {
+    DType dtype;
+    std::vector<int64_t> shape;
+  } cases[] = {
+      {DType::kFloat32, {1}},        {DType::kFloat32, {250}},
+      {DType::kFloat32, {251}},      {DType::kFloat32, {7, 13}},
+      {DType::kBFloat16, {3, 1001}}, {DType::kFloat16, {17, 61}},
+      {DType::kInt32, {999}},        {DType::kInt64, {1001}},
+  };
+  for (Client* client : {chunky.get(), client_.get()}) {
+    for (const Case& c : cases) {
+      int64_t elements = 1;
+      for (int64_t d : c.shape) elements *= d;
+      std::vector<uint8_t> data(elements * DTypeSize(c.dtype));
+      for (uint8_t& b : data) b = static_cast<uint8_t>(rng_());
+      if (IsLogitsDType(c.dtype)) {
+        // Keep floats finite: a NaN payload need not survive conversions.
+        for (std::size_t i = 0; i < data.size(); i += DTypeSize(c.dtype)) {
+          data[i + DTypeSize(c.dtype) - 1] &= 0x3f;
+        }
+      }
+      std::vector<int64_t> progress;
+      absl::StatusOr<TensorInfo> up =
+          client->Upload(c.dtype, c.shape, data.data(), data.size(),
+                         "round trip", [&](int64_t done, int64_t total) {
+                           EXPECT_EQ(total, static_cast<int64_t>(data.size()));
+                           progress.push_back(done);
+                         });
+      ASSERT_TRUE(up.ok()) << up.status();
+      EXPECT_EQ(up->dtype, c.dtype);
+      EXPECT_EQ(up->shape, c.shape);
+      EXPECT_EQ(up->bytes, static_cast<int64_t>(data.size()));
+      EXPECT_EQ(up->label, "round trip");
+      ASSERT_FALSE(progress.empty());
+      EXPECT_EQ(progress.back(), static_cast<int64_t>(data.size()));
+      EXPECT_TRUE(std::is_sorted(progress.begin(), progress.end()));
+
+      absl::StatusOr<DownloadedTensor> down = client->Download(up->handle);
+      ASSERT_TRUE(down.ok()) << down.status();
+      EXPECT_EQ(down->info.dtype, c.dtype);
+      EXPECT_EQ(down->info.shape, c.shape);
+      EXPECT_TRUE(down->data == data)
+          << DTypeName(c.dtype) << " " << data.size() << " bytes";
+
+      std::vector<uint8_t> buffer(data.size());
+      absl::StatusOr<TensorInfo> into = client->DownloadInto(
+          up->handle, DType::kInvalid, buffer.data(), buffer.size());
+      ASSERT_TRUE(into.ok()) << into.status();
+      EXPECT_TRUE(buffer == data);
+      EXPECT_EQ(client
+                    ->DownloadInto(up->handle, DType::kInvalid, buffer.data(),
+                                   buffer.size() - 1)
+                    .status()
+                    .code(),
+                absl::StatusCode::kOutOfRange);
+      ASSERT_TRUE(client->Release(up->handle).ok());
+    }
+  }
+}
+
+TEST_F(ClientTest, LargeUploadUsesManyChunks) {
+  const int64_t rows = 257, vocab = 4099;  // 4.2 MB: five 1 MiB chunks
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  int calls = 0;
+  absl::StatusOr<TensorInfo> up = client_->Upload(
+      DType::kFloat32, {rows, vocab}, logits.data(),
+      logits.size() * sizeof(float), "", [&](int64_t, int64_t) { ++calls; });
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(calls, 5);
+  absl::StatusOr<DownloadedTensor> down = client_->Download(up->handle);
+  ASSERT_TRUE(down.ok()) << down.status();
+  ASSERT_EQ(down->data.size(), logits.size() * sizeof(float));
+  EXPECT_EQ(std::memcmp(down->data.data(), logits.data(), down->data.size()),
+            0);
+}
+
+TEST_F(ClientTest, DownloadConvertsToBf16) {
+  std::vector<float> values = RandomLogits(1000);
+  const std::string handle = UploadOrDie(DType::kFloat32, {1000}, values.data(),
+                                         values.size() * sizeof(float));
+  absl::StatusOr<DownloadedTensor> down =
+      client_->Download(handle, DType::kBFloat16);
+  ASSERT_TRUE(down.ok()) << down.status();
+  EXPECT_EQ(down->info.dtype, DType::kBFloat16);
+  ASSERT_EQ(down->data.size(), 2000u);
+  for (int i = 0; i < 1000; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, down->data.data() + 2 * i, 2);
+    ASSERT_EQ(bits, FloatToBF16(values[i])) << i;
+  }
+}
+
+TEST_F(ClientTest, DescribeListRelease) {
+  std::vector<int64_t> targets = {1, 2, 3};
+  absl::StatusOr<TensorInfo> up =
+      client_->Upload(DType::kInt64, {3}, targets.data(), 24, "targets");
+  ASSERT_TRUE(up.ok()) << up.status();
+  absl::StatusOr<TensorInfo> info = client_->Describe(up->handle);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->handle, up->handle);
+  EXPECT_EQ(info->dtype, DType::kInt64);
+  EXPECT_EQ(info->shape, std::vector<int64_t>{3});
+  EXPECT_EQ(info->bytes, 24);
+  EXPECT_EQ(info->state, TensorState::kLogits);
+  EXPECT_EQ(info->label, "targets");
+  EXPECT_EQ(info->device, "cpu");
+  EXPECT_FALSE(info->tenant.empty());
+  EXPECT_LE(info->created, absl::Now());
+  EXPECT_GT(info->created, absl::Now() - absl::Minutes(5));
+
+  absl::StatusOr<ListResult> list = client_->List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->tensors.size(), 1u);
+  EXPECT_EQ(list->tensors[0].handle, up->handle);
+  EXPECT_EQ(list->server.device, "cpu");
+  EXPECT_GE(list->server.used_bytes, 24);
+
+  absl::StatusOr<int64_t> released = client_->Release(up->handle);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 24);
+  EXPECT_EQ(client_->Describe(up->handle).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Release(up->handle).status().code(),
+            absl::StatusCode::kNotFound);
+  list = client_->List();
+  ASSERT_TRUE(list.ok());
+  EXPECT_TRUE(list->tensors.empty());
+}
+
+TEST_F(ClientTest, ForwardInPlaceBackwardDownloadGradient) {
+  const int64_t rows = 37, vocab = 101;
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  std::vector<int64_t> targets = RandomTargets(rows, vocab, 0.2);
+  const Expected expected = MeanCrossEntropy(logits, targets, vocab);
+  const std::string handle =
+      UploadOrDie(DType::kFloat32, {rows, vocab}, logits.data(),
+                  logits.size() * sizeof(float));
+  const std::string targets_handle =
+      UploadOrDie(DType::kInt64, {rows}, targets.data(), rows * 8);
+
+  absl::StatusOr<ForwardResult> fwd =
+      client_->Forward(handle, Targets::Handle(targets_handle));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_NEAR(fwd->loss, expected.loss, 1e-5 * expected.loss);
+  EXPECT_EQ(fwd->valid_tokens, expected.valid);
+  EXPECT_EQ(fwd->gradient, handle);
+  EXPECT_EQ(fwd->denominator, static_cast<double>(expected.valid));
+
+  absl::StatusOr<TensorInfo> info = client_->Describe(handle);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, TensorState::kGradient);
+
+  absl::StatusOr<DownloadedTensor> grad = client_->Download(handle);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  std::vector<float> g = AsFloats(grad->data);
+  ASSERT_EQ(g.size(), expected.gradient.size());
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(g[i], expected.gradient[i], 1e-6) << i;
+  }
+
+  // Backward is idempotent: 0.5 twice is still 0.5 * gradient.
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<BackwardResult> back = client_->Backward(handle, 0.5);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_FALSE(back->kernel_launched);
+    EXPECT_EQ(back->tensor.pending_scale, 0.5);
+  }
+  grad = client_->Download(handle);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  std::vector<float> half = AsFloats(grad->data);
+  for (std::size_t i = 0; i < half.size(); ++i) {
+    ASSERT_EQ(half[i], g[i] * 0.5f) << i;
+  }
+
+  absl::StatusOr<BackwardResult> back =
+      client_->Backward(handle, 2.0, /*materialize=*/true);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->kernel_launched);
+  grad = client_->Download(handle);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  std::vector<float> doubled = AsFloats(grad->data);
+  for (std::size_t i = 0; i < doubled.size(); ++i) {
+    ASSERT_EQ(doubled[i], g[i] * 2.0f) << i;
+  }
+
+  // The logits are gone: a second Forward is refused and says why.
+  absl::StatusOr<ForwardResult> again =
+      client_->Forward(handle, Targets::Handle(targets_handle));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Backward on logits is refused too.
+  EXPECT_EQ(client_->Backward(targets_handle, 1.0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ClientTest, ForwardOutOfPlaceWithInlineTargetsAndTokenOutputs) {
+  const int64_t rows = 29, vocab = 64;
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  std::vector<int64_t> targets64 = RandomTargets(rows, vocab, 0.1);
+  std::vector<int32_t> targets(targets64.begin(), targets64.end());
+  const Expected expected = MeanCrossEntropy(logits, targets64, vocab);
+  const std::string handle =
+      UploadOrDie(DType::kFloat32, {rows, vocab}, logits.data(),
+                  logits.size() * sizeof(float));
+
+  ForwardOptions options;
+  options.mode = GradientMode::kOutOfPlace;
+  options.loss.reduction = Reduction::kNone;
+  options.token_loss = true;
+  options.token_lse = true;
+  options.token_argmax = true;
+  options.gradient_label = "grad";
+  absl::StatusOr<ForwardResult> fwd = client_->Forward(
+      handle, Targets::Inline(DType::kInt32, targets.data(), rows * 4),
+      options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_NE(fwd->gradient, handle);
+  ASSERT_EQ(fwd->token_loss.size(), static_cast<std::size_t>(rows));
+  ASSERT_EQ(fwd->token_lse.size(), static_cast<std::size_t>(rows));
+  ASSERT_EQ(fwd->token_argmax.size(), static_cast<std::size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_NEAR(fwd->token_loss[r], expected.token_loss[r],
+                1e-5 * (1 + expected.token_loss[r]))
+        << r;
+    const float* row = logits.data() + r * vocab;
+    EXPECT_EQ(fwd->token_argmax[r], std::max_element(row, row + vocab) - row);
+  }
+
+  // The logits are unchanged and still usable.
+  absl::StatusOr<DownloadedTensor> kept = client_->Download(handle);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(std::memcmp(kept->data.data(), logits.data(), kept->data.size()),
+            0);
+  absl::StatusOr<TensorInfo> grad_info = client_->Describe(fwd->gradient);
+  ASSERT_TRUE(grad_info.ok()) << grad_info.status();
+  EXPECT_EQ(grad_info->state, TensorState::kGradient);
+  EXPECT_EQ(grad_info->label, "grad");
+
+  // Per-token grad_output for reduction none: row r scaled by factor[r].
+  std::vector<float> factors(rows);
+  for (int64_t r = 0; r < rows; ++r) factors[r] = 0.25f * (r + 1);
+  absl::StatusOr<BackwardResult> back =
+      client_->Backward(fwd->gradient, factors);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->tensor.pending_token_scale);
+  absl::StatusOr<DownloadedTensor> grad = client_->Download(fwd->gradient);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  std::vector<float> g = AsFloats(grad->data);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      // Unreduced gradient = the mean gradient times the valid count.
+      const double want =
+          expected.gradient[r * vocab + c] * expected.valid * factors[r];
+      ASSERT_NEAR(g[r * vocab + c], want, 1e-5) << r << "," << c;
+    }
+  }
+  EXPECT_EQ(client_->Backward(fwd->gradient, std::vector<float>(rows + 1, 1.0f))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientTest, EvaluateEqualsForwardWithoutGradient) {
+  const int64_t rows = 203, vocab = 517;
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  std::vector<int64_t> targets = RandomTargets(rows, vocab, 0.1);
+  const std::string handle =
+      UploadOrDie(DType::kFloat32, {rows, vocab}, logits.data(),
+                  logits.size() * sizeof(float));
+  for (const CrossEntropyOptions& loss :
+       {CrossEntropyOptions{}, CrossEntropyOptions{-100, 0.1f, Reduction::kSum,
+                                                   1e-4f, 30.0f, 0.0, 1.0f}}) {
+    ForwardOptions forward_options;
+    forward_options.mode = GradientMode::kNone;
+    forward_options.loss = loss;
+    absl::StatusOr<ForwardResult> fwd = client_->Forward(
+        handle, Targets::Inline(DType::kInt64, targets.data(), rows * 8),
+        forward_options);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    EXPECT_TRUE(fwd->gradient.empty());
+    EvaluateOptions eval_options;
+    eval_options.loss = loss;
+    for (int64_t block_rows : {int64_t{1}, int64_t{7}, int64_t{64}, rows}) {
+      int64_t last_progress = 0;
+      absl::StatusOr<EvaluateResult> eval =
+          client_->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                            DType::kInt64, targets.data(), eval_options,
+                            block_rows, [&](int64_t done, int64_t total) {
+                              EXPECT_EQ(total, rows);
+                              last_progress = done;
+                            });
+      ASSERT_TRUE(eval.ok()) << eval.status();
+      EXPECT_EQ(last_progress, rows);
+      EXPECT_EQ(eval->rows, rows);
+      EXPECT_EQ(eval->valid_tokens, fwd->valid_tokens);
+      EXPECT_EQ(eval->correct_tokens, fwd->correct_tokens);
+      EXPECT_NEAR(eval->loss, fwd->loss, 1e-12 * std::abs(fwd->loss))
+          << "block_rows " << block_rows;
+      EXPECT_NEAR(eval->z_loss, fwd->z_loss, 1e-12 * std::abs(fwd->z_loss));
+      EXPECT_EQ(eval->denominator, fwd->denominator);
+    }
+  }
+  // Forward without a gradient left the logits as they were.
+  absl::StatusOr<TensorInfo> info = client_->Describe(handle);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, TensorState::kLogits);
+}
+
+TEST_F(ClientTest, EvaluateErrors) {
+  const int64_t rows = 8, vocab = 16;
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  std::vector<int64_t> targets = RandomTargets(rows, vocab);
+  EvaluateOptions none;
+  none.loss.reduction = Reduction::kNone;
+  EXPECT_EQ(client_
+                ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                           DType::kInt64, targets.data(), none)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  targets[3] = vocab;  // out of range
+  EXPECT_EQ(client_
+                ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                           DType::kInt64, targets.data(), EvaluateOptions())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  // A block that is not a whole number of rows.
+  absl::StatusOr<EvaluateResult> ragged = client_->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(),
+      [&, sent = false](RowBlock* block) mutable -> absl::StatusOr<bool> {
+        if (sent) return false;
+        sent = true;
+        block->logits.assign(reinterpret_cast<const char*>(logits.data()),
+                             vocab * 4 + 4);
+        block->targets.assign(8, '\0');
+        return true;
+      });
+  EXPECT_EQ(ragged.status().code(), absl::StatusCode::kInvalidArgument);
+  // The producer's own error is returned as is.
+  absl::StatusOr<EvaluateResult> failed = client_->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(),
+      [](RowBlock*) -> absl::StatusOr<bool> {
+        return absl::DataLossError("disk on fire");
+      });
+  EXPECT_EQ(failed.status(), absl::DataLossError("disk on fire"));
+  EXPECT_EQ(
+      client_
+          ->Evaluate(0, DType::kFloat32, DType::kInt64, EvaluateOptions(),
+                     [](RowBlock*) -> absl::StatusOr<bool> { return false; })
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ClientTest, ErrorsMapToAbslCodes) {
+  float one = 1.0f;
+  // Client-side argument checks.
+  EXPECT_EQ(client_->Upload(DType::kFloat32, {2}, &one, 4).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Client::Connect("", ClientOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ClientOptions zero_chunk;
+  zero_chunk.chunk_bytes = 0;
+  EXPECT_EQ(Client::Connect("x:1", zero_chunk).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Server-side codes.
+  EXPECT_EQ(client_->Upload(DType::kFloat32, {0}, nullptr, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<TensorInfo> missing = client_->Describe("no-such-handle");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(missing.status().message().empty());
+  EXPECT_EQ(client_->Download("no-such-handle").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Backward("no-such-handle", 1.0).status().code(),
+            absl::StatusCode::kNotFound);
+  std::vector<float> logits = RandomLogits(4 * 5);
+  const std::string handle =
+      UploadOrDie(DType::kFloat32, {4, 5}, logits.data(), 80);
+  const int64_t bad_targets[4] = {0, 1, 5, 2};
+  EXPECT_EQ(
+      client_->Forward(handle, Targets::Inline(DType::kInt64, bad_targets, 32))
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  ForwardOptions bad_smoothing;
+  bad_smoothing.loss.label_smoothing = 1.5f;
+  const int64_t good_targets[4] = {0, 1, 4, 2};
+  EXPECT_EQ(
+      client_
+          ->Forward(handle, Targets::Inline(DType::kInt64, good_targets, 32),
+                    bad_smoothing)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Forward(handle, Targets::Handle("no-such-handle"))
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  // Nothing changed: the logits are still logits.
+  absl::StatusOr<TensorInfo> info = client_->Describe(handle);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, TensorState::kLogits);
+
+  // A deadline that cannot be met.
+  ClientOptions hurried;
+  hurried.deadline = absl::Microseconds(1);
+  std::unique_ptr<Client> hurried_client = Connect(hurried);
+  ASSERT_NE(hurried_client, nullptr);
+  EXPECT_EQ(hurried_client->GetServerInfo().status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(ClientTest, OverBudgetUploadIsResourceExhausted) {
+  absl::StatusOr<std::unique_ptr<LossdProcess>> small =
+      LossdProcess::Start(LOSSD_BINARY_PATH, {"--memory_budget=1M"});
+  ASSERT_TRUE(small.ok()) << small.status();
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect((*small)->address());
+  ASSERT_TRUE(client.ok());
+  std::vector<float> big(600000);  // 2.4 MB
+  absl::StatusOr<TensorInfo> up = (*client)->Upload(
+      DType::kFloat32, {600, 1000}, big.data(), big.size() * sizeof(float));
+  EXPECT_EQ(up.status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<ServerInfo> info = (*client)->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->used_bytes, 0);
+  EXPECT_EQ(info->tensors, 0);
+}
+
+TEST_F(ClientTest, UnreachableServerIsUnavailable) {
+  const std::string address = server_->address();
+  absl::StatusOr<int> exit_code = server_->Stop();
+  ASSERT_TRUE(exit_code.ok());
+  EXPECT_EQ(*exit_code, 0);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(address);
+  ASSERT_TRUE(client.ok());
+  EXPECT_EQ((*client)->GetServerInfo().status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*client)->Health().status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientTest, HealthAndServerInfo) {
+  absl::StatusOr<bool> live = client_->Health("");
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_TRUE(*live);
+  absl::StatusOr<bool> ready = client_->Health("lossd.v1.Lossd");
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_TRUE(*ready);
+  EXPECT_EQ(client_->Health("no.such.Service").status().code(),
+            absl::StatusCode::kNotFound);
+  absl::StatusOr<ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->device, "cpu");
+  EXPECT_FALSE(info->instance_id.empty());
+  EXPECT_GT(info->budget_bytes, 0);
+  EXPECT_EQ(info->free_bytes, info->budget_bytes - info->used_bytes);
+}
+
+TEST_F(ClientTest, OneClientServesManyThreads) {
+  constexpr int kThreads = 8;
+  std::vector<std::vector<float>> data(kThreads);
+  for (int t = 0; t < kThreads; ++t) data[t] = RandomLogits(10000 + 37 * t);
+  std::vector<absl::Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::vector<float>& values = data[t];
+      for (int round = 0; round < 5 && results[t].ok(); ++round) {
+        absl::StatusOr<TensorInfo> up = client_->Upload(
+            DType::kFloat32, {static_cast<int64_t>(values.size())},
+            values.data(), values.size() * sizeof(float));
+        if (!up.ok()) {
+          results[t] = up.status();
+          break;
+        }
+        absl::StatusOr<DownloadedTensor> down = client_->Download(up->handle);
+        if (!down.ok()) {
+          results[t] = down.status();
+        } else if (std::memcmp(down->data.data(), values.data(),
+                               down->data.size()) != 0 ||
+                   down->data.size() != values.size() * sizeof(float)) {
+          results[t] = absl::DataLossError("mismatch");
+        }
+        absl::StatusOr<int64_t> released = client_->Release(up->handle);
+        if (!released.ok()) results[t] = released.status();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(results[t].ok()) << results[t];
+}
+
+}  // namespace
+}  // namespace lossd

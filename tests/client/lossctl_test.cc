@@ -1,0 +1,262 @@
+// Runs the lossctl binary against a real lossd: what a user types (upload, ls,
+// forward, backward, download, eval, rm) works, prints parseable results, and
+// fails with the gRPC code name and a non-zero exit status.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/client.h"
+#include "client/npy.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/float16.h"
+#include "tests/client/lossd_process.h"
+
+namespace lossd {
+namespace {
+
+using ::lossd::client_test::CommandResult;
+using ::lossd::client_test::LossdProcess;
+using ::lossd::client_test::RunCommand;
+using ::lossd::client_test::TempDir;
+using ::testing::HasSubstr;
+
+class LossctlTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kRows = 64;
+  static constexpr int64_t kVocab = 300;
+
+  void SetUp() override {
+    seed_ = std::random_device{}();
+    std::mt19937 rng(seed_);
+    absl::StatusOr<std::unique_ptr<LossdProcess>> server =
+        LossdProcess::Start(LOSSD_BINARY_PATH);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    absl::StatusOr<std::unique_ptr<Client>> client =
+        Client::Connect(server_->address());
+    ASSERT_TRUE(client.ok());
+    client_ = *std::move(client);
+
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::uniform_int_distribution<int64_t> target(0, kVocab - 1);
+    logits_.resize(kRows * kVocab);
+    for (float& v : logits_) v = normal(rng);
+    targets_.resize(kRows);
+    for (int64_t& t : targets_) t = target(rng);
+    targets_[5] = -100;
+    logits_path_ = dir_.File("logits.npy");
+    targets_path_ = dir_.File("targets.npy");
+    ASSERT_TRUE(WriteNpy(logits_path_, DType::kFloat32, {kRows, kVocab},
+                         logits_.data(), logits_.size() * sizeof(float))
+                    .ok());
+    ASSERT_TRUE(WriteNpy(targets_path_, DType::kInt64, {kRows}, targets_.data(),
+                         targets_.size() * sizeof(int64_t))
+                    .ok());
+  }
+
+  void TearDown() override {
+    if (HasFailure()) std::fprintf(stderr, "random seed: %u\n", seed_);
+  }
+
+  // Runs lossctl with --server pointing at the test's lossd.
+  CommandResult Lossctl(std::vector<std::string> args) {
+    args.insert(args.begin(),
+                {LOSSCTL_BINARY_PATH, "--server=" + server_->address()});
+    absl::StatusOr<CommandResult> result = RunCommand(args);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : CommandResult();
+  }
+
+  // Uploads a file with lossctl and returns the handle it printed.
+  std::string UploadHandle(std::vector<std::string> args) {
+    args.insert(args.begin(), "upload");
+    CommandResult up = Lossctl(args);
+    EXPECT_EQ(up.exit_code, 0) << up.err;
+    return std::string(absl::StripAsciiWhitespace(up.out));
+  }
+
+  // The value after `key` in a "key value key value ..." line.
+  static double Field(const std::string& line, const std::string& key) {
+    std::vector<std::string> words = absl::StrSplit(
+        absl::StripAsciiWhitespace(line), ' ', absl::SkipEmpty());
+    for (std::size_t i = 0; i + 1 < words.size(); i += 2) {
+      double value;
+      if (words[i] == key && absl::SimpleAtod(words[i + 1], &value)) {
+        return value;
+      }
+    }
+    ADD_FAILURE() << "no '" << key << "' in: " << line;
+    return NAN;
+  }
+
+  unsigned seed_ = 0;
+  TempDir dir_;
+  std::unique_ptr<LossdProcess> server_;
+  std::unique_ptr<Client> client_;
+  std::vector<float> logits_;
+  std::vector<int64_t> targets_;
+  std::string logits_path_;
+  std::string targets_path_;
+};
+
+TEST_F(LossctlTest, HealthAndInfo) {
+  CommandResult health = Lossctl({"health"});
+  EXPECT_EQ(health.exit_code, 0) << health.err;
+  EXPECT_THAT(health.out, HasSubstr("liveness SERVING"));
+  EXPECT_THAT(health.out, HasSubstr("readiness SERVING"));
+  CommandResult info = Lossctl({"info"});
+  EXPECT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_THAT(info.out, HasSubstr("device cpu"));
+}
+
+TEST_F(LossctlTest, UploadListEvalRemove) {
+  const std::string handle = UploadHandle({logits_path_, "--label=demo"});
+  ASSERT_FALSE(handle.empty());
+
+  CommandResult ls = Lossctl({"ls"});
+  EXPECT_EQ(ls.exit_code, 0) << ls.err;
+  EXPECT_THAT(ls.out, HasSubstr(handle));
+  EXPECT_THAT(ls.out, HasSubstr("demo"));
+  EXPECT_THAT(ls.out, HasSubstr("[64, 300]"));
+
+  // eval prints what Forward without a gradient computes on the same data.
+  ForwardOptions options;
+  options.mode = GradientMode::kNone;
+  absl::StatusOr<ForwardResult> fwd = client_->Forward(
+      handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
+      options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  for (const std::string& block_rows : {"0", "1", "5", "64"}) {
+    CommandResult eval = Lossctl(
+        {"eval", logits_path_, targets_path_, "--block_rows=" + block_rows});
+    ASSERT_EQ(eval.exit_code, 0) << eval.err;
+    EXPECT_NEAR(Field(eval.out, "loss"), fwd->loss, 1e-10 * fwd->loss)
+        << eval.out;
+    EXPECT_NEAR(Field(eval.out, "accuracy"),
+                static_cast<double>(fwd->correct_tokens) / fwd->valid_tokens,
+                1e-6);
+    EXPECT_EQ(Field(eval.out, "tokens"), kRows - 1);
+    // Not a terminal and no --progress: no progress bar.
+    EXPECT_THAT(eval.err, ::testing::Not(HasSubstr("%")));
+  }
+  CommandResult progress =
+      Lossctl({"eval", logits_path_, targets_path_, "--progress"});
+  ASSERT_EQ(progress.exit_code, 0) << progress.err;
+  EXPECT_THAT(progress.err, HasSubstr("100.0%"));
+
+  // Options reach the server: a sum is rows times the mean.
+  CommandResult sum =
+      Lossctl({"eval", logits_path_, targets_path_, "--reduction=sum"});
+  ASSERT_EQ(sum.exit_code, 0) << sum.err;
+  EXPECT_NEAR(Field(sum.out, "loss"), fwd->loss * (kRows - 1),
+              1e-9 * fwd->loss * kRows);
+
+  CommandResult rm = Lossctl({"rm", handle});
+  EXPECT_EQ(rm.exit_code, 0) << rm.err;
+  EXPECT_THAT(rm.out, HasSubstr("released " + handle));
+  CommandResult rm_again = Lossctl({"rm", handle});
+  EXPECT_EQ(rm_again.exit_code, 1);
+  EXPECT_THAT(rm_again.err, HasSubstr("NOT_FOUND"));
+  ls = Lossctl({"ls"});
+  EXPECT_THAT(ls.out, ::testing::Not(HasSubstr(handle)));
+}
+
+TEST_F(LossctlTest, ForwardBackwardDownload) {
+  const std::string handle = UploadHandle({logits_path_});
+  CommandResult fwd = Lossctl({"forward", handle, targets_path_});
+  ASSERT_EQ(fwd.exit_code, 0) << fwd.err;
+  EXPECT_THAT(fwd.out, HasSubstr("gradient " + handle));
+  EXPECT_EQ(Field(fwd.out, "valid"), kRows - 1);
+
+  const std::string plain = dir_.File("grad.npy");
+  CommandResult down = Lossctl({"download", handle, plain});
+  ASSERT_EQ(down.exit_code, 0) << down.err;
+
+  CommandResult back = Lossctl({"backward", handle, "--grad_output=0.25"});
+  ASSERT_EQ(back.exit_code, 0) << back.err;
+  EXPECT_THAT(back.out, HasSubstr("GRADIENT pending_scale 0.25"));
+  const std::string scaled = dir_.File("grad_scaled.npy");
+  down = Lossctl({"download", handle, scaled});
+  ASSERT_EQ(down.exit_code, 0) << down.err;
+
+  absl::StatusOr<std::unique_ptr<NpyFile>> g = NpyFile::Open(plain);
+  absl::StatusOr<std::unique_ptr<NpyFile>> g4 = NpyFile::Open(scaled);
+  ASSERT_TRUE(g.ok() && g4.ok());
+  EXPECT_EQ((*g)->header().shape, (std::vector<int64_t>{kRows, kVocab}));
+  const float* a = reinterpret_cast<const float*>((*g)->data());
+  const float* b = reinterpret_cast<const float*>((*g4)->data());
+  double row_sum = 0.0;
+  for (int64_t i = 0; i < kRows * kVocab; ++i) {
+    ASSERT_EQ(b[i], a[i] * 0.25f) << i;
+    if (i < kVocab) row_sum += a[i];
+  }
+  EXPECT_NEAR(row_sum, 0.0, 1e-6);
+
+  // The logits were consumed: the server says so, lossctl passes it on.
+  CommandResult again = Lossctl({"forward", handle, targets_path_});
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_THAT(again.err, HasSubstr("FAILED_PRECONDITION"));
+}
+
+TEST_F(LossctlTest, UploadAsBf16AndDownloadRoundTrip) {
+  const std::string exact = UploadHandle({logits_path_});
+  const std::string out = dir_.File("same.npy");
+  CommandResult down = Lossctl({"download", exact, out});
+  ASSERT_EQ(down.exit_code, 0) << down.err;
+  absl::StatusOr<std::unique_ptr<NpyFile>> same = NpyFile::Open(out);
+  ASSERT_TRUE(same.ok());
+  ASSERT_EQ((*same)->data_bytes(), logits_.size() * sizeof(float));
+  EXPECT_EQ(std::memcmp((*same)->data(), logits_.data(), logits_.size() * 4),
+            0);
+
+  const std::string handle = UploadHandle({logits_path_, "--dtype=bf16"});
+  absl::StatusOr<TensorInfo> info = client_->Describe(handle);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->dtype, DType::kBFloat16);
+  // A bf16 download is stored as exact float32 (numpy has no bf16).
+  const std::string widened = dir_.File("bf16.npy");
+  down = Lossctl({"download", handle, widened});
+  ASSERT_EQ(down.exit_code, 0) << down.err;
+  absl::StatusOr<std::unique_ptr<NpyFile>> file = NpyFile::Open(widened);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->header().dtype, DType::kFloat32);
+  const float* values = reinterpret_cast<const float*>((*file)->data());
+  for (std::size_t i = 0; i < logits_.size(); ++i) {
+    ASSERT_EQ(values[i], BF16ToFloat(FloatToBF16(logits_[i]))) << i;
+  }
+}
+
+TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {
+  CommandResult unknown = Lossctl({"frobnicate"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_THAT(unknown.err, HasSubstr("unknown command"));
+  CommandResult missing = Lossctl({"upload", dir_.File("missing.npy")});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.err, HasSubstr("NOT_FOUND"));
+  CommandResult bad = Lossctl({"describe-nothing"});
+  EXPECT_NE(bad.exit_code, 0);
+  CommandResult no_handle =
+      Lossctl({"download", "no-such-handle", dir_.File("x.npy")});
+  EXPECT_EQ(no_handle.exit_code, 1);
+  EXPECT_THAT(no_handle.err, HasSubstr("NOT_FOUND"));
+  // Targets of the wrong length for the logits.
+  const std::string short_targets = dir_.File("short.npy");
+  ASSERT_TRUE(
+      WriteNpy(short_targets, DType::kInt64, {3}, targets_.data(), 24).ok());
+  CommandResult mismatch = Lossctl({"eval", logits_path_, short_targets});
+  EXPECT_EQ(mismatch.exit_code, 1);
+  EXPECT_THAT(mismatch.err, HasSubstr("INVALID_ARGUMENT"));
+  CommandResult bad_reduction =
+      Lossctl({"eval", logits_path_, targets_path_, "--reduction=median"});
+  EXPECT_EQ(bad_reduction.exit_code, 2);
+}
+
+}  // namespace
+}  // namespace lossd

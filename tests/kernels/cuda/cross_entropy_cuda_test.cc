@@ -1,0 +1,574 @@
+// Checks the CUDA cross-entropy against the fp64 CPU reference on seeded random
+// inputs over awkward shapes, every option and mode; skipped without a GPU.
+#include "kernels/cuda/cross_entropy_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cpu/float16.h"
+#include "kernels/cuda/cross_entropy_cuda_host.h"
+
+namespace lossd {
+namespace {
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA GPU visible"
+
+// Owns device memory; copy-free.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  void Upload(const void* host) {
+    ASSERT_EQ(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  template <typename V>
+  std::vector<V> Download() const {
+    std::vector<V> out(bytes_ / sizeof(V));
+    EXPECT_EQ(cudaMemcpy(out.data(), ptr_, bytes_, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return out;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+float ToFloat(const std::vector<uint8_t>& raw, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      float f;
+      std::memcpy(&f, raw.data() + 4 * i, 4);
+      return f;
+    }
+    case DType::kBFloat16: {
+      uint16_t b;
+      std::memcpy(&b, raw.data() + 2 * i, 2);
+      return BF16ToFloat(b);
+    }
+    default: {
+      uint16_t b;
+      std::memcpy(&b, raw.data() + 2 * i, 2);
+      return HalfToFloat(b);
+    }
+  }
+}
+
+void FromFloat(std::vector<uint8_t>* raw, DType dtype, int64_t i, float v) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(raw->data() + 4 * i, &v, 4);
+  } else {
+    const uint16_t b =
+        dtype == DType::kBFloat16 ? FloatToBF16(v) : FloatToHalf(v);
+    std::memcpy(raw->data() + 2 * i, &b, 2);
+  }
+}
+
+enum class Logits { kNormal, kHuge, kTargetDominant };
+
+struct Case {
+  std::string name;
+  int64_t rows = 8;
+  int64_t vocab = 100;
+  int64_t pad = 0;  // row_stride = vocab + pad
+  DType dtype = DType::kFloat32;
+  DType targets_dtype = DType::kInt64;
+  GradientMode mode = GradientMode::kInPlace;
+  CrossEntropyOptions options;
+  bool weights = false;
+  double ignore_fraction = 0.0;
+  Logits logits = Logits::kNormal;
+  bool token_outputs = true;
+  CrossEntropyCudaConfig config;
+  // Tolerances: gradient elementwise rtol (plus 1e-5 * max|ref|) and the
+  // relative tolerance of losses.
+  double grad_rtol = 1e-4;
+  double loss_rtol = 2e-5;
+  bool exact_argmax = true;
+};
+
+double DefaultGradRtol(DType dtype) {
+  return dtype == DType::kFloat32 ? 1e-4 : 1.0 / 128;
+}
+
+struct Inputs {
+  std::vector<uint8_t> logits;  // rows * stride elements, padding poisoned
+  std::vector<uint8_t> targets;
+  std::vector<float> weights;
+};
+
+Inputs MakeInputs(const Case& c, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t stride = c.vocab + c.pad;
+  const size_t esize = DTypeSize(c.dtype);
+  Inputs in;
+  in.logits.assign(c.rows * stride * esize, 0xff);  // NaN in the padding
+  std::uniform_int_distribution<int64_t> target(0, c.vocab - 1);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<int64_t> t(c.rows);
+  // A cheap generator for the bulk (the 2^32-element case): xorshift64,
+  // uniform in [-range, range).
+  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
+  const float range = c.logits == Logits::kHuge ? 1e4f : 4.0f;
+  for (int64_t r = 0; r < c.rows; ++r) {
+    t[r] = unit(rng) < c.ignore_fraction ? c.options.ignore_index : target(rng);
+    for (int64_t v = 0; v < c.vocab; ++v) {
+      state ^= state << 13;
+      state ^= state >> 7;
+      state ^= state << 17;
+      float x = (static_cast<float>(state >> 40) * (1.0f / 16777216.0f) * 2.0f -
+                 1.0f) *
+                range;
+      if (c.logits == Logits::kTargetDominant && v == t[r]) x = 24.0f;
+      FromFloat(&in.logits, c.dtype, r * stride + v, x);
+    }
+  }
+  const size_t tsize = DTypeSize(c.targets_dtype);
+  in.targets.resize(c.rows * tsize);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    if (c.targets_dtype == DType::kInt64) {
+      std::memcpy(in.targets.data() + 8 * r, &t[r], 8);
+    } else {
+      const int32_t v = static_cast<int32_t>(t[r]);
+      std::memcpy(in.targets.data() + 4 * r, &v, 4);
+    }
+  }
+  if (c.weights) {
+    std::uniform_real_distribution<float> w(0.25f, 2.0f);
+    in.weights.resize(c.vocab);
+    for (float& x : in.weights) x = w(rng);
+  }
+  return in;
+}
+
+struct Outputs {
+  absl::Status status;
+  CrossEntropyResult result;
+  std::vector<uint8_t> gradient;  // whole strided buffer
+  std::vector<uint8_t> logits_after;
+  std::vector<float> token_loss, token_lse;
+  std::vector<int32_t> token_argmax;
+};
+
+CrossEntropyArgs ArgsFor(const Case& c) {
+  CrossEntropyArgs a;
+  a.rows = c.rows;
+  a.vocab = c.vocab;
+  a.row_stride = c.vocab + c.pad;
+  a.logits_dtype = c.dtype;
+  a.targets_dtype = c.targets_dtype;
+  a.options = c.options;
+  a.mode = c.mode;
+  return a;
+}
+
+Outputs RunGpu(const Case& c, const Inputs& in) {
+  Outputs out;
+  const size_t bytes = in.logits.size();
+  DeviceBuffer logits(bytes), targets(in.targets.size()),
+      weights(in.weights.size() * 4), grad(bytes);
+  DeviceBuffer tl(c.rows * 4), tlse(c.rows * 4), targ(c.rows * 4);
+  logits.Upload(in.logits.data());
+  targets.Upload(in.targets.data());
+  if (c.weights) weights.Upload(in.weights.data());
+  // Poison every output with NaN / -1 bytes so unwritten elements show.
+  cudaMemset(grad.get(), 0xff, bytes);
+  cudaMemset(tl.get(), 0xff, c.rows * 4);
+  cudaMemset(tlse.get(), 0xff, c.rows * 4);
+  cudaMemset(targ.get(), 0xff, c.rows * 4);
+  CrossEntropyArgs a = ArgsFor(c);
+  a.logits = logits.get();
+  a.targets = targets.get();
+  a.class_weights =
+      c.weights ? static_cast<const float*>(weights.get()) : nullptr;
+  a.gradient = c.mode == GradientMode::kInPlace      ? logits.get()
+               : c.mode == GradientMode::kOutOfPlace ? grad.get()
+                                                     : nullptr;
+  if (c.token_outputs) {
+    a.token_loss = static_cast<float*>(tl.get());
+    a.token_lse = static_cast<float*>(tlse.get());
+    a.token_argmax = static_cast<int32_t*>(targ.get());
+  }
+  out.status = CrossEntropyCuda(a, &out.result, nullptr, &c.config);
+  out.logits_after = logits.Download<uint8_t>();
+  out.gradient = c.mode == GradientMode::kInPlace ? out.logits_after
+                                                  : grad.Download<uint8_t>();
+  out.token_loss = tl.Download<float>();
+  out.token_lse = tlse.Download<float>();
+  out.token_argmax = targ.Download<int32_t>();
+  return out;
+}
+
+// Runs the reference on rows [first, first + count) of host inputs.
+Outputs RunReference(const Case& c, const Inputs& in, int64_t first,
+                     int64_t count) {
+  Outputs out;
+  const int64_t stride = c.vocab + c.pad;
+  const size_t esize = DTypeSize(c.dtype);
+  std::vector<uint8_t> logits(
+      in.logits.begin() + first * stride * esize,
+      in.logits.begin() + (first + count) * stride * esize);
+  CrossEntropyArgs a = ArgsFor(c);
+  a.rows = count;
+  a.logits = logits.data();
+  a.targets = in.targets.data() + first * DTypeSize(c.targets_dtype);
+  a.class_weights = c.weights ? in.weights.data() : nullptr;
+  out.gradient.assign(logits.size(), 0xff);
+  a.mode = c.mode == GradientMode::kNone ? GradientMode::kNone
+                                         : GradientMode::kOutOfPlace;
+  a.gradient = c.mode == GradientMode::kNone ? nullptr : out.gradient.data();
+  out.token_loss.assign(count, 0);
+  out.token_lse.assign(count, 0);
+  out.token_argmax.assign(count, 0);
+  a.token_loss = out.token_loss.data();
+  a.token_lse = out.token_lse.data();
+  a.token_argmax = out.token_argmax.data();
+  out.status = CrossEntropyReference(a, &out.result);
+  return out;
+}
+
+void ExpectNear(double got, double want, double rtol, const std::string& what) {
+  EXPECT_LE(std::fabs(got - want), rtol * (1.0 + std::fabs(want)))
+      << what << ": got " << got << " want " << want;
+}
+
+// Compares rows [first, first+count) of `gpu` with `ref` (which holds only
+// those rows).
+void CompareRows(const Case& c, const Outputs& gpu, const Outputs& ref,
+                 int64_t first, int64_t count, uint32_t seed) {
+  SCOPED_TRACE(
+      absl::StrCat(c.name, " seed=", seed, " rows ", first, "+", count));
+  const int64_t stride = c.vocab + c.pad;
+  if (c.mode != GradientMode::kNone) {
+    double max_ref = 0, diff2 = 0, ref2 = 0;
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t v = 0; v < c.vocab; ++v)
+        max_ref = std::max<double>(
+            max_ref, std::fabs(ToFloat(ref.gradient, c.dtype, r * stride + v)));
+    const double atol = 1e-5 * max_ref + 1e-7;
+    int bad = 0;
+    for (int64_t r = 0; r < count && bad < 5; ++r) {
+      for (int64_t v = 0; v < stride && bad < 5; ++v) {
+        const float g =
+            ToFloat(gpu.gradient, c.dtype, (first + r) * stride + v);
+        if (v >= c.vocab) {
+          // Padding: never written (still the NaN poison, or the input).
+          if (!std::isnan(g)) {
+            ADD_FAILURE() << "padding written at row " << first + r;
+            ++bad;
+          }
+          continue;
+        }
+        const float want = ToFloat(ref.gradient, c.dtype, r * stride + v);
+        diff2 += (double(g) - want) * (double(g) - want);
+        ref2 += double(want) * want;
+        if (!(std::fabs(g - want) <= atol + c.grad_rtol * std::fabs(want))) {
+          ADD_FAILURE() << "gradient row " << first + r << " col " << v
+                        << ": got " << g << " want " << want;
+          ++bad;
+        }
+      }
+    }
+    if (ref2 > 0) {
+      EXPECT_LE(std::sqrt(diff2 / ref2),
+                c.dtype == DType::kFloat32 ? 1e-5 : 5e-3);
+    }
+  }
+  if (c.token_outputs) {
+    for (int64_t r = 0; r < count; ++r) {
+      ExpectNear(gpu.token_loss[first + r], ref.token_loss[r], c.loss_rtol,
+                 absl::StrCat("token_loss ", first + r));
+      ExpectNear(gpu.token_lse[first + r], ref.token_lse[r], 2e-6,
+                 absl::StrCat("token_lse ", first + r));
+      if (c.exact_argmax) {
+        EXPECT_EQ(gpu.token_argmax[first + r], ref.token_argmax[r])
+            << "token_argmax " << first + r;
+      }
+    }
+  }
+}
+
+void CheckCase(const Case& c, uint32_t seed) {
+  const Inputs in = MakeInputs(c, seed);
+  const Outputs gpu = RunGpu(c, in);
+  ASSERT_TRUE(gpu.status.ok()) << c.name << ": " << gpu.status;
+  const Outputs ref = RunReference(c, in, 0, c.rows);
+  ASSERT_TRUE(ref.status.ok()) << ref.status;
+  CompareRows(c, gpu, ref, 0, c.rows, seed);
+  SCOPED_TRACE(absl::StrCat(c.name, " seed=", seed));
+  ExpectNear(gpu.result.loss, ref.result.loss, c.loss_rtol, "loss");
+  ExpectNear(gpu.result.z_loss, ref.result.z_loss, c.loss_rtol, "z_loss");
+  ExpectNear(gpu.result.denominator, ref.result.denominator, 1e-12,
+             "denominator");
+  EXPECT_EQ(gpu.result.valid_tokens, ref.result.valid_tokens);
+  EXPECT_EQ(gpu.result.nonfinite_rows, ref.result.nonfinite_rows);
+  if (c.exact_argmax) {
+    EXPECT_EQ(gpu.result.correct_tokens, ref.result.correct_tokens);
+  }
+  if (c.mode != GradientMode::kInPlace) {
+    EXPECT_EQ(gpu.logits_after, in.logits) << "logits changed";
+  }
+}
+
+class CudaCrossEntropyTest : public ::testing::Test {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+};
+
+Case Make(std::string name, int64_t rows, int64_t vocab, DType dtype) {
+  Case c;
+  c.name = std::move(name);
+  c.rows = rows;
+  c.vocab = vocab;
+  c.dtype = dtype;
+  c.grad_rtol = DefaultGradRtol(dtype);
+  return c;
+}
+
+TEST_F(CudaCrossEntropyTest, Shapes) {
+  std::vector<Case> cases;
+  cases.push_back(Make("V=1", 5, 1, DType::kFloat32));
+  cases.push_back(Make("V=7 bf16", 33, 7, DType::kBFloat16));
+  cases.push_back(Make("V=8 fp32 cluster", 3, 8, DType::kFloat32));
+  cases.push_back(Make("V=50257 unaligned", 24, 50257, DType::kFloat32));
+  cases.push_back(Make("V=50257 padded bf16", 24, 50257, DType::kBFloat16));
+  cases.back().pad = 47;
+  cases.push_back(Make("V=128256 bf16", 40, 128256, DType::kBFloat16));
+  cases.push_back(Make("V=128256 fp32", 16, 128256, DType::kFloat32));
+  cases.push_back(Make("V=262144 fp32", 12, 262144, DType::kFloat32));
+  cases.push_back(Make("V=262144 bf16", 12, 262144, DType::kBFloat16));
+  cases.push_back(Make("V=131072 fp16", 8, 131072, DType::kFloat16));
+  cases.push_back(Make("N=16384 V=1000 fp16", 16384, 1000, DType::kFloat16));
+  cases.push_back(Make("N=1 V=32000", 1, 32000, DType::kBFloat16));
+  uint32_t seed = 1;
+  for (Case& c : cases) {
+    c.ignore_fraction = 0.2;
+    c.targets_dtype = (seed % 2) ? DType::kInt32 : DType::kInt64;
+    c.mode =
+        (seed % 3 == 0) ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+    CheckCase(c, seed++);
+  }
+}
+
+TEST_F(CudaCrossEntropyTest, EveryPathConfigAgrees) {
+  uint32_t seed = 100;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (int vpt : {1, 2, 4, 8, 16, 32}) {
+      if (vpt == 32 && dtype != DType::kFloat32) continue;
+      Case c = Make(absl::StrCat("vpt=", vpt), 9, 20000, dtype);
+      c.config.vectors_per_thread = vpt;
+      c.ignore_fraction = 0.3;
+      // 20000 needs more than 16 blocks at vpt=1 (fp32): the generic path.
+      CheckCase(c, seed++);
+    }
+    Case g = Make("generic", 9, 20000, dtype);
+    g.config.generic = true;
+    CheckCase(g, seed++);
+  }
+}
+
+TEST_F(CudaCrossEntropyTest, Options) {
+  std::vector<Case> cases;
+  {
+    Case c = Make("all ignored", 16, 4096, DType::kBFloat16);
+    c.ignore_fraction = 1.0;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("all ignored, no token outputs", 16, 4096, DType::kFloat32);
+    c.ignore_fraction = 1.0;
+    c.token_outputs = false;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("ignore_index inside vocab", 64, 512, DType::kFloat32);
+    c.options.ignore_index = 3;
+    c.ignore_fraction = 0.3;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("p_y -> 1 bf16", 32, 32000, DType::kBFloat16);
+    c.logits = Logits::kTargetDominant;
+    cases.push_back(c);
+  }
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = Make("logits +-1e4", 32, 32768, d);
+    c.logits = Logits::kHuge;
+    c.grad_rtol = 2e-2;
+    c.loss_rtol = 1e-5;
+    cases.push_back(c);
+  }
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = Make("softcap", 24, 40000, d);
+    c.options.softcap = 3.0f;
+    c.exact_argmax = false;  // tanh in fp32 vs fp64 can reorder near-ties
+    c.ignore_fraction = 0.1;
+    cases.push_back(c);
+  }
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = Make("weights + label smoothing", 24, 40000, d);
+    c.weights = true;
+    c.options.label_smoothing = 0.1f;
+    c.ignore_fraction = 0.1;
+    c.loss_rtol = 5e-5;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("smoothing, unaligned", 24, 5001, DType::kFloat32);
+    c.options.label_smoothing = 0.2f;
+    c.loss_rtol = 5e-5;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("z-loss, sum, grad_scale", 24, 32000, DType::kFloat32);
+    c.options.z_loss_scale = 1e-3f;
+    c.options.reduction = Reduction::kSum;
+    c.options.grad_scale = 0.5f;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("none reduction, forward only", 40, 32000, DType::kBFloat16);
+    c.options.reduction = Reduction::kNone;
+    c.mode = GradientMode::kNone;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("normalizer, out of place", 40, 32000, DType::kFloat16);
+    c.options.normalizer = 1000.0;
+    c.mode = GradientMode::kOutOfPlace;
+    c.ignore_fraction = 0.5;
+    cases.push_back(c);
+  }
+  {
+    Case c = Make("everything", 20, 30001, DType::kBFloat16);
+    c.pad = 15;
+    c.weights = true;
+    c.options.label_smoothing = 0.05f;
+    c.options.z_loss_scale = 1e-4f;
+    c.options.softcap = 15.0f;
+    c.options.grad_scale = 3.0f;
+    c.ignore_fraction = 0.25;
+    c.exact_argmax = false;
+    c.loss_rtol = 5e-5;
+    c.mode = GradientMode::kOutOfPlace;
+    cases.push_back(c);
+  }
+  uint32_t seed = 200;
+  for (const Case& c : cases) CheckCase(c, seed++);
+}
+
+TEST_F(CudaCrossEntropyTest, TargetGradientKeepsItsDigitsWhenPyNearOne) {
+  Case c = Make("p_y -> 1", 4, 32000, DType::kBFloat16);
+  c.logits = Logits::kTargetDominant;
+  c.options.reduction = Reduction::kSum;
+  const Inputs in = MakeInputs(c, 7);
+  const Outputs gpu = RunGpu(c, in);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  const Outputs ref = RunReference(c, in, 0, c.rows);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    int64_t y;
+    std::memcpy(&y, in.targets.data() + 8 * r, 8);
+    const float g = ToFloat(gpu.gradient, c.dtype, r * c.vocab + y);
+    const float want = ToFloat(ref.gradient, c.dtype, r * c.vocab + y);
+    ASSERT_LT(want, 0.0f);
+    EXPECT_NEAR(g, want, std::fabs(want) / 100) << "row " << r;
+  }
+}
+
+TEST_F(CudaCrossEntropyTest, BitwiseDeterministic) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = Make("determinism", 256, 128256, d);
+    c.ignore_fraction = 0.1;
+    c.mode = GradientMode::kOutOfPlace;
+    const Inputs in = MakeInputs(c, 300);
+    const Outputs first = RunGpu(c, in);
+    ASSERT_TRUE(first.status.ok());
+    for (int i = 0; i < 3; ++i) {
+      const Outputs again = RunGpu(c, in);
+      ASSERT_TRUE(again.status.ok());
+      EXPECT_EQ(std::memcmp(&again.result.loss, &first.result.loss, 8), 0);
+      EXPECT_EQ(again.result.correct_tokens, first.result.correct_tokens);
+      EXPECT_TRUE(again.gradient == first.gradient);
+      EXPECT_TRUE(again.token_loss == first.token_loss);
+      EXPECT_TRUE(again.token_lse == first.token_lse);
+    }
+  }
+}
+
+TEST_F(CudaCrossEntropyTest, BadTargetChangesNothing) {
+  for (int64_t bad_value : {-1LL, 4096LL}) {
+    Case c = Make("bad target", 64, 4096, DType::kBFloat16);
+    Inputs in = MakeInputs(c, 400);
+    std::memcpy(in.targets.data() + 8 * 37, &bad_value, 8);
+    std::memcpy(in.targets.data() + 8 * 50, &bad_value, 8);
+    const Outputs gpu = RunGpu(c, in);
+    EXPECT_EQ(gpu.status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(gpu.status.message()).find("row 37"),
+              std::string::npos)
+        << gpu.status;
+    EXPECT_TRUE(gpu.logits_after == in.logits) << "in-place logits changed";
+    for (float v : gpu.token_loss) ASSERT_TRUE(std::isnan(v));
+  }
+}
+
+TEST_F(CudaCrossEntropyTest, InvalidArgsAreRejected) {
+  CrossEntropyArgs a;
+  a.rows = 4;
+  a.vocab = 10;
+  a.row_stride = 5;
+  CrossEntropyResult r;
+  EXPECT_EQ(CrossEntropyCuda(a, &r, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaStatus(cudaErrorMemoryAllocation, "x").code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(CudaStatus(cudaErrorIllegalAddress, "x").code(),
+            absl::StatusCode::kInternal);
+}
+
+// N * V >= 2^32: 32768 x 131072 bf16 (8 GiB) in place; sampled rows against
+// the reference, and the total against the sum of the per-token losses.
+TEST_F(CudaCrossEntropyTest, HugeTensorSampledRows) {
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  if (free_bytes < (size_t{10} << 30)) GTEST_SKIP() << "needs 10 GiB of GPU";
+  Case c = Make("2^32 elements", 32768, 131072, DType::kBFloat16);
+  c.options.reduction = Reduction::kSum;
+  c.ignore_fraction = 0.05;
+  const uint32_t seed = 500;
+  const Inputs in = MakeInputs(c, seed);
+  const Outputs gpu = RunGpu(c, in);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  for (int64_t first : {int64_t{0}, int64_t{16383}, int64_t{32760}}) {
+    const Outputs ref = RunReference(c, in, first, 8);
+    ASSERT_TRUE(ref.status.ok());
+    CompareRows(c, gpu, ref, first, 8, seed);
+  }
+  double sum = 0;
+  for (float v : gpu.token_loss) sum += v;
+  ExpectNear(gpu.result.loss, sum, 1e-9, "loss vs sum of token_loss");
+}
+
+}  // namespace
+}  // namespace lossd
