@@ -224,6 +224,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  // The connection belongs to this Client (not gRPC's process-wide pool), so
+  // destroying the Client closes it instead of leaving it open for reuse.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = std::make_unique<Channel>();
   channel->channel = grpc::CreateCustomChannel(
       target, grpc::InsecureChannelCredentials(), args);

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -38,6 +39,17 @@ class Device {
 
   virtual DeviceMemoryInfo memory() const = 0;
 
+  // The memory budget the tensor store should use when none is configured, or
+  // 0 to let the server pick (a fraction of memory().total_bytes).
+  virtual int64_t DefaultBudgetBytes() const { return 0; }
+
+  // Installs the function called (once, from whichever thread meets it) when
+  // the device fails in a way that leaves it unusable, e.g. a sticky CUDA
+  // error. The server turns readiness off and ends the process from there.
+  // Devices that cannot fail like that ignore it. Call before serving.
+  virtual void SetFatalErrorHandler(
+      std::function<void(const absl::Status&)> /*handler*/) {}
+
   // Allocates `bytes` (> 0) bytes of device memory, aligned for any dtype.
   // RESOURCE_EXHAUSTED when the device has no room. The caller owns the buffer
   // and returns it with Free.
@@ -51,6 +63,22 @@ class Device {
   // the range inside the allocation. INTERNAL on a device failure.
   virtual absl::Status CopyFromHost(void* buffer, size_t offset,
                                     const void* host, size_t bytes) = 0;
+
+  // As CopyFromHost, but the copy may still be in flight when it returns (the
+  // host bytes may be reused at once): a streamed upload calls it per chunk so
+  // that the device copy of one chunk overlaps the receipt of the next. The
+  // bytes are only guaranteed in `buffer` after FinishWrites(buffer) returns
+  // OK. Calls for one buffer come from one thread at a time.
+  virtual absl::Status CopyFromHostAsync(void* buffer, size_t offset,
+                                         const void* host, size_t bytes) {
+    return CopyFromHost(buffer, offset, host, bytes);
+  }
+
+  // Waits for every CopyFromHostAsync into `buffer`. OK when there were none;
+  // otherwise the first copy error. Free(buffer) waits by itself.
+  virtual absl::Status FinishWrites(void* /*buffer*/) {
+    return absl::OkStatus();
+  }
 
   // Reads `count` elements starting at flat element `first` of a
   // [rows, row_length] tensor at `buffer` (src_dtype) into host memory

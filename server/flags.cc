@@ -18,12 +18,20 @@ ABSL_FLAG(std::string, memory_budget, "auto",
           "(cpu) or most of the device memory (cuda)");
 ABSL_FLAG(absl::Duration, ttl, absl::Hours(1),
           "idle tensors are dropped after this long");
+ABSL_FLAG(std::string, device_reserve, "2G",
+          "cuda: device memory kept out of the automatic --memory_budget "
+          "(the budget is the free memory at start minus this)");
 ABSL_FLAG(std::string, chunk_bytes, "1M", "default Download chunk size");
 ABSL_FLAG(int, threads, 0, "compute threads of the cpu device; 0 = all cores");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
           "on SIGTERM, how long running RPCs may take before shutdown");
 ABSL_FLAG(std::string, port_file, "",
           "write the bound port to this file once serving");
+ABSL_FLAG(int, metrics_port, 9090,
+          "plain-HTTP port of /metrics (Prometheus), on --host; 0 picks a "
+          "free one (see --metrics_port_file), -1 turns metrics off");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "write the bound metrics port to this file before --port_file");
 
 namespace lossd {
 
@@ -74,6 +82,13 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
         absl::StrCat("--memory_budget: ", budget.status().message()));
   }
   config.memory_budget = *budget;
+  absl::StatusOr<int64_t> reserve =
+      ParseByteSize(absl::GetFlag(FLAGS_device_reserve));
+  if (!reserve.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device_reserve: ", reserve.status().message()));
+  }
+  config.device_reserve = *reserve;
   config.ttl = absl::GetFlag(FLAGS_ttl);
   absl::StatusOr<int64_t> chunk =
       ParseByteSize(absl::GetFlag(FLAGS_chunk_bytes));
@@ -89,6 +104,13 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   }
   config.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
   config.port_file = absl::GetFlag(FLAGS_port_file);
+  config.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (config.metrics_port < -1 || config.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics_port=", config.metrics_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  config.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   return config;
 }
 

@@ -16,11 +16,14 @@ ABSL_DECLARE_FLAG(int, port);
 ABSL_DECLARE_FLAG(std::string, host);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, memory_budget);
+ABSL_DECLARE_FLAG(std::string, device_reserve);
 ABSL_DECLARE_FLAG(absl::Duration, ttl);
 ABSL_DECLARE_FLAG(std::string, chunk_bytes);
 ABSL_DECLARE_FLAG(int, threads);
 ABSL_DECLARE_FLAG(absl::Duration, drain_timeout);
 ABSL_DECLARE_FLAG(std::string, port_file);
+ABSL_DECLARE_FLAG(int, metrics_port);
+ABSL_DECLARE_FLAG(std::string, metrics_port_file);
 
 namespace lossd {
 

@@ -5,11 +5,16 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/cpu_device.h"
+#ifdef LOSSD_HAVE_CUDA
+#include "server/cuda_device.h"
+#endif
 
 namespace lossd {
 namespace {
@@ -41,16 +46,36 @@ absl::Status WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& name,
-                                                     int threads) {
-  if (name == "cpu" || name == "auto") {
-    // auto: the CUDA device does not exist yet, so the CPU is what there is.
-    return std::unique_ptr<Device>(new CpuDevice(threads));
+                                                     int threads,
+                                                     int64_t device_reserve) {
+  if (name == "cpu") return std::unique_ptr<Device>(new CpuDevice(threads));
+  const bool cuda = name == "cuda" || absl::StartsWith(name, "cuda:");
+  if (name != "auto" && !cuda) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown device '", name, "' (auto, cpu, cuda or cuda:N)"));
   }
-  if (name == "cuda") {
-    return absl::UnimplementedError("CUDA device not built yet");
+#ifdef LOSSD_HAVE_CUDA
+  CudaDeviceOptions options;
+  options.reserve_bytes = device_reserve;
+  if (absl::StartsWith(name, "cuda:") &&
+      !absl::SimpleAtoi(name.substr(5), &options.ordinal)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown device '", name, "' (cuda:N with N a number)"));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown device '", name, "' (auto, cpu or cuda)"));
+  if (cuda || CudaDeviceCount() > 0) {
+    absl::StatusOr<std::unique_ptr<CudaDevice>> device =
+        CudaDevice::Create(options);
+    if (!device.ok()) return device.status();
+    return std::unique_ptr<Device>(std::move(*device));
+  }
+#else
+  (void)device_reserve;
+  if (cuda) {
+    return absl::UnimplementedError(
+        "this lossd was built without CUDA (LOSSD_CUDA=OFF); use --device=cpu");
+  }
+#endif
+  return std::unique_ptr<Device>(new CpuDevice(threads));
 }
 
 absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
@@ -71,9 +96,15 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   if (config.memory_budget < 0) {
     return absl::InvalidArgumentError("memory_budget must be >= 0");
   }
+  if (config.metrics_port < -1 || config.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_port ", config.metrics_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
   std::unique_ptr<LossdServer> server(new LossdServer());
   server->config_ = config;
-  auto device = CreateDevice(config.device, config.threads);
+  auto device =
+      CreateDevice(config.device, config.threads, config.device_reserve);
   if (!device.ok()) return device.status();
   server->device_ = std::move(*device);
 
@@ -84,6 +115,16 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
           : static_cast<int64_t>(
                 static_cast<double>(server->device_->memory().total_bytes) *
                 kCpuBudgetFraction);
+  if (config.memory_budget == 0 && !server->device_->host_accessible()) {
+    // A GPU: what is free now minus the reserve, not a share of the total.
+    store_options.budget_bytes = server->device_->DefaultBudgetBytes();
+    if (store_options.budget_bytes <= 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          server->device_->name(), " has no memory left above the reserve of ",
+          config.device_reserve,
+          " bytes (--device_reserve); lower it or set --memory_budget"));
+    }
+  }
   store_options.ttl = config.ttl;
   server->store_ =
       std::make_unique<TensorStore>(server->device_.get(), store_options);
@@ -91,8 +132,14 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   ServiceOptions service_options;
   service_options.default_chunk_bytes = config.chunk_bytes;
   service_options.max_chunk_bytes = config.max_message_bytes / 2;
-  server->service_ =
-      std::make_unique<LossdService>(server->store_.get(), service_options);
+  if (config.metrics_port >= 0) {
+    server->metrics_ = std::make_unique<Metrics>(server->store_.get());
+    const absl::Status status =
+        server->metrics_->Serve(config.host, config.metrics_port);
+    if (!status.ok()) return status;
+  }
+  server->service_ = std::make_unique<LossdService>(
+      server->store_.get(), service_options, server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -114,12 +161,36 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
       server->server_->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kReadinessService, true);
+  // Die rather than limp: a device that cannot be trusted any more turns
+  // readiness off at once, then main's policy ends the process.
+  server->device_->SetFatalErrorHandler(
+      [health, name = server->device_->name(),
+       on_fatal = config.on_fatal_device_error](const absl::Status& status) {
+        health->SetServingStatus(kReadinessService, false);
+        std::fprintf(stderr,
+                     "lossd: FATAL: device %s is unusable, readiness is "
+                     "NOT_SERVING: %s\n",
+                     name.c_str(), status.ToString().c_str());
+        std::fflush(stderr);
+        if (on_fatal) on_fatal(status);
+      });
 
   server->sweeper_ = std::thread([raw = server.get()] { raw->SweepLoop(); });
 
+  // The metrics port file first: whoever waits for the gRPC port file then
+  // finds both.
+  if (server->metrics_ != nullptr && !config.metrics_port_file.empty()) {
+    const absl::Status status =
+        WritePortFile(config.metrics_port_file, server->metrics_->port());
+    if (!status.ok()) return status;
+  }
   if (!config.port_file.empty()) {
     const absl::Status status = WritePortFile(config.port_file, server->port_);
     if (!status.ok()) return status;
+  }
+  if (server->metrics_ != nullptr) {
+    std::fprintf(stderr, "lossd: metrics on http://%s:%d/metrics\n",
+                 config.host.c_str(), server->metrics_->port());
   }
   std::fprintf(stderr,
                "lossd %s: serving on %s (port %d), device %s, memory budget "
@@ -162,6 +233,8 @@ bool LossdServer::Drain() {
 }
 
 LossdServer::~LossdServer() {
+  // The handler refers to the health service, which goes before the device.
+  if (device_ != nullptr) device_->SetFatalErrorHandler(nullptr);
   if (server_ != nullptr) Drain();
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();

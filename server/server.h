@@ -5,6 +5,7 @@
 #define LOSSD_SERVER_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "server/device.h"
+#include "server/metrics.h"
 #include "server/service.h"
 #include "server/tensor_store.h"
 
@@ -34,20 +36,37 @@ struct ServerConfig {
   absl::Duration drain_timeout = absl::Seconds(30);
   std::string port_file;  // written with the bound port once serving
   int64_t max_message_bytes = 64 << 20;
+  // CUDA: device memory kept out of the automatic budget (free memory at
+  // start minus this); ignored when memory_budget is set.
+  int64_t device_reserve = int64_t{2} << 30;
+  // Called after readiness went NOT_SERVING because the device became
+  // unusable (a sticky CUDA error); main ends the process there. Unset, the
+  // server only logs and stays NOT_SERVING (tests).
+  std::function<void(const absl::Status&)> on_fatal_device_error;
+  // Plain-HTTP /metrics on host:metrics_port; 0 = pick a free one, -1 = off
+  // (the default here, so that in-process servers do not collide; the
+  // binary's --metrics_port defaults to 9090).
+  int metrics_port = -1;
+  std::string metrics_port_file;  // written with the bound metrics port
 };
 
-// Makes the device `name` ("auto", "cpu", "cuda"). UNIMPLEMENTED for "cuda"
-// until the CUDA device exists; INVALID_ARGUMENT for an unknown name.
-absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& name,
-                                                     int threads);
+// Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION
+// when no such GPU is visible, UNIMPLEMENTED in a build without CUDA); "auto"
+// (CUDA device 0 when built with CUDA and a GPU is visible, else the CPU).
+// INVALID_ARGUMENT for an unknown name. `threads` is for the CPU device,
+// `device_reserve` for the CUDA device's default budget.
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
+    const std::string& name, int threads,
+    int64_t device_reserve = int64_t{2} << 30);
 
 // One serving lossd instance. Thread-safe.
 class LossdServer {
  public:
-  // Builds everything and starts serving on host:port, then writes the port
-  // file (atomically). INVALID_ARGUMENT / UNIMPLEMENTED for a bad config,
-  // UNAVAILABLE when the address cannot be bound, INTERNAL when the port file
-  // cannot be written.
+  // Builds everything and starts serving on host:port (and metrics on
+  // host:metrics_port), then writes the port files (atomically, metrics
+  // first). INVALID_ARGUMENT / UNIMPLEMENTED for a bad config, UNAVAILABLE
+  // when an address cannot be bound, INTERNAL when a port file cannot be
+  // written.
   static absl::StatusOr<std::unique_ptr<LossdServer>> Start(
       const ServerConfig& config);
 
@@ -57,6 +76,12 @@ class LossdServer {
   ~LossdServer();
 
   int port() const { return port_; }
+  // The bound metrics port; 0 when metrics are off.
+  int metrics_port() const {
+    return metrics_ == nullptr ? 0 : metrics_->port();
+  }
+  // Null when metrics are off.
+  Metrics* metrics() const { return metrics_.get(); }
   std::string address() const;
   Device* device() const { return device_.get(); }
   TensorStore* store() const { return store_.get(); }
@@ -76,6 +101,9 @@ class LossdServer {
   int port_ = 0;
   std::unique_ptr<Device> device_;
   std::unique_ptr<TensorStore> store_;
+  // Reads store_ when scraped and is used by service_: declared between them
+  // so that it goes after the service and before the store.
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;
   absl::Notification stop_sweeper_;

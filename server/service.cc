@@ -241,7 +241,7 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
       : service_(service), context_(context), response_(response) {
     if (!service_->Enter()) {
       entered_ = false;
-      Finish(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(DrainingError()));
       return;
     }
     StartRead(&request_);
@@ -252,16 +252,16 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
       // End of the client's stream, or a cancelled / broken one.
       if (context_->IsCancelled()) {
         pending_.reset();
-        Finish(grpc::Status::CANCELLED);
+        End(grpc::Status::CANCELLED);
         return;
       }
-      Finish(ToGrpcStatus(Complete()));
+      End(ToGrpcStatus(Complete()));
       return;
     }
     const absl::Status status = Consume();
     if (!status.ok()) {
       pending_.reset();
-      Finish(ToGrpcStatus(status));
+      End(ToGrpcStatus(status));
       return;
     }
     StartRead(&request_);
@@ -299,8 +299,14 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
         if (pending_ == nullptr) {
           return absl::InvalidArgumentError("data before the header");
         }
-        return pending_->Append(request_.chunk().data(),
-                                request_.chunk().size());
+        RETURN_IF_ERROR(
+            pending_->Append(request_.chunk().data(), request_.chunk().size()));
+        if (service_->metrics() != nullptr) {
+          service_->metrics()->AddTransferBytes(
+              TransferDirection::kUpload,
+              static_cast<int64_t>(request_.chunk().size()));
+        }
+        return absl::OkStatus();
       default:
         return absl::InvalidArgumentError(
             "an UploadRequest with neither header nor chunk");
@@ -318,7 +324,15 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
     return absl::OkStatus();
   }
 
+  // Finishes the RPC with `status`. Recorded before Finish, so that a client
+  // that has its status also sees it counted.
+  void End(const grpc::Status& status) {
+    service_->RecordRpc("Upload", status.error_code(), start_);
+    Finish(status);
+  }
+
   LossdService* const service_;
+  const absl::Time start_ = absl::Now();
   grpc::CallbackServerContext* const context_;
   pb::UploadResponse* const response_;
   pb::UploadRequest request_;
@@ -337,12 +351,12 @@ class DownloadReactor final
       : service_(service) {
     if (!service_->Enter()) {
       entered_ = false;
-      Finish(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(DrainingError()));
       return;
     }
     const absl::Status status = Start(context, request);
     if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+      End(ToGrpcStatus(status));
       return;
     }
     StartWrite(&response_);
@@ -350,16 +364,16 @@ class DownloadReactor final
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
+      End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
       return;
     }
     if (next_element_ >= elements_) {
-      Finish(grpc::Status::OK);
+      End(grpc::Status::OK);
       return;
     }
     const absl::Status status = FillChunk();
     if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+      End(ToGrpcStatus(status));
       return;
     }
     StartWrite(&response_);
@@ -427,10 +441,22 @@ class DownloadReactor final
         view.row_scale.empty() ? nullptr : view.row_scale.data(), chunk->data(),
         dtype_));
     next_element_ += count;
+    if (service_->metrics() != nullptr) {
+      service_->metrics()->AddTransferBytes(
+          TransferDirection::kDownload, static_cast<int64_t>(chunk->size()));
+    }
     return absl::OkStatus();
   }
 
+  // Finishes the RPC with `status`. Recorded before Finish, so that a client
+  // that has its status also sees it counted.
+  void End(const grpc::Status& status) {
+    service_->RecordRpc("Download", status.error_code(), start_);
+    Finish(status);
+  }
+
   LossdService* const service_;
+  const absl::Time start_ = absl::Now();
   pb::DownloadResponse response_;
   ReadLease lease_;
   DType dtype_ = DType::kInvalid;
@@ -450,7 +476,7 @@ class EvaluateReactor final
       : service_(service), context_(context), response_(response) {
     if (!service_->Enter()) {
       entered_ = false;
-      Finish(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(DrainingError()));
       return;
     }
     StartRead(&request_);
@@ -459,15 +485,15 @@ class EvaluateReactor final
   void OnReadDone(bool ok) override {
     if (!ok) {
       if (context_->IsCancelled()) {
-        Finish(grpc::Status::CANCELLED);
+        End(grpc::Status::CANCELLED);
         return;
       }
-      Finish(ToGrpcStatus(Complete()));
+      End(ToGrpcStatus(Complete()));
       return;
     }
     const absl::Status status = Consume();
     if (!status.ok()) {
-      Finish(ToGrpcStatus(status));
+      End(ToGrpcStatus(status));
       return;
     }
     StartRead(&request_);
@@ -556,6 +582,12 @@ class EvaluateReactor final
           blocks_, rows, block.targets().size(), target_size));
     }
     ++blocks_;
+    Metrics* const metrics = service_->metrics();
+    if (metrics != nullptr) {
+      metrics->AddTransferBytes(
+          TransferDirection::kEvaluate,
+          logits_bytes + static_cast<int64_t>(block.targets().size()));
+    }
     if (rows == 0) return absl::OkStatus();
 
     Device* device = service_->store()->device();
@@ -582,7 +614,12 @@ class EvaluateReactor final
     args.options.reduction = Reduction::kSum;
     args.mode = GradientMode::kNone;
     CrossEntropyResult result;
+    const absl::Time start = absl::Now();
     RETURN_IF_ERROR(device->CrossEntropy(args, &result));
+    if (metrics != nullptr) {
+      metrics->ObserveKernel(device->name(), "cross_entropy",
+                             absl::ToDoubleSeconds(absl::Now() - start));
+    }
 
     loss_sum_ += result.loss;
     z_loss_sum_ += result.z_loss;
@@ -633,7 +670,15 @@ class EvaluateReactor final
     return absl::OkStatus();
   }
 
+  // Finishes the RPC with `status`. Recorded before Finish, so that a client
+  // that has its status also sees it counted.
+  void End(const grpc::Status& status) {
+    service_->RecordRpc("Evaluate", status.error_code(), start_);
+    Finish(status);
+  }
+
   LossdService* const service_;
+  const absl::Time start_ = absl::Now();
   grpc::CallbackServerContext* const context_;
   pb::EvaluateResponse* const response_;
   pb::EvaluateRequest request_;
@@ -659,8 +704,16 @@ class EvaluateReactor final
 
 // ---------------------------------------------------------------- service
 
-LossdService::LossdService(TensorStore* store, ServiceOptions options)
-    : store_(store), options_(std::move(options)) {}
+LossdService::LossdService(TensorStore* store, ServiceOptions options,
+                           Metrics* metrics)
+    : store_(store), options_(std::move(options)), metrics_(metrics) {}
+
+void LossdService::RecordRpc(const char* method, grpc::StatusCode code,
+                             absl::Time start) const {
+  if (metrics_ == nullptr) return;
+  metrics_->ObserveRpc(method, static_cast<absl::StatusCode>(code),
+                       absl::Now() - start);
+}
 
 LossdService::~LossdService() = default;
 
@@ -704,13 +757,19 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   info->set_version(options_.version);
 }
 
-// Runs `body` as one counted unary RPC.
-#define LOSSD_UNARY(context, body)                              \
-  do {                                                          \
-    if (!Enter()) return FinishUnary(context, DrainingError()); \
-    const absl::Status lossd_rpc_status_ = (body);              \
-    Leave();                                                    \
-    return FinishUnary(context, lossd_rpc_status_);             \
+// Runs `body` as one counted (drain) and recorded (metrics) unary RPC.
+#define LOSSD_UNARY(method, context, body)                                     \
+  do {                                                                         \
+    const absl::Time lossd_rpc_start_ = absl::Now();                           \
+    if (!Enter()) {                                                            \
+      RecordRpc(method, grpc::StatusCode::UNAVAILABLE, lossd_rpc_start_);      \
+      return FinishUnary(context, DrainingError());                            \
+    }                                                                          \
+    const absl::Status lossd_rpc_status_ = (body);                             \
+    RecordRpc(method, static_cast<grpc::StatusCode>(lossd_rpc_status_.code()), \
+              lossd_rpc_start_);                                               \
+    Leave();                                                                   \
+    return FinishUnary(context, lossd_rpc_status_);                            \
   } while (0)
 
 grpc::ServerReadReactor<pb::UploadRequest>* LossdService::Upload(
@@ -731,37 +790,38 @@ grpc::ServerReadReactor<pb::EvaluateRequest>* LossdService::Evaluate(
 grpc::ServerUnaryReactor* LossdService::Describe(
     grpc::CallbackServerContext* context, const pb::DescribeRequest* request,
     pb::TensorInfo* response) {
-  LOSSD_UNARY(context, DoDescribe(*request, response));
+  LOSSD_UNARY("Describe", context, DoDescribe(*request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::List(
     grpc::CallbackServerContext* context, const pb::ListRequest* /*request*/,
     pb::ListResponse* response) {
-  LOSSD_UNARY(context, DoList(response));
+  LOSSD_UNARY("List", context, DoList(response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Release(
     grpc::CallbackServerContext* context, const pb::ReleaseRequest* request,
     pb::ReleaseResponse* response) {
-  LOSSD_UNARY(context, DoRelease(*request, response));
+  LOSSD_UNARY("Release", context, DoRelease(*request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Forward(
     grpc::CallbackServerContext* context, const pb::ForwardRequest* request,
     pb::ForwardResponse* response) {
-  LOSSD_UNARY(context, DoForward(*request, response));
+  LOSSD_UNARY("Forward", context, DoForward(*request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Backward(
     grpc::CallbackServerContext* context, const pb::BackwardRequest* request,
     pb::BackwardResponse* response) {
-  LOSSD_UNARY(context, DoBackward(*request, response));
+  LOSSD_UNARY("Backward", context, DoBackward(*request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::GetServerInfo(
     grpc::CallbackServerContext* context,
     const pb::GetServerInfoRequest* /*request*/, pb::ServerInfo* response) {
-  LOSSD_UNARY(context, (FillServerInfo(response), absl::OkStatus()));
+  LOSSD_UNARY("GetServerInfo", context,
+              (FillServerInfo(response), absl::OkStatus()));
 }
 
 #undef LOSSD_UNARY
@@ -907,6 +967,9 @@ absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
   RETURN_IF_ERROR(device->CrossEntropy(args, &result));
   const std::chrono::duration<double> elapsed =
       std::chrono::steady_clock::now() - start;
+  if (metrics_ != nullptr) {
+    metrics_->ObserveKernel(device->name(), "cross_entropy", elapsed.count());
+  }
 
   switch (mode) {
     case GradientMode::kInPlace:
@@ -958,9 +1021,17 @@ absl::Status LossdService::DoBackward(const pb::BackwardRequest& request,
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
                    store_->Get(kDefaultTenant, request.gradient()));
   bool kernel_launched = false;
+  const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(
       store_->RecordGradOutput(tensor, scale, std::move(token_scale),
                                request.materialize(), &kernel_launched));
+  if (kernel_launched && metrics_ != nullptr) {
+    // Includes the store's bookkeeping around the pass, which is tiny next to
+    // a pass over N·V elements.
+    const std::chrono::duration<double> elapsed =
+        std::chrono::steady_clock::now() - start;
+    metrics_->ObserveKernel(tensor->device()->name(), "scale", elapsed.count());
+  }
   ToProto(tensor->Info(), response->mutable_tensor());
   response->set_kernel_launched(kernel_launched);
   return absl::OkStatus();

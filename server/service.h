@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/tensor_store.h"
 
 namespace lossd {
@@ -28,10 +29,12 @@ struct ServiceOptions {
 };
 
 // The lossd.v1.Lossd service. Thread-safe: gRPC calls it from many threads.
-// `store` must outlive the service.
+// `store` must outlive the service; so must `metrics` (nullable: nothing is
+// recorded) until every RPC has finished.
 class LossdService final : public lossd::v1::Lossd::CallbackService {
  public:
-  LossdService(TensorStore* store, ServiceOptions options);
+  LossdService(TensorStore* store, ServiceOptions options,
+               Metrics* metrics = nullptr);
   LossdService(const LossdService&) = delete;
   LossdService& operator=(const LossdService&) = delete;
   ~LossdService() override;
@@ -80,6 +83,13 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   void Leave() ABSL_LOCKS_EXCLUDED(mu_);
 
   TensorStore* store() const { return store_; }
+  // Nullable.
+  Metrics* metrics() const { return metrics_; }
+  // Reports one finished RPC to the metrics (if any). Called before its status
+  // is sent (a client that has the status sees it counted) and before Leave
+  // (a drained server has no report in flight).
+  void RecordRpc(const char* method, grpc::StatusCode code,
+                 absl::Time start) const;
   const ServiceOptions& options() const { return options_; }
   void FillServerInfo(lossd::v1::ServerInfo* info) const;
 
@@ -96,6 +106,7 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
 
   TensorStore* const store_;
   const ServiceOptions options_;
+  Metrics* const metrics_;
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -301,7 +302,9 @@ absl::Status PendingTensor::Append(const void* host, size_t bytes) {
         "more bytes than the header says: %d expected, at least %d received",
         bytes_, received_ + static_cast<int64_t>(bytes)));
   }
-  RETURN_IF_ERROR(allocation_->device()->CopyFromHost(
+  // Asynchronous: the device copy of this chunk overlaps the receipt of the
+  // next one; Commit waits for all of them.
+  RETURN_IF_ERROR(allocation_->device()->CopyFromHostAsync(
       allocation_->data(), static_cast<size_t>(received_), host, bytes));
   received_ += static_cast<int64_t>(bytes);
   return absl::OkStatus();
@@ -316,6 +319,7 @@ absl::StatusOr<std::shared_ptr<Tensor>> PendingTensor::Commit(
                         "received",
                         bytes_, received_));
   }
+  RETURN_IF_ERROR(allocation_->device()->FinishWrites(allocation_->data()));
   committed_ = true;
   return store_->Publish(tenant_, label_, dtype_, shape_, state_,
                          std::move(allocation_), gradient_reduction);
@@ -468,6 +472,25 @@ StoreStats TensorStore::Stats() const {
   absl::MutexLock lock(&mu_);
   stats.tensors = static_cast<int64_t>(tensors_.size());
   return stats;
+}
+
+std::vector<TenantUsage> TensorStore::UsageByTenant() const {
+  std::map<std::string, TenantUsage> by_tenant;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [handle, tensor] : tensors_) {
+      TenantUsage& usage = by_tenant[tensor->tenant()];
+      ++usage.tensors;
+      usage.bytes += tensor->bytes();
+    }
+  }
+  std::vector<TenantUsage> usages;
+  usages.reserve(by_tenant.size());
+  for (auto& [tenant, usage] : by_tenant) {
+    usage.tenant = tenant;
+    usages.push_back(std::move(usage));
+  }
+  return usages;
 }
 
 ReadLease TensorStore::BeginRead(std::shared_ptr<Tensor> tensor) {

@@ -52,6 +52,14 @@ struct StoreStats {
   int64_t tensors = 0;
 };
 
+// The tensors one tenant holds (committed ones; uploads in progress count only
+// in StoreStats::used_bytes).
+struct TenantUsage {
+  std::string tenant;
+  int64_t tensors = 0;
+  int64_t bytes = 0;
+};
+
 // What a reader sees of a tensor for the duration of its lease: the factor to
 // apply to a gradient on the way out (1 and no per-token factors for logits).
 struct ReadView {
@@ -284,6 +292,10 @@ class TensorStore {
   std::vector<TensorInfo> List(const std::string& tenant);
 
   StoreStats Stats() const;
+
+  // What each tenant holds now, ordered by tenant. One pass under the store
+  // lock (for metrics scrapes, not for hot paths).
+  std::vector<TenantUsage> UsageByTenant() const;
 
   // Starts reading `tensor`: waits while an in-place write runs on it.
   ReadLease BeginRead(std::shared_ptr<Tensor> tensor);

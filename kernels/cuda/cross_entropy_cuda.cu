@@ -87,7 +87,15 @@ struct Traits<__nv_bfloat16> {
   __device__ static float Get(const uint4& v, int j) {
     const unsigned r[4] = {v.x, v.y, v.z, v.w};
     const unsigned w = r[j / 2];
-    return __uint_as_float((j % 2 == 0) ? (w << 16) : (w & 0xffff0000u));
+    // Opaque (volatile asm): otherwise the compiler keeps all unpacked floats
+    // alive from one pass over the registers to the next and spills.
+    unsigned f;
+    if (j % 2 == 0) {
+      asm volatile("shl.b32 %0, %1, 16;" : "=r"(f) : "r"(w));
+    } else {
+      asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(f) : "r"(w));
+    }
+    return __uint_as_float(f);
   }
   __device__ static void Pack(const float* g, uint4* out) {
     unsigned r[4];
@@ -111,8 +119,14 @@ struct Traits<__half> {
   __device__ static float Get(const uint4& v, int j) {
     const unsigned r[4] = {v.x, v.y, v.z, v.w};
     const unsigned w = r[j / 2];
-    const unsigned short b =
-        static_cast<unsigned short>((j % 2 == 0) ? (w & 0xffffu) : (w >> 16));
+    unsigned short b;
+    if (j % 2 == 0) {
+      asm volatile("cvt.u16.u32 %0, %1;" : "=h"(b) : "r"(w));
+    } else {
+      asm volatile("{ .reg .b32 t; shr.b32 t, %1, 16; cvt.u16.u32 %0, t; }"
+                   : "=h"(b)
+                   : "r"(w));
+    }
     return __half2float(__ushort_as_half(b));
   }
   __device__ static void Pack(const float* g, uint4* out) {
@@ -504,20 +518,24 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
     st.t = -1.0f;
   } else if (st.t < 1.0625f) {
     // One element dominates this slice: 1 + t lost t's low digits, so sum
-    // the others alone (rare; keeps p_y -> 1 exact in the gradient).
+    // the others alone (rare; keeps p_y -> 1 exact in the gradient). Re-read
+    // from memory, which nothing has written yet: a second pass over the
+    // registers here makes the compiler spill the hot path.
     st.t = 0.0f;
-#pragma unroll
+    bool skipped = false;
+#pragma unroll 1
     for (int k = 0; k < VPT; ++k) {
-#pragma unroll
+#pragma unroll 1
       for (int j = 0; j < kVec; ++j) {
-        float z = Tr::Get(data[k], j);
         const int c = start + (k * kThreads + tid) * kVec + j;
-        if (kGeneral) {
-          if (c >= vocab) continue;
-          float unused;
-          if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
-        }
-        st.t += c == st.arg ? 0.0f : __expf(z - st.m);
+        if (c >= vocab) break;
+        float z = Tr::Load(in + c);
+        float unused;
+        if (kGeneral && p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+        // Skip the first element equal to the max (the argmax).
+        const bool skip = !skipped && z == st.m;
+        skipped = skipped || skip;
+        st.t += skip ? 0.0f : __expf(z - st.m);
       }
     }
   } else {

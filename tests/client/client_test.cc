@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/float16.h"
@@ -526,13 +527,26 @@ TEST_F(ClientTest, ErrorsMapToAbslCodes) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->state, TensorState::kLogits);
 
-  // A deadline that cannot be met.
+  // A deadline that passes while the stream is open: the producer holds the
+  // first block back until well after it (gRPC rounds deadlines to
+  // milliseconds, so a unary call can beat a tiny one).
   ClientOptions hurried;
-  hurried.deadline = absl::Microseconds(1);
+  hurried.deadline = absl::Milliseconds(20);
   std::unique_ptr<Client> hurried_client = Connect(hurried);
   ASSERT_NE(hurried_client, nullptr);
-  EXPECT_EQ(hurried_client->GetServerInfo().status().code(),
-            absl::StatusCode::kDeadlineExceeded);
+  int blocks = 0;
+  absl::StatusOr<EvaluateResult> late = hurried_client->Evaluate(
+      5, DType::kFloat32, DType::kInt64, EvaluateOptions(),
+      [&](RowBlock* block) -> absl::StatusOr<bool> {
+        if (blocks++ > 0) return false;
+        absl::Notification never;
+        never.WaitForNotificationWithTimeout(absl::Milliseconds(200));
+        block->logits.assign(reinterpret_cast<const char*>(logits.data()), 20);
+        block->targets.assign(reinterpret_cast<const char*>(good_targets), 8);
+        return true;
+      });
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << late.status();
 }
 
 TEST_F(ClientTest, OverBudgetUploadIsResourceExhausted) {

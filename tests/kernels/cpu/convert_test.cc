@@ -128,9 +128,8 @@ TEST(Float16Test, RandomFloatsRoundToNearest) {
   std::uniform_int_distribution<uint32_t> exponent(100, 145);
   std::uniform_int_distribution<uint32_t> mantissa(0, (1u << 23) - 1);
   for (int i = 0; i < 200000; ++i) {
-    const float value =
-        FloatFromBits((exponent(rng) << 23) | mantissa(rng) |
-                      static_cast<uint32_t>(i & 1) << 31);
+    const float value = FloatFromBits((exponent(rng) << 23) | mantissa(rng) |
+                                      static_cast<uint32_t>(i & 1) << 31);
     for (int format = 0; format < 2; ++format) {
       const uint16_t rounded =
           format == 0 ? FloatToBF16(value) : FloatToHalf(value);

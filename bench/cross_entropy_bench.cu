@@ -1,0 +1,248 @@
+// Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
+// device-to-device copy bandwidth, then each configuration as a ratio to it.
+// Usage: cross_entropy_bench [--sweep] [--out=RESULTS.md]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cross_entropy_cuda.h"
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                \
+  do {                                                                  \
+    cudaError_t e_ = (expr);                                            \
+    if (e_ != cudaSuccess) {                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(e_));                             \
+      return 1;                                                         \
+    }                                                                   \
+  } while (0)
+
+// Logits [n] of random values in [-8, 8) from a hash of (seed, index).
+template <typename T>
+__global__ void FillRandom(T* out, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+    out[i] = T(u * 16.0f - 8.0f);
+  }
+}
+
+__global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab,
+                            uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (i + 7) * 0xd1b54a32d192ed03ull ^ seed;
+    x ^= x >> 29;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 32;
+    out[i] = (i % 50 == 49) ? -100 : static_cast<int64_t>(x % vocab);
+  }
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Config {
+  int64_t rows, vocab;
+  lossd::DType dtype;
+  lossd::GradientMode mode;
+};
+
+const char* Name(lossd::DType d) {
+  return d == lossd::DType::kFloat32 ? "fp32" : "bf16";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool sweep = false;
+  std::string out_path;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
+    if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
+  }
+  const int kWarmup = 3, kRuns = 25;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  cudaEvent_t t0, t1;
+  CHECK_CUDA(cudaEventCreate(&t0));
+  CHECK_CUDA(cudaEventCreate(&t1));
+
+  // Copy bandwidth: 4 GiB D2D, bytes read + written.
+  const size_t copy_bytes = size_t{4} << 30;
+  void *a = nullptr, *b = nullptr;
+  CHECK_CUDA(cudaMalloc(&a, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&b, copy_bytes));
+  FillRandom<float>
+      <<<4096, 256, 0, stream>>>(static_cast<float*>(a), copy_bytes / 4, 1);
+  std::vector<float> times;
+  for (int i = 0; i < kWarmup + kRuns; ++i) {
+    CHECK_CUDA(cudaEventRecord(t0, stream));
+    CHECK_CUDA(
+        cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+    CHECK_CUDA(cudaEventRecord(t1, stream));
+    CHECK_CUDA(cudaEventSynchronize(t1));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    if (i >= kWarmup) times.push_back(ms);
+  }
+  const double copy_gbs = 2.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  std::printf(
+      "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d)\n",
+      prop.name, prop.multiProcessorCount, copy_gbs, kRuns);
+
+  using lossd::DType;
+  using lossd::GradientMode;
+  std::vector<Config> configs;
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    configs.push_back({8192, 32000, d, GradientMode::kInPlace});
+    configs.push_back({8192, 128256, d, GradientMode::kInPlace});
+    configs.push_back({4096, 262144, d, GradientMode::kInPlace});
+    configs.push_back({16384, 131072, d, GradientMode::kInPlace});
+    configs.push_back({16384, 131072, d, GradientMode::kNone});
+    configs.push_back({8192, 128256, d, GradientMode::kNone});
+  }
+  std::string table =
+      "| N x V | dtype | mode | variant | ms (median) | GB/s | % of copy |\n"
+      "|---|---|---|---|---|---|---|\n";
+  for (const Config& c : configs) {
+    const size_t esize = lossd::DTypeSize(c.dtype);
+    const size_t bytes = c.rows * c.vocab * esize;
+    void *pristine, *work, *targets, *ws;
+    lossd::CrossEntropyCudaResult* result;
+    CHECK_CUDA(cudaMalloc(&pristine, bytes));
+    CHECK_CUDA(cudaMalloc(&work, bytes));
+    CHECK_CUDA(cudaMalloc(&targets, c.rows * 8));
+    const size_t ws_bytes = lossd::CrossEntropyCudaWorkspaceBytes(c.rows);
+    CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    CHECK_CUDA(cudaMalloc(&result, sizeof(*result)));
+    if (c.dtype == DType::kFloat32) {
+      FillRandom<float><<<4096, 256, 0, stream>>>(static_cast<float*>(pristine),
+                                                  c.rows * c.vocab, 42);
+    } else {
+      FillRandom<__nv_bfloat16><<<4096, 256, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(pristine), c.rows * c.vocab, 42);
+    }
+    FillTargets<<<64, 256, 0, stream>>>(static_cast<int64_t*>(targets), c.rows,
+                                        c.vocab, 7);
+    CHECK_CUDA(cudaGetLastError());
+    lossd::CrossEntropyArgs args;
+    args.rows = c.rows;
+    args.vocab = c.vocab;
+    args.row_stride = c.vocab;
+    args.logits_dtype = c.dtype;
+    args.logits = work;
+    args.targets = targets;
+    args.targets_dtype = DType::kInt64;
+    args.mode = c.mode;
+    args.gradient = c.mode == GradientMode::kInPlace ? work : nullptr;
+    std::vector<int> variants = {0};
+    if (sweep) {
+      for (int v : {4, 8, 16, 32}) variants.push_back(v);
+      variants.push_back(-1);  // generic
+    }
+    for (int variant : variants) {
+      lossd::CrossEntropyCudaConfig cfg;
+      if (variant > 0) cfg.vectors_per_thread = variant;
+      if (variant < 0) cfg.generic = true;
+      times.clear();
+      bool ok = true;
+      for (int i = 0; i < kWarmup + kRuns && ok; ++i) {
+        CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+        CHECK_CUDA(cudaEventRecord(t0, stream));
+        const cudaError_t e = lossd::CrossEntropyCudaLaunch(
+            args, result, ws, ws_bytes, stream, &cfg);
+        CHECK_CUDA(cudaEventRecord(t1, stream));
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          ok = false;
+          break;
+        }
+        CHECK_CUDA(cudaEventSynchronize(t1));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+        if (i >= kWarmup) times.push_back(ms);
+      }
+      char vname[32];
+      if (variant == 0) {
+        std::snprintf(vname, sizeof(vname), "auto");
+      } else if (variant < 0) {
+        std::snprintf(vname, sizeof(vname), "generic");
+      } else {
+        std::snprintf(vname, sizeof(vname), "vpt=%d", variant);
+      }
+      if (!ok) {
+        std::printf("%6lld x %-6lld %s %-8s %-8s  (not launchable)\n",
+                    (long long)c.rows, (long long)c.vocab, Name(c.dtype),
+                    c.mode == GradientMode::kNone ? "fwd" : "fwd+grad", vname);
+        continue;
+      }
+      lossd::CrossEntropyCudaResult host;
+      CHECK_CUDA(
+          cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost));
+      const double ms = Median(times);
+      const double moved =
+          static_cast<double>(bytes) * (c.mode == GradientMode::kNone ? 1 : 2);
+      const double gbs = moved / (ms * 1e-3) / 1e9;
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    "| %lld x %lld | %s | %s | %s | %.3f | %.0f | %.1f%% |\n",
+                    (long long)c.rows, (long long)c.vocab, Name(c.dtype),
+                    c.mode == GradientMode::kNone ? "forward" : "fwd+grad",
+                    vname, ms, gbs, 100.0 * gbs / copy_gbs);
+      std::printf("%s", line);
+      if (variant == 0) table += line;
+      if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0)) {
+        std::printf("  result looks wrong: error %d loss %g valid %lld\n",
+                    host.error, host.loss, host.valid_tokens);
+      }
+    }
+    CHECK_CUDA(cudaFree(pristine));
+    CHECK_CUDA(cudaFree(work));
+    CHECK_CUDA(cudaFree(targets));
+    CHECK_CUDA(cudaFree(ws));
+    CHECK_CUDA(cudaFree(result));
+  }
+  std::printf("\n%s", table.c_str());
+  if (!out_path.empty()) {
+    FILE* f = std::fopen(out_path.c_str(), "w");
+    if (f == nullptr) return 1;
+    char date[64];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+    std::fprintf(
+        f,
+        "# Cross-entropy kernel benchmark\n\n"
+        "Written by `cross_entropy_bench --out=...` (see "
+        "scripts/gpu-bundle) on %s, %s (%d SMs).\n"
+        "Median of %d runs after %d warm-ups, CUDA events, random "
+        "logits in [-8, 8), a fresh copy of the logits before every "
+        "run (not timed), 2%% ignored rows, mean reduction. Bytes: one "
+        "read + one write of the logits (forward-only: one read).\n\n"
+        "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s**\n\n%s",
+        date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
+        table.c_str());
+    std::fclose(f);
+  }
+  return 0;
+}

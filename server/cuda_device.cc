@@ -1,0 +1,628 @@
+// CudaDevice: stream-ordered device memory, pooled streams and pinned staging
+// buffers, device-side conversion for downloads, and the sticky-error report
+// that lets the server die rather than limp on a broken context.
+#include "server/cuda_device.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cuda/convert_cuda.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/status_macros.h"
+
+namespace lossd {
+namespace {
+
+// Sub-buffers of one device block start at this alignment (the kernel loads
+// 16-byte vectors; 256 matches cudaMalloc's own guarantee).
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    // No driver or no device: the error is not sticky, clear it.
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+bool IsStickyCudaError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(
+    const CudaDeviceOptions& options) {
+  const int count = CudaDeviceCount();
+  if (options.ordinal < 0 || options.ordinal >= count) {
+    return absl::FailedPreconditionError(
+        count == 0 ? std::string("no CUDA device is visible (no GPU or no "
+                                 "driver); use --device=cpu")
+                   : absl::StrCat("CUDA device ", options.ordinal,
+                                  " does not exist (", count, " visible)"));
+  }
+  if (options.staging_bytes == 0) {
+    return absl::InvalidArgumentError("staging_bytes must be > 0");
+  }
+  std::unique_ptr<CudaDevice> device(new CudaDevice(options));
+  RETURN_IF_ERROR(
+      device->Check(cudaSetDevice(options.ordinal), "select device"));
+  // Creates the context now rather than on the first request.
+  RETURN_IF_ERROR(device->Check(cudaFree(nullptr), "initialize context"));
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  RETURN_IF_ERROR(
+      device->Check(cudaMemGetInfo(&free_bytes, &total_bytes), "memory info"));
+  device->free_at_start_ = static_cast<int64_t>(free_bytes);
+  device->total_bytes_ = static_cast<int64_t>(total_bytes);
+  RETURN_IF_ERROR(device->Check(
+      cudaDeviceGetDefaultMemPool(&device->pool_, options.ordinal),
+      "default memory pool"));
+  // Freed memory stays cached in the pool (budgets bound it); Allocate trims
+  // the cache when a request does not fit.
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  RETURN_IF_ERROR(device->Check(
+      cudaMemPoolSetAttribute(device->pool_, cudaMemPoolAttrReleaseThreshold,
+                              &threshold),
+      "memory pool threshold"));
+  return device;
+}
+
+CudaDevice::CudaDevice(const CudaDeviceOptions& options) : options_(options) {}
+
+CudaDevice::~CudaDevice() {
+  cudaSetDevice(options_.ordinal);
+  std::vector<void*> buffers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [buffer, upload] : uploads_) buffers.push_back(buffer);
+  }
+  for (void* buffer : buffers) EndUpload(buffer).IgnoreError();
+  absl::MutexLock lock(&mu_);
+  for (cudaStream_t stream : streams_) {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  }
+  for (const Staging& staging : staging_) {
+    cudaEventDestroy(staging.done);
+    cudaFreeHost(staging.host);
+  }
+}
+
+std::string CudaDevice::name() const {
+  return absl::StrCat("cuda:", options_.ordinal);
+}
+
+DeviceMemoryInfo CudaDevice::memory() const {
+  return {allocated_bytes_.load(std::memory_order_relaxed), total_bytes_};
+}
+
+int64_t CudaDevice::DefaultBudgetBytes() const {
+  return std::max<int64_t>(0, free_at_start_ - options_.reserve_bytes);
+}
+
+void CudaDevice::SetFatalErrorHandler(
+    std::function<void(const absl::Status&)> handler) {
+  absl::MutexLock lock(&fatal_mu_);
+  fatal_handler_ = std::move(handler);
+}
+
+absl::Status CudaDevice::Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  const std::string message =
+      absl::StrCat(name(), ": ", what, ": ", cudaGetErrorName(error), ": ",
+                   cudaGetErrorString(error));
+  if (error == cudaErrorMemoryAllocation) {
+    // Recoverable: clear it so that the next call does not see it again.
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(message);
+  }
+  if (!IsStickyCudaError(error)) {
+    cudaGetLastError();
+    return absl::InternalError(message);
+  }
+  const absl::Status fatal = absl::InternalError(
+      absl::StrCat(message, " (sticky error: the CUDA context is unusable)"));
+  std::function<void(const absl::Status&)> handler;
+  {
+    absl::MutexLock lock(&fatal_mu_);
+    if (!fatal_reported_) {
+      fatal_reported_ = true;
+      handler = fatal_handler_;
+    }
+  }
+  if (handler) {
+    handler(fatal);
+  } else {
+    std::fprintf(stderr, "lossd: %s\n", fatal.ToString().c_str());
+  }
+  return fatal;
+}
+
+absl::StatusOr<cudaStream_t> CudaDevice::AcquireStream() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!streams_.empty()) {
+      cudaStream_t stream = streams_.back();
+      streams_.pop_back();
+      return stream;
+    }
+  }
+  cudaStream_t stream = nullptr;
+  // Non-blocking: never ordered behind the legacy default stream.
+  RETURN_IF_ERROR(Check(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+  return stream;
+}
+
+void CudaDevice::ReleaseStream(cudaStream_t stream) {
+  absl::MutexLock lock(&mu_);
+  streams_.push_back(stream);
+}
+
+absl::StatusOr<CudaDevice::Staging> CudaDevice::AcquireStaging() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!staging_.empty()) {
+      Staging staging = staging_.back();
+      staging_.pop_back();
+      return staging;
+    }
+  }
+  Staging staging;
+  RETURN_IF_ERROR(Check(cudaHostAlloc(&staging.host, options_.staging_bytes,
+                                      cudaHostAllocPortable),
+                        "pinned staging buffer"));
+  const absl::Status status = Check(
+      cudaEventCreateWithFlags(&staging.done, cudaEventDisableTiming), "event");
+  if (!status.ok()) {
+    cudaFreeHost(staging.host);
+    return status;
+  }
+  return staging;
+}
+
+void CudaDevice::ReleaseStaging(Staging staging) {
+  absl::MutexLock lock(&mu_);
+  staging_.push_back(staging);
+}
+
+absl::Status CudaDevice::AllocateOn(void** pointer, size_t bytes,
+                                    cudaStream_t stream) {
+  cudaError_t error = cudaMallocFromPoolAsync(pointer, bytes, pool_, stream);
+  if (error == cudaErrorMemoryAllocation) {
+    // Memory cached by the pool may be what is missing: give it back, retry.
+    cudaGetLastError();
+    cudaStreamSynchronize(stream);
+    cudaMemPoolTrimTo(pool_, 0);
+    error = cudaMallocFromPoolAsync(pointer, bytes, pool_, stream);
+  }
+  if (error == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name(), ": cannot allocate ", bytes, " bytes of device memory (",
+        allocated_bytes_.load(std::memory_order_relaxed), " of ", total_bytes_,
+        " bytes held by lossd)"));
+  }
+  return Check(error, "cudaMallocAsync");
+}
+
+absl::StatusOr<void*> CudaDevice::Allocate(size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("allocation of 0 bytes");
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  void* buffer = nullptr;
+  absl::Status status = AllocateOn(&buffer, bytes, stream);
+  // Synchronized so that the buffer may be used on any stream from now on.
+  if (status.ok()) {
+    status = Check(cudaStreamSynchronize(stream), "allocation synchronize");
+  }
+  ReleaseStream(stream);
+  if (!status.ok()) return status;
+  allocated_bytes_.fetch_add(static_cast<int64_t>(bytes),
+                             std::memory_order_relaxed);
+  return buffer;
+}
+
+void CudaDevice::Free(void* buffer, size_t bytes) {
+  if (buffer == nullptr) return;
+  cudaSetDevice(options_.ordinal);
+  // A cancelled upload may still be copying into the buffer.
+  EndUpload(buffer).IgnoreError();
+  absl::StatusOr<cudaStream_t> stream = AcquireStream();
+  if (stream.ok()) {
+    // Every other use of the buffer has completed (all methods but uploads
+    // synchronize), so the free needs no cross-stream ordering.
+    Check(cudaFreeAsync(buffer, *stream), "cudaFreeAsync").IgnoreError();
+    ReleaseStream(*stream);
+  } else {
+    Check(cudaFree(buffer), "cudaFree").IgnoreError();
+  }
+  allocated_bytes_.fetch_sub(static_cast<int64_t>(bytes),
+                             std::memory_order_relaxed);
+}
+
+absl::Status CudaDevice::CopyFromHost(void* buffer, size_t offset,
+                                      const void* host, size_t bytes) {
+  RETURN_IF_ERROR(CopyFromHostAsync(buffer, offset, host, bytes));
+  return FinishWrites(buffer);
+}
+
+absl::Status CudaDevice::CopyFromHostAsync(void* buffer, size_t offset,
+                                           const void* host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  Upload* upload = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = uploads_.find(buffer);
+    if (it != uploads_.end()) upload = it->second.get();
+  }
+  if (upload == nullptr) {
+    // Only this thread uploads into `buffer`: no one else can insert it.
+    auto fresh = std::make_unique<Upload>();
+    ASSIGN_OR_RETURN(fresh->stream, AcquireStream());
+    for (Staging& staging : fresh->staging) {
+      absl::StatusOr<Staging> acquired = AcquireStaging();
+      if (!acquired.ok()) {
+        ReleaseStream(fresh->stream);
+        for (Staging& held : fresh->staging) {
+          if (held.host != nullptr) ReleaseStaging(held);
+        }
+        return acquired.status();
+      }
+      staging = *acquired;
+    }
+    upload = fresh.get();
+    absl::MutexLock lock(&mu_);
+    uploads_[buffer] = std::move(fresh);
+  }
+  if (!upload->error.ok()) return upload->error;
+  const char* from = static_cast<const char*>(host);
+  char* to = static_cast<char*>(buffer) + offset;
+  while (bytes > 0) {
+    const size_t piece = std::min(bytes, options_.staging_bytes);
+    Staging& staging = upload->staging[upload->next];
+    upload->next ^= 1;
+    // Waits for the copy of two pieces ago; the previous one keeps running.
+    absl::Status status =
+        Check(cudaEventSynchronize(staging.done), "upload wait");
+    if (status.ok()) {
+      std::memcpy(staging.host, from, piece);
+      status = Check(cudaMemcpyAsync(to, staging.host, piece,
+                                     cudaMemcpyHostToDevice, upload->stream),
+                     "upload copy");
+    }
+    if (status.ok()) {
+      status =
+          Check(cudaEventRecord(staging.done, upload->stream), "upload record");
+    }
+    if (!status.ok()) {
+      upload->error = status;
+      return status;
+    }
+    from += piece;
+    to += piece;
+    bytes -= piece;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::EndUpload(void* buffer) {
+  std::unique_ptr<Upload> upload;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = uploads_.find(buffer);
+    if (it == uploads_.end()) return absl::OkStatus();
+    upload = std::move(it->second);
+    uploads_.erase(it);
+  }
+  absl::Status status = upload->error;
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(upload->stream), "upload synchronize");
+  if (status.ok()) status = synced;
+  ReleaseStream(upload->stream);
+  for (const Staging& staging : upload->staging) ReleaseStaging(staging);
+  return status;
+}
+
+absl::Status CudaDevice::FinishWrites(void* buffer) {
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  return EndUpload(buffer);
+}
+
+absl::Status CudaDevice::CopyToHost(void* host, const void* device,
+                                    size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return absl::OkStatus();
+  Staging staging[2];
+  for (Staging& one : staging) {
+    absl::StatusOr<Staging> acquired = AcquireStaging();
+    if (!acquired.ok()) {
+      for (Staging& held : staging) {
+        if (held.host != nullptr) ReleaseStaging(held);
+      }
+      return acquired.status();
+    }
+    one = *acquired;
+  }
+  const size_t piece_bytes = options_.staging_bytes;
+  const size_t pieces = (bytes + piece_bytes - 1) / piece_bytes;
+  auto length = [&](size_t piece) {
+    return std::min(piece_bytes, bytes - piece * piece_bytes);
+  };
+  auto enqueue = [&](size_t piece) {
+    Staging& into = staging[piece % 2];
+    absl::Status status = Check(
+        cudaMemcpyAsync(into.host,
+                        static_cast<const char*>(device) + piece * piece_bytes,
+                        length(piece), cudaMemcpyDeviceToHost, stream),
+        "download copy");
+    if (!status.ok()) return status;
+    return Check(cudaEventRecord(into.done, stream), "download record");
+  };
+  // Two pieces in flight: the device copies piece k + 1 while the host
+  // copies piece k out of pinned memory.
+  absl::Status status = enqueue(0);
+  for (size_t piece = 0; status.ok() && piece < pieces; ++piece) {
+    if (piece + 1 < pieces) status = enqueue(piece + 1);
+    if (!status.ok()) break;
+    Staging& from = staging[piece % 2];
+    status = Check(cudaEventSynchronize(from.done), "download wait");
+    if (!status.ok()) break;
+    std::memcpy(static_cast<char*>(host) + piece * piece_bytes, from.host,
+                length(piece));
+  }
+  if (!status.ok()) {
+    // Nothing may still write the staging buffers when they are reused.
+    cudaStreamSynchronize(stream);
+  }
+  for (const Staging& one : staging) ReleaseStaging(one);
+  return status;
+}
+
+absl::StatusOr<float*> CudaDevice::StageRowScale(const float* host_row_scale,
+                                                 int64_t rows,
+                                                 cudaStream_t stream) {
+  void* device = nullptr;
+  const size_t bytes = static_cast<size_t>(rows) * sizeof(float);
+  RETURN_IF_ERROR(AllocateOn(&device, bytes, stream));
+  // From pageable memory: the call returns once the bytes are staged by the
+  // driver, so the host array may go away afterwards.
+  absl::Status status = Check(cudaMemcpyAsync(device, host_row_scale, bytes,
+                                              cudaMemcpyHostToDevice, stream),
+                              "row scale copy");
+  if (!status.ok()) {
+    cudaFreeAsync(device, stream);
+    return status;
+  }
+  return static_cast<float*>(device);
+}
+
+absl::Status CudaDevice::ReadConverted(const void* buffer, DType src_dtype,
+                                       int64_t first, int64_t count,
+                                       int64_t row_length, float scale,
+                                       const float* host_row_scale,
+                                       void* host_dst, DType dst_dtype) {
+  const bool floats = IsLogitsDType(src_dtype) && IsLogitsDType(dst_dtype);
+  if (DTypeSize(src_dtype) == 0 || DTypeSize(dst_dtype) == 0 ||
+      (!floats && (src_dtype != dst_dtype || scale != 1.0f ||
+                   host_row_scale != nullptr))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ReadConverted: cannot convert dtype ", static_cast<int>(src_dtype),
+        " to ", static_cast<int>(dst_dtype), " with scale ", scale));
+  }
+  if (first < 0 || count < 0 || (host_row_scale != nullptr && row_length < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReadConverted: bad range first=", first, " count=", count,
+                     " row_length=", row_length));
+  }
+  if (count == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  const char* src = static_cast<const char*>(buffer) +
+                    static_cast<size_t>(first) * DTypeSize(src_dtype);
+  const size_t out_bytes = static_cast<size_t>(count) * DTypeSize(dst_dtype);
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  if (src_dtype == dst_dtype && scale == 1.0f && host_row_scale == nullptr) {
+    const absl::Status status = CopyToHost(host_dst, src, out_bytes, stream);
+    ReleaseStream(stream);
+    return status;
+  }
+  float* row_scale = nullptr;
+  void* scratch = nullptr;
+  int64_t local_first = first;
+  absl::Status status;
+  if (host_row_scale != nullptr) {
+    const int64_t first_row = first / row_length;
+    const int64_t last_row = (first + count - 1) / row_length;
+    // Only the rows this range touches travel; indices become relative.
+    absl::StatusOr<float*> staged = StageRowScale(
+        host_row_scale + first_row, last_row - first_row + 1, stream);
+    status = staged.status();
+    if (status.ok()) row_scale = *staged;
+    local_first = first - first_row * row_length;
+  }
+  if (status.ok()) status = AllocateOn(&scratch, out_bytes, stream);
+  if (status.ok()) {
+    status = Check(
+        ConvertScaleCudaLaunch(src, src_dtype, scratch, dst_dtype, local_first,
+                               count, row_length, scale, row_scale, stream),
+        "convert kernel");
+  }
+  if (status.ok()) status = CopyToHost(host_dst, scratch, out_bytes, stream);
+  if (scratch != nullptr) cudaFreeAsync(scratch, stream);
+  if (row_scale != nullptr) cudaFreeAsync(row_scale, stream);
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(stream), "download synchronize");
+  ReleaseStream(stream);
+  return status.ok() ? synced : status;
+}
+
+absl::Status CudaDevice::ScaleInPlace(void* buffer, DType dtype, int64_t count,
+                                      int64_t row_length, float scale,
+                                      const float* host_row_scale) {
+  if (!IsLogitsDType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScaleInPlace: dtype ", static_cast<int>(dtype),
+                     " is not a floating-point dtype"));
+  }
+  if (count < 0 || (host_row_scale != nullptr && row_length < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ScaleInPlace: bad count ", count, " or row_length ", row_length));
+  }
+  if (count == 0 || (scale == 1.0f && host_row_scale == nullptr)) {
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  float* row_scale = nullptr;
+  absl::Status status;
+  if (host_row_scale != nullptr) {
+    absl::StatusOr<float*> staged = StageRowScale(
+        host_row_scale, (count + row_length - 1) / row_length, stream);
+    status = staged.status();
+    if (status.ok()) row_scale = *staged;
+  }
+  if (status.ok()) {
+    status =
+        Check(ConvertScaleCudaLaunch(buffer, dtype, buffer, dtype, 0, count,
+                                     row_length, scale, row_scale, stream),
+              "scale kernel");
+  }
+  if (row_scale != nullptr) cudaFreeAsync(row_scale, stream);
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(stream), "scale synchronize");
+  ReleaseStream(stream);
+  return status.ok() ? synced : status;
+}
+
+absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
+                                      CrossEntropyResult* result) {
+  if (result == nullptr) {
+    return absl::InvalidArgumentError("cross_entropy: result is nullptr");
+  }
+  RETURN_IF_ERROR(ValidateCrossEntropyArgs(args));
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+
+  // One block: workspace, result, then the per-token outputs requested.
+  const size_t rows = static_cast<size_t>(args.rows);
+  const size_t workspace_bytes =
+      AlignUp(CrossEntropyCudaWorkspaceBytes(args.rows));
+  const size_t result_offset = workspace_bytes;
+  size_t offset = result_offset + AlignUp(sizeof(CrossEntropyCudaResult));
+  const size_t loss_offset = offset;
+  if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
+  const size_t lse_offset = offset;
+  if (args.token_lse != nullptr) offset += AlignUp(rows * sizeof(float));
+  const size_t argmax_offset = offset;
+  if (args.token_argmax != nullptr) offset += AlignUp(rows * sizeof(int32_t));
+  const size_t block_bytes = offset;
+
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  absl::StatusOr<Staging> staging = AcquireStaging();
+  if (!staging.ok()) {
+    ReleaseStream(stream);
+    return staging.status();
+  }
+  char* block = nullptr;
+  absl::Status status =
+      AllocateOn(reinterpret_cast<void**>(&block), block_bytes, stream);
+  CrossEntropyArgs device_args = args;
+  if (status.ok()) {
+    if (args.token_loss != nullptr) {
+      device_args.token_loss = reinterpret_cast<float*>(block + loss_offset);
+    }
+    if (args.token_lse != nullptr) {
+      device_args.token_lse = reinterpret_cast<float*>(block + lse_offset);
+    }
+    if (args.token_argmax != nullptr) {
+      device_args.token_argmax =
+          reinterpret_cast<int32_t*>(block + argmax_offset);
+    }
+    auto* device_result =
+        reinterpret_cast<CrossEntropyCudaResult*>(block + result_offset);
+    const cudaError_t launched = CrossEntropyCudaLaunch(
+        device_args, device_result, block, workspace_bytes, stream);
+    if (launched == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      status = absl::InvalidArgumentError(
+          absl::StrCat("cross_entropy: shape [", args.rows, ", ", args.vocab,
+                       "] is not supported by the CUDA kernel"));
+    } else {
+      status = Check(launched, "cross_entropy launch");
+    }
+    if (status.ok()) {
+      status = Check(cudaMemcpyAsync(staging->host, device_result,
+                                     sizeof(CrossEntropyCudaResult),
+                                     cudaMemcpyDeviceToHost, stream),
+                     "cross_entropy result copy");
+    }
+    if (status.ok()) {
+      status = Check(cudaStreamSynchronize(stream), "cross_entropy");
+    }
+  }
+  CrossEntropyCudaResult host = {};
+  if (status.ok()) {
+    std::memcpy(&host, staging->host, sizeof(host));
+    if (host.error == kCrossEntropyBadTarget) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("target of row ", host.bad_row, " is ", host.bad_target,
+                       ", outside [0, ", args.vocab, ") and not ignore_index (",
+                       args.options.ignore_index, ")"));
+    }
+  }
+  if (status.ok() && args.token_loss != nullptr) {
+    status = CopyToHost(args.token_loss, device_args.token_loss,
+                        rows * sizeof(float), stream);
+  }
+  if (status.ok() && args.token_lse != nullptr) {
+    status = CopyToHost(args.token_lse, device_args.token_lse,
+                        rows * sizeof(float), stream);
+  }
+  if (status.ok() && args.token_argmax != nullptr) {
+    status = CopyToHost(args.token_argmax, device_args.token_argmax,
+                        rows * sizeof(int32_t), stream);
+  }
+  if (block != nullptr) cudaFreeAsync(block, stream);
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(stream), "cross_entropy free");
+  ReleaseStaging(*staging);
+  ReleaseStream(stream);
+  RETURN_IF_ERROR(status);
+  RETURN_IF_ERROR(synced);
+  result->loss = host.loss;
+  result->z_loss = host.z_loss;
+  result->valid_tokens = host.valid_tokens;
+  result->correct_tokens = host.correct_tokens;
+  result->nonfinite_rows = host.nonfinite_rows;
+  result->denominator = host.denominator;
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

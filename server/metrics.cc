@@ -1,0 +1,206 @@
+// Metrics: prometheus-cpp families, the store collector that reads memory
+// gauges at scrape time, and the civetweb-based exposer (which reports
+// failures by exception; they are caught here and become absl::Status).
+#include "server/metrics.h"
+
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "server/device.h"
+#include "server/tensor_store.h"
+
+namespace lossd {
+namespace {
+
+// RPCs last from ~100 us (Describe) to a minute (a large upload or Evaluate):
+// roughly 1-2.5-5 per decade over that range.
+const std::vector<double>& RpcBuckets() {
+  static const std::vector<double>* const kBuckets = new std::vector<double>{
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+      0.25,   0.5,     1.0,    2.5,   5.0,    10.0,  20.0, 40.0,  60.0};
+  return *kBuckets;
+}
+
+prometheus::ClientMetric GaugeSample(
+    std::vector<prometheus::ClientMetric::Label> labels, double value) {
+  prometheus::ClientMetric sample;
+  sample.label = std::move(labels);
+  sample.gauge.value = value;
+  return sample;
+}
+
+prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
+  prometheus::MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = prometheus::MetricType::Gauge;
+  return family;
+}
+
+const char* DirectionName(TransferDirection direction) {
+  switch (direction) {
+    case TransferDirection::kUpload:
+      return "upload";
+    case TransferDirection::kDownload:
+      return "download";
+    case TransferDirection::kEvaluate:
+      return "evaluate";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+// Reads the store's memory figures when scraped: tenants come and go, and
+// computing the gauges on demand keeps the store's hot paths free of metrics.
+class Metrics::StoreCollector final : public prometheus::Collectable {
+ public:
+  explicit StoreCollector(const TensorStore* store) : store_(store) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> families;
+    if (store_ == nullptr) return families;
+    const std::string device = store_->device()->name();
+    const StoreStats stats = store_->Stats();
+    prometheus::MetricFamily tensor_bytes =
+        GaugeFamily("lossd_tensor_bytes", "Bytes of tensors held");
+    prometheus::MetricFamily tensors =
+        GaugeFamily("lossd_tensors", "Tensors held");
+    for (const TenantUsage& usage : store_->UsageByTenant()) {
+      tensor_bytes.metric.push_back(
+          GaugeSample({{"device", device}, {"tenant", usage.tenant}},
+                      static_cast<double>(usage.bytes)));
+      tensors.metric.push_back(
+          GaugeSample({{"device", device}, {"tenant", usage.tenant}},
+                      static_cast<double>(usage.tensors)));
+    }
+    prometheus::MetricFamily reserved = GaugeFamily(
+        "lossd_reserved_bytes",
+        "Bytes charged to the memory budget: tensors held, uploads in "
+        "progress and Forward outputs being computed");
+    reserved.metric.push_back(GaugeSample(
+        {{"device", device}}, static_cast<double>(stats.used_bytes)));
+    prometheus::MetricFamily budget =
+        GaugeFamily("lossd_memory_budget_bytes",
+                    "Bytes the tensors may use (--memory_budget)");
+    budget.metric.push_back(GaugeSample(
+        {{"device", device}}, static_cast<double>(stats.budget_bytes)));
+    families.push_back(std::move(tensor_bytes));
+    families.push_back(std::move(tensors));
+    families.push_back(std::move(reserved));
+    families.push_back(std::move(budget));
+    return families;
+  }
+
+ private:
+  const TensorStore* const store_;
+};
+
+Metrics::Metrics(const TensorStore* store)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      store_collector_(std::make_shared<StoreCollector>(store)) {
+  rpc_total_ = &prometheus::BuildCounter()
+                    .Name("lossd_rpc_total")
+                    .Help("Finished lossd.v1.Lossd RPCs by method and status")
+                    .Register(*registry_);
+  rpc_duration_ =
+      &prometheus::BuildHistogram()
+           .Name("lossd_rpc_duration_seconds")
+           .Help("Time from the start of an RPC to its final status")
+           .Register(*registry_);
+  kernel_seconds_ = &prometheus::BuildCounter()
+                         .Name("lossd_kernel_seconds_total")
+                         .Help("Time spent in device kernels")
+                         .Register(*registry_);
+  kernel_runs_ = &prometheus::BuildCounter()
+                      .Name("lossd_kernel_runs_total")
+                      .Help("Device kernel runs")
+                      .Register(*registry_);
+  auto& transfer = prometheus::BuildCounter()
+                       .Name("lossd_transfer_bytes_total")
+                       .Help(
+                           "Tensor bytes received (upload, evaluate) or "
+                           "sent (download) over gRPC")
+                       .Register(*registry_);
+  for (TransferDirection direction :
+       {TransferDirection::kUpload, TransferDirection::kDownload,
+        TransferDirection::kEvaluate}) {
+    transfer_bytes_[static_cast<int>(direction)] =
+        &transfer.Add({{"direction", DirectionName(direction)}});
+  }
+}
+
+Metrics::~Metrics() { exposer_.reset(); }
+
+absl::Status Metrics::Serve(const std::string& host, int port) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics port ", port, " is outside [0, 65535]"));
+  }
+  if (exposer_ != nullptr) {
+    return absl::FailedPreconditionError("metrics are already served");
+  }
+  const std::string address = absl::StrCat(
+      host.find(':') != std::string::npos ? "[" + host + "]" : host, ":", port);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    // One thread: scrapes are rare and cheap; more would only hold memory.
+    exposer = std::make_unique<prometheus::Exposer>(address, 1);
+  } catch (const std::exception& error) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", error.what()));
+  }
+  const std::vector<int> ports = exposer->GetListeningPorts();
+  if (ports.empty() || ports[0] <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics on ", address, ": no listening port"));
+  }
+  exposer->RegisterCollectable(registry_);
+  exposer->RegisterCollectable(store_collector_);
+  port_ = ports[0];
+  exposer_ = std::move(exposer);
+  return absl::OkStatus();
+}
+
+std::string Metrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& family : store_collector_->Collect()) {
+    families.push_back(std::move(family));
+  }
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code,
+                         absl::Duration elapsed) {
+  const prometheus::Labels labels = {{"method", std::string(method)},
+                                     {"code", absl::StatusCodeToString(code)}};
+  rpc_total_->Add(labels).Increment();
+  rpc_duration_->Add(labels, RpcBuckets())
+      .Observe(absl::ToDoubleSeconds(elapsed));
+}
+
+void Metrics::ObserveKernel(absl::string_view device, absl::string_view kernel,
+                            double seconds) {
+  const prometheus::Labels labels = {{"device", std::string(device)},
+                                     {"kernel", std::string(kernel)}};
+  kernel_seconds_->Add(labels).Increment(seconds);
+  kernel_runs_->Add(labels).Increment();
+}
+
+void Metrics::AddTransferBytes(TransferDirection direction, int64_t bytes) {
+  transfer_bytes_[static_cast<int>(direction)]->Increment(
+      static_cast<double>(bytes));
+}
+
+}  // namespace lossd

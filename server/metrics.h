@@ -1,0 +1,93 @@
+// Prometheus metrics of one lossd instance, served on their own plain-HTTP
+// port so that scrapes never compete with gRPC traffic. The service records
+// into it once per RPC (or per chunk); memory gauges are read from the store
+// when scraped, so no hot path updates them.
+#ifndef LOSSD_SERVER_METRICS_H_
+#define LOSSD_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Registry;
+template <typename T>
+class Family;
+class Histogram;
+}  // namespace prometheus
+
+namespace lossd {
+
+class TensorStore;
+
+// What crossed the network, by RPC kind (label `direction` of
+// lossd_transfer_bytes_total).
+enum class TransferDirection { kUpload, kDownload, kEvaluate };
+
+// The metrics of one instance:
+//   lossd_tensor_bytes{device,tenant}, lossd_tensors{device,tenant} (gauges),
+//   lossd_reserved_bytes{device}, lossd_memory_budget_bytes{device} (gauges),
+//   lossd_rpc_total{method,code}, lossd_rpc_duration_seconds{method,code},
+//   lossd_kernel_seconds_total{device,kernel},
+//   lossd_kernel_runs_total{device,kernel},
+//   lossd_transfer_bytes_total{direction}.
+// Thread-safe: every method may be called from any thread.
+class Metrics {
+ public:
+  // `store` (nullable: then no memory gauges) must outlive this object; it is
+  // read only while a scrape or Render runs.
+  explicit Metrics(const TensorStore* store);
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+  // Stops the HTTP endpoint (waits for a scrape in progress) first.
+  ~Metrics();
+
+  // Serves GET /metrics over plain HTTP on host:port (port 0 picks a free
+  // one; see port()). INVALID_ARGUMENT for a port outside [0, 65535],
+  // FAILED_PRECONDITION when already serving, UNAVAILABLE when the address
+  // cannot be bound.
+  absl::Status Serve(const std::string& host, int port);
+
+  // The bound port once Serve succeeded, else 0.
+  int port() const { return port_; }
+
+  // The text exposition format, as a scrape of /metrics returns it.
+  std::string Render() const;
+
+  // One finished RPC: `method` is the lossd.v1.Lossd method name ("Upload"),
+  // `code` its final status, `elapsed` from its start to its end.
+  void ObserveRpc(absl::string_view method, absl::StatusCode code,
+                  absl::Duration elapsed);
+
+  // One kernel run of `seconds` on `device` ("cpu", "cuda:0"); `kernel` is
+  // "cross_entropy" or "scale".
+  void ObserveKernel(absl::string_view device, absl::string_view kernel,
+                     double seconds);
+
+  // `bytes` of tensor data received (upload, evaluate) or sent (download).
+  void AddTransferBytes(TransferDirection direction, int64_t bytes);
+
+ private:
+  class StoreCollector;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<StoreCollector> store_collector_;
+  prometheus::Family<prometheus::Counter>* rpc_total_;
+  prometheus::Family<prometheus::Histogram>* rpc_duration_;
+  prometheus::Family<prometheus::Counter>* kernel_seconds_;
+  prometheus::Family<prometheus::Counter>* kernel_runs_;
+  prometheus::Counter* transfer_bytes_[3];
+  int port_ = 0;
+  // Last member: destroyed first, so no scrape runs while the rest goes.
+  std::unique_ptr<prometheus::Exposer> exposer_;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_METRICS_H_
