@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
     args.gradient = c.mode == GradientMode::kInPlace ? work : nullptr;
     std::vector<int> variants = {0};
     if (sweep) {
-      for (int v : {4, 8, 16, 32}) variants.push_back(v);
+      for (int v : {1, 2, 4, 8, 16}) variants.push_back(v);
       variants.push_back(-1);  // generic
     }
     for (int variant : variants) {

@@ -244,7 +244,7 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   ASSIGN_OR_RETURN(const uint64_t expected, TensorBytes(dtype, shape));
   if (expected != bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(bytes, " bytes given; dtype ", DTypeName(dtype),
+        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
                      " and the shape need ", expected));
   }
   if (data == nullptr && bytes > 0) {
@@ -514,11 +514,11 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   }
   if (!IsLogitsDType(logits_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "logits dtype ", DTypeName(logits_dtype), " is not floating point"));
+        "logits dtype ", DTypeString(logits_dtype), " is not floating point"));
   }
   if (!IsTargetsDType(targets_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "targets dtype ", DTypeName(targets_dtype), " is not int32/int64"));
+        "targets dtype ", DTypeString(targets_dtype), " is not int32/int64"));
   }
   grpc::ClientContext context;
   PrepareContext(options_, &context);
@@ -637,7 +637,7 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   return FromProto(response);
 }
 
-const char* DTypeName(DType dtype) {
+const char* DTypeString(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
       return "float32";
@@ -654,7 +654,7 @@ const char* DTypeName(DType dtype) {
   }
 }
 
-absl::StatusOr<DType> ParseDType(const std::string& name) {
+absl::StatusOr<DType> DTypeFromString(const std::string& name) {
   const std::string lower = absl::AsciiStrToLower(name);
   if (lower == "float32" || lower == "fp32" || lower == "f32") {
     return DType::kFloat32;

@@ -19,6 +19,9 @@
 
 namespace lossd {
 
+// The gRPC service name of lossd; Health(kLossdService) asks for readiness.
+inline constexpr char kLossdService[] = "lossd.v1.Lossd";
+
 struct ClientOptions {
   // Bytes of tensor data per Upload / Evaluate message and the chunk size
   // asked of the server on Download. 1 MiB keeps each message far below the
@@ -160,6 +163,8 @@ using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 
 // Fills *block with the next block and returns true, or returns false when
 // there are no more rows. An error aborts the Evaluate and is returned by it.
+// Evaluate calls it on a helper thread, one call at a time, so that producing
+// the next block overlaps sending the previous one.
 using RowBlockProducer = std::function<absl::StatusOr<bool>(RowBlock* block)>;
 
 // A connection to one lossd instance. Every method is thread-safe and may be
@@ -251,8 +256,8 @@ class Client {
       bool materialize = false);
 
   // Forward-only evaluation of the blocks `next_block` produces; the server
-  // retains nothing. Blocks are sent as produced (one in flight while the next
-  // is prepared). INVALID_ARGUMENT (client side): vocab < 1, bad dtypes.
+  // retains nothing. At most two produced blocks wait to be sent, so memory
+  // stays O(block). INVALID_ARGUMENT (client side): vocab < 1, bad dtypes.
   // Server errors as the Evaluate RPC; an error of the producer cancels the
   // RPC and is returned.
   absl::StatusOr<EvaluateResult> Evaluate(
@@ -269,7 +274,7 @@ class Client {
       int64_t block_rows = 0, const ProgressCallback& progress = nullptr);
 
   // Standard gRPC health check (grpc.health.v1). `service` "" asks about
-  // liveness, "lossd.v1.Lossd" about readiness. Success: true when SERVING.
+  // liveness, kLossdService about readiness. Success: true when SERVING.
   // NOT_FOUND: the server does not know `service`. UNAVAILABLE: unreachable.
   absl::StatusOr<bool> Health(const std::string& service = "");
 
@@ -286,10 +291,11 @@ class Client {
 };
 
 // Readable names, for CLIs and logs: "float32", "bf16", "int64", ...
-const char* DTypeName(DType dtype);
+// (Not called DTypeName: the server has its own, and a binary may link both.)
+const char* DTypeString(DType dtype);
 // Parses "float32"/"fp32"/"f32", "bfloat16"/"bf16", "float16"/"fp16"/"half",
 // "int32", "int64". INVALID_ARGUMENT otherwise.
-absl::StatusOr<DType> ParseDType(const std::string& name);
+absl::StatusOr<DType> DTypeFromString(const std::string& name);
 const char* TensorStateName(TensorState state);  // "LOGITS", "GRADIENT"
 
 }  // namespace lossd

@@ -100,8 +100,12 @@ class ProgressBar {
         unit_scale_(unit_scale),
         enabled_(absl::GetFlag(FLAGS_progress) || isatty(STDERR_FILENO)),
         start_(absl::Now()) {}
-  ~ProgressBar() {
+  ~ProgressBar() { Done(); }
+
+  // Ends the bar's line, so that later output starts on a fresh one.
+  void Done() {
     if (drawn_) std::fputc('\n', stderr);
+    drawn_ = false;
   }
 
   void Update(int64_t done, int64_t total) {
@@ -123,10 +127,13 @@ class ProgressBar {
                          std::string(kWidth - filled, '.'), "] ",
                          absl::StrFormat("%5.1f%% ", 100.0 * fraction));
     }
+    // Whole units (rows) print as integers, scaled ones (MB) with a decimal.
+    const int decimals = unit_scale_ == 1.0 ? 0 : 1;
     std::string count =
-        total > 0 ? absl::StrFormat("%.1f/%.1f %s", done / unit_scale_,
-                                    total / unit_scale_, unit_)
-                  : absl::StrFormat("%.1f %s", done / unit_scale_, unit_);
+        total > 0
+            ? absl::StrFormat("%.*f/%.*f %s", decimals, done / unit_scale_,
+                              decimals, total / unit_scale_, unit_)
+            : absl::StrFormat("%.*f %s", decimals, done / unit_scale_, unit_);
     std::fprintf(stderr, "\r%s %s%s %.1f %s/s   ", what_.c_str(), bar.c_str(),
                  count.c_str(), rate, unit_.c_str());
     std::fflush(stderr);
@@ -198,7 +205,7 @@ absl::StatusOr<CrossEntropyOptions> LossOptionsFromFlags() {
 absl::StatusOr<DType> DTypeFlag(DType fallback) {
   const std::string name = absl::GetFlag(FLAGS_dtype);
   if (name.empty()) return fallback;
-  return ParseDType(name);
+  return DTypeFromString(name);
 }
 
 // Converts `count` elements between float dtypes (or copies when equal).
@@ -244,13 +251,13 @@ absl::Status ConvertElements(const void* src, DType from, void* dst, DType to,
     }
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("cannot convert ", DTypeName(from), " to ", DTypeName(to)));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cannot convert ", DTypeString(from), " to ", DTypeString(to)));
 }
 
 absl::Status Health(Client& client) {
   ASSIGN_OR_RETURN(const bool live, client.Health(""));
-  ASSIGN_OR_RETURN(const bool ready, client.Health("lossd.v1.Lossd"));
+  ASSIGN_OR_RETURN(const bool ready, client.Health(kLossdService));
   std::printf("liveness %s\nreadiness %s\n", live ? "SERVING" : "NOT_SERVING",
               ready ? "SERVING" : "NOT_SERVING");
   if (!live || !ready) {
@@ -291,9 +298,10 @@ absl::Status Upload(Client& client, const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(const TensorInfo info,
                    client.Upload(dtype, header.shape, data, bytes,
                                  absl::GetFlag(FLAGS_label), bar.Callback()));
+  bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::fprintf(stderr, "uploaded %s %s, %zu bytes in %.3f s\n",
-               DTypeName(dtype), ShapeString(header.shape).c_str(), bytes,
+               DTypeString(dtype), ShapeString(header.shape).c_str(), bytes,
                seconds);
   std::printf("%s\n", info.handle.c_str());
   return absl::OkStatus();
@@ -394,6 +402,7 @@ absl::Status Download(Client& client, const std::vector<std::string>& args) {
         return writer->Append(widened.data(), widened.size());
       },
       bar.Callback()));
+  bar.Done();
   RETURN_IF_ERROR(writer->Close());
   std::fprintf(stderr, "wrote %s\n", args[1].c_str());
   return absl::OkStatus();
@@ -414,7 +423,7 @@ absl::Status List(Client& client, const std::vector<std::string>& args) {
               "SHAPE", "BYTES", "STATE", "DEVICE", "AGE", "IDLE", "LABEL");
   for (const TensorInfo& t : list.tensors) {
     std::printf("%-45s %-8s %-16s %12lld %-9s %-6s %5s %5s %s\n",
-                t.handle.c_str(), DTypeName(t.dtype),
+                t.handle.c_str(), DTypeString(t.dtype),
                 ShapeString(t.shape).c_str(), static_cast<long long>(t.bytes),
                 TensorStateName(t.state), t.device.c_str(),
                 Age(t.created).c_str(), Age(t.last_used).c_str(),
@@ -458,13 +467,13 @@ absl::Status Eval(Client& client, const std::vector<std::string>& args) {
   if (lh.shape.size() != 2 || !IsLogitsDType(lh.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat(args[0], ": expected float32/float16 logits [N, V], got ",
-                     DTypeName(lh.dtype), " ", ShapeString(lh.shape)));
+                     DTypeString(lh.dtype), " ", ShapeString(lh.shape)));
   }
   if (th.shape.size() != 1 || !IsTargetsDType(th.dtype) ||
       th.shape[0] != lh.shape[0]) {
     return absl::InvalidArgumentError(absl::StrCat(
         args[1], ": expected int32/int64 targets [", lh.shape[0], "], got ",
-        DTypeName(th.dtype), " ", ShapeString(th.shape)));
+        DTypeString(th.dtype), " ", ShapeString(th.shape)));
   }
   const int64_t rows = lh.shape[0];
   const int64_t vocab = lh.shape[1];
@@ -514,6 +523,7 @@ absl::Status Eval(Client& client, const std::vector<std::string>& args) {
             return true;
           },
           bar.Callback()));
+  bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   const double accuracy =
       result.valid_tokens > 0

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/status_macros.h"
+#include "server/validation.h"
 
 namespace lossd {
 
@@ -35,43 +36,6 @@ const std::string& TenantOf(const grpc::CallbackServerContext* /*context*/) {
 
 absl::Status DrainingError() {
   return absl::UnavailableError("lossd is draining; retry on another instance");
-}
-
-absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
-                                 bool allow_unspecified) {
-  if (value == pb::DTYPE_UNSPECIFIED && allow_unspecified) {
-    return DType::kInvalid;
-  }
-  if (value < pb::DTYPE_FLOAT32 || value > pb::DTYPE_INT64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", value == 0 ? "missing dtype" : "unknown dtype ", value));
-  }
-  return static_cast<DType>(value);
-}
-
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    default:
-      return "invalid";
-  }
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    absl::StrAppend(&text, i ? ", " : "", shape[i]);
-  }
-  return text + "]";
 }
 
 void ToProtoTime(absl::Time time, google::protobuf::Timestamp* out) {
@@ -99,80 +63,6 @@ void ToProto(const TensorInfo& info, pb::TensorInfo* out) {
   ToProtoTime(info.last_used, out->mutable_last_used());
   out->set_pending_scale(info.pending_scale);
   out->set_pending_token_scale(info.pending_token_scale);
-}
-
-absl::Status CheckFinite(double value, absl::string_view field) {
-  if (!std::isfinite(value)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " = ", value, " is not finite"));
-  }
-  return absl::OkStatus();
-}
-
-// Maps and checks LossOptions (everything but class_weights, a handle).
-absl::StatusOr<CrossEntropyOptions> ParseLossOptions(
-    const pb::LossOptions& in) {
-  CrossEntropyOptions out;
-  if (in.has_ignore_index()) out.ignore_index = in.ignore_index();
-  RETURN_IF_ERROR(CheckFinite(in.label_smoothing(), "label_smoothing"));
-  if (in.label_smoothing() < 0.0f || in.label_smoothing() > 1.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "label_smoothing = ", in.label_smoothing(), " is outside [0, 1]"));
-  }
-  out.label_smoothing = in.label_smoothing();
-  switch (in.reduction()) {
-    case pb::REDUCTION_UNSPECIFIED:
-    case pb::REDUCTION_MEAN:
-      out.reduction = Reduction::kMean;
-      break;
-    case pb::REDUCTION_SUM:
-      out.reduction = Reduction::kSum;
-      break;
-    case pb::REDUCTION_NONE:
-      out.reduction = Reduction::kNone;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown reduction ", in.reduction()));
-  }
-  RETURN_IF_ERROR(CheckFinite(in.z_loss_scale(), "z_loss_scale"));
-  if (in.z_loss_scale() < 0.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("z_loss_scale = ", in.z_loss_scale(), " is < 0"));
-  }
-  out.z_loss_scale = in.z_loss_scale();
-  RETURN_IF_ERROR(CheckFinite(in.softcap(), "softcap"));
-  if (in.softcap() < 0.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("softcap = ", in.softcap(), " is < 0"));
-  }
-  out.softcap = in.softcap();
-  RETURN_IF_ERROR(CheckFinite(in.normalizer(), "normalizer"));
-  if (in.normalizer() < 0.0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("normalizer = ", in.normalizer(), " is < 0"));
-  }
-  out.normalizer = in.normalizer();
-  if (in.has_grad_scale()) {
-    RETURN_IF_ERROR(CheckFinite(in.grad_scale(), "grad_scale"));
-    out.grad_scale = in.grad_scale();
-  }
-  return out;
-}
-
-absl::StatusOr<GradientMode> ParseMode(int mode) {
-  switch (mode) {
-    case pb::GRADIENT_MODE_UNSPECIFIED:
-    case pb::GRADIENT_MODE_IN_PLACE:
-      return GradientMode::kInPlace;
-    case pb::GRADIENT_MODE_OUT_OF_PLACE:
-      return GradientMode::kOutOfPlace;
-    case pb::GRADIENT_MODE_NONE:
-      return GradientMode::kNone;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown gradient mode ", mode));
-  }
 }
 
 // Host bytes made visible to the device: the bytes themselves on a
@@ -284,15 +174,10 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
           return absl::InvalidArgumentError("a second header");
         }
         const pb::TensorHeader& header = request_.header();
-        ASSIGN_OR_RETURN(
-            DType dtype,
-            ParseDType(header.dtype(), "header.dtype", /*allow_unspecified=*/
-                       false));
-        std::vector<int64_t> shape(header.shape().begin(),
-                                   header.shape().end());
+        ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
-                                       TenantOf(context_), dtype,
-                                       std::move(shape), header.label()));
+                                       TenantOf(context_), spec.dtype,
+                                       std::move(spec.shape), header.label()));
         return absl::OkStatus();
       }
       case pb::UploadRequest::kChunk:
@@ -359,24 +244,29 @@ class DownloadReactor final
       End(ToGrpcStatus(status));
       return;
     }
+    absl::MutexLock lock(&mu_);
     StartWrite(&response_);
+    Prefetch();
   }
 
   void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
     if (!ok) {
       End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
       return;
     }
-    if (next_element_ >= elements_) {
+    if (!spare_status_.ok()) {
+      End(ToGrpcStatus(spare_status_));
+      return;
+    }
+    if (!spare_ready_) {
       End(grpc::Status::OK);
       return;
     }
-    const absl::Status status = FillChunk();
-    if (!status.ok()) {
-      End(ToGrpcStatus(status));
-      return;
-    }
+    response_.Swap(&spare_);
+    spare_ready_ = false;
     StartWrite(&response_);
+    Prefetch();
   }
 
   void OnDone() override {
@@ -388,34 +278,22 @@ class DownloadReactor final
  private:
   absl::Status Start(grpc::CallbackServerContext* context,
                      const pb::DownloadRequest& request) {
-    ASSIGN_OR_RETURN(DType as_dtype, ParseDType(request.dtype(), "dtype",
-                                                /*allow_unspecified=*/true));
-    if (request.chunk_bytes() < 0 ||
-        request.chunk_bytes() > service_->options().max_chunk_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk_bytes = ", request.chunk_bytes(), " is outside [0, ",
-          service_->options().max_chunk_bytes, "]"));
-    }
+    ASSIGN_OR_RETURN(
+        DownloadSpec spec,
+        ValidateDownloadRequest(request, service_->options().max_chunk_bytes));
+    DType as_dtype = spec.dtype;
     ASSIGN_OR_RETURN(
         std::shared_ptr<Tensor> tensor,
         service_->store()->Get(TenantOf(context), request.handle()));
     const DType stored = tensor->dtype();
     if (as_dtype == DType::kInvalid) as_dtype = stored;
-    if (IsLogitsDType(stored) != IsLogitsDType(as_dtype) ||
-        (!IsLogitsDType(stored) && stored != as_dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cannot convert ", DTypeName(stored), " to ", DTypeName(as_dtype)));
-    }
     const int64_t out_size = static_cast<int64_t>(DTypeSize(as_dtype));
-    const int64_t chunk_bytes = request.chunk_bytes() == 0
-                                    ? service_->options().default_chunk_bytes
-                                    : request.chunk_bytes();
-    chunk_elements_ = chunk_bytes / out_size;
-    if (chunk_elements_ < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk_bytes = ", chunk_bytes,
-                       " is smaller than one element of ", out_size, " bytes"));
-    }
+    ASSIGN_OR_RETURN(
+        chunk_elements_,
+        DownloadChunkElements(stored, as_dtype,
+                              spec.chunk_bytes == 0
+                                  ? service_->options().default_chunk_bytes
+                                  : spec.chunk_bytes));
     lease_ = service_->store()->BeginRead(std::move(tensor));
     dtype_ = as_dtype;
     elements_ = lease_.tensor()->elements();
@@ -429,10 +307,18 @@ class DownloadReactor final
     return absl::OkStatus();
   }
 
-  absl::Status FillChunk() {
+  // Reads the next chunk into spare_ while response_ is being sent, so that
+  // the device's conversion and copy overlap the network.
+  void Prefetch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (next_element_ >= elements_) return;
+    spare_status_ = FillChunk(&spare_);
+    spare_ready_ = spare_status_.ok();
+  }
+
+  absl::Status FillChunk(pb::DownloadResponse* out) {
     const Tensor& tensor = *lease_.tensor();
     const int64_t count = std::min(chunk_elements_, elements_ - next_element_);
-    std::string* chunk = response_.mutable_chunk();
+    std::string* chunk = out->mutable_chunk();
     chunk->resize(static_cast<size_t>(count) * DTypeSize(dtype_));
     const ReadView& view = lease_.view();
     RETURN_IF_ERROR(tensor.device()->ReadConverted(
@@ -452,12 +338,21 @@ class DownloadReactor final
   // that has its status also sees it counted.
   void End(const grpc::Status& status) {
     service_->RecordRpc("Download", status.error_code(), start_);
+    // The read lease ends before the client can see the status, so that an
+    // RPC it sends next (Backward with materialize) does not find the tensor
+    // still in use.
+    lease_ = ReadLease();
     Finish(status);
   }
 
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
+  // Writes complete on gRPC's threads: one reaction at a time here.
+  absl::Mutex mu_;
   pb::DownloadResponse response_;
+  pb::DownloadResponse spare_ ABSL_GUARDED_BY(mu_);
+  bool spare_ready_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status spare_status_ ABSL_GUARDED_BY(mu_);
   ReadLease lease_;
   DType dtype_ = DType::kInvalid;
   int64_t elements_ = 0;
@@ -479,11 +374,15 @@ class EvaluateReactor final
       End(ToGrpcStatus(DrainingError()));
       return;
     }
-    StartRead(&request_);
+    absl::MutexLock lock(&mu_);
+    StartRead(&requests_[current_]);
   }
 
   void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;  // an earlier block failed; this read is moot
     if (!ok) {
+      finished_ = true;
       if (context_->IsCancelled()) {
         End(grpc::Status::CANCELLED);
         return;
@@ -491,12 +390,16 @@ class EvaluateReactor final
       End(ToGrpcStatus(Complete()));
       return;
     }
-    const absl::Status status = Consume();
+    const pb::EvaluateRequest& request = requests_[current_];
+    current_ ^= 1;
+    // Pipelined: the next block is received into the other buffer while this
+    // one is copied to the device and evaluated.
+    StartRead(&requests_[current_]);
+    const absl::Status status = Consume(request);
     if (!status.ok()) {
+      finished_ = true;
       End(ToGrpcStatus(status));
-      return;
     }
-    StartRead(&request_);
   }
 
   void OnDone() override {
@@ -506,19 +409,19 @@ class EvaluateReactor final
   }
 
  private:
-  absl::Status Consume() {
-    switch (request_.kind_case()) {
+  absl::Status Consume(const pb::EvaluateRequest& request) {
+    switch (request.kind_case()) {
       case pb::EvaluateRequest::kHeader:
         if (have_header_) {
           return absl::InvalidArgumentError("a second header");
         }
         have_header_ = true;
-        return StartEvaluation(request_.header());
+        return StartEvaluation(request.header());
       case pb::EvaluateRequest::kBlock:
         if (!have_header_) {
           return absl::InvalidArgumentError("data before the header");
         }
-        return EvaluateBlock(request_.block());
+        return EvaluateBlock(request.block());
       default:
         return absl::InvalidArgumentError(
             "an EvaluateRequest with neither header nor block");
@@ -526,30 +429,11 @@ class EvaluateReactor final
   }
 
   absl::Status StartEvaluation(const pb::EvaluateHeader& header) {
-    ASSIGN_OR_RETURN(options_, ParseLossOptions(header.options()));
-    if (options_.reduction == Reduction::kNone) {
-      return absl::InvalidArgumentError(
-          "Evaluate reduces: reduction NONE is not allowed");
-    }
-    if (header.vocab() <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("vocab = ", header.vocab(), " must be > 0"));
-    }
-    vocab_ = header.vocab();
-    ASSIGN_OR_RETURN(logits_dtype_,
-                     ParseDType(header.logits_dtype(), "logits_dtype", false));
-    if (!IsLogitsDType(logits_dtype_)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("logits_dtype must be a float dtype, got ",
-                       DTypeName(logits_dtype_)));
-    }
-    ASSIGN_OR_RETURN(targets_dtype_, ParseDType(header.targets_dtype(),
-                                                "targets_dtype", false));
-    if (!IsTargetsDType(targets_dtype_)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("targets_dtype must be int32 or int64, got ",
-                       DTypeName(targets_dtype_)));
-    }
+    ASSIGN_OR_RETURN(spec_, ValidateEvaluateHeader(header));
+    options_ = spec_.options;
+    vocab_ = spec_.vocab;
+    logits_dtype_ = spec_.logits_dtype;
+    targets_dtype_ = spec_.targets_dtype;
     if (!header.options().class_weights().empty()) {
       ASSIGN_OR_RETURN(weights_, LeaseClassWeights(
                                      service_->store(), TenantOf(context_),
@@ -565,22 +449,9 @@ class EvaluateReactor final
   }
 
   absl::Status EvaluateBlock(const pb::RowBlock& block) {
-    const int64_t row_bytes =
-        vocab_ * static_cast<int64_t>(DTypeSize(logits_dtype_));
+    ASSIGN_OR_RETURN(const int64_t rows,
+                     ValidateRowBlock(spec_, block, blocks_));
     const int64_t logits_bytes = static_cast<int64_t>(block.logits().size());
-    if (logits_bytes % row_bytes != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "block %d: %d logits bytes are not a whole number of rows of %d "
-          "bytes",
-          blocks_, logits_bytes, row_bytes));
-    }
-    const int64_t rows = logits_bytes / row_bytes;
-    const int64_t target_size = static_cast<int64_t>(DTypeSize(targets_dtype_));
-    if (static_cast<int64_t>(block.targets().size()) != rows * target_size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "block %d: %d rows of logits but %d bytes of targets (%d each)",
-          blocks_, rows, block.targets().size(), target_size));
-    }
     ++blocks_;
     Metrics* const metrics = service_->metrics();
     if (metrics != nullptr) {
@@ -681,9 +552,14 @@ class EvaluateReactor final
   const absl::Time start_ = absl::Now();
   grpc::CallbackServerContext* const context_;
   pb::EvaluateResponse* const response_;
-  pb::EvaluateRequest request_;
+  // Reads complete on gRPC's threads: one reaction at a time here.
+  absl::Mutex mu_;
+  pb::EvaluateRequest requests_[2];
+  int current_ = 0;
+  bool finished_ = false;
   bool entered_ = true;
   bool have_header_ = false;
+  EvaluateSpec spec_;
   CrossEntropyOptions options_;
   int64_t vocab_ = 0;
   DType logits_dtype_ = DType::kInvalid;
@@ -854,21 +730,10 @@ absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
                                      pb::ForwardResponse* response) {
   const std::string tenant = kDefaultTenant;
   // Request-only checks first: nothing is looked up for a malformed request.
-  ASSIGN_OR_RETURN(CrossEntropyOptions options,
-                   ParseLossOptions(request.options()));
-  ASSIGN_OR_RETURN(GradientMode mode, ParseMode(request.mode()));
-  if (request.targets_case() == pb::ForwardRequest::TARGETS_NOT_SET) {
-    return absl::InvalidArgumentError("targets missing (handle or inline)");
-  }
-  DType inline_dtype = DType::kInvalid;
-  if (request.targets_case() == pb::ForwardRequest::kTargetsInline) {
-    ASSIGN_OR_RETURN(inline_dtype, ParseDType(request.targets_inline().dtype(),
-                                              "targets_inline.dtype", false));
-    if (!IsTargetsDType(inline_dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "targets must be int32 or int64, got ", DTypeName(inline_dtype)));
-    }
-  }
+  ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
+  const CrossEntropyOptions& options = spec.options;
+  const GradientMode mode = spec.mode;
+  const DType inline_dtype = spec.inline_targets_dtype;
 
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
                    store_->Get(tenant, request.logits()));
@@ -899,13 +764,8 @@ absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
     targets = targets_lease.tensor()->data();
   } else {
     const std::string& data = request.targets_inline().data();
-    const int64_t expected =
-        rows * static_cast<int64_t>(DTypeSize(inline_dtype));
-    if (static_cast<int64_t>(data.size()) != expected) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "inline targets have %d bytes, %d rows of %s need %d", data.size(),
-          rows, DTypeName(inline_dtype), expected));
-    }
+    RETURN_IF_ERROR(
+        CheckInlineTargets(request.targets_inline(), inline_dtype, rows));
     RETURN_IF_ERROR(inline_targets.Stage(device, data.data(), data.size()));
     targets = inline_targets.get();
   }
@@ -1002,22 +862,9 @@ absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
 
 absl::Status LossdService::DoBackward(const pb::BackwardRequest& request,
                                       pb::BackwardResponse* response) {
-  double scale = 1.0;
-  std::vector<float> token_scale;
-  switch (request.grad_output_case()) {
-    case pb::BackwardRequest::kScalar:
-      scale = request.scalar();
-      break;
-    case pb::BackwardRequest::kPerToken:
-      if (request.per_token().values().empty()) {
-        return absl::InvalidArgumentError("per-token grad_output is empty");
-      }
-      token_scale.assign(request.per_token().values().begin(),
-                         request.per_token().values().end());
-      break;
-    default:
-      return absl::InvalidArgumentError("no grad_output");
-  }
+  ASSIGN_OR_RETURN(GradOutput grad_output, ValidateBackwardRequest(request));
+  const double scale = grad_output.scale;
+  std::vector<float> token_scale = std::move(grad_output.token_scale);
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
                    store_->Get(kDefaultTenant, request.gradient()));
   bool kernel_launched = false;

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -387,28 +388,32 @@ __global__ void __launch_bounds__(kReduceThreads)
 // ---- cluster path
 // ------------------------------------------------------------
 
-__device__ __forceinline__ void ClusterArrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+// Split cluster barrier. DSMEM may be written only once the peer block has
+// started, so blocks arrive on entry and wait just before the first push.
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void ClusterWait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
+
+constexpr int MinBlocks(int vpt) { return vpt >= 16 ? 2 : (vpt >= 8 ? 3 : 4); }
+constexpr int kLanes = 4;  // independent accumulators per thread (ILP)
 
 // Logits [N, V] with row stride; grid = N * C blocks in clusters of C; block
 // `rank` of row `row` keeps elements [rank*chunk, rank*chunk + chunk) in
-// registers as VPT 16-byte vectors per thread, vector q = k*kThreads + tid.
-// kGeneral adds softcap, class weights and label smoothing; the plain variant
-// is the fast path for the common options.
+// registers as VPT 16-byte vectors per thread, vector q = k*kThreads + tid, so
+// each element is read once and written once. Each block pushes its partial
+// statistics into every peer's shared memory (DSMEM) before one cluster
+// barrier, then combines them locally in rank order. kGeneral adds softcap,
+// class weights and label smoothing; the plain variant is the fast path.
 template <typename T, int VPT, bool kGeneral>
-__global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
+__global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
     ClusterKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   __shared__ Stats scratch[kThreads / 32 + 1];
-  __shared__ Stats partial;
-
-  const WorkspaceHeader& hdr = *p.header;
-  if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+  __shared__ Stats inbox[kMaxCluster];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = static_cast<int>(cluster.num_blocks());
@@ -417,39 +422,10 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
   const int tid = threadIdx.x;
   const int start = rank * p.chunk;
   const int vocab = p.vocab;
-
-  const long long y = LoadTarget(p, row);
-  const bool valid = y != p.ignore_index;
-  const bool owner = valid ? (y >= start && y < start + p.chunk) : rank == 0;
-  const bool have_stats = valid || p.token_lse || p.token_argmax;
   const T* in = static_cast<const T*>(p.logits) + row * p.stride;
-  T* out = p.grad ? static_cast<T*>(p.grad) + row * p.stride : nullptr;
 
-  if (!have_stats) {
-    // Ignored row with no per-row statistics requested: zeros, no reads.
-    if (out) {
-      const float zero[kVec] = {};
-      uint4 zv;
-      Tr::Pack(zero, &zv);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int e = start + (k * kThreads + tid) * kVec;
-        if (e + kVec <= vocab) {
-          __stcs(reinterpret_cast<uint4*>(out + e), zv);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            if (e + j < vocab) Tr::Store(out + e + j, 0.0f);
-        }
-      }
-    }
-    if (owner && tid == 0) {
-      RowMath r = {};
-      WriteRowOutputs(p, row, false, y, r, 0, false);
-    }
-    return;
-  }
-
+  ClusterArriveRelaxed();
+  // Loads first: nothing below may delay them.
   uint4 data[VPT];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -466,6 +442,16 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
       Tr::Pack(f, &data[k]);
     }
   }
+  const long long y = LoadTarget(p, row);
+  const WorkspaceHeader& hdr = *p.header;
+  if (hdr.error) {  // uniform: the whole grid leaves, nothing written
+    ClusterWait();
+    return;
+  }
+
+  const bool valid = y != p.ignore_index;
+  const bool owner = valid ? (y >= start && y < start + p.chunk) : rank == 0;
+  T* out = p.grad ? static_cast<T*>(p.grad) + row * p.stride : nullptr;
   // The owner reads z_y before the cluster barrier; only it writes column y.
   float zy = 0.0f, wy = 1.0f;
   if (valid && owner) {
@@ -475,11 +461,15 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
   }
   if (kGeneral && valid && p.weights) wy = p.weights[y];
 
-  Stats st;
-  st.m = -INFINITY;
-  st.t = 0.0f;
-  st.sum_wz = 0.0f;
-  st.arg = INT_MAX;
+  // Max and first argmax, in kLanes independent chains (vector k goes to
+  // lane k % kLanes; ties resolve by column when the lanes merge).
+  float lm[kLanes];
+  int larg[kLanes];
+#pragma unroll
+  for (int l = 0; l < kLanes; ++l) {
+    lm[l] = -INFINITY;
+    larg[l] = INT_MAX;
+  }
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
 #pragma unroll
@@ -491,19 +481,31 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
         float unused;
         if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
       }
-      if (z > st.m) {
-        st.m = z;
-        st.arg = c;
+      if (z > lm[k % kLanes]) {
+        lm[k % kLanes] = z;
+        larg[k % kLanes] = c;
       }
     }
   }
+  Stats st;
+  st.m = lm[0];
+  st.arg = larg[0];
+#pragma unroll
+  for (int l = 1; l < kLanes; ++l) {
+    if (lm[l] > st.m || (lm[l] == st.m && larg[l] < st.arg)) {
+      st.m = lm[l];
+      st.arg = larg[l];
+    }
+  }
+  float lt[kLanes] = {};
+  st.sum_wz = 0.0f;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       float z = Tr::Get(data[k], j);
-      const int c = start + (k * kThreads + tid) * kVec + j;
       if (kGeneral) {
+        const int c = start + (k * kThreads + tid) * kVec + j;
         if (c >= vocab) continue;
         float unused;
         if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
@@ -511,9 +513,10 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
           st.sum_wz += (p.weights ? p.weights[c] : 1.0f) * z;
         }
       }
-      st.t += __expf(z - st.m);  // the max itself adds exactly 1
+      lt[k % kLanes] += __expf(z - st.m);  // the max itself adds exactly 1
     }
   }
+  st.t = (lt[0] + lt[1]) + (lt[2] + lt[3]);
   if (st.m == -INFINITY) {
     st.t = -1.0f;
   } else if (st.t < 1.0625f) {
@@ -543,60 +546,58 @@ __global__ void __launch_bounds__(kThreads, VPT >= 32 ? 1 : (VPT >= 16 ? 2 : 3))
   }
 
   st = BlockReduce<kThreads>(st, scratch);
-  if (tid == 0) partial = st;
+  // Push this block's partial into slot `rank` of every peer: stores, not
+  // round trips, before the one barrier; nothing touches remote shared memory
+  // after it, so blocks may exit freely.
+  ClusterWait();  // every peer has started
+  if (tid < csize) *cluster.map_shared_rank(&inbox[rank], tid) = st;
   cluster.sync();
   // Every block combines the partials in rank order, so all get the same bits.
-  Stats row_st = *cluster.map_shared_rank(&partial, 0);
-  for (int r = 1; r < csize; ++r) {
-    Combine(row_st, *cluster.map_shared_rank(&partial, r));
-  }
-  // Done reading peers' shared memory; the matching wait is before exit.
-  ClusterArrive();
+  Stats row_st = inbox[0];
+  for (int r = 1; r < csize; ++r) Combine(row_st, inbox[r]);
 
   const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, wy);
   if (owner && tid == 0)
     WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+  if (!out) return;
 
-  if (out) {
-    const int yq = (valid && owner) ? static_cast<int>(y - start) / kVec : -1;
-    const int yj = (valid && owner) ? static_cast<int>(y - start) % kVec : -1;
+  const int yq = (valid && owner) ? static_cast<int>(y - start) / kVec : -1;
+  const int yj = (valid && owner) ? static_cast<int>(y - start) % kVec : -1;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int q = k * kThreads + tid;
-      const int e = start + q * kVec;
-      float g[kVec];
+  for (int k = 0; k < VPT; ++k) {
+    const int q = k * kThreads + tid;
+    const int e = start + q * kVec;
+    float g[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float x = Tr::Get(data[k], j);
-        if (kGeneral) {
-          float dfac = 1.0f;
-          const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
-          const int c = e + j;
-          const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
-          float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
-          if (q == yq && j == yj) gz = rm.gy;
-          g[j] = valid ? gz * dfac : 0.0f;
-        } else {
-          g[j] = valid ? __expf(x - rm.lse) * rm.a + rm.b : 0.0f;
-        }
-      }
-      if (!kGeneral && q == yq) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (j == yj) g[j] = rm.gy;
-      }
-      if (e + kVec <= vocab) {
-        uint4 v;
-        Tr::Pack(g, &v);
-        __stcs(reinterpret_cast<uint4*>(out + e), v);
+    for (int j = 0; j < kVec; ++j) {
+      const float x = Tr::Get(data[k], j);
+      if (kGeneral) {
+        float dfac = 1.0f;
+        const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
+        const int c = e + j;
+        const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
+        float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
+        if (q == yq && j == yj) gz = rm.gy;
+        g[j] = valid ? gz * dfac : 0.0f;
       } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (e + j < vocab) Tr::Store(out + e + j, g[j]);
+        g[j] = valid ? __expf(x - rm.lse) * rm.a + rm.b : 0.0f;
       }
     }
+    if (!kGeneral && q == yq) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (j == yj) g[j] = rm.gy;
+    }
+    if (e + kVec <= vocab) {
+      uint4 v;
+      Tr::Pack(g, &v);
+      __stcs(reinterpret_cast<uint4*>(out + e), v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        if (e + j < vocab) Tr::Store(out + e + j, g[j]);
+    }
   }
-  ClusterWait();
 }
 
 // ---- generic path: one block per row, any alignment ----------------------
@@ -667,7 +668,7 @@ template <typename T, int VPT, bool kGeneral>
 cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
   auto kernel = ClusterKernel<T, VPT, kGeneral>;
   if (csize > 8) {
-    cudaError_t e = cudaFuncSetAttribute(
+    const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
   }
@@ -699,12 +700,6 @@ cudaError_t LaunchClusterVpt(const Params& p, int vpt, int csize,
       return LaunchCluster<T, 8, kGeneral>(p, csize, stream);
     case 16:
       return LaunchCluster<T, 16, kGeneral>(p, csize, stream);
-    case 32:
-      // Only fp32 needs 32 vectors (a 2^18 row in 8 blocks); halves use 16.
-      if constexpr (sizeof(T) == 4) {
-        return LaunchCluster<T, 32, kGeneral>(p, csize, stream);
-      }
-      return cudaErrorInvalidValue;
     default:
       return cudaErrorInvalidValue;
   }
@@ -723,15 +718,18 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
   const int vec = static_cast<int>(16 / esize);
   int vpt = config.vectors_per_thread;
   if (vpt == 0) {
-    // Smallest slice that fits the row in a portable cluster (<= 8 blocks);
-    // past that, 16-vector slices in clusters of up to 16.
-    vpt = 16;
-    for (int v = 1; v <= 16; v *= 2) {
-      if ((p.vocab + v * kThreads * vec - 1) / (v * kThreads * vec) <= 8) {
-        vpt = v;
-        break;
+    // Smallest slice that fits the row in a cluster of <= 4 blocks, else of
+    // <= 8 (portable); past that, 16-vector slices in clusters of up to 16.
+    vpt = 0;
+    for (int limit : {4, 8}) {
+      for (int v = 1; v <= 16 && vpt == 0; v *= 2) {
+        if ((p.vocab + v * kThreads * vec - 1) / (v * kThreads * vec) <=
+            limit) {
+          vpt = v;
+        }
       }
     }
+    if (vpt == 0) vpt = 16;
   }
   const long long chunk = static_cast<long long>(vpt) * kThreads * vec;
   const long long csize = (p.vocab + chunk - 1) / chunk;
@@ -742,10 +740,16 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
     return cudaGetLastError();
   }
   p.chunk = static_cast<int>(chunk);
-  return general ? LaunchClusterVpt<T, true>(p, vpt, static_cast<int>(csize),
-                                             stream)
-                 : LaunchClusterVpt<T, false>(p, vpt, static_cast<int>(csize),
-                                              stream);
+  const cudaError_t e =
+      general
+          ? LaunchClusterVpt<T, true>(p, vpt, static_cast<int>(csize), stream)
+          : LaunchClusterVpt<T, false>(p, vpt, static_cast<int>(csize), stream);
+  if (e == cudaSuccess) return e;
+  // A cluster shape this device cannot schedule: the generic path still works.
+  cudaGetLastError();
+  GenericKernel<T>
+      <<<static_cast<unsigned>(p.rows), kGenericThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace

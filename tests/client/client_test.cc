@@ -165,7 +165,7 @@ TEST_F(ClientTest, UploadDownloadRoundTripIsBitExactAcrossChunkSizes) {
       EXPECT_EQ(down->info.dtype, c.dtype);
       EXPECT_EQ(down->info.shape, c.shape);
       EXPECT_TRUE(down->data == data)
-          << DTypeName(c.dtype) << " " << data.size() << " bytes";
+          << DTypeString(c.dtype) << " " << data.size() << " bytes";
 
       std::vector<uint8_t> buffer(data.size());
       absl::StatusOr<TensorInfo> into = client->DownloadInto(
@@ -583,7 +583,7 @@ TEST_F(ClientTest, HealthAndServerInfo) {
   absl::StatusOr<bool> live = client_->Health("");
   ASSERT_TRUE(live.ok()) << live.status();
   EXPECT_TRUE(*live);
-  absl::StatusOr<bool> ready = client_->Health("lossd.v1.Lossd");
+  absl::StatusOr<bool> ready = client_->Health(kLossdService);
   ASSERT_TRUE(ready.ok()) << ready.status();
   EXPECT_TRUE(*ready);
   EXPECT_EQ(client_->Health("no.such.Service").status().code(),

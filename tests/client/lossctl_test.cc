@@ -133,9 +133,9 @@ TEST_F(LossctlTest, UploadListEvalRemove) {
       handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
       options);
   ASSERT_TRUE(fwd.ok()) << fwd.status();
-  for (const std::string& block_rows : {"0", "1", "5", "64"}) {
-    CommandResult eval = Lossctl(
-        {"eval", logits_path_, targets_path_, "--block_rows=" + block_rows});
+  for (const char* block_rows : {"0", "1", "5", "64"}) {
+    CommandResult eval = Lossctl({"eval", logits_path_, targets_path_,
+                                  absl::StrCat("--block_rows=", block_rows)});
     ASSERT_EQ(eval.exit_code, 0) << eval.err;
     EXPECT_NEAR(Field(eval.out, "loss"), fwd->loss, 1e-10 * fwd->loss)
         << eval.out;
@@ -203,6 +203,43 @@ TEST_F(LossctlTest, ForwardBackwardDownload) {
   CommandResult again = Lossctl({"forward", handle, targets_path_});
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_THAT(again.err, HasSubstr("FAILED_PRECONDITION"));
+}
+
+TEST_F(LossctlTest, PerTokenBackwardFromNpy) {
+  const std::string handle = UploadHandle({logits_path_});
+  CommandResult fwd =
+      Lossctl({"forward", handle, targets_path_, "--reduction=none",
+               "--mode=out_of_place", "--gradient_label=g"});
+  ASSERT_EQ(fwd.exit_code, 0) << fwd.err;
+  const std::string marker = "gradient ";
+  const std::size_t at = fwd.out.find(marker);
+  ASSERT_NE(at, std::string::npos) << fwd.out;
+  const std::string gradient(
+      absl::StripAsciiWhitespace(fwd.out.substr(at + marker.size())));
+  ASSERT_NE(gradient, handle);
+
+  std::vector<float> factors(kRows);
+  for (int64_t r = 0; r < kRows; ++r) factors[r] = 0.5f + r;
+  const std::string factors_path = dir_.File("factors.npy");
+  ASSERT_TRUE(WriteNpy(factors_path, DType::kFloat32, {kRows}, factors.data(),
+                       factors.size() * sizeof(float))
+                  .ok());
+  CommandResult back =
+      Lossctl({"backward", gradient, "--grad_output=" + factors_path});
+  ASSERT_EQ(back.exit_code, 0) << back.err;
+  EXPECT_THAT(back.out, HasSubstr("(per-token)"));
+  absl::StatusOr<TensorInfo> info = client_->Describe(gradient);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->pending_token_scale);
+  EXPECT_EQ(info->label, "g");
+
+  // A count that is not N is refused by the server, named by lossctl.
+  ASSERT_TRUE(
+      WriteNpy(factors_path, DType::kFloat32, {3}, factors.data(), 12).ok());
+  CommandResult bad =
+      Lossctl({"backward", gradient, "--grad_output=" + factors_path});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.err, HasSubstr("INVALID_ARGUMENT"));
 }
 
 TEST_F(LossctlTest, UploadAsBf16AndDownloadRoundTrip) {

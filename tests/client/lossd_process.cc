@@ -98,8 +98,10 @@ absl::StatusOr<std::unique_ptr<LossdProcess>> LossdProcess::Start(
     close(inotify);
     return Errno("inotify_add_watch");
   }
-  std::vector<std::string> argv = {binary, "--host=127.0.0.1", "--port=0",
-                                   "--port_file=" + port_file, "--device=cpu"};
+  // Metrics off: tests run in parallel and must not compete for its port.
+  std::vector<std::string> argv = {binary,         "--host=127.0.0.1",
+                                   "--port=0",     "--port_file=" + port_file,
+                                   "--device=cpu", "--metrics_port=-1"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   absl::StatusOr<pid_t> pid = Spawn(argv, nullptr);
   if (!pid.ok()) {

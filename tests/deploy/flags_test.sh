@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starts the real lossd with the flags and arguments an overlay gives its container, so a flag
 # renamed in the binary or misspelled in a ConfigMap fails CI instead of a rollout. Only the
-# listening address, the port and the device are overridden (loopback, port 0, cpu: no GPU here).
+# listening address, the ports and the device are overridden (loopback, port 0, cpu: no GPU here).
 #
 # Usage: flags_test.sh CHECK_SCRIPT LOSSD_BINARY KUSTOMIZATION_DIR
 set -euo pipefail
@@ -27,7 +27,7 @@ echo "args: ${args[*]}"
 work="$(mktemp -d)"
 trap 'kill "${pid}" 2>/dev/null || true; rm -rf "${work}"' EXIT
 env -i PATH=/usr/bin:/bin "${env_vars[@]}" "${lossd}" "${args[@]}" \
-  --port_file="${work}/port" >"${work}/log" 2>&1 &
+  --port_file="${work}/port" --metrics_port=0 >"${work}/log" 2>&1 &
 pid=$!
 # lossd writes the port file once it serves; it exits at once if a flag is rejected.
 for _ in $(seq 200); do

@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "tests/e2e/scrape.h"
 
 namespace {
 
@@ -41,6 +42,7 @@ class LossdProcess {
     char dir_template[] = "/tmp/lossd_binary_test.XXXXXX";
     ASSERT_NE(mkdtemp(dir_template), nullptr);
     port_file_ = std::string(dir_template) + "/port";
+    metrics_port_file_ = std::string(dir_template) + "/metrics_port";
     int pipe_fds[2];
     ASSERT_EQ(pipe(pipe_fds), 0);
     pid_ = fork();
@@ -50,9 +52,12 @@ class LossdProcess {
       close(pipe_fds[0]);
       close(pipe_fds[1]);
       const std::string port_file_flag = "--port_file=" + port_file_;
+      const std::string metrics_port_file_flag =
+          "--metrics_port_file=" + metrics_port_file_;
       execl(LOSSD_BINARY, LOSSD_BINARY, "--port=0", "--host=127.0.0.1",
             "--device=cpu", "--memory_budget=64M", "--drain_timeout=20s",
-            port_file_flag.c_str(), static_cast<char*>(nullptr));
+            port_file_flag.c_str(), "--metrics_port=0",
+            metrics_port_file_flag.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(pipe_fds[1]);
@@ -67,6 +72,11 @@ class LossdProcess {
     std::ifstream in(port_file_);
     ASSERT_TRUE(in >> port_) << "no port in " << port_file_;
     ASSERT_GT(port_, 0);
+    // Written before the gRPC port file.
+    std::ifstream metrics_in(metrics_port_file_);
+    ASSERT_TRUE(metrics_in >> metrics_port_)
+        << "no port in " << metrics_port_file_;
+    ASSERT_GT(metrics_port_, 0);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
                                    grpc::InsecureChannelCredentials());
   }
@@ -104,6 +114,7 @@ class LossdProcess {
   }
 
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  int metrics_port() const { return metrics_port_; }
   const std::string& log() const { return log_; }
 
  private:
@@ -118,6 +129,8 @@ class LossdProcess {
   FILE* stderr_ = nullptr;
   std::string port_file_;
   int port_ = 0;
+  std::string metrics_port_file_;
+  int metrics_port_ = 0;
   std::string log_;
   std::shared_ptr<grpc::Channel> channel_;
 };
@@ -175,6 +188,17 @@ TEST(BinaryTest, ServesHealthAndReflectionAndExitsZeroOnSigterm) {
           .ok());
   EXPECT_EQ(info.budget_bytes(), 64 << 20);
 
+  absl::StatusOr<std::vector<lossd::scrape::Sample>> samples =
+      lossd::scrape::Scrape(lossd.metrics_port());
+  ASSERT_TRUE(samples.ok()) << samples.status();
+  EXPECT_EQ(lossd::scrape::FindSample(*samples, "lossd_memory_budget_bytes",
+                                      {{"device", "cpu"}}),
+            64 << 20);
+  EXPECT_EQ(
+      lossd::scrape::FindSample(*samples, "lossd_rpc_total",
+                                {{"method", "GetServerInfo"}, {"code", "OK"}}),
+      1);
+
   EXPECT_EQ(lossd.TerminateAndWait(), 0) << lossd.log();
 }
 
@@ -221,6 +245,18 @@ TEST(BinaryTest, SigtermDrainsAnUploadInFlight) {
       stub->GetServerInfo(&refused_context, pb::GetServerInfoRequest(), &info)
           .error_code(),
       grpc::StatusCode::UNAVAILABLE);
+  // Metrics stay up during the drain: the refusal is counted, and the
+  // upload's reservation is still there.
+  absl::StatusOr<std::vector<lossd::scrape::Sample>> samples =
+      lossd::scrape::Scrape(lossd.metrics_port());
+  ASSERT_TRUE(samples.ok()) << samples.status();
+  EXPECT_EQ(lossd::scrape::FindSample(
+                *samples, "lossd_rpc_total",
+                {{"method", "GetServerInfo"}, {"code", "UNAVAILABLE"}}),
+            1);
+  EXPECT_EQ(lossd::scrape::FindSample(*samples, "lossd_reserved_bytes",
+                                      {{"device", "cpu"}}),
+            8);
 
   request.set_chunk(std::string(8, '\x01'));
   ASSERT_TRUE(writer->Write(request));

@@ -84,8 +84,8 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(socket.fd(), reinterpret_cast<const sockaddr*>(&address),
               sizeof(address)) != 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "connect to 127.0.0.1:", port, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("connect to 127.0.0.1:", port,
+                                               ": ", std::strerror(errno)));
   }
   // HTTP/1.0 and no Accept-Encoding: the answer is plain and ends at EOF.
   const std::string request =

@@ -107,6 +107,7 @@ struct Case {
   double grad_rtol = 1e-4;
   double loss_rtol = 2e-5;
   bool exact_argmax = true;
+  double grad_norm_rtol = 0;  // 0: 1e-5 for fp32, 5e-3 for halves
 };
 
 double DefaultGradRtol(DType dtype) {
@@ -292,8 +293,10 @@ void CompareRows(const Case& c, const Outputs& gpu, const Outputs& ref,
       }
     }
     if (ref2 > 0) {
-      EXPECT_LE(std::sqrt(diff2 / ref2),
-                c.dtype == DType::kFloat32 ? 1e-5 : 5e-3);
+      const double norm_tol = c.grad_norm_rtol > 0         ? c.grad_norm_rtol
+                              : c.dtype == DType::kFloat32 ? 1e-5
+                                                           : 5e-3;
+      EXPECT_LE(std::sqrt(diff2 / ref2), norm_tol);
     }
   }
   if (c.token_outputs) {
@@ -375,8 +378,7 @@ TEST_F(CudaCrossEntropyTest, Shapes) {
 TEST_F(CudaCrossEntropyTest, EveryPathConfigAgrees) {
   uint32_t seed = 100;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    for (int vpt : {1, 2, 4, 8, 16, 32}) {
-      if (vpt == 32 && dtype != DType::kFloat32) continue;
+    for (int vpt : {1, 2, 4, 8, 16}) {
       Case c = Make(absl::StrCat("vpt=", vpt), 9, 20000, dtype);
       c.config.vectors_per_thread = vpt;
       c.ignore_fraction = 0.3;
@@ -414,8 +416,10 @@ TEST_F(CudaCrossEntropyTest, Options) {
     cases.push_back(c);
   }
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    // fp32 lse of |z| ~ 1e4 carries an absolute error of ~5e-4, so p does too.
     Case c = Make("logits +-1e4", 32, 32768, d);
     c.logits = Logits::kHuge;
+    c.grad_norm_rtol = 1e-3;
     c.grad_rtol = 2e-2;
     c.loss_rtol = 1e-5;
     cases.push_back(c);

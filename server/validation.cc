@@ -1,0 +1,337 @@
+// The request checks of validation.h. Nothing here allocates by a size the
+// client chose or indexes by a value it sent without checking first: these
+// functions see raw fuzz input.
+#include "server/validation.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/status_macros.h"
+
+namespace lossd {
+
+namespace pb = ::lossd::v1;
+
+namespace {
+
+absl::Status CheckFinite(double value, absl::string_view field) {
+  if (!std::isfinite(value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " = ", value, " is not finite"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    default:
+      return "invalid";
+  }
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    absl::StrAppend(&text, i ? ", " : "", shape[i]);
+  }
+  return text + "]";
+}
+
+absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
+                                 bool allow_unspecified) {
+  if (value == pb::DTYPE_UNSPECIFIED && allow_unspecified) {
+    return DType::kInvalid;
+  }
+  if (value < pb::DTYPE_FLOAT32 || value > pb::DTYPE_INT64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", value == 0 ? "missing dtype" : "unknown dtype ", value));
+  }
+  return static_cast<DType>(value);
+}
+
+absl::StatusOr<CrossEntropyOptions> ParseLossOptions(
+    const pb::LossOptions& in) {
+  CrossEntropyOptions out;
+  if (in.has_ignore_index()) out.ignore_index = in.ignore_index();
+  RETURN_IF_ERROR(CheckFinite(in.label_smoothing(), "label_smoothing"));
+  if (in.label_smoothing() < 0.0f || in.label_smoothing() > 1.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "label_smoothing = ", in.label_smoothing(), " is outside [0, 1]"));
+  }
+  out.label_smoothing = in.label_smoothing();
+  switch (in.reduction()) {
+    case pb::REDUCTION_UNSPECIFIED:
+    case pb::REDUCTION_MEAN:
+      out.reduction = Reduction::kMean;
+      break;
+    case pb::REDUCTION_SUM:
+      out.reduction = Reduction::kSum;
+      break;
+    case pb::REDUCTION_NONE:
+      out.reduction = Reduction::kNone;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown reduction ", in.reduction()));
+  }
+  RETURN_IF_ERROR(CheckFinite(in.z_loss_scale(), "z_loss_scale"));
+  if (in.z_loss_scale() < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("z_loss_scale = ", in.z_loss_scale(), " is < 0"));
+  }
+  out.z_loss_scale = in.z_loss_scale();
+  RETURN_IF_ERROR(CheckFinite(in.softcap(), "softcap"));
+  if (in.softcap() < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("softcap = ", in.softcap(), " is < 0"));
+  }
+  out.softcap = in.softcap();
+  RETURN_IF_ERROR(CheckFinite(in.normalizer(), "normalizer"));
+  if (in.normalizer() < 0.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalizer = ", in.normalizer(), " is < 0"));
+  }
+  out.normalizer = in.normalizer();
+  if (in.has_grad_scale()) {
+    RETURN_IF_ERROR(CheckFinite(in.grad_scale(), "grad_scale"));
+    out.grad_scale = in.grad_scale();
+  }
+  return out;
+}
+
+absl::StatusOr<GradientMode> ParseMode(int mode) {
+  switch (mode) {
+    case pb::GRADIENT_MODE_UNSPECIFIED:
+    case pb::GRADIENT_MODE_IN_PLACE:
+      return GradientMode::kInPlace;
+    case pb::GRADIENT_MODE_OUT_OF_PLACE:
+      return GradientMode::kOutOfPlace;
+    case pb::GRADIENT_MODE_NONE:
+      return GradientMode::kNone;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown gradient mode ", mode));
+  }
+}
+
+absl::StatusOr<int64_t> TensorBytes(DType dtype,
+                                    absl::Span<const int64_t> shape) {
+  if (DTypeSize(dtype) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid dtype ", static_cast<int>(dtype)));
+  }
+  if (shape.empty() || shape.size() > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a tensor has 1 or 2 dimensions, got ", shape.size()));
+  }
+  int64_t bytes = static_cast<int64_t>(DTypeSize(dtype));
+  for (int64_t dim : shape) {
+    if (dim <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dimension ", dim, " must be > 0"));
+    }
+    if (bytes > std::numeric_limits<int64_t>::max() / dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor size ", DTypeName(dtype), " ",
+                       ShapeString(shape), " overflows int64"));
+    }
+    bytes *= dim;
+  }
+  return bytes;
+}
+
+absl::StatusOr<TensorSpec> ValidateTensorHeader(
+    const pb::TensorHeader& header) {
+  TensorSpec spec;
+  ASSIGN_OR_RETURN(spec.dtype, ParseDType(header.dtype(), "header.dtype",
+                                          /*allow_unspecified=*/false));
+  spec.shape.assign(header.shape().begin(), header.shape().end());
+  ASSIGN_OR_RETURN(spec.bytes, TensorBytes(spec.dtype, spec.shape));
+  return spec;
+}
+
+absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
+    const pb::DownloadRequest& request, int64_t max_chunk_bytes) {
+  DownloadSpec spec;
+  ASSIGN_OR_RETURN(spec.dtype, ParseDType(request.dtype(), "dtype",
+                                          /*allow_unspecified=*/true));
+  if (request.chunk_bytes() < 0 || request.chunk_bytes() > max_chunk_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes = ", request.chunk_bytes(),
+                     " is outside [0, ", max_chunk_bytes, "]"));
+  }
+  spec.chunk_bytes = request.chunk_bytes();
+  return spec;
+}
+
+absl::StatusOr<int64_t> DownloadChunkElements(DType stored, DType sent,
+                                              int64_t chunk_bytes) {
+  if (IsLogitsDType(stored) != IsLogitsDType(sent) ||
+      (!IsLogitsDType(stored) && stored != sent) || DTypeSize(sent) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot convert ", DTypeName(stored), " to ", DTypeName(sent)));
+  }
+  const int64_t element = static_cast<int64_t>(DTypeSize(sent));
+  const int64_t elements = chunk_bytes / element;
+  if (elements < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes = ", chunk_bytes,
+                     " is smaller than one element of ", element, " bytes"));
+  }
+  return elements;
+}
+
+absl::StatusOr<ForwardSpec> ValidateForwardRequest(
+    const pb::ForwardRequest& request) {
+  ForwardSpec spec;
+  ASSIGN_OR_RETURN(spec.options, ParseLossOptions(request.options()));
+  ASSIGN_OR_RETURN(spec.mode, ParseMode(request.mode()));
+  switch (request.targets_case()) {
+    case pb::ForwardRequest::kTargetsHandle:
+      break;
+    case pb::ForwardRequest::kTargetsInline: {
+      ASSIGN_OR_RETURN(spec.inline_targets_dtype,
+                       ParseDType(request.targets_inline().dtype(),
+                                  "targets_inline.dtype", false));
+      if (!IsTargetsDType(spec.inline_targets_dtype)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("targets must be int32 or int64, got ",
+                         DTypeName(spec.inline_targets_dtype)));
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("targets missing (handle or inline)");
+  }
+  return spec;
+}
+
+absl::Status CheckInlineTargets(const pb::InlineTensor& targets, DType dtype,
+                                int64_t rows) {
+  const int64_t size = static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t bytes = static_cast<int64_t>(targets.data().size());
+  if (size == 0 || rows < 0 ||
+      rows > std::numeric_limits<int64_t>::max() / size ||
+      bytes != rows * size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inline targets have %d bytes, %d rows of %s need %d", bytes, rows,
+        DTypeName(dtype), size == 0 ? 0 : rows * size));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GradOutput> ValidateBackwardRequest(
+    const pb::BackwardRequest& request) {
+  GradOutput out;
+  switch (request.grad_output_case()) {
+    case pb::BackwardRequest::kScalar:
+      out.scale = request.scalar();
+      if (!std::isfinite(out.scale)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("grad_output ", out.scale, " is not finite"));
+      }
+      // Factors are applied in float32: a larger one would turn the whole
+      // gradient into infinities.
+      if (std::abs(out.scale) > std::numeric_limits<float>::max()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("grad_output ", out.scale,
+                         " is outside the float32 range (it is applied in "
+                         "float32)"));
+      }
+      break;
+    case pb::BackwardRequest::kPerToken: {
+      const auto& values = request.per_token().values();
+      if (values.empty()) {
+        return absl::InvalidArgumentError("per-token grad_output is empty");
+      }
+      for (int i = 0; i < values.size(); ++i) {
+        if (!std::isfinite(values[i])) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "grad_output[", i, "] = ", values[i], " is not finite"));
+        }
+      }
+      out.token_scale.assign(values.begin(), values.end());
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError("no grad_output");
+  }
+  return out;
+}
+
+absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
+    const pb::EvaluateHeader& header) {
+  EvaluateSpec spec;
+  ASSIGN_OR_RETURN(spec.options, ParseLossOptions(header.options()));
+  if (spec.options.reduction == Reduction::kNone) {
+    return absl::InvalidArgumentError(
+        "Evaluate reduces: reduction NONE is not allowed");
+  }
+  if (header.vocab() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab = ", header.vocab(), " must be > 0"));
+  }
+  spec.vocab = header.vocab();
+  ASSIGN_OR_RETURN(spec.logits_dtype,
+                   ParseDType(header.logits_dtype(), "logits_dtype", false));
+  if (!IsLogitsDType(spec.logits_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logits_dtype must be a float dtype, got ",
+                     DTypeName(spec.logits_dtype)));
+  }
+  ASSIGN_OR_RETURN(spec.targets_dtype,
+                   ParseDType(header.targets_dtype(), "targets_dtype", false));
+  if (!IsTargetsDType(spec.targets_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("targets_dtype must be int32 or int64, got ",
+                     DTypeName(spec.targets_dtype)));
+  }
+  const int64_t element = static_cast<int64_t>(DTypeSize(spec.logits_dtype));
+  if (spec.vocab > std::numeric_limits<int64_t>::max() / element) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab = ", spec.vocab, ": a row of ",
+                     DTypeName(spec.logits_dtype), " overflows int64"));
+  }
+  spec.row_bytes = spec.vocab * element;
+  return spec;
+}
+
+absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
+                                         const pb::RowBlock& block,
+                                         int64_t index) {
+  const int64_t logits_bytes = static_cast<int64_t>(block.logits().size());
+  const int64_t target_size =
+      static_cast<int64_t>(DTypeSize(spec.targets_dtype));
+  if (spec.row_bytes <= 0 || target_size == 0) {
+    return absl::InvalidArgumentError("the Evaluate header is not valid");
+  }
+  if (logits_bytes % spec.row_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block %d: %d logits bytes are not a whole number of rows of %d "
+        "bytes",
+        index, logits_bytes, spec.row_bytes));
+  }
+  const int64_t rows = logits_bytes / spec.row_bytes;
+  if (static_cast<int64_t>(block.targets().size()) != rows * target_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "block %d: %d rows of logits but %d bytes of targets (%d each)", index,
+        rows, block.targets().size(), target_size));
+  }
+  return rows;
+}
+
+}  // namespace lossd

@@ -1,0 +1,138 @@
+// Every check of a lossd.v1 request that needs neither the tensor store nor a
+// device, as pure functions: the service runs them before any work, and the
+// fuzzer (tests/fuzz) feeds them arbitrary messages.
+#ifndef LOSSD_SERVER_VALIDATION_H_
+#define LOSSD_SERVER_VALIDATION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "kernels/cross_entropy.h"
+#include "lossd/v1/lossd.pb.h"
+
+namespace lossd {
+
+// "float32", "int64", ...; "invalid" for anything else. Thread-safe.
+const char* DTypeName(DType dtype);
+
+// "[4, 5]". Thread-safe.
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+// A lossd.v1.DType number as a DType. Success: the dtype, or kInvalid for
+// DTYPE_UNSPECIFIED when `allow_unspecified`. INVALID_ARGUMENT naming `field`:
+// missing (unspecified and not allowed) or unknown value. Thread-safe.
+absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
+                                 bool allow_unspecified);
+
+// LossOptions (all but class_weights, a handle the caller resolves) as
+// CrossEntropyOptions. INVALID_ARGUMENT: label_smoothing outside [0, 1];
+// z_loss_scale, softcap or normalizer < 0; any of them or grad_scale not
+// finite; an unknown reduction. Thread-safe.
+absl::StatusOr<CrossEntropyOptions> ParseLossOptions(
+    const lossd::v1::LossOptions& options);
+
+// A lossd.v1.GradientMode number; UNSPECIFIED is IN_PLACE. INVALID_ARGUMENT
+// for an unknown value. Thread-safe.
+absl::StatusOr<GradientMode> ParseMode(int mode);
+
+// Bytes of a tensor of `dtype` and `shape`. INVALID_ARGUMENT: an invalid
+// dtype, not 1 or 2 dimensions, a dimension <= 0, or a size that overflows
+// int64. Thread-safe.
+absl::StatusOr<int64_t> TensorBytes(DType dtype,
+                                    absl::Span<const int64_t> shape);
+
+// An Upload header, checked.
+struct TensorSpec {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+};
+
+// INVALID_ARGUMENT: as ParseDType (unspecified not allowed) and TensorBytes.
+// Thread-safe.
+absl::StatusOr<TensorSpec> ValidateTensorHeader(
+    const lossd::v1::TensorHeader& header);
+
+// A Download request, checked: `dtype` kInvalid means "as stored";
+// `chunk_bytes` 0 means "the server's default".
+struct DownloadSpec {
+  DType dtype = DType::kInvalid;
+  int64_t chunk_bytes = 0;
+};
+
+// INVALID_ARGUMENT: an unknown dtype; chunk_bytes < 0 or > max_chunk_bytes.
+// Thread-safe.
+absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
+    const lossd::v1::DownloadRequest& request, int64_t max_chunk_bytes);
+
+// Whether a tensor stored as `stored` may be sent as `sent`: floating-point
+// types convert among themselves, integer types only to themselves. Success:
+// elements per chunk of `chunk_bytes`. INVALID_ARGUMENT: a conversion between
+// integer and floating point, or chunk_bytes smaller than one element.
+// Thread-safe.
+absl::StatusOr<int64_t> DownloadChunkElements(DType stored, DType sent,
+                                              int64_t chunk_bytes);
+
+// The request-only part of a Forward: everything checkable before handles
+// are resolved.
+struct ForwardSpec {
+  CrossEntropyOptions options;
+  GradientMode mode = GradientMode::kInPlace;
+  // kInvalid when the targets are a handle.
+  DType inline_targets_dtype = DType::kInvalid;
+};
+
+// INVALID_ARGUMENT: as ParseLossOptions and ParseMode; no targets; inline
+// targets whose dtype is missing, unknown or not int32/int64. Thread-safe.
+absl::StatusOr<ForwardSpec> ValidateForwardRequest(
+    const lossd::v1::ForwardRequest& request);
+
+// Inline targets once the logits' row count is known. INVALID_ARGUMENT when
+// the byte count is not rows * the size of `dtype`. Thread-safe.
+absl::Status CheckInlineTargets(const lossd::v1::InlineTensor& targets,
+                                DType dtype, int64_t rows);
+
+// A Backward request's grad_output: `token_scale` empty means the scalar
+// `scale`.
+struct GradOutput {
+  double scale = 1.0;
+  std::vector<float> token_scale;
+};
+
+// INVALID_ARGUMENT: no grad_output; an empty per-token list; a non-finite
+// value; a scalar outside float32's range (factors are applied in float32).
+// Whether per-token values fit the gradient is the store's check (it needs
+// the tensor). Thread-safe.
+absl::StatusOr<GradOutput> ValidateBackwardRequest(
+    const lossd::v1::BackwardRequest& request);
+
+// An Evaluate header, checked.
+struct EvaluateSpec {
+  CrossEntropyOptions options;
+  int64_t vocab = 0;
+  DType logits_dtype = DType::kInvalid;
+  DType targets_dtype = DType::kInvalid;
+  int64_t row_bytes = 0;  // vocab * the size of logits_dtype
+};
+
+// INVALID_ARGUMENT: as ParseLossOptions; reduction NONE; vocab <= 0; logits
+// dtype missing, unknown or not a float type; targets dtype missing, unknown
+// or not int32/int64; a row size that overflows int64. Thread-safe.
+absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
+    const lossd::v1::EvaluateHeader& header);
+
+// Rows in one Evaluate block (`index` counts blocks, for the message).
+// INVALID_ARGUMENT: logits that are not whole rows, or a target count that is
+// not the row count. Thread-safe.
+absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
+                                         const lossd::v1::RowBlock& block,
+                                         int64_t index);
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_VALIDATION_H_
