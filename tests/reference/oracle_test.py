@@ -11,6 +11,7 @@ of the terms that cancel in that element. Seeds are random per run, printed, and
 LOSSD_ORACLE_SEED=<seed> (or --seed); --only_case=<i> reruns one case."""
 
 import argparse
+import collections
 import os
 import random
 import sys
@@ -72,6 +73,7 @@ class Oracle:
         self.pb2 = pb2
         self.grpc = grpc
         self.stub = stub
+        self.coverage = collections.Counter()  # cases per dtype, mode, option, ...
 
     # ----- RPC helpers -----
 
@@ -152,6 +154,11 @@ class Oracle:
                       z_loss_scale=z_loss_scale, softcap=softcap, weights=use_weights,
                       normalizer=normalizer, grad_scale=grad_scale, mode=mode, outputs=outputs)
         self.config = config
+        self.coverage.update([dtype, targets_dtype, mode, reduction, ignore_choice])
+        self.coverage.update(name for name, used in (
+            ("label_smoothing", label_smoothing > 0), ("z_loss", z_loss_scale > 0),
+            ("softcap", softcap > 0), ("class_weights", use_weights), ("normalizer", normalizer > 0),
+            ("grad_scale", grad_scale is not None), ("inline_targets", targets_inline)) if used)
 
         # Inputs; the reference uses the values lossd received (after the dtype rounding).
         raw = (nprng.standard_normal((rows, vocab)) * scale + offset).astype(np.float32)
@@ -223,6 +230,7 @@ class Oracle:
 
         # Evaluate streams the same rows in blocks: same loss, nothing retained.
         if reduction_kind != "none" and rng.random() < 0.3:
+            self.coverage["evaluate"] += 1
             self.check_evaluate(rng, request, logits_bytes, targets_bytes, dtype, targets_dtype,
                                 rows, vocab, ref, weights)
 
@@ -344,6 +352,8 @@ class Oracle:
         # Backward records grad_output; it replaces (never compounds) the previous one.
         per_token = reduction == "none" and rng.random() < 0.5
         materialize = rng.random() < 0.3
+        self.coverage.update(["backward_per_token" if per_token else "backward_scalar"] +
+                             (["materialize"] if materialize else []))
         if per_token:
             factors = np.float32(np.random.default_rng(rng.getrandbits(32)).uniform(-2, 2, rows))
             factor_column = factors.astype(np.float64)[:, None]
@@ -552,6 +562,8 @@ def main():
                     print("oracle: stopping after %d failures" % failures)
                     break
         channel.close()
+        print("oracle: coverage (cases): " + ", ".join(
+            "%s %d" % item for item in sorted(oracle.coverage.items())))
         server.stop()
         if failures:
             print("oracle: lossd log tail:\n" + server.log_tail(20))
