@@ -162,6 +162,11 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
   void OnDone() override {
     // The pending tensor (and its reservation) goes before the drain count.
     pending_.reset();
+    // A deadline or cancellation that raced the reply: the client never got
+    // the handle, so the tensor must not stay behind.
+    if (!committed_.empty() && context_->IsCancelled()) {
+      service_->store()->Release(TenantOf(context_), committed_).IgnoreError();
+    }
     if (entered_) service_->Leave();
     delete this;
   }
@@ -205,6 +210,7 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
     absl::StatusOr<std::shared_ptr<Tensor>> tensor = pending_->Commit();
     pending_.reset();
     if (!tensor.ok()) return tensor.status();
+    committed_ = (*tensor)->handle();
     ToProto((*tensor)->Info(), response_->mutable_tensor());
     return absl::OkStatus();
   }
@@ -222,6 +228,7 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
   pb::UploadResponse* const response_;
   pb::UploadRequest request_;
   std::unique_ptr<PendingTensor> pending_;
+  std::string committed_;  // the handle, once published
   bool entered_ = true;
   bool cancelled_ = false;
 };

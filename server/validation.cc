@@ -224,12 +224,13 @@ absl::Status CheckInlineTargets(const pb::InlineTensor& targets, DType dtype,
                                 int64_t rows) {
   const int64_t size = static_cast<int64_t>(DTypeSize(dtype));
   const int64_t bytes = static_cast<int64_t>(targets.data().size());
-  if (size == 0 || rows < 0 ||
-      rows > std::numeric_limits<int64_t>::max() / size ||
-      bytes != rows * size) {
+  int64_t need = 0;
+  const bool overflow = __builtin_mul_overflow(rows, size, &need);
+  if (size == 0 || rows < 0 || overflow || bytes != need) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "inline targets have %d bytes, %d rows of %s need %d", bytes, rows,
-        DTypeName(dtype), size == 0 ? 0 : rows * size));
+        "inline targets have %d bytes, %d rows of %s need %s", bytes, rows,
+        DTypeName(dtype),
+        overflow ? "more than int64 holds" : absl::StrCat(need)));
   }
   return absl::OkStatus();
 }

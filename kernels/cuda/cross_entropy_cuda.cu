@@ -399,6 +399,15 @@ __device__ __forceinline__ void ClusterWait() {
 
 constexpr int MinBlocks(int vpt) { return vpt >= 16 ? 2 : (vpt >= 8 ? 3 : 4); }
 constexpr int kLanes = 4;  // independent accumulators per thread (ILP)
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit; exp(z - c) is computed as
+// Exp2(fma(z, log2e, -c * log2e)), one FFMA and one MUFU per element.
+__device__ __forceinline__ float Exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 
 // Logits [N, V] with row stride; grid = N * C blocks in clusters of C; block
 // `rank` of row `row` keeps elements [rank*chunk, rank*chunk + chunk) in
@@ -461,44 +470,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
   }
   if (kGeneral && valid && p.weights) wy = p.weights[y];
 
-  // Max and first argmax, in kLanes independent chains (vector k goes to
-  // lane k % kLanes; ties resolve by column when the lanes merge).
+  // Max in kLanes independent chains (vector k goes to lane k % kLanes).
   float lm[kLanes];
-  int larg[kLanes];
 #pragma unroll
-  for (int l = 0; l < kLanes; ++l) {
-    lm[l] = -INFINITY;
-    larg[l] = INT_MAX;
-  }
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      float z = Tr::Get(data[k], j);
-      const int c = start + (k * kThreads + tid) * kVec + j;
-      if (kGeneral) {
-        if (c >= vocab) continue;
-        float unused;
-        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
-      }
-      if (z > lm[k % kLanes]) {
-        lm[k % kLanes] = z;
-        larg[k % kLanes] = c;
-      }
-    }
-  }
-  Stats st;
-  st.m = lm[0];
-  st.arg = larg[0];
-#pragma unroll
-  for (int l = 1; l < kLanes; ++l) {
-    if (lm[l] > st.m || (lm[l] == st.m && larg[l] < st.arg)) {
-      st.m = lm[l];
-      st.arg = larg[l];
-    }
-  }
-  float lt[kLanes] = {};
-  st.sum_wz = 0.0f;
+  for (int l = 0; l < kLanes; ++l) lm[l] = -INFINITY;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
 #pragma unroll
@@ -509,11 +484,34 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         if (c >= vocab) continue;
         float unused;
         if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+      }
+      lm[k % kLanes] = fmaxf(lm[k % kLanes], z);
+    }
+  }
+  Stats st;
+  st.m = fmaxf(fmaxf(lm[0], lm[1]), fmaxf(lm[2], lm[3]));
+  const float m_log2e = st.m * kLog2e;
+  // Sum of exp(z - m), and the first column equal to the max: walking the
+  // slice backwards, the last hit is the first column.
+  float lt[kLanes] = {};
+  st.arg = INT_MAX;
+  st.sum_wz = 0.0f;
+#pragma unroll
+  for (int k = VPT - 1; k >= 0; --k) {
+#pragma unroll
+    for (int j = kVec - 1; j >= 0; --j) {
+      float z = Tr::Get(data[k], j);
+      const int c = start + (k * kThreads + tid) * kVec + j;
+      if (kGeneral) {
+        if (c >= vocab) continue;
+        float unused;
+        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
         if (p.eps > 0) {
           st.sum_wz += (p.weights ? p.weights[c] : 1.0f) * z;
         }
       }
-      lt[k % kLanes] += __expf(z - st.m);  // the max itself adds exactly 1
+      lt[k % kLanes] += Exp2(fmaf(z, kLog2e, -m_log2e));  // max adds ~1
+      if (z == st.m) st.arg = c;
     }
   }
   st.t = (lt[0] + lt[1]) + (lt[2] + lt[3]);
@@ -561,6 +559,24 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
     WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
   if (!out) return;
 
+  if (!kGeneral && !valid) {
+    const float zero[kVec] = {};
+    uint4 zv;
+    Tr::Pack(zero, &zv);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int e = start + (k * kThreads + tid) * kVec;
+      if (e + kVec <= vocab) {
+        __stcs(reinterpret_cast<uint4*>(out + e), zv);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (e + j < vocab) Tr::Store(out + e + j, 0.0f);
+      }
+    }
+    return;
+  }
+  const float lse_log2e = rm.lse * kLog2e;
   const int yq = (valid && owner) ? static_cast<int>(y - start) / kVec : -1;
   const int yj = (valid && owner) ? static_cast<int>(y - start) % kVec : -1;
 #pragma unroll
@@ -576,11 +592,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
         const int c = e + j;
         const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
-        float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
+        float gz = Exp2(fmaf(z, kLog2e, -lse_log2e)) * rm.a + rm.b * wc;
         if (q == yq && j == yj) gz = rm.gy;
         g[j] = valid ? gz * dfac : 0.0f;
       } else {
-        g[j] = valid ? __expf(x - rm.lse) * rm.a + rm.b : 0.0f;
+        // Ignored rows have a = b = 0; `valid` only guards inf * 0.
+        g[j] = fmaf(Exp2(fmaf(x, kLog2e, -lse_log2e)), rm.a, rm.b);
       }
     }
     if (!kGeneral && q == yq) {

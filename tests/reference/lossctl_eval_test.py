@@ -92,9 +92,9 @@ def main():
                 decimals = len(accuracy_text.split(".")[1]) if "." in accuracy_text else 0
                 ref_accuracy = ref_correct / valid
                 what = "lossctl eval %s" % " ".join(extra)
-                print("%s: loss %.10f (torch float64 %.10f, float32 %.10f), accuracy %s (torch %.6f)"
-                      ", tokens %d (%d)" % (what, loss, ref_loss, torch32_loss, accuracy_text,
-                                           ref_accuracy, tokens, valid))
+                print("%s: loss %.10f (torch float64 %.10f, float32 %.10f), accuracy %s "
+                      "(torch %.6f), tokens %d (%d)" % (what, loss, ref_loss, torch32_loss,
+                                                        accuracy_text, ref_accuracy, tokens, valid))
                 if not abs(loss - ref_loss) <= 1e-6 * abs(ref_loss):
                     failures.append("%s: loss %.10f, torch float64 %.10f" % (what, loss, ref_loss))
                 if not abs(loss - torch32_loss) <= 1e-6 * abs(torch32_loss):

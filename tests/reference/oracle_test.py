@@ -154,10 +154,11 @@ class Oracle:
                       z_loss_scale=z_loss_scale, softcap=softcap, weights=use_weights,
                       normalizer=normalizer, grad_scale=grad_scale, mode=mode, outputs=outputs)
         self.config = config
-        self.coverage.update([dtype, targets_dtype, mode, reduction, ignore_choice])
+        self.coverage.update([dtype, targets_dtype, mode, reduction, "ignore_" + ignore_choice])
         self.coverage.update(name for name, used in (
             ("label_smoothing", label_smoothing > 0), ("z_loss", z_loss_scale > 0),
-            ("softcap", softcap > 0), ("class_weights", use_weights), ("normalizer", normalizer > 0),
+            ("softcap", softcap > 0), ("class_weights", use_weights),
+            ("normalizer", normalizer > 0),
             ("grad_scale", grad_scale is not None), ("inline_targets", targets_inline)) if used)
 
         # Inputs; the reference uses the values lossd received (after the dtype rounding).
@@ -235,8 +236,7 @@ class Oracle:
                                 rows, vocab, ref, weights)
 
         response = self.stub.Forward(request)
-        self.check_forward(response, ref, rows, reduction_kind, normalizer, outputs, softcap,
-                           x_values, targets, ignore_index, weights)
+        self.check_forward(response, ref, rows, vocab, reduction_kind, outputs, softcap)
 
         # Handle states and what happened to the logits.
         logits_info = self.stub.Describe(pb2.DescribeRequest(handle=logits_handle))
@@ -246,7 +246,8 @@ class Oracle:
             check(logits_info.state == pb2.TENSOR_STATE_GRADIENT, "IN_PLACE: state %s" %
                   pb2.TensorState.Name(logits_info.state))
             expect_code(self.grpc, "Forward on consumed logits",
-                        self.grpc.StatusCode.FAILED_PRECONDITION, lambda: self.stub.Forward(request))
+                        self.grpc.StatusCode.FAILED_PRECONDITION,
+                        lambda: self.stub.Forward(request))
         else:
             check(logits_info.state == pb2.TENSOR_STATE_LOGITS, "%s: logits state %s" %
                   (mode, pb2.TensorState.Name(logits_info.state)))
@@ -269,8 +270,7 @@ class Oracle:
         expect_code(self.grpc, "Release twice", self.grpc.StatusCode.NOT_FOUND,
                     lambda: self.stub.Release(pb2.ReleaseRequest(handle=logits_handle)))
 
-    def check_forward(self, response, ref, rows, reduction, normalizer, outputs, softcap, x, targets,
-                      ignore_index, weights):
+    def check_forward(self, response, ref, rows, vocab, reduction, outputs, softcap):
         check_close("loss", response.loss, ref["loss"], atol=ref["loss_atol"], rtol=1e-5)
         check_close("z_loss", response.z_loss, ref["z_loss"], atol=ref["loss_atol"], rtol=1e-5)
         check(response.valid_tokens == ref["valid"], "valid_tokens %d, expected %d" %
@@ -294,7 +294,7 @@ class Oracle:
                         atol=2e-6 * (1 + np.abs(ref["lse"])))
         if outputs["token_argmax"]:
             got = np.array(response.token_argmax, dtype=np.int64)
-            check(((got >= 0) & (got < x.shape[1])).all(), "token_argmax out of range: %s" % got)
+            check(((got >= 0) & (got < vocab)).all(), "token_argmax out of range: %s" % got)
             z = ref["z"]
             if softcap == 0:
                 check((got == np.argmax(z, axis=1)).all(), "token_argmax %s != first argmax %s" %

@@ -1,0 +1,626 @@
+// Issue 6 soak: several clients drive a real in-process server on loopback
+// with a random mix of Upload, Forward, Backward, Download, Evaluate and
+// Release, cancelling streams midway and setting tight deadlines. Afterwards
+// there must have been no unexpected status, no tensor and no reserved byte
+// left, and bounded resident-memory growth.
+//
+// LOSSD_SOAK_CLIENTS (default 8), LOSSD_SOAK_SECONDS (default 10; 60 for the
+// long run), LOSSD_TEST_SEED (default fixed) tune it.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/float16.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/server.h"
+
+namespace lossd {
+namespace {
+
+namespace pb = ::lossd::v1;
+using Code = grpc::StatusCode;
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* text = std::getenv(name);
+  return text != nullptr ? std::strtoll(text, nullptr, 0) : fallback;
+}
+
+// Resident memory of this process (the server runs in it), in bytes.
+int64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) {
+      return std::strtoll(line.c_str() + 6, nullptr, 10) * 1024;
+    }
+  }
+  return -1;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;  // ASan's quarantine holds freed memory
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// What all clients did, summed.
+struct Figures {
+  int64_t requests = 0;
+  int64_t ok = 0;
+  int64_t expected_errors = 0;  // bad requests sent on purpose
+  int64_t cancellations = 0;    // streams the client cancelled midway
+  int64_t deadlines = 0;        // RPCs that ran into their deadline
+  int64_t bytes_uploaded = 0;
+  int64_t bytes_downloaded = 0;
+  int64_t bytes_evaluated = 0;
+  std::vector<std::string> unexpected;
+
+  void Add(const Figures& other) {
+    requests += other.requests;
+    ok += other.ok;
+    expected_errors += other.expected_errors;
+    cancellations += other.cancellations;
+    deadlines += other.deadlines;
+    bytes_uploaded += other.bytes_uploaded;
+    bytes_downloaded += other.bytes_downloaded;
+    bytes_evaluated += other.bytes_evaluated;
+    unexpected.insert(unexpected.end(), other.unexpected.begin(),
+                      other.unexpected.end());
+  }
+};
+
+// A tensor one client owns.
+struct Owned {
+  std::string handle;
+  pb::DType dtype = pb::DTYPE_FLOAT32;
+  int64_t rows = 0;
+  int64_t vocab = 0;  // 0 for targets
+  bool gradient = false;
+  pb::Reduction reduction = pb::REDUCTION_MEAN;
+  bool materialized = false;
+  double factor = 1.0;
+  std::string bytes;  // what was uploaded, while it holds logits
+};
+
+// One client: its own channel, random generator and tensors.
+class SoakClient {
+ public:
+  SoakClient(const std::string& address, int id, unsigned seed)
+      : id_(id), rng_(seed) {
+    grpc::ChannelArguments args;
+    // A distinct argument gives each client its own connection.
+    args.SetInt("lossd.soak_client", id);
+    stub_ = pb::Lossd::NewStub(grpc::CreateCustomChannel(
+        address, grpc::InsecureChannelCredentials(), args));
+  }
+
+  void Run(absl::Time end) {
+    while (absl::Now() < end) {
+      const int dice = Uniform(0, 99);
+      if (dice < 22) {
+        Upload();
+      } else if (dice < 40) {
+        Forward();
+      } else if (dice < 50) {
+        Backward();
+      } else if (dice < 68) {
+        Download();
+      } else if (dice < 82) {
+        Evaluate();
+      } else if (dice < 92) {
+        Release(/*any=*/true);
+      } else if (dice < 97) {
+        BadRequest();
+      } else {
+        Inspect();
+      }
+    }
+    while (!owned_.empty()) Release(/*any=*/true);
+  }
+
+  const Figures& figures() const { return figures_; }
+
+ private:
+  static constexpr size_t kMaxOwned = 8;
+
+  int Uniform(int low, int high) {
+    return std::uniform_int_distribution<int>(low, high)(rng_);
+  }
+  bool Chance(int percent) { return Uniform(0, 99) < percent; }
+
+  // Counts one RPC whose status must be one of `allowed`.
+  void Check(const char* what, const grpc::Status& status,
+             std::initializer_list<Code> allowed) {
+    ++figures_.requests;
+    const Code code = status.error_code();
+    if (std::find(allowed.begin(), allowed.end(), code) == allowed.end()) {
+      figures_.unexpected.push_back(absl::StrCat("client ", id_, " ", what,
+                                                 ": code ", code, " ",
+                                                 status.error_message()));
+      return;
+    }
+    if (code == Code::OK) {
+      ++figures_.ok;
+    } else if (code == Code::CANCELLED) {
+      ++figures_.cancellations;
+    } else if (code == Code::DEADLINE_EXCEEDED) {
+      ++figures_.deadlines;
+    } else {
+      ++figures_.expected_errors;
+    }
+  }
+
+  void MaybeDeadline(grpc::ClientContext* context, bool* with_deadline) {
+    *with_deadline = Chance(10);
+    if (*with_deadline) {
+      context->set_deadline(std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(Uniform(1, 20)));
+    }
+  }
+
+  std::string RandomLogits(pb::DType dtype, int64_t count) {
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::string bytes;
+    if (dtype == pb::DTYPE_FLOAT32) {
+      std::vector<float> values(count);
+      for (float& x : values) x = normal(rng_);
+      bytes.assign(reinterpret_cast<const char*>(values.data()), count * 4);
+    } else {
+      std::vector<uint16_t> values(count);
+      for (uint16_t& x : values) {
+        const float value = normal(rng_);
+        x = dtype == pb::DTYPE_BFLOAT16 ? FloatToBF16(value)
+                                        : FloatToHalf(value);
+      }
+      bytes.assign(reinterpret_cast<const char*>(values.data()), count * 2);
+    }
+    return bytes;
+  }
+
+  std::string RandomTargets(int64_t rows, int64_t vocab, pb::DType dtype) {
+    std::vector<int64_t> targets(rows);
+    for (int64_t& y : targets) {
+      y = Chance(10) ? -100 : Uniform(0, static_cast<int>(vocab) - 1);
+    }
+    if (dtype == pb::DTYPE_INT64) {
+      return std::string(reinterpret_cast<const char*>(targets.data()),
+                         rows * 8);
+    }
+    std::vector<int32_t> narrow(targets.begin(), targets.end());
+    return std::string(reinterpret_cast<const char*>(narrow.data()), rows * 4);
+  }
+
+  Owned* Pick(bool (*want)(const Owned&)) {
+    std::vector<Owned*> candidates;
+    for (Owned& owned : owned_) {
+      if (want(owned)) candidates.push_back(&owned);
+    }
+    if (candidates.empty()) return nullptr;
+    return candidates[Uniform(0, static_cast<int>(candidates.size()) - 1)];
+  }
+
+  void Upload() {
+    if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
+    static constexpr pb::DType kTypes[] = {
+        pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16, pb::DTYPE_FLOAT16};
+    Owned tensor;
+    tensor.dtype = kTypes[Uniform(0, 2)];
+    tensor.rows = Uniform(1, 64);
+    tensor.vocab = Uniform(1, 512);
+    tensor.bytes = RandomLogits(tensor.dtype, tensor.rows * tensor.vocab);
+    const bool cancel = Chance(15);
+    grpc::ClientContext context;
+    bool with_deadline = false;
+    if (!cancel) MaybeDeadline(&context, &with_deadline);
+    pb::UploadResponse response;
+    auto writer = stub_->Upload(&context, &response);
+    pb::UploadRequest request;
+    request.mutable_header()->set_dtype(tensor.dtype);
+    request.mutable_header()->add_shape(tensor.rows);
+    request.mutable_header()->add_shape(tensor.vocab);
+    request.mutable_header()->set_label(absl::StrCat("soak ", id_));
+    bool open = writer->Write(request);
+    const size_t chunk = static_cast<size_t>(Uniform(1, 65536));
+    const size_t cancel_at = cancel ? tensor.bytes.size() / 2 : SIZE_MAX;
+    for (size_t offset = 0; open && offset < tensor.bytes.size();
+         offset += chunk) {
+      if (offset >= cancel_at) break;
+      request.set_chunk(tensor.bytes.substr(offset, chunk));
+      open = writer->Write(request);
+      if (open) figures_.bytes_uploaded += request.chunk().size();
+    }
+    if (cancel) {
+      context.TryCancel();
+      Check("Upload (cancelled)", writer->Finish(), {Code::CANCELLED});
+      return;
+    }
+    writer->WritesDone();
+    const grpc::Status status = writer->Finish();
+    if (with_deadline) {
+      Check("Upload (deadline)", status, {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check("Upload", status, {Code::OK});
+    }
+    if (!status.ok()) return;
+    tensor.handle = response.tensor().handle();
+    if (response.tensor().bytes() !=
+        static_cast<int64_t>(tensor.bytes.size())) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " Upload: wrong size"));
+    }
+    owned_.push_back(std::move(tensor));
+  }
+
+  void Forward() {
+    Owned* logits = Pick([](const Owned& o) { return !o.gradient; });
+    if (logits == nullptr) return Upload();
+    pb::ForwardRequest request;
+    request.set_logits(logits->handle);
+    const pb::DType targets_dtype =
+        Chance(50) ? pb::DTYPE_INT32 : pb::DTYPE_INT64;
+    request.mutable_targets_inline()->set_dtype(targets_dtype);
+    request.mutable_targets_inline()->set_data(
+        RandomTargets(logits->rows, logits->vocab, targets_dtype));
+    static constexpr pb::Reduction kReductions[] = {
+        pb::REDUCTION_MEAN, pb::REDUCTION_SUM, pb::REDUCTION_NONE};
+    const pb::Reduction reduction = kReductions[Uniform(0, 2)];
+    pb::LossOptions* options = request.mutable_options();
+    options->set_reduction(reduction);
+    if (Chance(30)) options->set_label_smoothing(0.1f);
+    if (Chance(30)) options->set_z_loss_scale(1e-4f);
+    if (Chance(20)) options->set_softcap(30.0f);
+    static constexpr pb::GradientMode kModes[] = {
+        pb::GRADIENT_MODE_IN_PLACE, pb::GRADIENT_MODE_OUT_OF_PLACE,
+        pb::GRADIENT_MODE_NONE};
+    pb::GradientMode mode = kModes[Uniform(0, 2)];
+    if (mode == pb::GRADIENT_MODE_OUT_OF_PLACE && owned_.size() >= kMaxOwned) {
+      mode = pb::GRADIENT_MODE_NONE;
+    }
+    request.set_mode(mode);
+    request.mutable_outputs()->set_token_loss(Chance(30));
+    grpc::ClientContext context;
+    pb::ForwardResponse response;
+    const grpc::Status status = stub_->Forward(&context, request, &response);
+    Check("Forward", status, {Code::OK});
+    if (!status.ok()) return;
+    if (mode == pb::GRADIENT_MODE_IN_PLACE) {
+      logits->gradient = true;
+      logits->reduction = reduction;
+      logits->bytes.clear();
+    } else if (mode == pb::GRADIENT_MODE_OUT_OF_PLACE &&
+               !response.gradient().empty()) {
+      Owned gradient = *logits;
+      gradient.handle = response.gradient();
+      gradient.gradient = true;
+      gradient.reduction = reduction;
+      gradient.bytes.clear();
+      owned_.push_back(std::move(gradient));
+    }
+  }
+
+  void Backward() {
+    Owned* gradient = Pick([](const Owned& o) { return o.gradient; });
+    if (gradient == nullptr) return Forward();
+    pb::BackwardRequest request;
+    request.set_gradient(gradient->handle);
+    if (gradient->materialized) {
+      request.set_scalar(gradient->factor);  // the same factor is a no-op
+    } else if (gradient->reduction == pb::REDUCTION_NONE && Chance(50)) {
+      for (int64_t row = 0; row < gradient->rows; ++row) {
+        request.mutable_per_token()->add_values(
+            static_cast<float>(Uniform(-4, 4)) / 4.0f);
+      }
+    } else {
+      gradient->factor = static_cast<double>(Uniform(1, 16)) / 8.0;
+      request.set_scalar(gradient->factor);
+      if (Chance(20)) {
+        request.set_materialize(true);
+        gradient->materialized = true;
+      }
+    }
+    grpc::ClientContext context;
+    pb::BackwardResponse response;
+    Check("Backward", stub_->Backward(&context, request, &response),
+          {Code::OK});
+  }
+
+  void Download() {
+    Owned* tensor = Pick([](const Owned&) { return true; });
+    if (tensor == nullptr) return Upload();
+    static constexpr pb::DType kTypes[] = {
+        pb::DTYPE_UNSPECIFIED, pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16,
+        pb::DTYPE_FLOAT16};
+    pb::DownloadRequest request;
+    request.set_handle(tensor->handle);
+    request.set_dtype(kTypes[Uniform(0, 3)]);
+    request.set_chunk_bytes(Chance(50) ? 0 : Uniform(8, 65536));
+    const bool cancel = Chance(15);
+    grpc::ClientContext context;
+    bool with_deadline = false;
+    if (!cancel) MaybeDeadline(&context, &with_deadline);
+    auto reader = stub_->Download(&context, request);
+    pb::DownloadResponse response;
+    std::string bytes;
+    int64_t expected = -1;
+    int messages = 0;
+    const int cancel_after = Uniform(1, 3);
+    while (reader->Read(&response)) {
+      if (response.has_header()) {
+        expected = response.header().bytes();
+      } else {
+        bytes += response.chunk();
+      }
+      if (cancel && ++messages == cancel_after) {
+        context.TryCancel();
+        break;
+      }
+    }
+    if (cancel) {
+      while (reader->Read(&response)) {
+      }
+    }
+    figures_.bytes_downloaded += static_cast<int64_t>(bytes.size());
+    const grpc::Status status = reader->Finish();
+    if (cancel) {
+      // The whole tensor may have arrived before the cancellation.
+      Check("Download (cancelled)", status, {Code::OK, Code::CANCELLED});
+      return;
+    }
+    if (with_deadline) {
+      Check("Download (deadline)", status, {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check("Download", status, {Code::OK});
+    }
+    if (!status.ok()) return;
+    if (static_cast<int64_t>(bytes.size()) != expected) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " Download: ", bytes.size(),
+                       " bytes, header says ", expected));
+    } else if (!tensor->bytes.empty() &&
+               (request.dtype() == pb::DTYPE_UNSPECIFIED ||
+                request.dtype() == tensor->dtype) &&
+               bytes != tensor->bytes) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " Download: bytes differ"));
+    }
+  }
+
+  void Evaluate() {
+    const int64_t vocab = Uniform(1, 512);
+    const pb::DType dtype = Chance(50) ? pb::DTYPE_FLOAT32 : pb::DTYPE_BFLOAT16;
+    const bool cancel = Chance(15);
+    grpc::ClientContext context;
+    bool with_deadline = false;
+    if (!cancel) MaybeDeadline(&context, &with_deadline);
+    pb::EvaluateResponse response;
+    auto writer = stub_->Evaluate(&context, &response);
+    pb::EvaluateRequest request;
+    request.mutable_header()->set_vocab(vocab);
+    request.mutable_header()->set_logits_dtype(dtype);
+    request.mutable_header()->set_targets_dtype(pb::DTYPE_INT64);
+    bool open = writer->Write(request);
+    const int blocks = Uniform(1, 6);
+    for (int block = 0; open && block < blocks; ++block) {
+      if (cancel && block == blocks / 2) break;
+      const int64_t rows = Uniform(1, 32);
+      request.mutable_block()->set_logits(RandomLogits(dtype, rows * vocab));
+      request.mutable_block()->set_targets(
+          RandomTargets(rows, vocab, pb::DTYPE_INT64));
+      open = writer->Write(request);
+      if (open) {
+        figures_.bytes_evaluated +=
+            request.block().logits().size() + request.block().targets().size();
+      }
+    }
+    if (cancel) {
+      context.TryCancel();
+      Check("Evaluate (cancelled)", writer->Finish(), {Code::CANCELLED});
+      return;
+    }
+    writer->WritesDone();
+    const grpc::Status status = writer->Finish();
+    if (with_deadline) {
+      Check("Evaluate (deadline)", status, {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check("Evaluate", status, {Code::OK});
+    }
+  }
+
+  void Release(bool any) {
+    if (owned_.empty() || !any) return;
+    const size_t index =
+        static_cast<size_t>(Uniform(0, static_cast<int>(owned_.size()) - 1));
+    grpc::ClientContext context;
+    pb::ReleaseRequest request;
+    request.set_handle(owned_[index].handle);
+    pb::ReleaseResponse response;
+    Check("Release", stub_->Release(&context, request, &response), {Code::OK});
+    owned_.erase(owned_.begin() + static_cast<std::ptrdiff_t>(index));
+  }
+
+  // Requests that must fail, mixed in with the rest.
+  void BadRequest() {
+    switch (Uniform(0, 3)) {
+      case 0: {
+        Owned* gradient = Pick([](const Owned& o) { return o.gradient; });
+        if (gradient == nullptr) return;
+        pb::ForwardRequest request;
+        request.set_logits(gradient->handle);
+        request.mutable_targets_inline()->set_dtype(pb::DTYPE_INT64);
+        request.mutable_targets_inline()->set_data(
+            std::string(gradient->rows * 8, '\0'));
+        grpc::ClientContext context;
+        pb::ForwardResponse response;
+        Check("Forward on a gradient",
+              stub_->Forward(&context, request, &response),
+              {Code::FAILED_PRECONDITION});
+        return;
+      }
+      case 1: {
+        grpc::ClientContext context;
+        pb::DescribeRequest request;
+        request.set_handle(absl::StrCat("nope-", id_));
+        pb::TensorInfo info;
+        Check("Describe unknown", stub_->Describe(&context, request, &info),
+              {Code::NOT_FOUND});
+        return;
+      }
+      case 2: {
+        grpc::ClientContext context;
+        pb::UploadResponse response;
+        auto writer = stub_->Upload(&context, &response);
+        pb::UploadRequest request;
+        request.mutable_header()->set_dtype(pb::DTYPE_FLOAT32);
+        request.mutable_header()->add_shape(int64_t{1} << 40);
+        request.mutable_header()->add_shape(int64_t{1} << 40);
+        writer->Write(request);
+        writer->WritesDone();
+        Check("Upload overflow", writer->Finish(), {Code::INVALID_ARGUMENT});
+        return;
+      }
+      default: {
+        Owned* logits = Pick([](const Owned& o) { return !o.gradient; });
+        if (logits == nullptr) return;
+        pb::ForwardRequest request;
+        request.set_logits(logits->handle);
+        request.mutable_targets_inline()->set_dtype(pb::DTYPE_INT64);
+        std::vector<int64_t> targets(logits->rows, logits->vocab);
+        request.mutable_targets_inline()->set_data(std::string(
+            reinterpret_cast<const char*>(targets.data()), logits->rows * 8));
+        grpc::ClientContext context;
+        pb::ForwardResponse response;
+        Check("Forward out of range",
+              stub_->Forward(&context, request, &response),
+              {Code::INVALID_ARGUMENT});
+        return;
+      }
+    }
+  }
+
+  void Inspect() {
+    grpc::ClientContext context;
+    pb::ListResponse list;
+    Check("List", stub_->List(&context, pb::ListRequest(), &list), {Code::OK});
+    Owned* tensor = Pick([](const Owned&) { return true; });
+    if (tensor == nullptr) return;
+    grpc::ClientContext describe_context;
+    pb::DescribeRequest request;
+    request.set_handle(tensor->handle);
+    pb::TensorInfo info;
+    Check("Describe", stub_->Describe(&describe_context, request, &info),
+          {Code::OK});
+    if (info.state() != (tensor->gradient ? pb::TENSOR_STATE_GRADIENT
+                                          : pb::TENSOR_STATE_LOGITS)) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " Describe: wrong state"));
+    }
+  }
+
+  const int id_;
+  std::mt19937 rng_;
+  std::unique_ptr<pb::Lossd::Stub> stub_;
+  std::vector<Owned> owned_;
+  Figures figures_;
+};
+
+TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
+  const int clients = static_cast<int>(EnvInt("LOSSD_SOAK_CLIENTS", 8));
+  const absl::Duration duration =
+      absl::Seconds(EnvInt("LOSSD_SOAK_SECONDS", 10));
+  const unsigned seed =
+      static_cast<unsigned>(EnvInt("LOSSD_TEST_SEED", 20240601));
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+
+  ServerConfig config;
+  config.host = "127.0.0.1";
+  config.port = 0;
+  config.device = "cpu";
+  config.memory_budget = int64_t{512} << 20;  // never the limit here
+  config.threads = 2;
+  config.drain_timeout = absl::Seconds(20);
+  auto server = LossdServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  const int64_t rss_start = ResidentBytes();
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + duration;
+  std::vector<std::unique_ptr<SoakClient>> soak_clients;
+  for (int id = 0; id < clients; ++id) {
+    soak_clients.push_back(std::make_unique<SoakClient>(
+        (*server)->address(), id, seed + static_cast<unsigned>(id)));
+  }
+  std::vector<std::thread> threads;
+  for (auto& client : soak_clients) {
+    threads.emplace_back([&client, end] { client->Run(end); });
+  }
+  // Resident memory once warm (a quarter in) and at its highest after.
+  absl::SleepFor(duration / 4);
+  const int64_t rss_warm = ResidentBytes();
+  int64_t rss_peak = rss_warm;
+  while (absl::Now() < end) {
+    absl::SleepFor(std::min(absl::Milliseconds(250), end - absl::Now()));
+    rss_peak = std::max(rss_peak, ResidentBytes());
+  }
+  for (std::thread& thread : threads) thread.join();
+
+  Figures total;
+  for (auto& client : soak_clients) total.Add(client->figures());
+  // Uploads and Evaluates are torn down when the server sees their end.
+  const bool drained = (*server)->store()->AwaitUsedBytes(0, absl::Seconds(30));
+  const StoreStats stats = (*server)->store()->Stats();
+  const int64_t rss_end = ResidentBytes();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+
+  constexpr double kMiB = 1 << 20;
+  const std::string summary = absl::StrFormat(
+      "soak: %d clients x %.1f s: %d requests (%.0f/s), %d ok, %d expected "
+      "errors, %d cancellations, %d deadlines, %d unexpected; %.1f MiB up, "
+      "%.1f MiB down, %.1f MiB evaluated; left: %d tensors, %d bytes; RSS "
+      "start %.1f MiB, warm %.1f MiB, peak %.1f MiB, end %.1f MiB%s",
+      clients, seconds, total.requests, total.requests / seconds, total.ok,
+      total.expected_errors, total.cancellations, total.deadlines,
+      total.unexpected.size(), total.bytes_uploaded / kMiB,
+      total.bytes_downloaded / kMiB, total.bytes_evaluated / kMiB,
+      stats.tensors, stats.used_bytes, rss_start / kMiB, rss_warm / kMiB,
+      rss_peak / kMiB, rss_end / kMiB, kSanitized ? " (ASan)" : "");
+  std::printf("%s\n", summary.c_str());
+  ::testing::Test::RecordProperty("summary", summary);
+
+  for (size_t i = 0; i < std::min<size_t>(total.unexpected.size(), 20); ++i) {
+    ADD_FAILURE() << total.unexpected[i];
+  }
+  EXPECT_TRUE(total.unexpected.empty());
+  EXPECT_GT(total.ok, 0);
+  EXPECT_GT(total.cancellations, 0);
+  EXPECT_TRUE(drained);
+  EXPECT_EQ(stats.tensors, 0);
+  EXPECT_EQ(stats.used_bytes, 0);
+  // Growth from warm to the end: a leak of anything per request would show
+  // up here; steady-state buffers (gRPC, allocator arenas) do not grow.
+  if (!kSanitized) {
+    EXPECT_LT(rss_peak - rss_warm, int64_t{96} << 20) << summary;
+    EXPECT_LT(rss_end - rss_warm, int64_t{96} << 20) << summary;
+  }
+}
+
+}  // namespace
+}  // namespace lossd
