@@ -71,12 +71,15 @@ const char* Name(lossd::DType d) {
 
 int main(int argc, char** argv) {
   bool sweep = false;
+  bool profile = false;  // one small config, for ncu
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
+    if (std::strcmp(argv[i], "--profile") == 0) profile = true;
   }
-  const int kWarmup = 3, kRuns = 25;
+  const int kWarmup = 3;
+  const int kRuns = profile ? 2 : 25;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -86,7 +89,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaEventCreate(&t1));
 
   // Copy bandwidth: 4 GiB D2D, bytes read + written.
-  const size_t copy_bytes = size_t{4} << 30;
+  const size_t copy_bytes = profile ? size_t{1} << 28 : size_t{4} << 30;
   void *a = nullptr, *b = nullptr;
   CHECK_CUDA(cudaMalloc(&a, copy_bytes));
   CHECK_CUDA(cudaMalloc(&b, copy_bytes));
@@ -114,6 +117,12 @@ int main(int argc, char** argv) {
   using lossd::GradientMode;
   std::vector<Config> configs;
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    if (profile) {
+      if (d == DType::kBFloat16) {
+        configs.push_back({4096, 131072, d, GradientMode::kInPlace});
+      }
+      continue;
+    }
     configs.push_back({8192, 32000, d, GradientMode::kInPlace});
     configs.push_back({8192, 128256, d, GradientMode::kInPlace});
     configs.push_back({4096, 262144, d, GradientMode::kInPlace});

@@ -1,8 +1,10 @@
 // lossctl: the command-line client of lossd, for people and shell scripts.
 // Thin over lossd::Client; results go to stdout (one parseable line each),
-// progress and diagnostics to stderr.
+// progress and diagnostics to stderr. --server may name several instances
+// (RoutingClient): handles go to their owner, uploads to the emptiest one.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -26,10 +29,14 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/npy.h"
+#include "client/router.h"
 #include "kernels/cpu/float16.h"
 #include "kernels/status_macros.h"
 
-ABSL_FLAG(std::string, server, "127.0.0.1:50051", "lossd address, host:port");
+ABSL_FLAG(std::string, server, "127.0.0.1:50051",
+          "lossd address host:port; several comma-separated, or "
+          "dns:///NAME:PORT for every address of a headless Service "
+          "(handles go to their instance, uploads to the most free memory)");
 ABSL_FLAG(absl::Duration, deadline, absl::InfiniteDuration(),
           "deadline of each RPC, e.g. 30s (default: none)");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20,
@@ -42,6 +49,9 @@ ABSL_FLAG(std::string, dtype, "",
           "upload/eval: convert the logits to this dtype before sending "
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
+ABSL_FLAG(std::string, near, "",
+          "upload: store the tensor on the instance holding this handle "
+          "(a forward's targets and weights must share the logits' instance)");
 
 ABSL_FLAG(std::string, reduction, "mean", "mean, sum or none");
 ABSL_FLAG(int64_t, ignore_index, -100, "target value that is ignored");
@@ -70,13 +80,14 @@ namespace {
 constexpr char kUsage[] =
     R"(lossctl: command-line client of lossd.
 
-usage: lossctl [--server=host:port] COMMAND [ARGS] [FLAGS]
+usage: lossctl [--server=host:port[,host:port...] | --server=dns:///NAME:PORT]
+               COMMAND [ARGS] [FLAGS]
 
 commands:
-  health                         liveness and readiness of the server
-  info                           instance id, device, memory
+  health                         liveness and readiness of each server
+  info                           instance id, device, memory of each
   upload FILE.npy                store a tensor; prints its handle
-         [--dtype=bf16] [--label=TEXT]
+         [--dtype=bf16] [--label=TEXT] [--near=HANDLE]
   forward LOGITS TARGETS         cross entropy; TARGETS is a handle or an
          [--reduction --ignore_index --label_smoothing --z_loss_scale
           --softcap --weights --mode --normalizer --grad_scale]
@@ -161,14 +172,20 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::StatusOr<std::unique_ptr<Client>> MakeClient() {
-  ClientOptions options;
+absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
+  RoutingOptions options;
   const int64_t chunk = absl::GetFlag(FLAGS_chunk_bytes);
   if (chunk <= 0) return UsageError("--chunk_bytes must be positive");
-  options.chunk_bytes = static_cast<std::size_t>(chunk);
-  options.deadline = absl::GetFlag(FLAGS_deadline);
-  options.bearer_token = absl::GetFlag(FLAGS_token);
-  return Client::Connect(absl::GetFlag(FLAGS_server), options);
+  options.client.chunk_bytes = static_cast<std::size_t>(chunk);
+  options.client.deadline = absl::GetFlag(FLAGS_deadline);
+  options.client.bearer_token = absl::GetFlag(FLAGS_token);
+  std::vector<std::string> targets =
+      absl::StrSplit(absl::GetFlag(FLAGS_server), ',', absl::SkipWhitespace());
+  for (std::string& target : targets) {
+    target = std::string(absl::StripAsciiWhitespace(target));
+  }
+  if (targets.empty()) return UsageError("--server is empty");
+  return RoutingClient::Connect(std::move(targets), options);
 }
 
 absl::StatusOr<Reduction> ParseReduction(const std::string& name) {
@@ -255,31 +272,59 @@ absl::Status ConvertElements(const void* src, DType from, void* dst, DType to,
       "cannot convert ", DTypeString(from), " to ", DTypeString(to)));
 }
 
-absl::Status Health(Client& client) {
-  ASSIGN_OR_RETURN(const bool live, client.Health(""));
-  ASSIGN_OR_RETURN(const bool ready, client.Health(kLossdService));
-  std::printf("liveness %s\nreadiness %s\n", live ? "SERVING" : "NOT_SERVING",
-              ready ? "SERVING" : "NOT_SERVING");
-  if (!live || !ready) {
-    return absl::UnavailableError("the server is not serving");
+// With several servers each line starts with the server's address.
+absl::Status Health(RoutingClient& client) {
+  const auto live = client.Health("");
+  const auto ready = client.Health(kLossdService);
+  absl::Status first_error;
+  const auto state = [&first_error](const absl::StatusOr<bool>& serving) {
+    if (!serving.ok()) {
+      if (first_error.ok()) first_error = serving.status();
+      return serving.status().ToString();
+    }
+    if (!*serving && first_error.ok()) {
+      first_error = absl::UnavailableError("a server is not serving");
+    }
+    return std::string(*serving ? "SERVING" : "NOT_SERVING");
+  };
+  for (size_t i = 0; i < live.size() && i < ready.size(); ++i) {
+    const std::string prefix =
+        live.size() == 1 ? "" : absl::StrCat(live[i].first, " ");
+    std::printf("%sliveness %s\n%sreadiness %s\n", prefix.c_str(),
+                state(live[i].second).c_str(), prefix.c_str(),
+                state(ready[i].second).c_str());
   }
-  return absl::OkStatus();
+  return first_error;
 }
 
-absl::Status Info(Client& client) {
-  ASSIGN_OR_RETURN(const ServerInfo info, client.GetServerInfo());
-  std::printf(
-      "instance %s\ndevice %s\nversion %s\ntensors %lld\nbudget_bytes "
-      "%lld\nused_bytes %lld\nfree_bytes %lld\n",
-      info.instance_id.c_str(), info.device.c_str(), info.version.c_str(),
-      static_cast<long long>(info.tensors),
-      static_cast<long long>(info.budget_bytes),
-      static_cast<long long>(info.used_bytes),
-      static_cast<long long>(info.free_bytes));
-  return absl::OkStatus();
+absl::Status Info(RoutingClient& client) {
+  const std::vector<InstanceStatus> instances = client.Instances();
+  absl::Status first_error;
+  for (const InstanceStatus& instance : instances) {
+    if (instances.size() > 1) {
+      std::printf("endpoint %s\n", instance.endpoint.c_str());
+    }
+    if (!instance.status.ok()) {
+      std::fprintf(stderr, "lossctl: %s: %s\n", instance.endpoint.c_str(),
+                   instance.status.ToString().c_str());
+      if (first_error.ok()) first_error = instance.status;
+      continue;
+    }
+    const ServerInfo& info = instance.info;
+    std::printf(
+        "instance %s\ndevice %s\nversion %s\ntensors %lld\nbudget_bytes "
+        "%lld\nused_bytes %lld\nfree_bytes %lld\n",
+        info.instance_id.c_str(), info.device.c_str(), info.version.c_str(),
+        static_cast<long long>(info.tensors),
+        static_cast<long long>(info.budget_bytes),
+        static_cast<long long>(info.used_bytes),
+        static_cast<long long>(info.free_bytes));
+  }
+  return first_error;
 }
 
-absl::Status Upload(Client& client, const std::vector<std::string>& args) {
+absl::Status Upload(RoutingClient& client,
+                    const std::vector<std::string>& args) {
   if (args.size() != 1) return UsageError("lossctl upload FILE.npy");
   ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> file, NpyFile::Open(args[0]));
   const NpyHeader& header = file->header();
@@ -295,9 +340,14 @@ absl::Status Upload(Client& client, const std::vector<std::string>& args) {
   const std::size_t bytes = header.elements * DTypeSize(dtype);
   ProgressBar bar("upload", "MB", 1e6);
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(const TensorInfo info,
-                   client.Upload(dtype, header.shape, data, bytes,
-                                 absl::GetFlag(FLAGS_label), bar.Callback()));
+  const std::string near = absl::GetFlag(FLAGS_near);
+  ASSIGN_OR_RETURN(
+      const TensorInfo info,
+      near.empty()
+          ? client.Upload(dtype, header.shape, data, bytes,
+                          absl::GetFlag(FLAGS_label), bar.Callback())
+          : client.UploadColocated(near, dtype, header.shape, data, bytes,
+                                   absl::GetFlag(FLAGS_label), bar.Callback()));
   bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::fprintf(stderr, "uploaded %s %s, %zu bytes in %.3f s\n",
@@ -307,7 +357,8 @@ absl::Status Upload(Client& client, const std::vector<std::string>& args) {
   return absl::OkStatus();
 }
 
-absl::Status Forward(Client& client, const std::vector<std::string>& args) {
+absl::Status Forward(RoutingClient& client,
+                     const std::vector<std::string>& args) {
   if (args.size() != 2) {
     return UsageError("lossctl forward LOGITS_HANDLE TARGETS(handle|.npy)");
   }
@@ -338,7 +389,8 @@ absl::Status Forward(Client& client, const std::vector<std::string>& args) {
   return absl::OkStatus();
 }
 
-absl::Status Backward(Client& client, const std::vector<std::string>& args) {
+absl::Status Backward(RoutingClient& client,
+                      const std::vector<std::string>& args) {
   if (args.size() != 1) return UsageError("lossctl backward HANDLE");
   const std::string grad_output = absl::GetFlag(FLAGS_grad_output);
   const bool materialize = absl::GetFlag(FLAGS_materialize);
@@ -369,7 +421,8 @@ absl::Status Backward(Client& client, const std::vector<std::string>& args) {
   return absl::OkStatus();
 }
 
-absl::Status Download(Client& client, const std::vector<std::string>& args) {
+absl::Status Download(RoutingClient& client,
+                      const std::vector<std::string>& args) {
   if (args.size() != 2) return UsageError("lossctl download HANDLE OUT.npy");
   ASSIGN_OR_RETURN(const DType as_dtype, DTypeFlag(DType::kInvalid));
   std::unique_ptr<NpyWriter> writer;
@@ -416,9 +469,9 @@ std::string Age(absl::Time since) {
   return absl::StrCat(seconds / 3600, "h");
 }
 
-absl::Status List(Client& client, const std::vector<std::string>& args) {
+absl::Status List(RoutingClient& client, const std::vector<std::string>& args) {
   if (!args.empty()) return UsageError("lossctl ls");
-  ASSIGN_OR_RETURN(const ListResult list, client.List());
+  ASSIGN_OR_RETURN(const RoutedListResult list, client.List());
   std::printf("%-45s %-8s %-16s %12s %-9s %-6s %5s %5s %s\n", "HANDLE", "DTYPE",
               "SHAPE", "BYTES", "STATE", "DEVICE", "AGE", "IDLE", "LABEL");
   for (const TensorInfo& t : list.tensors) {
@@ -429,15 +482,33 @@ absl::Status List(Client& client, const std::vector<std::string>& args) {
                 Age(t.created).c_str(), Age(t.last_used).c_str(),
                 t.label.c_str());
   }
-  std::fprintf(stderr, "%zu tensors; %lld of %lld bytes used on %s\n",
-               list.tensors.size(),
-               static_cast<long long>(list.server.used_bytes),
-               static_cast<long long>(list.server.budget_bytes),
-               list.server.device.c_str());
-  return absl::OkStatus();
+  absl::Status first_error;
+  for (const InstanceStatus& instance : list.instances) {
+    const std::string where =
+        list.instances.size() == 1 ? "" : absl::StrCat(instance.endpoint, ": ");
+    if (!instance.status.ok()) {
+      std::fprintf(stderr, "lossctl: %s%s\n", where.c_str(),
+                   instance.status.ToString().c_str());
+      if (first_error.ok()) first_error = instance.status;
+      continue;
+    }
+    // The caller's tensors there (the server's count includes other tenants).
+    const long long mine = std::count_if(
+        list.tensors.begin(), list.tensors.end(), [&](const TensorInfo& t) {
+          absl::StatusOr<std::string> id = RoutingClient::InstanceOf(t.handle);
+          return id.ok() && *id == instance.info.instance_id;
+        });
+    std::fprintf(stderr, "%s%lld tensors; %lld of %lld bytes used on %s\n",
+                 where.c_str(), mine,
+                 static_cast<long long>(instance.info.used_bytes),
+                 static_cast<long long>(instance.info.budget_bytes),
+                 instance.info.device.c_str());
+  }
+  return first_error;
 }
 
-absl::Status Remove(Client& client, const std::vector<std::string>& args) {
+absl::Status Remove(RoutingClient& client,
+                    const std::vector<std::string>& args) {
   if (args.empty()) return UsageError("lossctl rm HANDLE...");
   absl::Status first_error;
   for (const std::string& handle : args) {
@@ -457,7 +528,7 @@ absl::Status Remove(Client& client, const std::vector<std::string>& args) {
   return absl::OkStatus();
 }
 
-absl::Status Eval(Client& client, const std::vector<std::string>& args) {
+absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   if (args.size() != 2)
     return UsageError("lossctl eval LOGITS.npy TARGETS.npy");
   ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> logits, NpyFile::Open(args[0]));
@@ -546,7 +617,7 @@ absl::Status Run(const std::vector<std::string>& positional) {
   if (positional.empty()) return UsageError("no command; see lossctl --help");
   const std::string& command = positional[0];
   const std::vector<std::string> args(positional.begin() + 1, positional.end());
-  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, MakeClient());
+  ASSIGN_OR_RETURN(std::unique_ptr<RoutingClient> client, MakeClient());
   if (command == "health") {
     if (!args.empty()) return UsageError("lossctl health");
     return Health(*client);

@@ -155,7 +155,9 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> RoutingClient::Connect(
       ++static_targets;
     } else {
       absl::MutexLock lock(&router->mu_);
-      router->dns_names_.push_back(DnsName{target, std::move(dns)});
+      DnsName& name = router->dns_names_.emplace_back();
+      name.spec = target;
+      name.target = std::move(dns);
     }
   }
   {

@@ -402,7 +402,7 @@ constexpr int kLanes = 4;  // independent accumulators per thread (ILP)
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x on the special-function unit; exp(z - c) is computed as
-// Exp2(fma(z, log2e, -c * log2e)), one FFMA and one MUFU per element.
+// Exp2(fma(z, log2e, -c * log2e)): one FFMA and one MUFU per element.
 __device__ __forceinline__ float Exp2(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -470,10 +470,45 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
   }
   if (kGeneral && valid && p.weights) wy = p.weights[y];
 
-  // Max in kLanes independent chains (vector k goes to lane k % kLanes).
+  // Max and first argmax, in kLanes independent chains (vector k goes to
+  // lane k % kLanes; ties resolve by column when the lanes merge).
   float lm[kLanes];
+  int larg[kLanes];
 #pragma unroll
-  for (int l = 0; l < kLanes; ++l) lm[l] = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) {
+    lm[l] = -INFINITY;
+    larg[l] = INT_MAX;
+  }
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float z = Tr::Get(data[k], j);
+      const int c = start + (k * kThreads + tid) * kVec + j;
+      if (kGeneral) {
+        if (c >= vocab) continue;
+        float unused;
+        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
+      }
+      if (z > lm[k % kLanes]) {
+        lm[k % kLanes] = z;
+        larg[k % kLanes] = c;
+      }
+    }
+  }
+  Stats st;
+  st.m = lm[0];
+  st.arg = larg[0];
+#pragma unroll
+  for (int l = 1; l < kLanes; ++l) {
+    if (lm[l] > st.m || (lm[l] == st.m && larg[l] < st.arg)) {
+      st.m = lm[l];
+      st.arg = larg[l];
+    }
+  }
+  float lt[kLanes] = {};
+  const float m_log2e = st.m * kLog2e;
+  st.sum_wz = 0.0f;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
 #pragma unroll
@@ -484,34 +519,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         if (c >= vocab) continue;
         float unused;
         if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
-      }
-      lm[k % kLanes] = fmaxf(lm[k % kLanes], z);
-    }
-  }
-  Stats st;
-  st.m = fmaxf(fmaxf(lm[0], lm[1]), fmaxf(lm[2], lm[3]));
-  const float m_log2e = st.m * kLog2e;
-  // Sum of exp(z - m), and the first column equal to the max: walking the
-  // slice backwards, the last hit is the first column.
-  float lt[kLanes] = {};
-  st.arg = INT_MAX;
-  st.sum_wz = 0.0f;
-#pragma unroll
-  for (int k = VPT - 1; k >= 0; --k) {
-#pragma unroll
-    for (int j = kVec - 1; j >= 0; --j) {
-      float z = Tr::Get(data[k], j);
-      const int c = start + (k * kThreads + tid) * kVec + j;
-      if (kGeneral) {
-        if (c >= vocab) continue;
-        float unused;
-        if (p.softcap > 0) z = SoftcapZ(z, p.softcap, &unused);
         if (p.eps > 0) {
           st.sum_wz += (p.weights ? p.weights[c] : 1.0f) * z;
         }
       }
-      lt[k % kLanes] += Exp2(fmaf(z, kLog2e, -m_log2e));  // max adds ~1
-      if (z == st.m) st.arg = c;
+      lt[k % kLanes] += Exp2(fmaf(z, kLog2e, -m_log2e));  // the max adds ~1
     }
   }
   st.t = (lt[0] + lt[1]) + (lt[2] + lt[3]);
@@ -560,6 +572,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
   if (!out) return;
 
   if (!kGeneral && !valid) {
+    // Ignored row: zeros (the formula would give NaN for non-finite logits).
     const float zero[kVec] = {};
     uint4 zv;
     Tr::Pack(zero, &zv);
@@ -596,7 +609,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         if (q == yq && j == yj) gz = rm.gy;
         g[j] = valid ? gz * dfac : 0.0f;
       } else {
-        // Ignored rows have a = b = 0; `valid` only guards inf * 0.
         g[j] = fmaf(Exp2(fmaf(x, kLog2e, -lse_log2e)), rm.a, rm.b);
       }
     }
@@ -735,18 +747,17 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
   const int vec = static_cast<int>(16 / esize);
   int vpt = config.vectors_per_thread;
   if (vpt == 0) {
-    // Smallest slice that fits the row in a cluster of <= 4 blocks, else of
-    // <= 8 (portable); past that, 16-vector slices in clusters of up to 16.
-    vpt = 0;
-    for (int limit : {4, 8}) {
-      for (int v = 1; v <= 16 && vpt == 0; v *= 2) {
-        if ((p.vocab + v * kThreads * vec - 1) / (v * kThreads * vec) <=
-            limit) {
-          vpt = v;
-        }
+    // Measured on the H200 (bench/NOTES.md): the largest slice (16 vectors,
+    // 64 KiB a block) wins at every vocabulary tried, since fewer blocks per
+    // row mean fewer cluster barriers; short rows take the smallest slice
+    // that holds them in one block.
+    vpt = 16;
+    for (int v = 1; v < 16; v *= 2) {
+      if (p.vocab <= v * kThreads * vec) {
+        vpt = v;
+        break;
       }
     }
-    if (vpt == 0) vpt = 16;
   }
   const long long chunk = static_cast<long long>(vpt) * kThreads * vec;
   const long long csize = (p.vocab + chunk - 1) / chunk;

@@ -8,8 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/npy.h"
 #include "client/router.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -18,6 +21,7 @@
 namespace lossd {
 namespace {
 
+using ::lossd::client_test::CommandResult;
 using ::lossd::client_test::LossdProcess;
 using ::lossd::client_test::RunCommand;
 using ::lossd::client_test::TempDir;
@@ -348,6 +352,77 @@ TEST_F(RoutingTest, RestartedInstanceHandlesAreNotFoundAndItTakesNewUploads) {
   EXPECT_NE(Owner(placed), 0);
   EXPECT_EQ(router_->Describe(by_server[0][0]).status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+TEST_F(RoutingTest, LossctlTakesSeveralServers) {
+  TempDir dir;
+  const std::string server_flag =
+      absl::StrCat("--server=", servers_[0]->address(), ",",
+                   servers_[1]->address(), ",", servers_[2]->address());
+  const auto lossctl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {LOSSCTL_BINARY_PATH, server_flag});
+    absl::StatusOr<CommandResult> result = RunCommand(args);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : CommandResult();
+  };
+  CommandResult info = lossctl({"info"});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THAT(info.out, HasSubstr("endpoint " + servers_[i]->address() +
+                                    "\ninstance " + ids_[i]));
+  }
+
+  const std::vector<float> logits = RandomLogits();
+  const std::vector<int64_t> targets = RandomTargets();
+  const std::string logits_path = dir.File("logits.npy");
+  const std::string targets_path = dir.File("targets.npy");
+  ASSERT_TRUE(WriteNpy(logits_path, DType::kFloat32, {kRows, kVocab},
+                       logits.data(), logits.size() * 4)
+                  .ok());
+  ASSERT_TRUE(WriteNpy(targets_path, DType::kInt64, {kRows}, targets.data(),
+                       targets.size() * 8)
+                  .ok());
+  // Free 40/24/16 MiB: after three 8 MiB tensors on server 0, server 1 has
+  // the most free memory.
+  std::string filler;
+  for (int k = 0; k < 3; ++k) {
+    filler = UploadPlaced(logits);
+    ASSERT_EQ(Owner(filler), 0);
+  }
+  CommandResult up = lossctl({"upload", logits_path});
+  ASSERT_EQ(up.exit_code, 0) << up.err;
+  const std::string handle(absl::StripAsciiWhitespace(up.out));
+  EXPECT_EQ(Owner(handle), 1);
+  CommandResult up_targets =
+      lossctl({"upload", targets_path, "--near=" + handle});
+  ASSERT_EQ(up_targets.exit_code, 0) << up_targets.err;
+  const std::string targets_handle(absl::StripAsciiWhitespace(up_targets.out));
+  EXPECT_EQ(Owner(targets_handle), 1);
+
+  CommandResult forward = lossctl({"forward", handle, targets_handle});
+  ASSERT_EQ(forward.exit_code, 0) << forward.err;
+  const Reference ref = CrossEntropy(logits, targets);
+  const std::vector<std::string> words =
+      absl::StrSplit(forward.out, ' ', absl::SkipEmpty());
+  double loss = 0.0;
+  ASSERT_GE(words.size(), 2u);
+  ASSERT_EQ(words[0], "loss");
+  ASSERT_TRUE(absl::SimpleAtod(words[1], &loss)) << forward.out;
+  EXPECT_NEAR(loss, ref.loss, 1e-5 * ref.loss);
+
+  CommandResult ls = lossctl({"ls"});
+  ASSERT_EQ(ls.exit_code, 0) << ls.err;
+  EXPECT_THAT(ls.out, HasSubstr(handle));
+  EXPECT_THAT(ls.out, HasSubstr(filler));
+  EXPECT_THAT(ls.err, HasSubstr(servers_[1]->address() + ": 2 tensors"));
+
+  CommandResult mixed = lossctl({"forward", handle, filler});
+  EXPECT_EQ(mixed.exit_code, 1);
+  EXPECT_THAT(mixed.err, HasSubstr("INVALID_ARGUMENT"));
+  CommandResult health = lossctl({"health"});
+  EXPECT_EQ(health.exit_code, 0) << health.err;
+  EXPECT_THAT(health.out,
+              HasSubstr(servers_[2]->address() + " readiness SERVING"));
 }
 
 TEST(RoutingDnsTest, DnsNameReachesEveryAddress) {
