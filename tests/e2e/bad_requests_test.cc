@@ -116,7 +116,9 @@ class BadRequestsTest : public ::testing::Test {
     ServerConfig config;
     config.host = "127.0.0.1";
     config.port = 0;
-    config.device = "cpu";
+    // LOSSD_TEST_DEVICE=cuda runs the same table against the GPU backend.
+    const char* device = std::getenv("LOSSD_TEST_DEVICE");
+    config.device = device != nullptr ? device : "cpu";
     config.memory_budget = kBudget;
     config.threads = 2;
     config.drain_timeout = absl::Seconds(20);
