@@ -104,7 +104,7 @@ CudaDevice::~CudaDevice() {
     absl::MutexLock lock(&mu_);
     for (const auto& [buffer, upload] : uploads_) buffers.push_back(buffer);
   }
-  for (void* buffer : buffers) EndUpload(buffer).IgnoreError();
+  for (void* buffer : buffers) EndUpload(buffer, false).IgnoreError();
   absl::MutexLock lock(&mu_);
   for (cudaStream_t stream : streams_) {
     cudaStreamSynchronize(stream);
@@ -254,8 +254,9 @@ absl::StatusOr<void*> CudaDevice::Allocate(size_t bytes) {
 void CudaDevice::Free(void* buffer, size_t bytes) {
   if (buffer == nullptr) return;
   cudaSetDevice(options_.ordinal);
-  // A cancelled upload may still be copying into the buffer.
-  EndUpload(buffer).IgnoreError();
+  // A cancelled upload may still be copying into the buffer; what it has
+  // gathered in staging is not wanted any more.
+  EndUpload(buffer, false).IgnoreError();
   absl::StatusOr<cudaStream_t> stream = AcquireStream();
   if (stream.ok()) {
     // Every other use of the buffer has completed (all methods but uploads
@@ -307,35 +308,56 @@ absl::Status CudaDevice::CopyFromHostAsync(void* buffer, size_t offset,
   if (!upload->error.ok()) return upload->error;
   const char* from = static_cast<const char*>(host);
   char* to = static_cast<char*>(buffer) + offset;
+  if (upload->filled > 0 && upload->filled_to + upload->filled != to) {
+    // Not a continuation: what is gathered goes on its own.
+    RETURN_IF_ERROR(FlushUpload(upload));
+  }
   while (bytes > 0) {
-    const size_t piece = std::min(bytes, options_.staging_bytes);
     Staging& staging = upload->staging[upload->next];
-    upload->next ^= 1;
-    // Waits for the copy of two pieces ago; the previous one keeps running.
-    absl::Status status =
-        Check(cudaEventSynchronize(staging.done), "upload wait");
-    if (status.ok()) {
-      std::memcpy(staging.host, from, piece);
-      status = Check(cudaMemcpyAsync(to, staging.host, piece,
-                                     cudaMemcpyHostToDevice, upload->stream),
-                     "upload copy");
+    if (upload->filled == 0) {
+      // Waits for the copy of two buffers ago; the previous one keeps
+      // running while this one fills.
+      const absl::Status status =
+          Check(cudaEventSynchronize(staging.done), "upload wait");
+      if (!status.ok()) {
+        upload->error = status;
+        return status;
+      }
+      upload->filled_to = to;
     }
-    if (status.ok()) {
-      status =
-          Check(cudaEventRecord(staging.done, upload->stream), "upload record");
-    }
-    if (!status.ok()) {
-      upload->error = status;
-      return status;
-    }
+    const size_t piece =
+        std::min(bytes, options_.staging_bytes - upload->filled);
+    std::memcpy(static_cast<char*>(staging.host) + upload->filled, from, piece);
+    upload->filled += piece;
     from += piece;
     to += piece;
     bytes -= piece;
+    if (upload->filled == options_.staging_bytes) {
+      RETURN_IF_ERROR(FlushUpload(upload));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::EndUpload(void* buffer) {
+absl::Status CudaDevice::FlushUpload(Upload* upload) {
+  if (upload->filled == 0) return absl::OkStatus();
+  Staging& staging = upload->staging[upload->next];
+  absl::Status status =
+      Check(cudaMemcpyAsync(upload->filled_to, staging.host, upload->filled,
+                            cudaMemcpyHostToDevice, upload->stream),
+            "upload copy");
+  if (status.ok()) {
+    status =
+        Check(cudaEventRecord(staging.done, upload->stream), "upload record");
+  }
+  upload->filled = 0;
+  upload->filled_to = nullptr;
+  upload->next ^= 1;
+  if (!status.ok()) upload->error = status;
+  return status;
+}
+
+absl::Status CudaDevice::EndUpload(void* buffer, bool flush) {
   std::unique_ptr<Upload> upload;
   {
     absl::MutexLock lock(&mu_);
@@ -344,6 +366,7 @@ absl::Status CudaDevice::EndUpload(void* buffer) {
     upload = std::move(it->second);
     uploads_.erase(it);
   }
+  if (flush && upload->error.ok()) FlushUpload(upload.get()).IgnoreError();
   absl::Status status = upload->error;
   const absl::Status synced =
       Check(cudaStreamSynchronize(upload->stream), "upload synchronize");
@@ -355,7 +378,7 @@ absl::Status CudaDevice::EndUpload(void* buffer) {
 
 absl::Status CudaDevice::FinishWrites(void* buffer) {
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  return EndUpload(buffer);
+  return EndUpload(buffer, true);
 }
 
 absl::Status CudaDevice::CopyToHost(void* host, const void* device,

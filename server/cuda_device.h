@@ -72,7 +72,10 @@ class CudaDevice final : public Device {
   absl::Status CopyFromHost(void* buffer, size_t offset, const void* host,
                             size_t bytes) override;
   // Copies through two pinned staging buffers on the buffer's own stream:
-  // returns once the bytes are in pinned memory and their copy is enqueued.
+  // returns once the bytes are in pinned memory. Consecutive calls that
+  // continue where the previous one ended share a staging buffer, which is
+  // copied to the device when full (or by FinishWrites), so that small pieces
+  // (gRPC hands a message over in ~16 KiB slices) cost no copy each.
   absl::Status CopyFromHostAsync(void* buffer, size_t offset, const void* host,
                                  size_t bytes) override;
   absl::Status FinishWrites(void* buffer) override;
@@ -100,6 +103,9 @@ class CudaDevice final : public Device {
     cudaStream_t stream = nullptr;
     Staging staging[2];
     int next = 0;
+    // Bytes in staging[next] not yet enqueued, and where they go.
+    size_t filled = 0;
+    char* filled_to = nullptr;
     absl::Status error;
   };
 
@@ -114,8 +120,12 @@ class CudaDevice final : public Device {
   void ReleaseStaging(Staging staging) ABSL_LOCKS_EXCLUDED(mu_);
   // Device memory ordered on `stream`, trimming the pool once when full.
   absl::Status AllocateOn(void** pointer, size_t bytes, cudaStream_t stream);
-  // Waits for and removes the uploads into `buffer`.
-  absl::Status EndUpload(void* buffer) ABSL_LOCKS_EXCLUDED(mu_);
+  // Enqueues the device copy of the bytes gathered in the current staging
+  // buffer (none: nothing to do) and moves to the other one.
+  absl::Status FlushUpload(Upload* upload);
+  // Waits for and removes the uploads into `buffer`; with `flush`, first
+  // enqueues what is still gathered in staging.
+  absl::Status EndUpload(void* buffer, bool flush) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies `bytes` from device to host through pinned staging on `stream`.
   absl::Status CopyToHost(void* host, const void* device, size_t bytes,
                           cudaStream_t stream);

@@ -15,8 +15,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "server/auth.h"
 #include "server/device.h"
 #include "server/metrics.h"
+#include "server/quota.h"
 #include "server/service.h"
 #include "server/tensor_store.h"
 
@@ -48,6 +50,16 @@ struct ServerConfig {
   // binary's --metrics_port defaults to 9090).
   int metrics_port = -1;
   std::string metrics_port_file;  // written with the bound metrics port
+  // TLS, mutual TLS and bearer tokens of the main port (docs/operations.md,
+  // Security). All empty: plaintext, every caller is kDefaultTenant.
+  AuthOptions auth;
+  // Every tenant's quota (0 = unlimited), on top of the device budget.
+  TenantLimits tenant_limits;
+  // Plaintext grpc.health.v1 only (no lossd API) on host:health_port, for
+  // probes that cannot present a client certificate; 0 = pick a free one,
+  // -1 = off.
+  int health_port = -1;
+  std::string health_port_file;  // written with the bound health port
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION
@@ -76,6 +88,10 @@ class LossdServer {
   ~LossdServer();
 
   int port() const { return port_; }
+  // The bound plaintext health port; 0 when off.
+  int health_port() const { return health_port_; }
+  // Null when no quota is set.
+  TenantQuotas* quotas() const { return quotas_.get(); }
   // The bound metrics port; 0 when metrics are off.
   int metrics_port() const {
     return metrics_ == nullptr ? 0 : metrics_->port();
@@ -96,9 +112,16 @@ class LossdServer {
  private:
   LossdServer() = default;
   void SweepLoop();
+  // Sets `service`'s health status on the main and the health server.
+  void SetServing(const char* service, bool serving);
 
   ServerConfig config_;
   int port_ = 0;
+  int health_port_ = 0;
+  // Used by service_ (and quotas_ by the store's tensors, which share it):
+  // declared before both.
+  std::unique_ptr<Authenticator> authenticator_;
+  std::shared_ptr<TenantQuotas> quotas_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<TensorStore> store_;
   // Reads store_ when scraped and is used by service_: declared between them
@@ -106,6 +129,7 @@ class LossdServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;
   absl::Notification stop_sweeper_;
   std::thread sweeper_;
   absl::Mutex drain_mu_;

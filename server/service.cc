@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -27,12 +28,6 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 namespace {
-
-// Until authentication exists every caller is the default tenant.
-const std::string& TenantOf(const grpc::CallbackServerContext* /*context*/) {
-  static const std::string* const kTenant = new std::string(kDefaultTenant);
-  return *kTenant;
-}
 
 absl::Status DrainingError() {
   return absl::UnavailableError("lossd is draining; retry on another instance");
@@ -124,22 +119,55 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
 
 // ---------------------------------------------------------------- Upload
 
-class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
+// Upload is served on raw ByteBuffers rather than parsed UploadRequests (the
+// constructor of LossdService installs the handler): a chunk's bytes then go
+// from gRPC's receive slices straight to the device, one copy, where the
+// generated handler would first copy each chunk into a std::string.
+
+// The tag of UploadRequest.chunk (field 2, length-delimited).
+constexpr uint8_t kChunkTag = (2 << 3) | 2;
+// The tag plus the longest varint.
+constexpr size_t kMaxChunkPrefix = 11;
+
+// Where the data of a serialized UploadRequest of `size` bytes starts, when the
+// message is exactly one `chunk` field (what every client sends after the
+// header); nullopt for anything else. `head` holds its first
+// min(size, kMaxChunkPrefix) bytes. Pure.
+std::optional<size_t> ChunkPrefixBytes(const uint8_t* head, size_t head_size,
+                                       size_t size) {
+  if (head_size < 2 || head[0] != kChunkTag) return std::nullopt;
+  uint64_t length = 0;
+  for (size_t i = 1; i < head_size; ++i) {
+    length |= static_cast<uint64_t>(head[i] & 0x7f) << (7 * (i - 1));
+    if ((head[i] & 0x80) == 0) {
+      const size_t prefix = i + 1;
+      if (size - prefix != length) return std::nullopt;
+      return prefix;
+    }
+  }
+  return std::nullopt;
+}
+
+class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   UploadReactor(LossdService* service, grpc::CallbackServerContext* context,
-                pb::UploadResponse* response)
+                grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
     if (!service_->Enter()) {
       entered_ = false;
       End(ToGrpcStatus(DrainingError()));
       return;
     }
-    StartRead(&request_);
+    absl::MutexLock lock(&mu_);
+    StartRead(&buffers_[current_]);
   }
 
   void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;  // an earlier message failed; this read is moot
     if (!ok) {
       // End of the client's stream, or a cancelled / broken one.
+      finished_ = true;
       if (context_->IsCancelled()) {
         pending_.reset();
         End(grpc::Status::CANCELLED);
@@ -148,16 +176,19 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
       End(ToGrpcStatus(Complete()));
       return;
     }
-    const absl::Status status = Consume();
+    grpc::ByteBuffer* buffer = &buffers_[current_];
+    current_ ^= 1;
+    // Pipelined: the next message is received into the other buffer while
+    // this one's bytes are copied towards the device.
+    StartRead(&buffers_[current_]);
+    const absl::Status status = Consume(buffer);
+    buffer->Clear();
     if (!status.ok()) {
+      finished_ = true;
       pending_.reset();
       End(ToGrpcStatus(status));
-      return;
     }
-    StartRead(&request_);
   }
-
-  void OnCancel() override { cancelled_ = true; }
 
   void OnDone() override {
     // The pending tensor (and its reservation) goes before the drain count.
@@ -172,38 +203,84 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
   }
 
  private:
-  absl::Status Consume() {
-    switch (request_.kind_case()) {
+  absl::Status Consume(grpc::ByteBuffer* buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<grpc::Slice> slices;
+    if (!buffer->Dump(&slices).ok()) {
+      return absl::InternalError("cannot read an UploadRequest's bytes");
+    }
+    const size_t size = buffer->Length();
+    uint8_t head[kMaxChunkPrefix];
+    size_t head_size = 0;
+    for (const grpc::Slice& slice : slices) {
+      const size_t n = std::min(slice.size(), kMaxChunkPrefix - head_size);
+      std::memcpy(head + head_size, slice.begin(), n);
+      head_size += n;
+      if (head_size == kMaxChunkPrefix) break;
+    }
+    const std::optional<size_t> prefix =
+        ChunkPrefixBytes(head, head_size, size);
+    if (prefix.has_value()) return AppendChunk(slices, *prefix, size);
+    // The header, or a chunk in an unusual encoding: the protobuf way.
+    pb::UploadRequest request;
+    if (!grpc::SerializationTraits<pb::UploadRequest>::Deserialize(buffer,
+                                                                   &request)
+             .ok()) {
+      return absl::InvalidArgumentError("a malformed UploadRequest");
+    }
+    switch (request.kind_case()) {
       case pb::UploadRequest::kHeader: {
         if (pending_ != nullptr) {
           return absl::InvalidArgumentError("a second header");
         }
-        const pb::TensorHeader& header = request_.header();
+        const pb::TensorHeader& header = request.header();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
                                        TenantOf(context_), spec.dtype,
                                        std::move(spec.shape), header.label()));
         return absl::OkStatus();
       }
-      case pb::UploadRequest::kChunk:
-        if (pending_ == nullptr) {
-          return absl::InvalidArgumentError("data before the header");
-        }
-        RETURN_IF_ERROR(
-            pending_->Append(request_.chunk().data(), request_.chunk().size()));
-        if (service_->metrics() != nullptr) {
-          service_->metrics()->AddTransferBytes(
-              TransferDirection::kUpload,
-              static_cast<int64_t>(request_.chunk().size()));
-        }
-        return absl::OkStatus();
+      case pb::UploadRequest::kChunk: {
+        const grpc::Slice whole(request.chunk().data(), request.chunk().size(),
+                                grpc::Slice::STATIC_SLICE);
+        return AppendChunk({whole}, 0, request.chunk().size());
+      }
       default:
         return absl::InvalidArgumentError(
             "an UploadRequest with neither header nor chunk");
     }
   }
 
-  absl::Status Complete() {
+  // Appends bytes [prefix, size) of the concatenated `slices`.
+  absl::Status AppendChunk(const std::vector<grpc::Slice>& slices,
+                           size_t prefix, size_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (pending_ == nullptr) {
+      return absl::InvalidArgumentError("data before the header");
+    }
+    const int64_t length = static_cast<int64_t>(size - prefix);
+    if (length > pending_->bytes() - pending_->received_bytes()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "more bytes than the header says: %d expected, at least %d received",
+          pending_->bytes(), pending_->received_bytes() + length));
+    }
+    size_t skip = prefix;
+    for (const grpc::Slice& slice : slices) {
+      if (skip >= slice.size()) {
+        skip -= slice.size();
+        continue;
+      }
+      RETURN_IF_ERROR(
+          pending_->Append(slice.begin() + skip, slice.size() - skip));
+      skip = 0;
+    }
+    if (service_->metrics() != nullptr) {
+      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
@@ -211,7 +288,14 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
     pending_.reset();
     if (!tensor.ok()) return tensor.status();
     committed_ = (*tensor)->handle();
-    ToProto((*tensor)->Info(), response_->mutable_tensor());
+    pb::UploadResponse response;
+    ToProto((*tensor)->Info(), response.mutable_tensor());
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<pb::UploadResponse>::Serialize(
+             response, response_, &own_buffer)
+             .ok()) {
+      return absl::InternalError("cannot serialize the UploadResponse");
+    }
     return absl::OkStatus();
   }
 
@@ -225,12 +309,27 @@ class UploadReactor final : public grpc::ServerReadReactor<pb::UploadRequest> {
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
   grpc::CallbackServerContext* const context_;
-  pb::UploadResponse* const response_;
-  pb::UploadRequest request_;
+  grpc::ByteBuffer* const response_;
+  // Reads complete on gRPC's threads: one reaction at a time here.
+  absl::Mutex mu_;
+  grpc::ByteBuffer buffers_[2];
+  int current_ = 0;
+  bool finished_ = false;
   std::unique_ptr<PendingTensor> pending_;
   std::string committed_;  // the handle, once published
   bool entered_ = true;
-  bool cancelled_ = false;
+};
+
+// The generated (parsing) Upload handler is replaced by the raw one above;
+// this reactor only answers if that ever stops being so.
+class UnreachableUploadReactor final
+    : public grpc::ServerReadReactor<pb::UploadRequest> {
+ public:
+  UnreachableUploadReactor() {
+    Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                        "Upload is served by the raw handler"));
+  }
+  void OnDone() override { delete this; }
 };
 
 // ---------------------------------------------------------------- Download
@@ -241,9 +340,11 @@ class DownloadReactor final
   DownloadReactor(LossdService* service, grpc::CallbackServerContext* context,
                   const pb::DownloadRequest& request)
       : service_(service) {
-    if (!service_->Enter()) {
+    const absl::Status admitted =
+        service_->Admit(*context, &tenant_, &in_flight_);
+    if (!admitted.ok()) {
       entered_ = false;
-      End(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(admitted));
       return;
     }
     const absl::Status status = Start(context, request);
@@ -278,6 +379,7 @@ class DownloadReactor final
 
   void OnDone() override {
     lease_ = ReadLease();
+    in_flight_ = InFlightSlot();
     if (entered_) service_->Leave();
     delete this;
   }
@@ -289,9 +391,8 @@ class DownloadReactor final
         DownloadSpec spec,
         ValidateDownloadRequest(request, service_->options().max_chunk_bytes));
     DType as_dtype = spec.dtype;
-    ASSIGN_OR_RETURN(
-        std::shared_ptr<Tensor> tensor,
-        service_->store()->Get(TenantOf(context), request.handle()));
+    ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
+                     service_->store()->Get(tenant_, request.handle()));
     const DType stored = tensor->dtype();
     if (as_dtype == DType::kInvalid) as_dtype = stored;
     const int64_t out_size = static_cast<int64_t>(DTypeSize(as_dtype));
@@ -365,6 +466,8 @@ class DownloadReactor final
   int64_t elements_ = 0;
   int64_t chunk_elements_ = 0;
   int64_t next_element_ = 0;
+  std::string tenant_;
+  InFlightSlot in_flight_;
   bool entered_ = true;
 };
 
@@ -376,9 +479,11 @@ class EvaluateReactor final
   EvaluateReactor(LossdService* service, grpc::CallbackServerContext* context,
                   pb::EvaluateResponse* response)
       : service_(service), context_(context), response_(response) {
-    if (!service_->Enter()) {
+    const absl::Status admitted =
+        service_->Admit(*context_, &tenant_, &in_flight_);
+    if (!admitted.ok()) {
       entered_ = false;
-      End(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(admitted));
       return;
     }
     absl::MutexLock lock(&mu_);
@@ -411,6 +516,7 @@ class EvaluateReactor final
 
   void OnDone() override {
     weights_ = ReadLease();
+    in_flight_ = InFlightSlot();
     if (entered_) service_->Leave();
     delete this;
   }
@@ -443,7 +549,7 @@ class EvaluateReactor final
     targets_dtype_ = spec_.targets_dtype;
     if (!header.options().class_weights().empty()) {
       ASSIGN_OR_RETURN(weights_, LeaseClassWeights(
-                                     service_->store(), TenantOf(context_),
+                                     service_->store(), tenant_,
                                      header.options().class_weights(), vocab_));
       // The mean's denominator sums w[target] on the host.
       host_weights_.resize(static_cast<size_t>(vocab_));
@@ -564,6 +670,8 @@ class EvaluateReactor final
   pb::EvaluateRequest requests_[2];
   int current_ = 0;
   bool finished_ = false;
+  std::string tenant_;
+  InFlightSlot in_flight_;
   bool entered_ = true;
   bool have_header_ = false;
   EvaluateSpec spec_;
@@ -589,7 +697,17 @@ class EvaluateReactor final
 
 LossdService::LossdService(TensorStore* store, ServiceOptions options,
                            Metrics* metrics)
-    : store_(store), options_(std::move(options)), metrics_(metrics) {}
+    : store_(store), options_(std::move(options)), metrics_(metrics) {
+  // Upload is method 0 of lossd.v1.Lossd (its first rpc). The raw handler
+  // skips the protobuf copy of every chunk (see UploadReactor).
+  MarkMethodRawCallback(
+      0, new grpc::internal::CallbackClientStreamingHandler<grpc::ByteBuffer,
+                                                            grpc::ByteBuffer>(
+             [this](grpc::CallbackServerContext* context,
+                    grpc::ByteBuffer* response) {
+               return new UploadReactor(this, context, response);
+             }));
+}
 
 void LossdService::RecordRpc(const char* method, grpc::StatusCode code,
                              absl::Time start) const {
@@ -629,6 +747,29 @@ void LossdService::Leave() {
   --in_flight_;
 }
 
+absl::Status LossdService::Admit(const grpc::ServerContextBase& context,
+                                 std::string* tenant, InFlightSlot* slot) {
+  if (!Enter()) return DrainingError();
+  absl::StatusOr<std::string> caller =
+      options_.authenticator == nullptr
+          ? std::string(kDefaultTenant)
+          : options_.authenticator->Authenticate(context);
+  if (!caller.ok()) {
+    Leave();
+    return caller.status();
+  }
+  if (options_.quotas != nullptr) {
+    absl::StatusOr<InFlightSlot> taken = options_.quotas->EnterRpc(*caller);
+    if (!taken.ok()) {
+      Leave();
+      return taken.status();
+    }
+    *slot = std::move(*taken);
+  }
+  *tenant = *std::move(caller);
+  return absl::OkStatus();
+}
+
 void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   const StoreStats stats = store_->Stats();
   info->set_instance_id(store_->instance_id());
@@ -640,15 +781,24 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   info->set_version(options_.version);
 }
 
-// Runs `body` as one counted (drain) and recorded (metrics) unary RPC.
+// Runs `body` as one admitted (drain, authentication, tenant quota) and
+// recorded (metrics) unary RPC; `body` sees the caller's `tenant`.
 #define LOSSD_UNARY(method, context, body)                                     \
   do {                                                                         \
     const absl::Time lossd_rpc_start_ = absl::Now();                           \
-    if (!Enter()) {                                                            \
-      RecordRpc(method, grpc::StatusCode::UNAVAILABLE, lossd_rpc_start_);      \
-      return FinishUnary(context, DrainingError());                            \
+    absl::Status lossd_rpc_status_;                                            \
+    {                                                                          \
+      std::string tenant;                                                      \
+      InFlightSlot lossd_rpc_slot_;                                            \
+      lossd_rpc_status_ = Admit(*(context), &tenant, &lossd_rpc_slot_);        \
+      if (!lossd_rpc_status_.ok()) {                                           \
+        RecordRpc(method,                                                      \
+                  static_cast<grpc::StatusCode>(lossd_rpc_status_.code()),     \
+                  lossd_rpc_start_);                                           \
+        return FinishUnary(context, lossd_rpc_status_);                        \
+      }                                                                        \
+      lossd_rpc_status_ = (body);                                              \
     }                                                                          \
-    const absl::Status lossd_rpc_status_ = (body);                             \
     RecordRpc(method, static_cast<grpc::StatusCode>(lossd_rpc_status_.code()), \
               lossd_rpc_start_);                                               \
     Leave();                                                                   \
@@ -656,8 +806,9 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   } while (0)
 
 grpc::ServerReadReactor<pb::UploadRequest>* LossdService::Upload(
-    grpc::CallbackServerContext* context, pb::UploadResponse* response) {
-  return new UploadReactor(this, context, response);
+    grpc::CallbackServerContext* /*context*/,
+    pb::UploadResponse* /*response*/) {
+  return new UnreachableUploadReactor();
 }
 
 grpc::ServerWriteReactor<pb::DownloadResponse>* LossdService::Download(
@@ -673,69 +824,72 @@ grpc::ServerReadReactor<pb::EvaluateRequest>* LossdService::Evaluate(
 grpc::ServerUnaryReactor* LossdService::Describe(
     grpc::CallbackServerContext* context, const pb::DescribeRequest* request,
     pb::TensorInfo* response) {
-  LOSSD_UNARY("Describe", context, DoDescribe(*request, response));
+  LOSSD_UNARY("Describe", context, DoDescribe(tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::List(
     grpc::CallbackServerContext* context, const pb::ListRequest* /*request*/,
     pb::ListResponse* response) {
-  LOSSD_UNARY("List", context, DoList(response));
+  LOSSD_UNARY("List", context, DoList(tenant, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Release(
     grpc::CallbackServerContext* context, const pb::ReleaseRequest* request,
     pb::ReleaseResponse* response) {
-  LOSSD_UNARY("Release", context, DoRelease(*request, response));
+  LOSSD_UNARY("Release", context, DoRelease(tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Forward(
     grpc::CallbackServerContext* context, const pb::ForwardRequest* request,
     pb::ForwardResponse* response) {
-  LOSSD_UNARY("Forward", context, DoForward(*request, response));
+  LOSSD_UNARY("Forward", context, DoForward(tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Backward(
     grpc::CallbackServerContext* context, const pb::BackwardRequest* request,
     pb::BackwardResponse* response) {
-  LOSSD_UNARY("Backward", context, DoBackward(*request, response));
+  LOSSD_UNARY("Backward", context, DoBackward(tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::GetServerInfo(
     grpc::CallbackServerContext* context,
     const pb::GetServerInfoRequest* /*request*/, pb::ServerInfo* response) {
   LOSSD_UNARY("GetServerInfo", context,
-              (FillServerInfo(response), absl::OkStatus()));
+              ((void)tenant, FillServerInfo(response), absl::OkStatus()));
 }
 
 #undef LOSSD_UNARY
 
-absl::Status LossdService::DoDescribe(const pb::DescribeRequest& request,
+absl::Status LossdService::DoDescribe(const std::string& tenant,
+                                      const pb::DescribeRequest& request,
                                       pb::TensorInfo* response) {
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
-                   store_->Get(kDefaultTenant, request.handle()));
+                   store_->Get(tenant, request.handle()));
   ToProto(tensor->Info(), response);
   return absl::OkStatus();
 }
 
-absl::Status LossdService::DoList(pb::ListResponse* response) {
-  for (const TensorInfo& info : store_->List(kDefaultTenant)) {
+absl::Status LossdService::DoList(const std::string& tenant,
+                                  pb::ListResponse* response) {
+  for (const TensorInfo& info : store_->List(tenant)) {
     ToProto(info, response->add_tensors());
   }
   FillServerInfo(response->mutable_server());
   return absl::OkStatus();
 }
 
-absl::Status LossdService::DoRelease(const pb::ReleaseRequest& request,
+absl::Status LossdService::DoRelease(const std::string& tenant,
+                                     const pb::ReleaseRequest& request,
                                      pb::ReleaseResponse* response) {
   ASSIGN_OR_RETURN(const int64_t bytes,
-                   store_->Release(kDefaultTenant, request.handle()));
+                   store_->Release(tenant, request.handle()));
   response->set_released_bytes(bytes);
   return absl::OkStatus();
 }
 
-absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
+absl::Status LossdService::DoForward(const std::string& tenant,
+                                     const pb::ForwardRequest& request,
                                      pb::ForwardResponse* response) {
-  const std::string tenant = kDefaultTenant;
   // Request-only checks first: nothing is looked up for a malformed request.
   ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
   const CrossEntropyOptions& options = spec.options;
@@ -867,13 +1021,14 @@ absl::Status LossdService::DoForward(const pb::ForwardRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status LossdService::DoBackward(const pb::BackwardRequest& request,
+absl::Status LossdService::DoBackward(const std::string& tenant,
+                                      const pb::BackwardRequest& request,
                                       pb::BackwardResponse* response) {
   ASSIGN_OR_RETURN(GradOutput grad_output, ValidateBackwardRequest(request));
   const double scale = grad_output.scale;
   std::vector<float> token_scale = std::move(grad_output.token_scale);
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
-                   store_->Get(kDefaultTenant, request.gradient()));
+                   store_->Get(tenant, request.gradient()));
   bool kernel_launched = false;
   const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(

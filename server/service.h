@@ -13,7 +13,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/auth.h"
 #include "server/metrics.h"
+#include "server/quota.h"
 #include "server/tensor_store.h"
 
 namespace lossd {
@@ -26,6 +28,11 @@ struct ServiceOptions {
   int64_t default_chunk_bytes = 1 << 20;  // Download chunk when not asked
   int64_t max_chunk_bytes = 16 << 20;     // largest Download chunk allowed
   std::string version = "0.1.0";
+  // Decides each call's tenant; null = every caller is kDefaultTenant. Must
+  // outlive the service.
+  const Authenticator* authenticator = nullptr;
+  // Per-tenant in-flight RPC limits; null = none. Must outlive the service.
+  TenantQuotas* quotas = nullptr;
 };
 
 // The lossd.v1.Lossd service. Thread-safe: gRPC calls it from many threads.
@@ -81,6 +88,14 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   // draining. Public for the reactors in service.cc.
   bool Enter() ABSL_LOCKS_EXCLUDED(mu_);
   void Leave() ABSL_LOCKS_EXCLUDED(mu_);
+  // Admits one RPC: Enter, then authenticates it (its tenant goes to
+  // `*tenant`) and takes one of the tenant's in-flight slots (into `*slot`,
+  // to be reset before Leave). UNAVAILABLE when draining, UNAUTHENTICATED /
+  // PERMISSION_DENIED from the authenticator, RESOURCE_EXHAUSTED over the
+  // tenant's in-flight quota; on error nothing is counted (no Leave due).
+  absl::Status Admit(const grpc::ServerContextBase& context,
+                     std::string* tenant, InFlightSlot* slot)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   TensorStore* store() const { return store_; }
   // Nullable.
@@ -94,14 +109,19 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   void FillServerInfo(lossd::v1::ServerInfo* info) const;
 
  private:
-  absl::Status DoDescribe(const lossd::v1::DescribeRequest& request,
+  absl::Status DoDescribe(const std::string& tenant,
+                          const lossd::v1::DescribeRequest& request,
                           lossd::v1::TensorInfo* response);
-  absl::Status DoList(lossd::v1::ListResponse* response);
-  absl::Status DoRelease(const lossd::v1::ReleaseRequest& request,
+  absl::Status DoList(const std::string& tenant,
+                      lossd::v1::ListResponse* response);
+  absl::Status DoRelease(const std::string& tenant,
+                         const lossd::v1::ReleaseRequest& request,
                          lossd::v1::ReleaseResponse* response);
-  absl::Status DoForward(const lossd::v1::ForwardRequest& request,
+  absl::Status DoForward(const std::string& tenant,
+                         const lossd::v1::ForwardRequest& request,
                          lossd::v1::ForwardResponse* response);
-  absl::Status DoBackward(const lossd::v1::BackwardRequest& request,
+  absl::Status DoBackward(const std::string& tenant,
+                          const lossd::v1::BackwardRequest& request,
                           lossd::v1::BackwardResponse* response);
 
   TensorStore* const store_;

@@ -61,11 +61,13 @@ class MemoryAccount {
 class Allocation {
  public:
   Allocation(Device* device, void* data, int64_t bytes,
-             std::shared_ptr<MemoryAccount> account)
+             std::shared_ptr<MemoryAccount> account,
+             QuotaCharge charge = QuotaCharge())
       : device_(device),
         data_(data),
         bytes_(bytes),
-        account_(std::move(account)) {}
+        account_(std::move(account)),
+        charge_(std::move(charge)) {}
   Allocation(const Allocation&) = delete;
   Allocation& operator=(const Allocation&) = delete;
   ~Allocation() {
@@ -80,6 +82,8 @@ class Allocation {
   void* const data_;
   const int64_t bytes_;
   const std::shared_ptr<MemoryAccount> account_;
+  // The tenant's quota, returned with the memory.
+  QuotaCharge charge_;
 };
 
 }  // namespace internal
@@ -351,14 +355,20 @@ absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
     std::string label, TensorState state) {
   ASSIGN_OR_RETURN(const int64_t bytes, CheckedBytes(dtype, shape));
   MaybeSweep();
+  // The tenant's quota first: a tenant over its own limit learns that, not
+  // how full the device is.
+  QuotaCharge charge;
+  if (options_.quotas != nullptr) {
+    ASSIGN_OR_RETURN(charge, options_.quotas->ChargeTensor(tenant, bytes));
+  }
   RETURN_IF_ERROR(account_->Reserve(bytes));
   absl::StatusOr<void*> data = device_->Allocate(static_cast<size_t>(bytes));
   if (!data.ok()) {
     account_->Return(bytes);
     return data.status();
   }
-  auto allocation =
-      std::make_shared<internal::Allocation>(device_, *data, bytes, account_);
+  auto allocation = std::make_shared<internal::Allocation>(
+      device_, *data, bytes, account_, std::move(charge));
   return std::unique_ptr<PendingTensor>(
       new PendingTensor(this, tenant, std::move(label), dtype, std::move(shape),
                         state, std::move(allocation)));

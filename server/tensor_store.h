@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "kernels/cross_entropy.h"
 #include "server/device.h"
+#include "server/quota.h"
 
 namespace lossd {
 
@@ -256,6 +257,9 @@ class TensorStore {
     size_t remembered_handles = 1 << 16;
     // Fixed instance id (tests); empty = 8 random hex digits.
     std::string instance_id;
+    // Per-tenant byte and tensor quotas, charged by Create on top of the
+    // budget; null = none. Shared: tensors may outlive the store.
+    std::shared_ptr<TenantQuotas> quotas;
   };
 
   // `device` must outlive the store and every tensor it hands out.
@@ -272,7 +276,9 @@ class TensorStore {
   // Reserves and allocates a tensor of `dtype` and `shape`. INVALID_ARGUMENT
   // for an invalid dtype, not 1 or 2 dims, a dimension <= 0 or a size
   // overflow; RESOURCE_EXHAUSTED (naming requested, used and budget bytes)
-  // when it does not fit the budget or the device. The caller owns the result.
+  // when it does not fit the budget or the device, or (naming the tenant and
+  // its numbers) when it passes the tenant's quota. The caller owns the
+  // result.
   absl::StatusOr<std::unique_ptr<PendingTensor>> Create(
       const std::string& tenant, DType dtype, std::vector<int64_t> shape,
       std::string label, TensorState state = TensorState::kLogits);

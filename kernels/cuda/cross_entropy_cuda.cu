@@ -167,8 +167,10 @@ __device__ __forceinline__ void Combine(Stats& a, const Stats& b) {
   const Stats& win = b_wins ? b : a;
   const Stats& lose = b_wins ? a : b;
   const float m = win.m;
+  // Accurate expf: a few calls per thread, and __expf's argument rounding
+  // would cost the row sum several ulps (issue 3, oracle seed 1199677219).
   const float t =
-      m == -INFINITY ? -1.0f : win.t + (1.0f + lose.t) * __expf(lose.m - m);
+      m == -INFINITY ? -1.0f : win.t + (1.0f + lose.t) * expf(lose.m - m);
   a.arg = win.arg;
   a.m = m;
   a.t = t;
@@ -204,13 +206,39 @@ __device__ Stats BlockReduce(Stats v, Stats* scratch) {
   return scratch[kBlock / 32];
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit; exp(z - c) is computed as
+// Exp2(fma(z, log2e, -c * log2e)): one FFMA and one MUFU per element.
+__device__ __forceinline__ float Exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// v * log2e as hi + lo with hi = fl(v * log2e): Exp2(fma(z, log2e, -hi))
+// then carries only the rounding of fma's result, and 2^-lo (folded into a
+// per-row or per-thread factor) restores the digits that fl(lse * log2e)
+// drops: 0.5 ulp of a |lse| ~ 30 is ~1e-6 of every p (oracle failures, fp32).
+struct Log2Split {
+  float hi;
+  float lo;
+};
+__device__ __forceinline__ Log2Split SplitLog2(float v) {
+  Log2Split r;
+  r.hi = v * kLog2e;
+  r.lo = isfinite(r.hi) ? fmaf(v, kLog2e, -r.hi) : 0.0f;
+  return r;
+}
+
 // Everything the gradient and the row outputs need, from the row's statistics.
 struct RowMath {
   float lse;
-  float l1p;  // lse - m, kept apart so that z_y - lse keeps its digits
-  float a;    // dz_c = p_c * a + b * w_c (w_c = 1 without weights)
-  float b;
-  float gy;  // dz_y, computed without cancellation
+  float l1p;     // lse - m, kept apart so that z_y - lse keeps its digits
+  float lse_l2;  // fl(lse * log2e) as a pair with the factor folded into a
+  float a;       // dz_c = p_c * a + b * w_c (w_c = 1 without weights), with
+  float b;       // p_c = Exp2(fma(z_c, log2e, -lse_l2))
+  float gy;      // dz_y, computed without cancellation
   float loss;
   float zloss;
 };
@@ -222,18 +250,36 @@ __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
   RowMath r;
   r.l1p = log1pf(st.t);
   r.lse = st.m + r.l1p;
+  // lse * log2e = (m + l1p) * log2e to ~2^-40 relative: both products split
+  // exactly by fma, summed with a two-sum.
+  const Log2Split ms = SplitLog2(st.m);
+  const Log2Split ls = SplitLog2(r.l1p);
+  const float hi = ms.hi + ls.hi;
+  const float bv = hi - ms.hi;
+  const float lo = ((ms.hi - (hi - bv)) + (ls.hi - bv)) + (ms.lo + ls.lo);
+  r.lse_l2 = hi;
+  const float corr = isfinite(hi) && isfinite(lo) ? exp2f(-lo) : 1.0f;
   const float zy_minus_lse = (zy - st.m) - r.l1p;
   const float inv_v = 1.0f / static_cast<float>(p.vocab);
   const float s = valid ? h.scale : 0.0f;
   const float big_a = (1.0f - p.eps) * wy + p.eps * h.weight_total * inv_v +
                       2.0f * p.zls * r.lse;
-  r.a = s * big_a;
+  r.a = s * big_a * corr;
   r.b = -s * p.eps * inv_v;
-  // p_y * A - B with B = (1 - eps) w_y + eps w_y / V, written as
-  // A * (p_y - 1) + (A - B) so that p_y -> 1 keeps its digits.
+  // dz_y = p_y * A - B with B = (1 - eps) w_y + eps w_y / V. Two ways, each
+  // with an error of eps32 times the terms it adds: A * (p_y - 1) + (A - B)
+  // keeps the digits of p_y -> 1 (Liger lost them), p_y * A - B keeps those of
+  // a small p_y with B ~ A p_y (label smoothing near 1: the expm1 form lost
+  // ~1e-7 absolute there, 2 bf16 roundings of a 1/V-sized gradient). Take the
+  // one whose terms are smaller.
+  const float big_b = (1.0f - p.eps) * wy + p.eps * wy * inv_v;
   const float a_minus_b =
       p.eps * (h.weight_total - wy) * inv_v + 2.0f * p.zls * r.lse;
-  r.gy = s * (big_a * expm1f(zy_minus_lse) + a_minus_b);
+  const float em1 = expm1f(zy_minus_lse);
+  const float py = expf(zy_minus_lse);
+  const bool use_em1 =
+      fabsf(big_a * em1) + fabsf(a_minus_b) <= fabsf(big_a * py) + fabsf(big_b);
+  r.gy = s * (use_em1 ? fmaf(big_a, em1, a_minus_b) : fmaf(big_a, py, -big_b));
   r.zloss = valid ? p.zls * r.lse * r.lse : 0.0f;
   r.loss = valid ? -(1.0f - p.eps) * wy * zy_minus_lse +
                        p.eps * inv_v * (r.lse * h.weight_total - st.sum_wz) +
@@ -261,7 +307,7 @@ __device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
 
 __device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
   const float t = tanhf(x / c);
-  *dfac = 1.0f - t * t;
+  *dfac = fmaf(-t, t, 1.0f);
   return c * t;
 }
 
@@ -399,16 +445,6 @@ __device__ __forceinline__ void ClusterWait() {
 
 constexpr int MinBlocks(int vpt) { return vpt >= 16 ? 2 : (vpt >= 8 ? 3 : 4); }
 constexpr int kLanes = 4;  // independent accumulators per thread (ILP)
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x on the special-function unit; exp(z - c) is computed as
-// Exp2(fma(z, log2e, -c * log2e)): one FFMA and one MUFU per element.
-__device__ __forceinline__ float Exp2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
 // Logits [N, V] with row stride; grid = N * C blocks in clusters of C; block
 // `rank` of row `row` keeps elements [rank*chunk, rank*chunk + chunk) in
 // registers as VPT 16-byte vectors per thread, vector q = k*kThreads + tid, so
@@ -507,7 +543,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
     }
   }
   float lt[kLanes] = {};
-  const float m_log2e = st.m * kLog2e;
+  const Log2Split m_l2 = SplitLog2(st.m);
+  const float m_log2e = m_l2.hi;
   st.sum_wz = 0.0f;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -526,7 +563,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
       lt[k % kLanes] += Exp2(fmaf(z, kLog2e, -m_log2e));  // the max adds ~1
     }
   }
-  st.t = (lt[0] + lt[1]) + (lt[2] + lt[3]);
+  // The terms are exp(z - m) * 2^lo: undo the rounding of m * log2e.
+  st.t = ((lt[0] + lt[1]) + (lt[2] + lt[3])) * exp2f(-m_l2.lo);
   if (st.m == -INFINITY) {
     st.t = -1.0f;
   } else if (st.t < 1.0625f) {
@@ -548,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         // Skip the first element equal to the max (the argmax).
         const bool skip = !skipped && z == st.m;
         skipped = skipped || skip;
-        st.t += skip ? 0.0f : __expf(z - st.m);
+        st.t += skip ? 0.0f : expf(z - st.m);
       }
     }
   } else {
@@ -589,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
     }
     return;
   }
-  const float lse_log2e = rm.lse * kLog2e;
+  const float lse_log2e = rm.lse_l2;
   const int yq = (valid && owner) ? static_cast<int>(y - start) / kVec : -1;
   const int yj = (valid && owner) ? static_cast<int>(y - start) % kVec : -1;
 #pragma unroll
@@ -626,6 +664,253 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
       for (int j = 0; j < kVec; ++j)
         if (e + j < vocab) Tr::Store(out + e + j, g[j]);
     }
+  }
+}
+
+// ---- v5: stream the slice, exchange, re-read it from L2 -------------------
+
+// 16-byte vectors per thread per batch: the loads one thread keeps in flight
+// (twice that with the next batch prefetched).
+constexpr int kU = 4;
+// Resident blocks per SM the v5 kernel is compiled for (<= 64 registers).
+constexpr int kStreamMinBlocks = 4;
+
+// Loads vectors base + (u * kThreads + tid) * kVec of a slice ending at `end`;
+// elements past `end` read as -inf (never the max, exp() = 0). kLastUse marks
+// the re-read: evict-first, the gradient replaces it.
+template <typename T, bool kLastUse>
+__device__ __forceinline__ void LoadBatch(const T* in, int base, int tid,
+                                          int end, uint4 (&v)[kU]) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int e = base + (u * kThreads + tid) * kVec;
+    if (e + kVec <= end) {
+      const uint4* ptr = reinterpret_cast<const uint4*>(in + e);
+      v[u] = kLastUse ? __ldcs(ptr) : *ptr;
+    } else {
+      float f[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        f[j] = e + j < end ? Tr::Load(in + e + j) : -INFINITY;
+      }
+      Tr::Pack(f, &v[u]);
+    }
+  }
+}
+
+// Fixed-order block sum; the result is valid in every thread. `scratch`
+// holds one float per warp plus one.
+__device__ float BlockSumFloat(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kWarps = kThreads / 32;
+    float w = scratch[threadIdx.x % kWarps];
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o >>= 1)
+      w += __shfl_xor_sync(0xffffffffu, w, o);
+    if (threadIdx.x == 0) scratch[kWarps] = w;
+  }
+  __syncthreads();
+  return scratch[kThreads / 32];
+}
+
+// Logits [N, V] with row stride; grid = N * C blocks in clusters of C, block
+// `rank` owning elements [rank*chunk, min(rank*chunk + chunk, V)). Unlike v4
+// the slice is not held in registers: each block streams it once in batches
+// of kU vectors a thread (online max / sum-exp, next batch in flight), pushes
+// its partial into every peer's DSMEM before one cluster barrier, then reads
+// the slice again -- from L2, which holds ~132 * blocks/SM * slice bytes --
+// and writes the gradient with streaming stores. So DRAM sees one read and
+// one write, and with 4+ small blocks per SM in different phases memory stays
+// busy through each block's barrier (v4's limit, bench/NOTES.md). Plain
+// options only (z-loss, grad_scale); softcap, weights and smoothing take v4.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kStreamMinBlocks)
+    StreamKernel(Params p) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  constexpr int kBatch = kU * kThreads * kVec;  // elements a block per batch
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ float fscratch[kThreads / 32 + 1];
+  __shared__ Stats inbox[kMaxCluster];
+  __shared__ float tbox[kMaxCluster];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const long long row = blockIdx.x / csize;
+  const int tid = threadIdx.x;
+  const int start = rank * p.chunk;
+  const int end = min(start + p.chunk, p.vocab);
+  const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+
+  ClusterArriveRelaxed();
+  uint4 cur[kU];
+  LoadBatch<T, false>(in, start, tid, end, cur);
+  const long long y = LoadTarget(p, row);
+  const WorkspaceHeader& hdr = *p.header;
+  if (hdr.error) {  // uniform: the whole grid leaves, nothing written
+    ClusterWait();
+    return;
+  }
+  const bool valid = y != p.ignore_index;
+  const bool owner = valid ? (y >= start && y < end) : rank == 0;
+  const float zy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
+
+  // Pass 1: online max and sum of 2^(z*log2e - m_l2), rescaled when a batch
+  // raises the max; the argmax is found afterwards in the batch that set it.
+  float m = -INFINITY;
+  float m_l2 = 0.0f;  // fl(m * log2e); 0 while m = -inf
+  int arg_base = start;
+  float acc[2] = {0.0f, 0.0f};
+#pragma unroll 1
+  for (int base = start; base < end; base += kBatch) {
+    uint4 nxt[kU];
+    if (base + kBatch < end)
+      LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
+    float bm = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
+    if (bm > m) {
+      const float nl2 = bm * kLog2e;
+      const float f = Exp2(m_l2 - nl2);
+      acc[0] *= f;
+      acc[1] *= f;
+      m = bm;
+      m_l2 = nl2;
+      arg_base = base;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        acc[j % 2] += Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -m_l2));
+#pragma unroll
+    for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
+  }
+  Stats st;
+  st.m = m;
+  st.sum_wz = 0.0f;
+  st.arg = INT_MAX;
+  if (m == -INFINITY) {
+    st.t = -1.0f;
+  } else {
+    // First index of m: in the batch that set it (earlier ones were below).
+    uint4 v[kU];
+    LoadBatch<T, false>(in, arg_base, tid, end, v);
+#pragma unroll
+    for (int u = kU - 1; u >= 0; --u)
+#pragma unroll
+      for (int j = kVec - 1; j >= 0; --j)
+        if (Tr::Get(v[u], j) == m)
+          st.arg = arg_base + (u * kThreads + tid) * kVec + j;
+    const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+    st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
+  }
+
+  st = BlockReduce<kThreads>(st, scratch);
+  ClusterWait();  // every peer has started
+  if (tid < csize) *cluster.map_shared_rank(&inbox[rank], tid) = st;
+  cluster.sync();
+  Stats row_st = inbox[0];
+  for (int r = 1; r < csize; ++r) Combine(row_st, inbox[r]);
+
+  if (row_st.t < 0.0625f && isfinite(row_st.m)) {
+    // One element dominates the row: 1 + t kept only t's high digits, which
+    // p_y - 1 needs. Sum the others alone, relative to the row max, and
+    // exchange again (rare; uniform over the cluster, nothing written yet).
+    float t = 0.0f;
+#pragma unroll 1
+    for (int base = start; base < end; base += kBatch) {
+      uint4 v[kU];
+      LoadBatch<T, false>(in, base, tid, end, v);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const int c = base + (u * kThreads + tid) * kVec + j;
+          const float e = expf(Tr::Get(v[u], j) - row_st.m);
+          t += c == row_st.arg ? 0.0f : e;
+        }
+    }
+    t = BlockSumFloat(t, fscratch);
+    if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
+    cluster.sync();
+    row_st.t = tbox[0];
+    for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
+  }
+
+  const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+  if (owner && tid == 0)
+    WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+  if (!p.grad) return;
+  T* out = static_cast<T*>(p.grad) + row * p.stride;
+
+  if (!valid) {
+    // Ignored row: zeros, no re-read (the formula would give NaN for
+    // non-finite logits).
+    const float zero[kVec] = {};
+    uint4 zv;
+    Tr::Pack(zero, &zv);
+#pragma unroll 1
+    for (int base = start; base < end; base += kBatch) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int e = base + (u * kThreads + tid) * kVec;
+        if (e + kVec <= end) {
+          __stcs(reinterpret_cast<uint4*>(out + e), zv);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (e + j < end) Tr::Store(out + e + j, 0.0f);
+        }
+      }
+    }
+    return;
+  }
+
+  // Pass 2: the slice again (L2), gradient out with streaming stores.
+  const int yl = owner ? static_cast<int>(y) : -1;
+  LoadBatch<T, true>(in, start, tid, end, cur);
+#pragma unroll 1
+  for (int base = start; base < end; base += kBatch) {
+    uint4 nxt[kU];
+    if (base + kBatch < end)
+      LoadBatch<T, true>(in, base + kBatch, tid, end, nxt);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int e = base + (u * kThreads + tid) * kVec;
+      float g[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        g[j] = fmaf(Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -rm.lse_l2)), rm.a,
+                    rm.b);
+      }
+      if (yl >= e && yl < e + kVec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (e + j == yl) g[j] = rm.gy;
+      }
+      if (e + kVec <= end) {
+        uint4 v;
+        Tr::Pack(g, &v);
+        __stcs(reinterpret_cast<uint4*>(out + e), v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (e + j < end) Tr::Store(out + e + j, g[j]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
   }
 }
 
@@ -671,7 +956,7 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
   for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
     float z = Tr::Load(in + i);
     if (c > 0) z = SoftcapZ(z, c, &unused);
-    const float e = __expf(z - st.m);
+    const float e = expf(z - st.m);
     st.t += i == st.arg ? 0.0f : e;
   }
   if (st.m == -INFINITY) st.t = -1.0f;
@@ -684,7 +969,7 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
     float z = Tr::Load(in + i);
     if (c > 0) z = SoftcapZ(z, c, &dfac);
     const float wc = p.weights ? p.weights[i] : 1.0f;
-    float gz = __expf(z - rm.lse) * rm.a + rm.b * wc;
+    float gz = Exp2(fmaf(z, kLog2e, -rm.lse_l2)) * rm.a + rm.b * wc;
     if (valid && i == y) gz = rm.gy;
     Tr::Store(out + i, valid ? gz * dfac : 0.0f);
   }
@@ -704,6 +989,47 @@ cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
   cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// v5 launch; `ctas_per_sm` > 0 caps resident blocks per SM with dynamic
+// shared memory that the kernel never touches.
+template <typename T>
+cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
+                         cudaStream_t stream) {
+  auto kernel = StreamKernel<T>;
+  cudaError_t e = cudaSuccess;
+  if (csize > 8) {
+    e = cudaFuncSetAttribute(kernel,
+                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  int dyn_smem = 0;
+  if (ctas_per_sm > 0) {
+    int device = 0, per_sm = 0;
+    e = cudaGetDevice(&device);
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(
+          &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    }
+    if (e != cudaSuccess) return e;
+    dyn_smem = std::max(0, per_sm / ctas_per_sm - 4096);  // static + reserved
+    e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_smem);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn_smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -745,6 +1071,30 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
                       (p.grad == nullptr || aligned(p.grad)) &&
                       (p.stride * static_cast<long long>(esize)) % 16 == 0;
   const int vec = static_cast<int>(16 / esize);
+  const long long row_bytes = static_cast<long long>(p.vocab) * esize;
+  // v5 for the plain options once rows are long enough to split (measured:
+  // bench/NOTES.md); explicit v4/generic requests and v4's vpt win.
+  const bool v5 =
+      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
+      (config.version == 5 || (config.version == 0 && row_bytes >= 32 * 1024));
+  if (v5) {
+    const long long slice =
+        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 32) *
+        1024;
+    long long csize = std::min<long long>(
+        kMaxCluster, std::max<long long>(1, (row_bytes + slice - 1) / slice));
+    const long long unit = static_cast<long long>(kThreads) * vec;
+    const long long chunk =
+        ((p.vocab + csize - 1) / csize + unit - 1) / unit * unit;
+    csize = (p.vocab + chunk - 1) / chunk;
+    if (p.rows * csize <= INT_MAX) {
+      p.chunk = static_cast<int>(chunk);
+      const cudaError_t e = LaunchStream<T>(p, static_cast<int>(csize),
+                                            config.ctas_per_sm, stream);
+      if (e == cudaSuccess) return e;
+      cudaGetLastError();  // fall through to v4 / generic
+    }
+  }
   int vpt = config.vectors_per_thread;
   if (vpt == 0) {
     // Measured on the H200 (bench/NOTES.md): the largest slice (16 vectors,

@@ -33,13 +33,22 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
-// vectors_per_thread (1, 2, 4, 8, 16 or 32) sets the row slice each block keeps
-// in registers (vectors_per_thread * 256 threads * 16 bytes); cluster_size is
-// then ceil(vocab / slice) and must come out <= 16. generic = true forces the
-// simple one-block-per-row path (no clusters, rows re-read from L2).
+// version 5 (the default where it applies: no softcap, class weights or label
+// smoothing) streams each block's row slice twice, the second read from L2;
+// version 4 keeps the slice in registers. v5: slice_kib (16, 32, 48, 64...)
+// sets each block's slice and so the cluster size ceil(row bytes / slice),
+// raised where it would pass 16; ctas_per_sm caps resident blocks per SM
+// (through shared memory) to keep the slices in flight within L2.
+// v4: vectors_per_thread (1, 2, 4, 8 or 16) sets the slice kept in registers
+// (vectors_per_thread * 256 threads * 16 bytes); the cluster size
+// ceil(vocab / slice) must come out <= 16. generic = true forces the simple
+// one-block-per-row path (no clusters, rows re-read from L2).
 struct CrossEntropyCudaConfig {
   int vectors_per_thread = 0;
   bool generic = false;
+  int version = 0;
+  int slice_kib = 0;
+  int ctas_per_sm = 0;
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows
