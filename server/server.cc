@@ -101,8 +101,26 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
         absl::StrCat("metrics_port ", config.metrics_port,
                      " is outside [-1, 65535] (-1 = off)"));
   }
+  if (config.health_port < -1 || config.health_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("health_port ", config.health_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  const TenantLimits& limits = config.tenant_limits;
+  if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
+      limits.max_in_flight < 0) {
+    return absl::InvalidArgumentError("tenant quotas must be >= 0 (0 = none)");
+  }
   std::unique_ptr<LossdServer> server(new LossdServer());
   server->config_ = config;
+  absl::StatusOr<std::unique_ptr<Authenticator>> authenticator =
+      Authenticator::Create(config.auth);
+  if (!authenticator.ok()) return authenticator.status();
+  server->authenticator_ = std::move(*authenticator);
+  if (limits.max_bytes > 0 || limits.max_tensors > 0 ||
+      limits.max_in_flight > 0) {
+    server->quotas_ = std::make_shared<TenantQuotas>(limits);
+  }
   auto device =
       CreateDevice(config.device, config.threads, config.device_reserve);
   if (!device.ok()) return device.status();
@@ -126,12 +144,15 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     }
   }
   store_options.ttl = config.ttl;
+  store_options.quotas = server->quotas_;
   server->store_ =
       std::make_unique<TensorStore>(server->device_.get(), store_options);
 
   ServiceOptions service_options;
   service_options.default_chunk_bytes = config.chunk_bytes;
   service_options.max_chunk_bytes = config.max_message_bytes / 2;
+  service_options.authenticator = server->authenticator_.get();
+  service_options.quotas = server->quotas_.get();
   if (config.metrics_port >= 0) {
     server->metrics_ = std::make_unique<Metrics>(server->store_.get());
     const absl::Status status =
@@ -148,7 +169,8 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
       config.host.find(':') != std::string::npos ? "[" + config.host + "]"
                                                  : config.host,
       ":", config.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
+  builder.AddListeningPort(address,
+                           server->authenticator_->ServerCredentials(),
                            &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -157,16 +179,31 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
-  grpc::HealthCheckServiceInterface* health =
-      server->server_->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kReadinessService, true);
+  if (config.health_port >= 0) {
+    // A server of its own, so that the plaintext port offers health and
+    // nothing of the lossd API.
+    grpc::ServerBuilder health_builder;
+    const std::string health_address = absl::StrCat(
+        config.host.find(':') != std::string::npos ? "[" + config.host + "]"
+                                                   : config.host,
+        ":", config.health_port);
+    health_builder.AddListeningPort(health_address,
+                                    grpc::InsecureServerCredentials(),
+                                    &server->health_port_);
+    server->health_server_ = health_builder.BuildAndStart();
+    if (server->health_server_ == nullptr || server->health_port_ == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", health_address, " (health)"));
+    }
+  }
+  server->SetServing("", true);
+  server->SetServing(kReadinessService, true);
   // Die rather than limp: a device that cannot be trusted any more turns
   // readiness off at once, then main's policy ends the process.
   server->device_->SetFatalErrorHandler(
-      [health, name = server->device_->name(),
+      [raw = server.get(), name = server->device_->name(),
        on_fatal = config.on_fatal_device_error](const absl::Status& status) {
-        health->SetServingStatus(kReadinessService, false);
+        raw->SetServing(kReadinessService, false);
         std::fprintf(stderr,
                      "lossd: FATAL: device %s is unusable, readiness is "
                      "NOT_SERVING: %s\n",
@@ -184,10 +221,27 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
         WritePortFile(config.metrics_port_file, server->metrics_->port());
     if (!status.ok()) return status;
   }
+  if (server->health_server_ != nullptr && !config.health_port_file.empty()) {
+    const absl::Status status =
+        WritePortFile(config.health_port_file, server->health_port_);
+    if (!status.ok()) return status;
+  }
   if (!config.port_file.empty()) {
     const absl::Status status = WritePortFile(config.port_file, server->port_);
     if (!status.ok()) return status;
   }
+  if (server->health_server_ != nullptr) {
+    std::fprintf(stderr, "lossd: plaintext health on %s:%d\n",
+                 config.host.c_str(), server->health_port_);
+  }
+  std::fprintf(
+      stderr, "lossd: %s%s%s\n",
+      server->authenticator_->mutual_tls()
+          ? "mutual TLS"
+          : (server->authenticator_->tls() ? "TLS" : "plaintext"),
+      server->authenticator_->tokens() ? ", bearer tokens" : "",
+      server->authenticator_->anonymous() ? ", one tenant (no authentication)"
+                                          : "");
   if (server->metrics_ != nullptr) {
     std::fprintf(stderr, "lossd: metrics on http://%s:%d/metrics\n",
                  config.host.c_str(), server->metrics_->port());
@@ -202,6 +256,14 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
                server->store_->instance_id().c_str());
   std::fflush(stderr);
   return server;
+}
+
+void LossdServer::SetServing(const char* service, bool serving) {
+  server_->GetHealthCheckService()->SetServingStatus(service, serving);
+  if (health_server_ != nullptr) {
+    health_server_->GetHealthCheckService()->SetServingStatus(service,
+                                                              serving);
+  }
 }
 
 std::string LossdServer::address() const {
@@ -222,11 +284,18 @@ bool LossdServer::Drain() {
   // Draining starts before readiness drops, so that whoever sees NOT_SERVING
   // also sees new RPCs refused.
   service_->StartDraining();
-  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  SetServing(kReadinessService, false);
   drain_result_ = service_->WaitForIdle(config_.drain_timeout);
   server_->GetHealthCheckService()->Shutdown();
+  if (health_server_ != nullptr) {
+    health_server_->GetHealthCheckService()->Shutdown();
+  }
   server_->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   server_->Wait();
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+  }
   stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   return drain_result_;

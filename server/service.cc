@@ -153,9 +153,11 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   UploadReactor(LossdService* service, grpc::CallbackServerContext* context,
                 grpc::ByteBuffer* response)
       : service_(service), context_(context), response_(response) {
-    if (!service_->Enter()) {
+    const absl::Status admitted =
+        service_->Admit(*context_, &tenant_, &in_flight_);
+    if (!admitted.ok()) {
       entered_ = false;
-      End(ToGrpcStatus(DrainingError()));
+      End(ToGrpcStatus(admitted));
       return;
     }
     absl::MutexLock lock(&mu_);
@@ -196,8 +198,9 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     // A deadline or cancellation that raced the reply: the client never got
     // the handle, so the tensor must not stay behind.
     if (!committed_.empty() && context_->IsCancelled()) {
-      service_->store()->Release(TenantOf(context_), committed_).IgnoreError();
+      service_->store()->Release(tenant_, committed_).IgnoreError();
     }
+    in_flight_ = InFlightSlot();
     if (entered_) service_->Leave();
     delete this;
   }
@@ -236,7 +239,7 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
         const pb::TensorHeader& header = request.header();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
-                                       TenantOf(context_), spec.dtype,
+                                       tenant_, spec.dtype,
                                        std::move(spec.shape), header.label()));
         return absl::OkStatus();
       }
@@ -317,6 +320,8 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   bool finished_ = false;
   std::unique_ptr<PendingTensor> pending_;
   std::string committed_;  // the handle, once published
+  std::string tenant_;
+  InFlightSlot in_flight_;
   bool entered_ = true;
 };
 
