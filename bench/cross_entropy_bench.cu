@@ -10,6 +10,7 @@
 #include <cstring>
 #include <ctime>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/cross_entropy_cuda.h"
@@ -164,15 +165,29 @@ int main(int argc, char** argv) {
     args.targets_dtype = DType::kInt64;
     args.mode = c.mode;
     args.gradient = c.mode == GradientMode::kInPlace ? work : nullptr;
-    std::vector<int> variants = {0};
+    // (name, config): auto first, then the sweep's v5 slice sizes and
+    // occupancy caps and v4 for comparison.
+    std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
+        variants = {{"auto", {}}};
     if (sweep) {
-      for (int v : {1, 2, 4, 8, 16}) variants.push_back(v);
-      variants.push_back(-1);  // generic
+      for (int slice : {16, 32, 64}) {
+        for (int cap : {0, 3, 2}) {
+          lossd::CrossEntropyCudaConfig v5;
+          v5.version = 5;
+          v5.slice_kib = slice;
+          v5.ctas_per_sm = cap;
+          variants.push_back(
+              {"v5 s" + std::to_string(slice) +
+                   (cap ? " cap" + std::to_string(cap) : std::string()),
+               v5});
+        }
+      }
+      lossd::CrossEntropyCudaConfig v4;
+      v4.version = 4;
+      variants.push_back({"v4", v4});
     }
-    for (int variant : variants) {
-      lossd::CrossEntropyCudaConfig cfg;
-      if (variant > 0) cfg.vectors_per_thread = variant;
-      if (variant < 0) cfg.generic = true;
+    for (const auto& [vname_str, cfg] : variants) {
+      const bool is_auto = vname_str == "auto";
       times.clear();
       bool ok = true;
       for (int i = 0; i < kWarmup + kRuns && ok; ++i) {
@@ -192,14 +207,7 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
         if (i >= kWarmup) times.push_back(ms);
       }
-      char vname[32];
-      if (variant == 0) {
-        std::snprintf(vname, sizeof(vname), "auto");
-      } else if (variant < 0) {
-        std::snprintf(vname, sizeof(vname), "generic");
-      } else {
-        std::snprintf(vname, sizeof(vname), "vpt=%d", variant);
-      }
+      const char* vname = vname_str.c_str();
       if (!ok) {
         std::printf("%6lld x %-6lld %s %-8s %-8s  (not launchable)\n",
                     (long long)c.rows, (long long)c.vocab, Name(c.dtype),
@@ -220,7 +228,7 @@ int main(int argc, char** argv) {
                     c.mode == GradientMode::kNone ? "forward" : "fwd+grad",
                     vname, ms, gbs, 100.0 * gbs / copy_gbs);
       std::printf("%s", line);
-      if (variant == 0) table += line;
+      if (is_auto) table += line;
       if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0)) {
         std::printf("  result looks wrong: error %d loss %g valid %lld\n",
                     host.error, host.loss, host.valid_tokens);

@@ -1,19 +1,25 @@
 // Service benchmark: what the gRPC service adds on top of the CUDA kernel.
-// Starts lossd in process on 127.0.0.1:0 with the CUDA device and measures,
-// for one resident [rows, vocab] bf16 handle: upload throughput against raw
-// TCP over loopback, Forward RPC time against the bare kernel (CUDA events),
-// Backward RPC time, download and Evaluate throughput, peak device memory.
+// Starts lossd in process on 127.0.0.1:0 and measures, for one [rows, vocab]
+// bf16 tensor: upload throughput against raw TCP and against a server that
+// discards the bytes, Forward RPC time against the bare kernel (CUDA events),
+// Backward RPC time, download and Evaluate throughput, peak device memory, and
+// one client workload against lossd and against bench/python_server.py.
 #include <arpa/inet.h>
 #include <cuda_runtime_api.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -21,7 +27,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/float16.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
@@ -32,6 +40,16 @@ ABSL_FLAG(int64_t, rows, 16384, "rows of the logits");
 ABSL_FLAG(int64_t, vocab, 131072, "vocabulary");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "upload/download chunk");
 ABSL_FLAG(int, repeats, 10, "timed runs per measurement");
+ABSL_FLAG(int, upload_repeats, 3,
+          "uploads per target (raw TCP, discarding server, lossd); medians");
+ABSL_FLAG(std::string, eval_block_bytes, "4194304,33554432",
+          "Evaluate row-block sizes to measure (comma-separated bytes)");
+ABSL_FLAG(std::string, device, "cuda",
+          "lossd device: cuda, or cpu (then no kernel / pool figures)");
+ABSL_FLAG(std::string, python_server, "",
+          "bench/python_server.py; empty = no Python comparison");
+ABSL_FLAG(std::string, python, "python3", "interpreter for --python_server");
+ABSL_FLAG(std::string, stubs, "", "folder with the Python lossd stubs");
 ABSL_FLAG(std::string, out, "", "append a markdown summary here");
 
 namespace pb = ::lossd::v1;
@@ -101,25 +119,264 @@ double RawTcpSeconds(const std::string& data, size_t chunk) {
   return seconds;
 }
 
-std::string Upload(pb::Lossd::Stub* stub, pb::DType dtype,
-                   std::vector<int64_t> shape, const std::string& data,
-                   size_t chunk) {
+// A server with lossd's Upload method that reads every message and drops it:
+// the same gRPC stack, channel settings, client and read pattern as lossd,
+// without the store and the device. Upload to it is the floor lossd's upload
+// is compared with (the host-to-device copy hidden = within 1.1x of it).
+class DiscardUploadReactor final
+    : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  explicit DiscardUploadReactor(grpc::ByteBuffer* response)
+      : response_(response) {
+    StartRead(&buffer_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      bool own_buffer = false;
+      grpc::SerializationTraits<pb::UploadResponse>::Serialize(
+          pb::UploadResponse(), response_, &own_buffer);
+      Finish(grpc::Status::OK);
+      return;
+    }
+    bytes_ += buffer_.Length();
+    buffer_.Clear();
+    StartRead(&buffer_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  grpc::ByteBuffer* const response_;
+  grpc::ByteBuffer buffer_;
+  size_t bytes_ = 0;
+};
+
+class DiscardService final : public pb::Lossd::WithRawCallbackMethod_Upload<
+                                 pb::Lossd::CallbackService> {
+ public:
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Upload(
+      grpc::CallbackServerContext* /*context*/,
+      grpc::ByteBuffer* response) override {
+    return new DiscardUploadReactor(response);
+  }
+};
+
+// The serialized framing of a length-delimited field `field` of `length`
+// bytes (tag, then the length as a varint).
+std::string FieldPrefix(int field, size_t length) {
+  std::string prefix(1, static_cast<char>((field << 3) | 2));
+  for (uint64_t left = length;; left >>= 7) {
+    prefix.push_back(
+        static_cast<char>((left & 0x7f) | (left > 0x7f ? 0x80 : 0)));
+    if (left <= 0x7f) break;
+  }
+  return prefix;
+}
+
+// Upload as the client library does it (client/client.cc, Client::Upload): the
+// header as a protobuf, then each chunk as its framing plus a view of the
+// caller's bytes, so no copy is made before the socket. (client.h cannot be
+// included beside server.h: both define lossd::TensorInfo.)
+std::string RawUpload(const std::shared_ptr<grpc::Channel>& channel,
+                      pb::DType dtype, std::vector<int64_t> shape,
+                      const std::string& data, size_t chunk, double* seconds) {
+  const auto start = Clock::now();
   grpc::ClientContext context;
-  pb::UploadResponse response;
-  auto writer = stub->Upload(&context, &response);
+  grpc::ByteBuffer raw_response;
+  const grpc::internal::RpcMethod method(
+      "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel.get(), method, &context, &raw_response));
   pb::UploadRequest request;
   request.mutable_header()->set_dtype(dtype);
   for (int64_t dim : shape) request.mutable_header()->add_shape(dim);
-  writer->Write(request);
-  for (size_t at = 0; at < data.size(); at += chunk) {
-    // A view would avoid this copy; the client side is not what is measured.
-    request.mutable_chunk()->assign(data.data() + at,
-                                    std::min(chunk, data.size() - at));
-    if (!writer->Write(request)) break;
+  grpc::ByteBuffer message;
+  bool own_buffer = false;
+  grpc::SerializationTraits<pb::UploadRequest>::Serialize(request, &message,
+                                                          &own_buffer);
+  bool sending = writer->Write(message);
+  for (size_t at = 0; sending && at < data.size(); at += chunk) {
+    const size_t n = std::min(chunk, data.size() - at);
+    grpc::Slice slices[2] = {
+        grpc::Slice(FieldPrefix(2, n)),
+        grpc::Slice(data.data() + at, n, grpc::Slice::STATIC_SLICE)};
+    message = grpc::ByteBuffer(slices, 2);
+    sending = writer->Write(message);
   }
-  writer->WritesDone();
+  if (sending) writer->WritesDone();
   Check(writer->Finish(), "upload");
+  *seconds = Seconds(start);
+  pb::UploadResponse response;
+  grpc::SerializationTraits<pb::UploadResponse>::Deserialize(&raw_response,
+                                                             &response);
   return response.tensor().handle();
+}
+
+std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(64 << 20);
+  channel_args.SetMaxSendMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   channel_args);
+}
+
+// Evaluate with blocks of `block_rows` rows sent as raw messages whose logits
+// and targets are views of the caller's memory (no client-side copies, as
+// RawUpload): the server's pipeline is what is measured.
+double EvaluateSeconds(const std::shared_ptr<grpc::Channel>& channel,
+                       const std::string& logits, const std::string& targets,
+                       int64_t rows, int64_t vocab, int64_t block_rows,
+                       double* loss) {
+  grpc::ClientContext context;
+  grpc::ByteBuffer raw_response;
+  const grpc::internal::RpcMethod method(
+      "/lossd.v1.Lossd/Evaluate", grpc::internal::RpcMethod::CLIENT_STREAMING);
+  const auto start = Clock::now();
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel.get(), method, &context, &raw_response));
+  pb::EvaluateRequest request;
+  request.mutable_header()->set_vocab(vocab);
+  request.mutable_header()->set_logits_dtype(pb::DTYPE_BFLOAT16);
+  request.mutable_header()->set_targets_dtype(pb::DTYPE_INT64);
+  grpc::ByteBuffer message;
+  bool own_buffer = false;
+  grpc::SerializationTraits<pb::EvaluateRequest>::Serialize(request, &message,
+                                                            &own_buffer);
+  bool sending = writer->Write(message);
+  for (int64_t row = 0; sending && row < rows; row += block_rows) {
+    const int64_t n = std::min(block_rows, rows - row);
+    const size_t logits_bytes = static_cast<size_t>(n * vocab * 2);
+    const size_t targets_bytes = static_cast<size_t>(n * 8);
+    const std::string logits_prefix = FieldPrefix(1, logits_bytes);
+    const std::string targets_prefix = FieldPrefix(2, targets_bytes);
+    const std::string block_prefix =
+        FieldPrefix(2, logits_prefix.size() + logits_bytes +
+                           targets_prefix.size() + targets_bytes);
+    grpc::Slice slices[5] = {
+        grpc::Slice(block_prefix), grpc::Slice(logits_prefix),
+        grpc::Slice(logits.data() + row * vocab * 2, logits_bytes,
+                    grpc::Slice::STATIC_SLICE),
+        grpc::Slice(targets_prefix),
+        grpc::Slice(targets.data() + row * 8, targets_bytes,
+                    grpc::Slice::STATIC_SLICE)};
+    message = grpc::ByteBuffer(slices, 5);
+    sending = writer->Write(message);
+  }
+  if (sending) writer->WritesDone();
+  Check(writer->Finish(), "evaluate");
+  const double seconds = Seconds(start);
+  pb::EvaluateResponse response;
+  grpc::SerializationTraits<pb::EvaluateResponse>::Deserialize(&raw_response,
+                                                               &response);
+  *loss = response.loss();
+  return seconds;
+}
+
+// The client workload of the Python comparison, timed per step.
+struct Workload {
+  double upload = 0;    // logits and targets
+  double forward = 0;   // in place, mean
+  double backward = 0;  // grad_output 0.5
+  double download = 0;  // the gradient, as stored (bf16), factor applied
+  double total = 0;
+  double loss = 0;
+  uint64_t checksum = 0;  // of the downloaded gradient's bits
+};
+
+Workload RunWorkload(const std::shared_ptr<grpc::Channel>& channel,
+                     const std::string& logits, const std::string& targets,
+                     int64_t rows, int64_t vocab, size_t chunk,
+                     std::string* gradient_out) {
+  auto stub = pb::Lossd::NewStub(channel);
+  Workload w;
+  const auto start = Clock::now();
+  double seconds = 0;
+  const std::string logits_handle = RawUpload(
+      channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits, chunk, &seconds);
+  const std::string targets_handle =
+      RawUpload(channel, pb::DTYPE_INT64, {rows}, targets, chunk, &seconds);
+  w.upload = Seconds(start);
+  auto step = Clock::now();
+  pb::ForwardResponse forward;
+  {
+    pb::ForwardRequest request;
+    request.set_logits(logits_handle);
+    request.set_targets_handle(targets_handle);
+    grpc::ClientContext context;
+    Check(stub->Forward(&context, request, &forward), "workload forward");
+  }
+  w.forward = Seconds(step);
+  w.loss = forward.loss();
+  step = Clock::now();
+  {
+    pb::BackwardRequest request;
+    request.set_gradient(forward.gradient());
+    request.set_scalar(0.5);
+    pb::BackwardResponse response;
+    grpc::ClientContext context;
+    Check(stub->Backward(&context, request, &response), "workload backward");
+  }
+  w.backward = Seconds(step);
+  step = Clock::now();
+  gradient_out->clear();
+  gradient_out->reserve(logits.size());
+  {
+    pb::DownloadRequest request;
+    request.set_handle(forward.gradient());
+    request.set_chunk_bytes(static_cast<int64_t>(chunk));
+    grpc::ClientContext context;
+    auto reader = stub->Download(&context, request);
+    pb::DownloadResponse response;
+    while (reader->Read(&response)) gradient_out->append(response.chunk());
+    Check(reader->Finish(), "workload download");
+  }
+  w.download = Seconds(step);
+  w.total = Seconds(start);
+  for (const std::string& handle : {forward.gradient(), targets_handle}) {
+    pb::ReleaseRequest request;
+    request.set_handle(handle);
+    pb::ReleaseResponse response;
+    grpc::ClientContext context;
+    stub->Release(&context, request, &response);
+  }
+  return w;
+}
+
+// bench/python_server.py as a child process on 127.0.0.1:0; the port comes
+// back through a file. Returns the pid (0 on failure) and sets `address`.
+pid_t StartPython(std::string* address) {
+  const std::string port_file =
+      absl::StrFormat("/tmp/service_bench_python_%d.port", getpid());
+  unlink(port_file.c_str());
+  std::vector<std::string> args = {
+      absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_python_server),
+      "--stubs=" + absl::GetFlag(FLAGS_stubs), "--port_file=" + port_file,
+      "--device=" + absl::GetFlag(FLAGS_device)};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ) !=
+      0) {
+    return 0;
+  }
+  // Torch takes seconds to import; poll for the port file.
+  for (int i = 0; i < 1200; ++i) {
+    std::ifstream in(port_file);
+    int port = 0;
+    if (in >> port && port > 0) {
+      *address = absl::StrFormat("127.0.0.1:%d", port);
+      unlink(port_file.c_str());
+      return pid;
+    }
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return 0;
 }
 
 int64_t PoolHighWater() {
@@ -201,6 +458,8 @@ int main(int argc, char** argv) {
   const int64_t vocab = absl::GetFlag(FLAGS_vocab);
   const size_t chunk = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
   const int repeats = absl::GetFlag(FLAGS_repeats);
+  const int upload_repeats = std::max(1, absl::GetFlag(FLAGS_upload_repeats));
+  const bool cuda = absl::GetFlag(FLAGS_device) != "cpu";
   const int64_t elements = rows * vocab;
   const double gigabytes = static_cast<double>(elements) * 2 / 1e9;
 
@@ -223,15 +482,33 @@ int main(int argc, char** argv) {
   lossd::ServerConfig config;
   config.host = "127.0.0.1";
   config.port = 0;
-  config.device = "cuda";
+  config.device = cuda ? "cuda" : "cpu";
   absl::StatusOr<std::unique_ptr<lossd::LossdServer>> server =
       lossd::LossdServer::Start(config);
   if (!server.ok()) Die(server.status().ToString());
-  grpc::ChannelArguments channel_args;
-  channel_args.SetMaxReceiveMessageSize(64 << 20);
-  channel_args.SetMaxSendMessageSize(64 << 20);
-  auto stub = pb::Lossd::NewStub(grpc::CreateCustomChannel(
-      (*server)->address(), grpc::InsecureChannelCredentials(), channel_args));
+  const std::shared_ptr<grpc::Channel> channel = Connect((*server)->address());
+  auto stub = pb::Lossd::NewStub(channel);
+  auto release = [&stub](const std::string& handle) {
+    pb::ReleaseRequest request;
+    request.set_handle(handle);
+    pb::ReleaseResponse response;
+    grpc::ClientContext context;
+    stub->Release(&context, request, &response);
+  };
+
+  // The discarding server: same builder settings as LossdServer's.
+  DiscardService discard_service;
+  int discard_port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &discard_port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.RegisterService(&discard_service);
+  std::unique_ptr<grpc::Server> discard_server = builder.BuildAndStart();
+  if (discard_server == nullptr) Die("cannot start the discarding server");
+  const std::shared_ptr<grpc::Channel> discard_channel =
+      Connect(absl::StrFormat("127.0.0.1:%d", discard_port));
 
   std::string report;
   auto line = [&report](const std::string& text) {
@@ -239,33 +516,48 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     report += text + "\n";
   };
-  line(absl::StrFormat("## service_bench: [%d, %d] bf16 (%.2f GB), chunk %d B",
-                       rows, vocab, gigabytes, chunk));
-
-  // Upload vs raw TCP, same bytes, same run.
-  const double tcp = RawTcpSeconds(logits, chunk);
-  std::vector<double> uploads;
-  std::string handle;
-  for (int i = 0; i < 2; ++i) {
-    if (!handle.empty()) {
-      grpc::ClientContext context;
-      pb::ReleaseRequest release;
-      release.set_handle(handle);
-      pb::ReleaseResponse released;
-      stub->Release(&context, release, &released);
-    }
-    const auto start = Clock::now();
-    handle =
-        Upload(stub.get(), pb::DTYPE_BFLOAT16, {rows, vocab}, logits, chunk);
-    uploads.push_back(Seconds(start));
-  }
-  const double upload = *std::min_element(uploads.begin(), uploads.end());
   line(absl::StrFormat(
-      "- upload: %.3f s = %.2f GB/s; raw TCP same bytes: %.3f s = %.2f GB/s; "
-      "ratio %.0f%%",
-      upload, gigabytes / upload, tcp, gigabytes / tcp, 100 * tcp / upload));
-  const std::string targets_handle =
-      Upload(stub.get(), pb::DTYPE_INT64, {rows}, targets, chunk);
+      "## service_bench: [%d, %d] bf16 (%.2f GB), chunk %d B, device %s", rows,
+      vocab, gigabytes, chunk, config.device));
+  line("");
+  line("| measurement | result | target |");
+  line("|---|---|---|");
+
+  // Upload: raw TCP, the discarding server and lossd take turns, so that
+  // drifts of the machine hit all three alike.
+  std::vector<double> tcp_times, discard_times, lossd_times;
+  std::string handle;
+  for (int i = 0; i < upload_repeats; ++i) {
+    tcp_times.push_back(RawTcpSeconds(logits, chunk));
+    double seconds = 0;
+    RawUpload(discard_channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits, chunk,
+              &seconds);
+    discard_times.push_back(seconds);
+    if (!handle.empty()) release(handle);
+    handle = RawUpload(channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits,
+                       chunk, &seconds);
+    lossd_times.push_back(seconds);
+  }
+  const double tcp = Median(tcp_times);
+  const double discard = Median(discard_times);
+  const double upload = Median(lossd_times);
+  line(absl::StrFormat(
+      "| Upload %.2f GB, raw TCP (1 connection, same bytes) | %.3f s = %.2f "
+      "GB/s | |",
+      gigabytes, tcp, gigabytes / tcp));
+  line(
+      absl::StrFormat("| Upload to a server that discards the bytes | %.3f s = "
+                      "%.2f GB/s (%.0f%% "
+                      "of raw TCP) | |",
+                      discard, gigabytes / discard, 100 * tcp / discard));
+  line(absl::StrFormat(
+      "| Upload to lossd (%s) | %.3f s = %.2f GB/s: **%.0f%% of raw TCP**, "
+      "**%.3fx the discarding server** | >= 80%%; <= 1.1x |",
+      config.device, upload, gigabytes / upload, 100 * tcp / upload,
+      upload / discard));
+  double targets_seconds = 0;
+  const std::string targets_handle = RawUpload(
+      channel, pb::DTYPE_INT64, {rows}, targets, chunk, &targets_seconds);
 
   // Forward, forward-only: repeatable on the resident handle.
   auto forward = [&](pb::GradientMode mode, double* kernel_seconds) {
@@ -299,35 +591,33 @@ int main(int argc, char** argv) {
       rpc.push_back(seconds);
       server_side.push_back(kernel_seconds);
     }
-    const double kernel = KernelSeconds(logits, targets, rows, vocab,
-                                        mode == pb::GRADIENT_MODE_NONE
-                                            ? lossd::GradientMode::kNone
-                                            : lossd::GradientMode::kOutOfPlace,
-                                        repeats);
+    const double kernel =
+        cuda ? KernelSeconds(logits, targets, rows, vocab,
+                             mode == pb::GRADIENT_MODE_NONE
+                                 ? lossd::GradientMode::kNone
+                                 : lossd::GradientMode::kOutOfPlace,
+                             repeats)
+             : 0.0;
     line(absl::StrFormat(
-        "- Forward %s: RPC (client) median %.3f ms; server device call "
-        "(ForwardResponse.kernel_seconds) %.3f ms; bare kernel (events) "
-        "%.3f ms; RPC / (1.05 kernel + 0.1 ms) = %.2f",
+        "| Forward %s | RPC %.3f ms; server device call %.3f ms; bare kernel "
+        "%.3f ms | server <= 1.05 kernel + 0.1 ms = %.3f ms |",
         pb::GradientMode_Name(mode), 1e3 * Median(rpc),
-        1e3 * Median(server_side), 1e3 * kernel,
-        Median(rpc) / (1.05 * kernel + 1e-4)));
+        1e3 * Median(server_side), 1e3 * kernel, 1e3 * (1.05 * kernel + 1e-4)));
   }
 
   // In place: consumes the logits, so once, on the last upload; peak memory
   // measured around it.
-  ResetPoolHighWater();
-  const int64_t before = PoolHighWater();
+  if (cuda) ResetPoolHighWater();
   double in_place_kernel = 0;
   const double in_place = forward(pb::GRADIENT_MODE_IN_PLACE, &in_place_kernel);
-  const int64_t peak = PoolHighWater();
+  const int64_t peak = cuda ? PoolHighWater() : 0;
+  const double held = static_cast<double>(logits.size()) + targets.size();
   line(absl::StrFormat(
-      "- Forward GRADIENT_IN_PLACE (one run): RPC %.3f ms, device call %.3f "
-      "ms; pool high-water %.3f GB with %.3f GB of logits+targets held "
-      "(extra %.1f MB = O(N))",
-      1e3 * in_place, 1e3 * in_place_kernel, peak / 1e9,
-      (static_cast<double>(logits.size()) + targets.size()) / 1e9,
-      (peak - static_cast<double>(logits.size()) - targets.size()) / 1e6));
-  (void)before;
+      "| Forward GRADIENT_IN_PLACE (one run) | RPC %.3f ms, device call %.3f "
+      "ms; pool high-water %.3f GB = logits+targets %.3f GB + %.1f MB | "
+      "logits + O(N) |",
+      1e3 * in_place, 1e3 * in_place_kernel, peak / 1e9, held / 1e9,
+      (peak - held) / 1e6));
 
   // Backward: records the factor only.
   for (double factor : {1.0, 0.5}) {
@@ -345,11 +635,12 @@ int main(int argc, char** argv) {
       launched |= response.kernel_launched();
     }
     line(absl::StrFormat(
-        "- Backward grad_output=%.1f: RPC median %.1f us, kernel launched: %s",
+        "| Backward grad_output=%.1f | RPC median %.1f us, kernel launched: %s "
+        "| < 200 us, none |",
         factor, 1e6 * Median(times), launched ? "yes" : "no"));
   }
 
-  // Download of the gradient with the pending 0.5, as bf16.
+  // Download of the gradient with the pending 0.5, as stored (bf16).
   {
     grpc::ClientContext context;
     pb::DownloadRequest request;
@@ -362,38 +653,78 @@ int main(int argc, char** argv) {
     while (reader->Read(&response)) bytes += response.chunk().size();
     Check(reader->Finish(), "download");
     const double seconds = Seconds(start);
-    line(
-        absl::StrFormat("- Download gradient (x0.5 applied on device): %.3f s "
-                        "= %.2f GB/s",
-                        seconds, bytes / seconds / 1e9));
+    line(absl::StrFormat(
+        "| Download gradient (x0.5 applied on the device) | %.3f s = %.2f "
+        "GB/s | |",
+        seconds, bytes / seconds / 1e9));
   }
 
   // Evaluate: the same logits streamed in row blocks.
-  {
-    const int64_t block_rows = std::max<int64_t>(1, (32 << 20) / (vocab * 2));
-    grpc::ClientContext context;
-    pb::EvaluateResponse response;
-    const auto start = Clock::now();
-    auto writer = stub->Evaluate(&context, &response);
-    pb::EvaluateRequest request;
-    request.mutable_header()->set_vocab(vocab);
-    request.mutable_header()->set_logits_dtype(pb::DTYPE_BFLOAT16);
-    request.mutable_header()->set_targets_dtype(pb::DTYPE_INT64);
-    writer->Write(request);
-    for (int64_t row = 0; row < rows; row += block_rows) {
-      const int64_t n = std::min(block_rows, rows - row);
-      request.mutable_block()->mutable_logits()->assign(
-          logits.data() + row * vocab * 2, n * vocab * 2);
-      request.mutable_block()->mutable_targets()->assign(
-          targets.data() + row * 8, n * 8);
-      if (!writer->Write(request)) break;
+  for (absl::string_view size :
+       absl::StrSplit(absl::GetFlag(FLAGS_eval_block_bytes), ',')) {
+    int64_t block_bytes = 0;
+    if (!absl::SimpleAtoi(size, &block_bytes) || block_bytes <= 0) {
+      Die("bad --eval_block_bytes");
     }
-    writer->WritesDone();
-    Check(writer->Finish(), "evaluate");
-    const double seconds = Seconds(start);
+    const int64_t block_rows = std::max<int64_t>(1, block_bytes / (vocab * 2));
+    double loss = 0;
+    const double seconds = EvaluateSeconds(channel, logits, targets, rows,
+                                           vocab, block_rows, &loss);
     line(absl::StrFormat(
-        "- Evaluate (blocks of %d rows): %.3f s = %.2f GB/s of logits",
-        block_rows, seconds, gigabytes / seconds));
+        "| Evaluate, blocks of %d rows (%.1f MiB) | %.3f s = **%.2f GB/s of "
+        "logits** (%.0f%% of raw TCP); loss %.6f | |",
+        block_rows, block_rows * vocab * 2 / 1048576.0, seconds,
+        gigabytes / seconds, 100 * tcp / seconds, loss));
+  }
+
+  // The same client workload against lossd and the Python server.
+  if (!absl::GetFlag(FLAGS_python_server).empty()) {
+    release(handle);
+    release(targets_handle);
+    std::string lossd_gradient;
+    const Workload ours = RunWorkload(channel, logits, targets, rows, vocab,
+                                      chunk, &lossd_gradient);
+    std::string address;
+    const pid_t python = StartPython(&address);
+    if (python == 0) {
+      line("| Python server | did not start | |");
+    } else {
+      const std::shared_ptr<grpc::Channel> python_channel = Connect(address);
+      std::string python_gradient;
+      const Workload theirs = RunWorkload(python_channel, logits, targets, rows,
+                                          vocab, chunk, &python_gradient);
+      kill(python, SIGTERM);
+      waitpid(python, nullptr, 0);
+      // Agreement of the two gradients: the largest difference against the
+      // largest magnitude (bf16 keeps ~3 significant digits).
+      float max_difference = 0;
+      float max_magnitude = 0;
+      const auto* a = reinterpret_cast<const uint16_t*>(lossd_gradient.data());
+      const auto* b = reinterpret_cast<const uint16_t*>(python_gradient.data());
+      const int64_t compared =
+          std::min(lossd_gradient.size(), python_gradient.size()) / 2;
+      for (int64_t i = 0; i < compared; ++i) {
+        const float x = lossd::BF16ToFloat(a[i]);
+        const float y = lossd::BF16ToFloat(b[i]);
+        max_difference = std::max(max_difference, std::fabs(x - y));
+        max_magnitude = std::max(max_magnitude, std::fabs(y));
+      }
+      auto row = [&](const char* who, const Workload& w) {
+        line(absl::StrFormat(
+            "| Workload on %s: upload, forward (in place), backward 0.5, "
+            "download bf16 | total %.3f s (upload %.3f, forward %.3f, "
+            "backward %.4f, download %.3f); loss %.6f | |",
+            who, w.total, w.upload, w.forward, w.backward, w.download, w.loss));
+      };
+      row("lossd", ours);
+      row("Python (grpcio + torch F.cross_entropy)", theirs);
+      line(absl::StrFormat(
+          "| lossd vs Python, end to end | **%.2fx faster** (%.3f s vs %.3f "
+          "s); gradients: max difference / max magnitude = %.2g over %d "
+          "elements | |",
+          theirs.total / ours.total, ours.total, theirs.total,
+          max_magnitude > 0 ? max_difference / max_magnitude : 0.0, compared));
+    }
   }
 
   if (!absl::GetFlag(FLAGS_out).empty()) {
@@ -403,6 +734,7 @@ int main(int argc, char** argv) {
       std::fclose(file);
     }
   }
+  discard_server->Shutdown();
   (*server)->Drain();
   return 0;
 }

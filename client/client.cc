@@ -6,8 +6,12 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <deque>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -56,6 +60,50 @@ void PrepareContext(const ClientOptions& options,
     context->AddMetadata("authorization",
                          absl::StrCat("Bearer ", options.bearer_token));
   }
+}
+
+absl::StatusOr<std::string> ReadPemFile(const char* what,
+                                        const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": cannot read '", path, "': ", std::strerror(errno)));
+  }
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  if (contents.str().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": '", path, "' is empty"));
+  }
+  return contents.str();
+}
+
+// Plaintext, or TLS from the PEM files the options name.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const ClientOptions& options, grpc::ChannelArguments* args) {
+  const bool tls = options.tls || !options.tls_ca_file.empty() ||
+                   !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty();
+  if (!tls) return grpc::InsecureChannelCredentials();
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert_file and tls_key_file go together (mutual TLS needs both)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_ca_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                     ReadPemFile("tls_ca_file", options.tls_ca_file));
+  }
+  if (!options.tls_cert_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                     ReadPemFile("tls_cert_file", options.tls_cert_file));
+    ASSIGN_OR_RETURN(ssl.pem_private_key,
+                     ReadPemFile("tls_key_file", options.tls_key_file));
+  }
+  if (!options.tls_server_name.empty()) {
+    args->SetSslTargetNameOverride(options.tls_server_name);
+  }
+  return grpc::SslCredentials(ssl);
 }
 
 absl::Time FromTimestamp(const google::protobuf::Timestamp& ts) {
@@ -227,9 +275,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   // The connection belongs to this Client (not gRPC's process-wide pool), so
   // destroying the Client closes it instead of leaving it open for reuse.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentials(options, &args));
   auto channel = std::make_unique<Channel>();
-  channel->channel = grpc::CreateCustomChannel(
-      target, grpc::InsecureChannelCredentials(), args);
+  channel->channel = grpc::CreateCustomChannel(target, credentials, args);
   channel->lossd = v1::Lossd::NewStub(channel->channel);
   channel->health = health::Health::NewStub(channel->channel);
   return std::unique_ptr<Client>(
@@ -252,21 +301,46 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   }
   grpc::ClientContext context;
   PrepareContext(options_, &context);
-  v1::UploadResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
-      channel_->lossd->Upload(&context, &response);
+  // Raw messages: a chunk is sent as its UploadRequest framing followed by a
+  // view of the caller's bytes, so nothing copies them before the socket
+  // (the generated stub would copy each chunk twice: into the request, then
+  // into its serialization). `data` outlives the call, which ends in Finish.
+  const grpc::internal::RpcMethod method(
+      "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
+  grpc::ByteBuffer raw_response;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel_->channel.get(), method, &context, &raw_response));
   v1::UploadRequest request;
   v1::TensorHeader* header = request.mutable_header();
   header->set_dtype(static_cast<v1::DType>(dtype));
   header->mutable_shape()->Add(shape.begin(), shape.end());
   header->set_label(label);
-  bool sending = writer->Write(request);
+  grpc::ByteBuffer message;
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<v1::UploadRequest>::Serialize(
+           request, &message, &own_buffer)
+           .ok()) {
+    return absl::InternalError("cannot serialize the upload header");
+  }
+  bool sending = writer->Write(message);
   const char* bytes_in = static_cast<const char*>(data);
   std::size_t sent = 0;
   while (sending && sent < bytes) {
     const std::size_t n = std::min(options_.chunk_bytes, bytes - sent);
-    request.set_chunk(bytes_in + sent, n);
-    sending = writer->Write(request);
+    // Field 2 (chunk), length-delimited, then the length as a varint.
+    uint8_t prefix[11] = {(2 << 3) | 2};
+    std::size_t prefix_bytes = 1;
+    for (uint64_t left = n;; left >>= 7) {
+      prefix[prefix_bytes++] =
+          static_cast<uint8_t>((left & 0x7f) | (left > 0x7f ? 0x80 : 0));
+      if (left <= 0x7f) break;
+    }
+    grpc::Slice slices[2] = {
+        grpc::Slice(prefix, prefix_bytes),
+        grpc::Slice(bytes_in + sent, n, grpc::Slice::STATIC_SLICE)};
+    message = grpc::ByteBuffer(slices, 2);
+    sending = writer->Write(message);
     if (sending) {
       sent += n;
       if (progress) {
@@ -279,6 +353,12 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   if (sent != bytes) {
     return absl::DataLossError(absl::StrCat(
         "the server ended the upload after ", sent, " of ", bytes, " bytes"));
+  }
+  v1::UploadResponse response;
+  if (!grpc::SerializationTraits<v1::UploadResponse>::Deserialize(&raw_response,
+                                                                  &response)
+           .ok()) {
+    return absl::InternalError("a malformed UploadResponse");
   }
   return FromProto(response.tensor());
 }

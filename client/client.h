@@ -31,9 +31,19 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Deadline of each call, counted from its start; infinite = none.
   absl::Duration deadline = absl::InfiniteDuration();
-  // Sent as "authorization: Bearer <token>" when not empty (the server does
-  // not check it yet).
+  // Sent as "authorization: Bearer <token>" when not empty (checked by a
+  // server started with --tokens_file).
   std::string bearer_token;
+  // TLS: on when `tls` is true or any file below is set. PEM files: the CA
+  // that signed the server's certificate (empty = the system roots), and for
+  // mutual TLS the client's certificate chain and key (both or neither).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Overrides the name the server certificate is checked against (tests,
+  // or addresses the certificate does not list); empty = the target's host.
+  std::string tls_server_name;
 };
 
 // Values match lossd.v1.TensorState.
@@ -176,11 +186,12 @@ using RowBlockProducer = std::function<absl::StatusOr<bool>(RowBlock* block)>;
 // passes, and INVALID_ARGUMENT for arguments rejected before any RPC.
 class Client {
  public:
-  // Creates a client for `target` ("host:port" or any gRPC target URI) over an
-  // insecure channel. Does not contact the server (channels connect lazily;
-  // use Health to check). INVALID_ARGUMENT: empty target, chunk_bytes of 0 or
-  // larger than max_message_bytes - 4 KiB, max_message_bytes <= 4 KiB, a
-  // negative deadline.
+  // Creates a client for `target` ("host:port" or any gRPC target URI) over a
+  // plaintext or (options.tls...) TLS channel. Does not contact the server
+  // (channels connect lazily; use Health to check). INVALID_ARGUMENT: empty
+  // target, chunk_bytes of 0 or larger than max_message_bytes - 4 KiB,
+  // max_message_bytes <= 4 KiB, a negative deadline, an unreadable TLS file
+  // or a certificate without its key.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       std::string target, ClientOptions options = {});
 

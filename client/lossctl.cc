@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -42,6 +43,19 @@ ABSL_FLAG(absl::Duration, deadline, absl::InfiniteDuration(),
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20,
           "bytes per upload/download/eval message");
 ABSL_FLAG(std::string, token, "", "bearer token sent with every RPC");
+ABSL_FLAG(std::string, token_file, "",
+          "read the bearer token from this file (first line), keeping it out "
+          "of the process list");
+ABSL_FLAG(bool, tls, false,
+          "connect with TLS (implied by --tls_ca, --tls_cert, --tls_key)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA of the server's certificate (default: the system roots)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "mutual TLS: PEM certificate chain of this client");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to check the server's certificate against instead of the "
+          "host of --server");
 ABSL_FLAG(bool, progress, false,
           "show progress on stderr even when it is not a terminal");
 
@@ -179,6 +193,25 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   options.client.chunk_bytes = static_cast<std::size_t>(chunk);
   options.client.deadline = absl::GetFlag(FLAGS_deadline);
   options.client.bearer_token = absl::GetFlag(FLAGS_token);
+  const std::string token_file = absl::GetFlag(FLAGS_token_file);
+  if (!token_file.empty()) {
+    if (!options.client.bearer_token.empty()) {
+      return UsageError("--token and --token_file exclude each other");
+    }
+    std::ifstream in(token_file);
+    std::string token;
+    if (!in || !std::getline(in, token)) {
+      return UsageError(absl::StrCat("cannot read --token_file '", token_file,
+                                     "': ", std::strerror(errno)));
+    }
+    options.client.bearer_token =
+        std::string(absl::StripAsciiWhitespace(token));
+  }
+  options.client.tls = absl::GetFlag(FLAGS_tls);
+  options.client.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.client.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.client.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.client.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   std::vector<std::string> targets =
       absl::StrSplit(absl::GetFlag(FLAGS_server), ',', absl::SkipWhitespace());
   for (std::string& target : targets) {

@@ -32,6 +32,32 @@ ABSL_FLAG(int, metrics_port, 9090,
           "free one (see --metrics_port_file), -1 turns metrics off");
 ABSL_FLAG(std::string, metrics_port_file, "",
           "write the bound metrics port to this file before --port_file");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the server; with --tls_key, the gRPC port "
+          "speaks TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: clients must present a certificate it signed "
+          "(mutual TLS), which names their tenant (see --cert_tenant)");
+ABSL_FLAG(std::string, cert_tenant, "cn",
+          "mutual TLS: the tenant is the client certificate's cn (subject "
+          "Common Name), san (first subject alternative name) or san:PREFIX "
+          "(first SAN starting with PREFIX, PREFIX removed)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "bearer tokens, lines 'TOKEN TENANT'; set, every lossd RPC needs "
+          "'authorization: Bearer TOKEN'");
+ABSL_FLAG(int, health_port, -1,
+          "plaintext port serving only grpc.health.v1 (for probes when the "
+          "gRPC port needs mutual TLS); 0 picks a free one, -1 = off");
+ABSL_FLAG(std::string, health_port_file, "",
+          "write the bound health port to this file before --port_file");
+ABSL_FLAG(std::string, tenant_max_bytes, "0",
+          "per-tenant quota of tensor bytes (uploads in progress included), "
+          "e.g. 4G; 0 = none");
+ABSL_FLAG(int64_t, tenant_max_tensors, 0,
+          "per-tenant quota of tensors held or being uploaded; 0 = none");
+ABSL_FLAG(int64_t, tenant_max_inflight, 0,
+          "per-tenant quota of lossd RPCs running at once; 0 = none");
 
 namespace lossd {
 
@@ -111,6 +137,32 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
                      " is outside [-1, 65535] (-1 = off)"));
   }
   config.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  config.auth.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  config.auth.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  config.auth.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  config.auth.cert_tenant = absl::GetFlag(FLAGS_cert_tenant);
+  config.auth.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  config.health_port = absl::GetFlag(FLAGS_health_port);
+  if (config.health_port < -1 || config.health_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--health_port=", config.health_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  config.health_port_file = absl::GetFlag(FLAGS_health_port_file);
+  absl::StatusOr<int64_t> tenant_bytes =
+      ParseByteSize(absl::GetFlag(FLAGS_tenant_max_bytes));
+  if (!tenant_bytes.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tenant_max_bytes: ", tenant_bytes.status().message()));
+  }
+  config.tenant_limits.max_bytes = *tenant_bytes;
+  config.tenant_limits.max_tensors = absl::GetFlag(FLAGS_tenant_max_tensors);
+  config.tenant_limits.max_in_flight = absl::GetFlag(FLAGS_tenant_max_inflight);
+  if (config.tenant_limits.max_tensors < 0 ||
+      config.tenant_limits.max_in_flight < 0) {
+    return absl::InvalidArgumentError(
+        "--tenant_max_tensors and --tenant_max_inflight must be >= 0");
+  }
   return config;
 }
 

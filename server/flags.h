@@ -24,6 +24,16 @@ ABSL_DECLARE_FLAG(absl::Duration, drain_timeout);
 ABSL_DECLARE_FLAG(std::string, port_file);
 ABSL_DECLARE_FLAG(int, metrics_port);
 ABSL_DECLARE_FLAG(std::string, metrics_port_file);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_client_ca);
+ABSL_DECLARE_FLAG(std::string, cert_tenant);
+ABSL_DECLARE_FLAG(std::string, tokens_file);
+ABSL_DECLARE_FLAG(int, health_port);
+ABSL_DECLARE_FLAG(std::string, health_port_file);
+ABSL_DECLARE_FLAG(std::string, tenant_max_bytes);
+ABSL_DECLARE_FLAG(int64_t, tenant_max_tensors);
+ABSL_DECLARE_FLAG(int64_t, tenant_max_inflight);
 
 namespace lossd {
 

@@ -169,8 +169,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
       config.host.find(':') != std::string::npos ? "[" + config.host + "]"
                                                  : config.host,
       ":", config.port);
-  builder.AddListeningPort(address,
-                           server->authenticator_->ServerCredentials(),
+  builder.AddListeningPort(address, server->authenticator_->ServerCredentials(),
                            &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
@@ -234,14 +233,14 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     std::fprintf(stderr, "lossd: plaintext health on %s:%d\n",
                  config.host.c_str(), server->health_port_);
   }
-  std::fprintf(
-      stderr, "lossd: %s%s%s\n",
-      server->authenticator_->mutual_tls()
-          ? "mutual TLS"
-          : (server->authenticator_->tls() ? "TLS" : "plaintext"),
-      server->authenticator_->tokens() ? ", bearer tokens" : "",
-      server->authenticator_->anonymous() ? ", one tenant (no authentication)"
-                                          : "");
+  std::fprintf(stderr, "lossd: %s%s%s\n",
+               server->authenticator_->mutual_tls()
+                   ? "mutual TLS"
+                   : (server->authenticator_->tls() ? "TLS" : "plaintext"),
+               server->authenticator_->tokens() ? ", bearer tokens" : "",
+               server->authenticator_->anonymous()
+                   ? ", one tenant (no authentication)"
+                   : "");
   if (server->metrics_ != nullptr) {
     std::fprintf(stderr, "lossd: metrics on http://%s:%d/metrics\n",
                  config.host.c_str(), server->metrics_->port());
@@ -261,8 +260,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
 void LossdServer::SetServing(const char* service, bool serving) {
   server_->GetHealthCheckService()->SetServingStatus(service, serving);
   if (health_server_ != nullptr) {
-    health_server_->GetHealthCheckService()->SetServingStatus(service,
-                                                              serving);
+    health_server_->GetHealthCheckService()->SetServingStatus(service, serving);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -86,7 +87,8 @@ void FromFloat(std::vector<uint8_t>* raw, DType dtype, int64_t i, float v) {
   }
 }
 
-enum class Logits { kNormal, kHuge, kTargetDominant };
+// kGaussian: normal * scale + offset (the oracle's inputs).
+enum class Logits { kNormal, kHuge, kTargetDominant, kGaussian };
 
 struct Case {
   std::string name;
@@ -100,6 +102,7 @@ struct Case {
   bool weights = false;
   double ignore_fraction = 0.0;
   Logits logits = Logits::kNormal;
+  double scale = 1.0, offset = 0.0;  // kGaussian
   bool token_outputs = true;
   CrossEntropyCudaConfig config;
   // Tolerances: gradient elementwise rtol (plus 1e-5 * max|ref|) and the
@@ -133,6 +136,7 @@ Inputs MakeInputs(const Case& c, uint32_t seed) {
   // uniform in [-range, range).
   uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
   const float range = c.logits == Logits::kHuge ? 1e4f : 4.0f;
+  std::normal_distribution<double> gauss(0.0, 1.0);
   for (int64_t r = 0; r < c.rows; ++r) {
     t[r] = unit(rng) < c.ignore_fraction ? c.options.ignore_index : target(rng);
     for (int64_t v = 0; v < c.vocab; ++v) {
@@ -143,6 +147,9 @@ Inputs MakeInputs(const Case& c, uint32_t seed) {
                  1.0f) *
                 range;
       if (c.logits == Logits::kTargetDominant && v == t[r]) x = 24.0f;
+      if (c.logits == Logits::kGaussian) {
+        x = static_cast<float>(gauss(rng) * c.scale + c.offset);
+      }
       FromFloat(&in.logits, c.dtype, r * stride + v, x);
     }
   }
@@ -481,6 +488,202 @@ TEST_F(CudaCrossEntropyTest, Options) {
   }
   uint32_t seed = 200;
   for (const Case& c : cases) CheckCase(c, seed++);
+}
+
+// The oracle's gradient check (tests/reference/oracle_test.py) against the
+// contract's formula in fp64: fp32 within 1e-6 absolute (relative past 1);
+// halves within one rounding of the dtype plus 64 fp32 ulps of the terms that
+// cancel. The fp32-rounded reference of CheckCase is too coarse to see the
+// few-ulp errors the oracle found on the H200 (issue 3).
+double Ulp(double v, DType dtype) {
+  const int mant = dtype == DType::kBFloat16 ? 7 : 10;
+  const int min_exp = dtype == DType::kBFloat16 ? -126 : -14;
+  const int e = v != 0 ? std::max(std::ilogb(v), min_exp) : min_exp;
+  return std::ldexp(1.0, e - mant);
+}
+
+void CheckOraclePrecision(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(absl::StrCat(c.name, " seed=", seed));
+  const Inputs in = MakeInputs(c, seed);
+  const Outputs gpu = RunGpu(c, in);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  const int64_t stride = c.vocab + c.pad, V = c.vocab;
+  const CrossEntropyOptions& o = c.options;
+  const double eps = o.label_smoothing, zls = o.z_loss_scale, cap = o.softcap;
+  std::vector<double> w(V, 1.0);
+  if (c.weights) w.assign(in.weights.begin(), in.weights.end());
+  double wtotal = 0, denominator = 0;
+  for (double x : w) wtotal += x;
+  std::vector<int64_t> y(c.rows);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    if (c.targets_dtype == DType::kInt64) {
+      std::memcpy(&y[r], in.targets.data() + 8 * r, 8);
+    } else {
+      int32_t t;
+      std::memcpy(&t, in.targets.data() + 4 * r, 4);
+      y[r] = t;
+    }
+    if (y[r] != o.ignore_index) denominator += w[y[r]];
+  }
+  double s = o.grad_scale;
+  if (o.reduction == Reduction::kMean) {
+    s = denominator > 0 ? s / (o.normalizer > 0 ? o.normalizer : denominator)
+                        : 0.0;
+  }
+  std::vector<double> ref(c.rows * V, 0.0), terms(c.rows * V, 0.0);
+  double max_ref = 0;
+  std::vector<double> z(V), dfac(V);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    if (y[r] == o.ignore_index) continue;
+    double m = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      const double x = ToFloat(in.logits, c.dtype, r * stride + v);
+      const double t = cap > 0 ? std::tanh(x / cap) : 0.0;
+      z[v] = cap > 0 ? cap * t : x;
+      dfac[v] = cap > 0 ? 1.0 - t * t : 1.0;
+      m = std::max(m, z[v]);
+    }
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(z[v] - m);
+    const double lse = m + std::log(sum);
+    const double wy = w[y[r]];
+    const double a = (1 - eps) * wy + eps * wtotal / V + 2 * zls * lse;
+    for (int64_t v = 0; v < V; ++v) {
+      const double pc = std::exp(z[v] - lse);
+      const double hot = v == y[r] ? (1 - eps) * wy : 0.0;
+      const double g = s * (pc * a - hot - eps * w[v] / V) * dfac[v];
+      ref[r * V + v] = g;
+      terms[r * V + v] =
+          std::fabs(s) * (pc * std::fabs(a) + hot + eps * w[v] / V);
+      max_ref = std::max(max_ref, std::fabs(g));
+    }
+  }
+  int bad = 0;
+  double worst = 0;
+  for (int64_t r = 0; r < c.rows && bad < 5; ++r) {
+    for (int64_t v = 0; v < V && bad < 5; ++v) {
+      const double got = ToFloat(gpu.gradient, c.dtype, r * stride + v);
+      const double want = ref[r * V + v];
+      const double tol = c.dtype == DType::kFloat32
+                             ? 1e-6 * std::max(1.0, max_ref)
+                             : 64 * std::ldexp(1.0, -23) * terms[r * V + v] +
+                                   Ulp(want, c.dtype);
+      worst = std::max(worst, std::fabs(got - want) / tol);
+      if (!(std::fabs(got - want) <= tol)) {
+        ADD_FAILURE() << "gradient row " << r << " col " << v << ": got " << got
+                      << " want " << want << " |err| " << std::fabs(got - want)
+                      << " > tol " << tol;
+        ++bad;
+      }
+    }
+  }
+  std::printf("  %-40s worst |err|/tol %.3f\n", c.name.c_str(), worst);
+}
+
+// The oracle's failing configurations (seed 1199677219, cases 7, 38, 87, 98,
+// 143) and their aligned twins, on every path that can take them.
+TEST_F(CudaCrossEntropyTest, OraclePrecision) {
+  std::vector<Case> cases;
+  auto add = [&](Case c, std::initializer_list<int> versions) {
+    for (int version : versions) {
+      Case v = c;
+      v.config.version = version;
+      if (version == -1) v.config.generic = true;
+      v.name =
+          absl::StrCat(c.name, version == -1  ? " generic"
+                               : version == 0 ? " auto"
+                                              : absl::StrCat(" v", version));
+      cases.push_back(v);
+    }
+  };
+  {  // case 7: eps = 1, fp16, sum, grad_scale
+    Case c = Make("eps=1 fp16 V=1000", 12, 1000, DType::kFloat16);
+    c.options.label_smoothing = 1.0f;
+    c.options.reduction = Reduction::kSum;
+    c.options.grad_scale = 3.656f;
+    add(c, {0, -1});
+  }
+  for (int64_t v : {50257, 50256, 131072}) {  // case 38: |lse| ~ 30, fp32
+    Case c = Make(absl::StrCat("lse~30 fp32 V=", v), 3, v, DType::kFloat32);
+    c.scale = 8.0;
+    c.offset = -5.0;
+    c.options.reduction = Reduction::kNone;
+    c.mode = GradientMode::kOutOfPlace;
+    add(c, {0, 4, -1});
+  }
+  {  // case 87: eps = 1 + z-loss, bf16
+    Case c = Make("eps=1 z-loss bf16 V=32000", 4, 32000, DType::kBFloat16);
+    c.options.label_smoothing = 1.0f;
+    c.options.z_loss_scale = 1e-4f;
+    c.options.reduction = Reduction::kNone;
+    add(c, {0, -1});
+  }
+  for (int64_t v : {4097, 4096}) {  // case 98: z-loss, weights, fp32, scale 8
+    Case c =
+        Make(absl::StrCat("z-loss weights fp32 V=", v), 35, v, DType::kFloat32);
+    c.scale = 8.0;
+    c.weights = true;
+    c.options.z_loss_scale = 0.0116f;
+    c.options.reduction = Reduction::kSum;
+    c.options.grad_scale = 3.894f;
+    add(c, {0, -1});
+  }
+  for (int64_t pad : {0, 7}) {  // case 143: eps = 1 + softcap, bf16
+    Case c = Make(absl::StrCat("eps=1 softcap bf16 pad=", pad), 6, 50257,
+                  DType::kBFloat16);
+    c.pad = pad;
+    c.options.label_smoothing = 1.0f;
+    c.options.softcap = 19.43f;
+    c.options.reduction = Reduction::kNone;
+    add(c, {0, -1});
+  }
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {  // the fast paths
+    Case c = Make("z-loss mean scale 8", 16, 65536, d);
+    c.scale = 8.0;
+    c.offset = 7.5;
+    c.ignore_fraction = 0.2;
+    c.options.z_loss_scale = 0.05f;
+    add(c, {5, 4, -1});
+    Case e = Make("eps 0.9 weights smoothing", 8, 40000, d);
+    e.weights = true;
+    e.options.label_smoothing = 0.9f;
+    add(e, {0, -1});
+  }
+  uint32_t seed = 600;
+  for (Case& c : cases) {
+    c.logits = Logits::kGaussian;
+    c.targets_dtype = seed % 2 ? DType::kInt32 : DType::kInt64;
+    CheckOraclePrecision(c, seed++);
+  }
+}
+
+// v5 with every slice size and occupancy cap the sweep uses, p_y -> 1 rows
+// (the second exchange) and tails that cut a vector, against the reference.
+TEST_F(CudaCrossEntropyTest, StreamKernelConfigs) {
+  uint32_t seed = 700;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (int slice : {16, 32, 64}) {
+      for (int cap : {0, 2}) {
+        Case c = Make(absl::StrCat("v5 slice=", slice, " cap=", cap), 7, 100003,
+                      dtype);
+        c.pad = dtype == DType::kFloat32 ? 1 : 5;  // 16-byte rows
+        c.config.version = 5;
+        c.config.slice_kib = slice;
+        c.config.ctas_per_sm = cap;
+        c.ignore_fraction = 0.3;
+        c.options.z_loss_scale = 1e-3f;
+        CheckCase(c, seed++);
+      }
+    }
+    Case d = Make("v5 p_y -> 1", 6, 131072, dtype);
+    d.logits = Logits::kTargetDominant;
+    d.config.version = 5;
+    CheckCase(d, seed++);
+    Case f = Make("v5 forward only", 9, 131072, dtype);
+    f.config.version = 5;
+    f.mode = GradientMode::kNone;
+    CheckCase(f, seed++);
+  }
 }
 
 TEST_F(CudaCrossEntropyTest, TargetGradientKeepsItsDigitsWhenPyNearOne) {
