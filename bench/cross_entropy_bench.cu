@@ -170,8 +170,8 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
         variants = {{"auto", {}}};
     if (sweep) {
-      for (int slice : {16, 32, 64}) {
-        for (int cap : {0, 3, 2}) {
+      for (int slice : {32, 64, 128}) {
+        for (int cap : {0, 3}) {
           lossd::CrossEntropyCudaConfig v5;
           v5.version = 5;
           v5.slice_kib = slice;

@@ -672,8 +672,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
 // 16-byte vectors per thread per batch: the loads one thread keeps in flight
 // (twice that with the next batch prefetched).
 constexpr int kU = 4;
-// Resident blocks per SM the v5 kernel is compiled for (<= 64 registers).
-constexpr int kStreamMinBlocks = 4;
+// Resident blocks per SM the v5 kernel is compiled for: 4 (<= 64 registers,
+// spills ~150 bytes of per-row state) or 3 (<= 80, none).
 
 // Loads vectors base + (u * kThreads + tid) * kVec of a slice ending at `end`;
 // elements past `end` read as -inf (never the max, exp() = 0). kLastUse marks
@@ -730,188 +730,194 @@ __device__ float BlockSumFloat(float v, float* scratch) {
 // one write, and with 4+ small blocks per SM in different phases memory stays
 // busy through each block's barrier (v4's limit, bench/NOTES.md). Plain
 // options only (z-loss, grad_scale); softcap, weights and smoothing take v4.
-template <typename T>
-__global__ void __launch_bounds__(kThreads, kStreamMinBlocks)
-    StreamKernel(Params p) {
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   constexpr int kBatch = kU * kThreads * kVec;  // elements a block per batch
   __shared__ Stats scratch[kThreads / 32 + 1];
   __shared__ float fscratch[kThreads / 32 + 1];
-  __shared__ Stats inbox[kMaxCluster];
+  // Two inboxes by row parity: a peer may push row r+1's partial while this
+  // block still reads row r's; it cannot reach r+2 before this block has
+  // arrived at r+1's barrier.
+  __shared__ Stats inbox[2][kMaxCluster];
   __shared__ float tbox[kMaxCluster];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const long long row = blockIdx.x / csize;
   const int tid = threadIdx.x;
   const int start = rank * p.chunk;
   const int end = min(start + p.chunk, p.vocab);
-  const T* in = static_cast<const T*>(p.logits) + row * p.stride;
-
-  ClusterArriveRelaxed();
-  uint4 cur[kU];
-  LoadBatch<T, false>(in, start, tid, end, cur);
-  const long long y = LoadTarget(p, row);
   const WorkspaceHeader& hdr = *p.header;
-  if (hdr.error) {  // uniform: the whole grid leaves, nothing written
-    ClusterWait();
-    return;
-  }
-  const bool valid = y != p.ignore_index;
-  const bool owner = valid ? (y >= start && y < end) : rank == 0;
-  const float zy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
-
-  // Pass 1: online max and sum of 2^(z*log2e - m_l2), rescaled when a batch
-  // raises the max; the argmax is found afterwards in the batch that set it.
-  float m = -INFINITY;
-  float m_l2 = 0.0f;  // fl(m * log2e); 0 while m = -inf
-  int arg_base = start;
-  float acc[2] = {0.0f, 0.0f};
-#pragma unroll 1
-  for (int base = start; base < end; base += kBatch) {
-    uint4 nxt[kU];
-    if (base + kBatch < end)
-      LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
-    float bm = -INFINITY;
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
-    if (bm > m) {
-      const float nl2 = bm * kLog2e;
-      const float f = Exp2(m_l2 - nl2);
-      acc[0] *= f;
-      acc[1] *= f;
-      m = bm;
-      m_l2 = nl2;
-      arg_base = base;
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        acc[j % 2] += Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -m_l2));
-#pragma unroll
-    for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
-  }
-  Stats st;
-  st.m = m;
-  st.sum_wz = 0.0f;
-  st.arg = INT_MAX;
-  if (m == -INFINITY) {
-    st.t = -1.0f;
-  } else {
-    // First index of m: in the batch that set it (earlier ones were below).
-    uint4 v[kU];
-    LoadBatch<T, false>(in, arg_base, tid, end, v);
-#pragma unroll
-    for (int u = kU - 1; u >= 0; --u)
-#pragma unroll
-      for (int j = kVec - 1; j >= 0; --j)
-        if (Tr::Get(v[u], j) == m)
-          st.arg = arg_base + (u * kThreads + tid) * kVec + j;
-    const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
-    st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
-  }
-
-  st = BlockReduce<kThreads>(st, scratch);
-  ClusterWait();  // every peer has started
-  if (tid < csize) *cluster.map_shared_rank(&inbox[rank], tid) = st;
+  // DSMEM may be written only once every peer has started.
   cluster.sync();
-  Stats row_st = inbox[0];
-  for (int r = 1; r < csize; ++r) Combine(row_st, inbox[r]);
+  if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
 
-  if (row_st.t < 0.0625f && isfinite(row_st.m)) {
-    // One element dominates the row: 1 + t kept only t's high digits, which
-    // p_y - 1 needs. Sum the others alone, relative to the row max, and
-    // exchange again (rare; uniform over the cluster, nothing written yet).
-    float t = 0.0f;
+  // Persistent: a cluster per row at a time, rows strided by the cluster
+  // count (launching a cluster per row cost ~30 ns a block: bench/NOTES.md).
+  const long long nclusters = gridDim.x / csize;
+  int parity = 0;
+#pragma unroll 1
+  for (long long row = blockIdx.x / csize; row < p.rows;
+       row += nclusters, parity ^= 1) {
+    const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+    uint4 cur[kU];
+    LoadBatch<T, false>(in, start, tid, end, cur);
+    const long long y = LoadTarget(p, row);
+    const bool valid = y != p.ignore_index;
+    const bool owner = valid ? (y >= start && y < end) : rank == 0;
+    const float zy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
+
+    // Pass 1: online max and sum of 2^(z*log2e - m_l2), rescaled when a batch
+    // raises the max; the argmax is found afterwards in the batch that set it.
+    float m = -INFINITY;
+    float m_l2 = 0.0f;  // fl(m * log2e); 0 while m = -inf
+    int arg_base = start;
+    float acc[2] = {0.0f, 0.0f};
 #pragma unroll 1
     for (int base = start; base < end; base += kBatch) {
-      uint4 v[kU];
-      LoadBatch<T, false>(in, base, tid, end, v);
+      uint4 nxt[kU];
+      if (base + kBatch < end)
+        LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
+      float bm = -INFINITY;
 #pragma unroll
       for (int u = 0; u < kU; ++u)
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const int c = base + (u * kThreads + tid) * kVec + j;
-          const float e = expf(Tr::Get(v[u], j) - row_st.m);
-          t += c == row_st.arg ? 0.0f : e;
-        }
+        for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
+      if (bm > m) {
+        const float nl2 = bm * kLog2e;
+        const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
+        acc[0] *= f;
+        acc[1] *= f;
+        m = bm;
+        m_l2 = nl2;
+        arg_base = base;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          acc[j % 2] += Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -m_l2));
+#pragma unroll
+      for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
     }
-    t = BlockSumFloat(t, fscratch);
-    if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
+    Stats st;
+    st.m = m;
+    st.sum_wz = 0.0f;
+    st.arg = INT_MAX;
+    if (m == -INFINITY) {
+      st.t = -1.0f;
+    } else {
+      // First index of m: in the batch that set it (earlier ones were below).
+      uint4 v[kU];
+      LoadBatch<T, false>(in, arg_base, tid, end, v);
+#pragma unroll
+      for (int u = kU - 1; u >= 0; --u)
+#pragma unroll
+        for (int j = kVec - 1; j >= 0; --j)
+          if (Tr::Get(v[u], j) == m)
+            st.arg = arg_base + (u * kThreads + tid) * kVec + j;
+      const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+      st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
+    }
+
+    st = BlockReduce<kThreads>(st, scratch);
+    if (tid < csize) *cluster.map_shared_rank(&inbox[parity][rank], tid) = st;
     cluster.sync();
-    row_st.t = tbox[0];
-    for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
-  }
+    Stats row_st = inbox[parity][0];
+    for (int r = 1; r < csize; ++r) Combine(row_st, inbox[parity][r]);
 
-  const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
-  if (owner && tid == 0)
-    WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
-  if (!p.grad) return;
-  T* out = static_cast<T*>(p.grad) + row * p.stride;
+    if (row_st.t < 0.0625f && isfinite(row_st.m)) {
+      // One element dominates the row: 1 + t kept only t's high digits, which
+      // p_y - 1 needs. Sum the others alone, relative to the row max, and
+      // exchange again (rare; uniform over the cluster, nothing written yet).
+      float t = 0.0f;
+#pragma unroll 1
+      for (int base = start; base < end; base += kBatch) {
+        uint4 v[kU];
+        LoadBatch<T, false>(in, base, tid, end, v);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const int c = base + (u * kThreads + tid) * kVec + j;
+            const float e = expf(Tr::Get(v[u], j) - row_st.m);
+            t += c == row_st.arg ? 0.0f : e;
+          }
+      }
+      t = BlockSumFloat(t, fscratch);
+      if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
+      cluster.sync();
+      row_st.t = tbox[0];
+      for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
+    }
 
-  if (!valid) {
-    // Ignored row: zeros, no re-read (the formula would give NaN for
-    // non-finite logits).
-    const float zero[kVec] = {};
-    uint4 zv;
-    Tr::Pack(zero, &zv);
+    const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+    if (owner && tid == 0)
+      WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+    if (!p.grad) continue;
+    T* out = static_cast<T*>(p.grad) + row * p.stride;
+
+    if (!valid) {
+      // Ignored row: zeros, no re-read (the formula would give NaN for
+      // non-finite logits).
+      const float zero[kVec] = {};
+      uint4 zv;
+      Tr::Pack(zero, &zv);
+#pragma unroll 1
+      for (int base = start; base < end; base += kBatch) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int e = base + (u * kThreads + tid) * kVec;
+          if (e + kVec <= end) {
+            __stcs(reinterpret_cast<uint4*>(out + e), zv);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j)
+              if (e + j < end) Tr::Store(out + e + j, 0.0f);
+          }
+        }
+      }
+      continue;
+    }
+
+    // Pass 2: the slice again (L2), gradient out with streaming stores.
+    const int yl = owner ? static_cast<int>(y) : -1;
+    LoadBatch<T, true>(in, start, tid, end, cur);
 #pragma unroll 1
     for (int base = start; base < end; base += kBatch) {
+      uint4 nxt[kU];
+      if (base + kBatch < end)
+        LoadBatch<T, true>(in, base + kBatch, tid, end, nxt);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int e = base + (u * kThreads + tid) * kVec;
+        float g[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          g[j] = fmaf(Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -rm.lse_l2)), rm.a,
+                      rm.b);
+        }
+        if (yl >= e && yl < e + kVec) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (e + j == yl) g[j] = rm.gy;
+        }
         if (e + kVec <= end) {
-          __stcs(reinterpret_cast<uint4*>(out + e), zv);
+          uint4 v;
+          Tr::Pack(g, &v);
+          __stcs(reinterpret_cast<uint4*>(out + e), v);
         } else {
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
-            if (e + j < end) Tr::Store(out + e + j, 0.0f);
+            if (e + j < end) Tr::Store(out + e + j, g[j]);
         }
       }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
     }
-    return;
-  }
-
-  // Pass 2: the slice again (L2), gradient out with streaming stores.
-  const int yl = owner ? static_cast<int>(y) : -1;
-  LoadBatch<T, true>(in, start, tid, end, cur);
-#pragma unroll 1
-  for (int base = start; base < end; base += kBatch) {
-    uint4 nxt[kU];
-    if (base + kBatch < end)
-      LoadBatch<T, true>(in, base + kBatch, tid, end, nxt);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int e = base + (u * kThreads + tid) * kVec;
-      float g[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        g[j] = fmaf(Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -rm.lse_l2)), rm.a,
-                    rm.b);
-      }
-      if (yl >= e && yl < e + kVec) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (e + j == yl) g[j] = rm.gy;
-      }
-      if (e + kVec <= end) {
-        uint4 v;
-        Tr::Pack(g, &v);
-        __stcs(reinterpret_cast<uint4*>(out + e), v);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (e + j < end) Tr::Store(out + e + j, g[j]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
-  }
+  }  // rows
 }
 
 // ---- generic path: one block per row, any alignment ----------------------
@@ -1005,7 +1011,8 @@ cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
                          cudaStream_t stream) {
-  auto kernel = StreamKernel<T>;
+  auto kernel = ctas_per_sm == 3 ? StreamKernel<T, 3> : StreamKernel<T, 4>;
+  if (ctas_per_sm == 3) ctas_per_sm = 0;
   cudaError_t e = cudaSuccess;
   if (csize > 8) {
     e = cudaFuncSetAttribute(kernel,
@@ -1038,6 +1045,15 @@ cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  // Persistent grid: as many clusters as can be resident at once.
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
@@ -1079,7 +1095,7 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       (config.version == 5 || (config.version == 0 && row_bytes >= 32 * 1024));
   if (v5) {
     const long long slice =
-        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 32) *
+        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 64) *
         1024;
     long long csize = std::min<long long>(
         kMaxCluster, std::max<long long>(1, (row_bytes + slice - 1) / slice));

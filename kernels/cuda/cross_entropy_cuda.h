@@ -38,7 +38,8 @@ constexpr int kCrossEntropyBadTarget = 1;
 // version 4 keeps the slice in registers. v5: slice_kib (16, 32, 48, 64...)
 // sets each block's slice and so the cluster size ceil(row bytes / slice),
 // raised where it would pass 16; ctas_per_sm caps resident blocks per SM
-// (through shared memory) to keep the slices in flight within L2.
+// (3: the kernel built for 3 a SM, more registers; others: through shared
+// memory) to keep the slices in flight within L2.
 // v4: vectors_per_thread (1, 2, 4, 8 or 16) sets the slice kept in registers
 // (vectors_per_thread * 256 threads * 16 bytes); the cluster size
 // ceil(vocab / slice) must come out <= 16. generic = true forces the simple

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -202,13 +201,6 @@ Identity Certificate(const std::string& name) {
   identity.cert = name;
   return identity;
 }
-
-class RemovePki : public ::testing::Environment {
- public:
-  void TearDown() override { Pki::Get()->Remove(); }
-};
-::testing::Environment* const kRemovePki =
-    ::testing::AddGlobalTestEnvironment(new RemovePki());
 
 class AuthTest : public ::testing::Test {
  protected:
