@@ -171,14 +171,14 @@ int main(int argc, char** argv) {
         variants = {{"auto", {}}};
     if (sweep) {
       for (int slice : {32, 64, 128}) {
-        for (int cap : {0, 3}) {
+        for (int cap : {0, 4}) {
           lossd::CrossEntropyCudaConfig v5;
           v5.version = 5;
           v5.slice_kib = slice;
           v5.ctas_per_sm = cap;
           variants.push_back(
               {"v5 s" + std::to_string(slice) +
-                   (cap ? " cap" + std::to_string(cap) : std::string()),
+                   (cap ? " mb" + std::to_string(cap) : std::string()),
                v5});
         }
       }

@@ -174,8 +174,8 @@ std::string FieldPrefix(int field, size_t length) {
 
 // Upload as the client library does it (client/client.cc, Client::Upload): the
 // header as a protobuf, then each chunk as its framing plus a view of the
-// caller's bytes, so no copy is made before the socket. (client.h cannot be
-// included beside server.h: both define lossd::TensorInfo.)
+// caller's bytes, so no copy is made before the socket. Kept on raw channels
+// so that the discarding server and lossd see byte-identical traffic.
 std::string RawUpload(const std::shared_ptr<grpc::Channel>& channel,
                       pb::DType dtype, std::vector<int64_t> shape,
                       const std::string& data, size_t chunk, double* seconds) {

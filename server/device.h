@@ -30,7 +30,7 @@ class Device {
  public:
   virtual ~Device() = default;
 
-  // "cpu", "cuda:0", ... as shown in TensorInfo.device.
+  // "cpu", "cuda:0", ... as shown in TensorRecord.device.
   virtual std::string name() const = 0;
 
   // True when device pointers may be read and written by host code (the CPU

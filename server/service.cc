@@ -45,7 +45,7 @@ void ToProtoTime(absl::Time time, google::protobuf::Timestamp* out) {
   out->set_nanos(static_cast<int32_t>(rest));
 }
 
-void ToProto(const TensorInfo& info, pb::TensorInfo* out) {
+void ToProto(const TensorRecord& info, pb::TensorInfo* out) {
   out->set_handle(info.handle);
   out->set_dtype(static_cast<pb::DType>(info.dtype));
   for (int64_t dim : info.shape) out->add_shape(dim);
@@ -410,7 +410,7 @@ class DownloadReactor final
     lease_ = service_->store()->BeginRead(std::move(tensor));
     dtype_ = as_dtype;
     elements_ = lease_.tensor()->elements();
-    TensorInfo info = lease_.tensor()->Info();
+    TensorRecord info = lease_.tensor()->Info();
     // The header describes what is sent: converted, with the factor applied.
     info.dtype = as_dtype;
     info.bytes = elements_ * out_size;
@@ -876,7 +876,7 @@ absl::Status LossdService::DoDescribe(const std::string& tenant,
 
 absl::Status LossdService::DoList(const std::string& tenant,
                                   pb::ListResponse* response) {
-  for (const TensorInfo& info : store_->List(tenant)) {
+  for (const TensorRecord& info : store_->List(tenant)) {
     ToProto(info, response->add_tensors());
   }
   FillServerInfo(response->mutable_server());

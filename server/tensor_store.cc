@@ -168,8 +168,8 @@ int64_t Tensor::elements() const {
 Device* Tensor::device() const { return allocation_->device(); }
 void* Tensor::data() const { return allocation_->data(); }
 
-TensorInfo Tensor::Info() const {
-  TensorInfo info;
+TensorRecord Tensor::Info() const {
+  TensorRecord info;
   info.handle = handle_;
   info.tenant = tenant_;
   info.label = label_;
@@ -455,7 +455,7 @@ void TensorStore::ForgetLocked(const std::string& handle, const char* reason) {
   }
 }
 
-std::vector<TensorInfo> TensorStore::List(const std::string& tenant) {
+std::vector<TensorRecord> TensorStore::List(const std::string& tenant) {
   MaybeSweep();
   std::vector<std::shared_ptr<Tensor>> mine;
   {
@@ -464,11 +464,11 @@ std::vector<TensorInfo> TensorStore::List(const std::string& tenant) {
       if (tensor->tenant() == tenant) mine.push_back(tensor);
     }
   }
-  std::vector<TensorInfo> infos;
+  std::vector<TensorRecord> infos;
   infos.reserve(mine.size());
   for (const auto& tensor : mine) infos.push_back(tensor->Info());
   std::sort(infos.begin(), infos.end(),
-            [](const TensorInfo& a, const TensorInfo& b) {
+            [](const TensorRecord& a, const TensorRecord& b) {
               return a.created != b.created ? a.created < b.created
                                             : a.handle < b.handle;
             });

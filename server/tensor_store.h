@@ -31,7 +31,7 @@ inline constexpr char kDefaultTenant[] = "default";
 enum class TensorState : int { kLogits = 1, kGradient = 2 };
 
 // A consistent snapshot of one tensor's metadata.
-struct TensorInfo {
+struct TensorRecord {
   std::string handle;
   std::string tenant;
   std::string label;
@@ -103,7 +103,7 @@ class Tensor {
   // by TensorStore); reading it under a ReadLease or a ForwardLease.
   void* data() const;
 
-  TensorInfo Info() const ABSL_LOCKS_EXCLUDED(mu_);
+  TensorRecord Info() const ABSL_LOCKS_EXCLUDED(mu_);
   TensorState state() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -295,7 +295,7 @@ class TensorStore {
                                   const std::string& handle);
 
   // The tensors of `tenant`, oldest first.
-  std::vector<TensorInfo> List(const std::string& tenant);
+  std::vector<TensorRecord> List(const std::string& tenant);
 
   StoreStats Stats() const;
 

@@ -1011,8 +1011,10 @@ cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
                          cudaStream_t stream) {
-  auto kernel = ctas_per_sm == 3 ? StreamKernel<T, 3> : StreamKernel<T, 4>;
-  if (ctas_per_sm == 3) ctas_per_sm = 0;
+  // The build for 3 blocks a SM by default: the one for 4 spills per-row
+  // state and measured 25-35% slower (bench/NOTES.md, v5).
+  auto kernel = ctas_per_sm == 4 ? StreamKernel<T, 4> : StreamKernel<T, 3>;
+  if (ctas_per_sm == 3 || ctas_per_sm == 4) ctas_per_sm = 0;
   cudaError_t e = cudaSuccess;
   if (csize > 8) {
     e = cudaFuncSetAttribute(kernel,
@@ -1088,14 +1090,18 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
                       (p.stride * static_cast<long long>(esize)) % 16 == 0;
   const int vec = static_cast<int>(16 / esize);
   const long long row_bytes = static_cast<long long>(p.vocab) * esize;
-  // v5 for the plain options once rows are long enough to split (measured:
-  // bench/NOTES.md); explicit v4/generic requests and v4's vpt win.
-  const bool v5 =
-      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
-      (config.version == 5 || (config.version == 0 && row_bytes >= 32 * 1024));
+  // v5 for the plain options where it measured faster than v4 on the H200
+  // (bench/NOTES.md): forward-only from 32 KiB rows, forward+gradient past
+  // 128 KiB rows (at 32000 fp32/bf16 v4 is 2-6 points ahead).
+  const bool v5 = !general && vec_ok && !config.generic &&
+                  config.vectors_per_thread == 0 &&
+                  (config.version == 5 ||
+                   (config.version == 0 &&
+                    (row_bytes > 160 * 1024 ||
+                     (p.grad == nullptr && row_bytes >= 32 * 1024))));
   if (v5) {
     const long long slice =
-        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 64) *
+        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 128) *
         1024;
     long long csize = std::min<long long>(
         kMaxCluster, std::max<long long>(1, (row_bytes + slice - 1) / slice));

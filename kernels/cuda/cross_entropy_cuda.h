@@ -33,13 +33,14 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
-// version 5 (the default where it applies: no softcap, class weights or label
-// smoothing) streams each block's row slice twice, the second read from L2;
-// version 4 keeps the slice in registers. v5: slice_kib (16, 32, 48, 64...)
+// version 5 (the default for the plain options -- no softcap, class weights or
+// label smoothing -- on long rows) streams each block's row slice twice, the
+// second read from L2, in persistent clusters; version 4 keeps the slice in
+// registers, a cluster per row. v5: slice_kib (32, 64, 128...; default 128)
 // sets each block's slice and so the cluster size ceil(row bytes / slice),
-// raised where it would pass 16; ctas_per_sm caps resident blocks per SM
-// (3: the kernel built for 3 a SM, more registers; others: through shared
-// memory) to keep the slices in flight within L2.
+// raised where it would pass 16; ctas_per_sm 4 picks the build for 4 blocks
+// a SM (64 registers, spills), 0 or 3 the one for 3, others cap resident
+// blocks through shared memory.
 // v4: vectors_per_thread (1, 2, 4, 8 or 16) sets the slice kept in registers
 // (vectors_per_thread * 256 threads * 16 bytes); the cluster size
 // ceil(vocab / slice) must come out <= 16. generic = true forces the simple

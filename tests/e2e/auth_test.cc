@@ -2,8 +2,8 @@
 // certificate is refused; the certificate names the tenant), bearer tokens,
 // isolation between two tenants, per-tenant quotas and the plaintext health
 // port, against an in-process server on 127.0.0.1:0 through raw stubs
-// (lossd::Client cannot share a binary with the server, both define
-// lossd::TensorInfo; auth_binary_test covers the client's TLS options).
+// (auth_binary_test covers the lossd binary's flags and the client's TLS
+// options).
 // Certificates are made at test time with the openssl CLI.
 #include "server/auth.h"
 

@@ -608,7 +608,7 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
   // timer; the server saw no cancellation). Only those may remain: they are
   // counted and released here. Anything else left over is a leak.
   int64_t orphans = 0;
-  for (const TensorInfo& info : (*server)->store()->List(kDefaultTenant)) {
+  for (const TensorRecord& info : (*server)->store()->List(kDefaultTenant)) {
     if (info.label.find(" deadline") != std::string::npos) {
       ++orphans;
       EXPECT_TRUE(

@@ -101,7 +101,7 @@ TEST_F(TensorStoreTest, UploadCommitGetDescribe) {
   auto got = store_->Get(kDefaultTenant, tensor->handle());
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->get(), tensor.get());
-  const TensorInfo info = (*got)->Info();
+  const TensorRecord info = (*got)->Info();
   EXPECT_EQ(info.dtype, DType::kFloat32);
   EXPECT_EQ(info.shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(info.bytes, 24);
