@@ -718,20 +718,8 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
 }
 
 const char* DTypeString(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bf16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    default:
-      return "invalid";
-  }
+  // The CLI's short spelling of bf16; every other name is the canonical one.
+  return dtype == DType::kBFloat16 ? "bf16" : DTypeName(dtype);
 }
 
 absl::StatusOr<DType> DTypeFromString(const std::string& name) {

@@ -301,8 +301,8 @@ class Client {
   const std::unique_ptr<Channel> channel_;
 };
 
-// Readable names, for CLIs and logs: "float32", "bf16", "int64", ...
-// (Not called DTypeName: the server has its own, and a binary may link both.)
+// Readable names, for CLIs and logs: "float32", "bf16", "int64", ...: the
+// DTypeName of kernels/cross_entropy.h, but "bf16" for kBFloat16.
 const char* DTypeString(DType dtype);
 // Parses "float32"/"fp32"/"f32", "bfloat16"/"bf16", "float16"/"fp16"/"half",
 // "int32", "int64". INVALID_ARGUMENT otherwise.

@@ -36,6 +36,27 @@ constexpr std::size_t DTypeSize(DType dtype) {
   }
 }
 
+// The canonical lower-case name ("float32", "bfloat16", "float16", "int32",
+// "int64"); "invalid" for kInvalid or any value outside the enum. The one name
+// table of the tree: the server's messages and the client's names start here.
+// Returns a static string (never nullptr). Pure; thread-safe.
+constexpr const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    default:
+      return "invalid";
+  }
+}
+
 constexpr bool IsLogitsDType(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 ||
          dtype == DType::kFloat16;

@@ -13,6 +13,7 @@
 #include "kernels/cpu/cross_entropy_cpu.h"
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/status_macros.h"
 
 namespace lossd {
@@ -135,21 +136,19 @@ void CudaDevice::SetFatalErrorHandler(
 }
 
 absl::Status CudaDevice::Check(cudaError_t error, const char* what) {
-  if (error == cudaSuccess) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat(name(), ": ", what, ": ", cudaGetErrorName(error), ": ",
-                   cudaGetErrorString(error));
-  if (error == cudaErrorMemoryAllocation) {
+  // The code and message come from the one mapping (RESOURCE_EXHAUSTED for
+  // out of memory, INTERNAL otherwise); what is added here is the device's
+  // name and the sticky-error handling.
+  const absl::Status status =
+      CudaStatus(error, absl::StrCat(name(), ": ", what));
+  if (status.ok()) return status;
+  if (error == cudaErrorMemoryAllocation || !IsStickyCudaError(error)) {
     // Recoverable: clear it so that the next call does not see it again.
     cudaGetLastError();
-    return absl::ResourceExhaustedError(message);
+    return status;
   }
-  if (!IsStickyCudaError(error)) {
-    cudaGetLastError();
-    return absl::InternalError(message);
-  }
-  const absl::Status fatal = absl::InternalError(
-      absl::StrCat(message, " (sticky error: the CUDA context is unusable)"));
+  const absl::Status fatal = absl::InternalError(absl::StrCat(
+      status.message(), " (sticky error: the CUDA context is unusable)"));
   std::function<void(const absl::Status&)> handler;
   {
     absl::MutexLock lock(&fatal_mu_);

@@ -148,48 +148,116 @@ std::optional<size_t> ChunkPrefixBytes(const uint8_t* head, size_t head_size,
   return std::nullopt;
 }
 
-class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+// The admission of a streaming RPC (LossdService::Admit) and its undoing,
+// which every reactor needs alike: admitted while the reactor is built,
+// released in its OnDone. Reactor threads only; one reaction at a time.
+class Admission {
  public:
-  UploadReactor(LossdService* service, grpc::CallbackServerContext* context,
-                grpc::ByteBuffer* response)
-      : service_(service), context_(context), response_(response) {
-    const absl::Status admitted =
-        service_->Admit(*context_, &tenant_, &in_flight_);
-    if (!admitted.ok()) {
-      entered_ = false;
-      End(ToGrpcStatus(admitted));
-      return;
-    }
-    absl::MutexLock lock(&mu_);
-    StartRead(&buffers_[current_]);
+  // Admits the RPC of `context` to `service` (borrowed; it outlives the RPC).
+  Admission(LossdService* service, const grpc::ServerContextBase& context)
+      : service_(service), status_(service->Admit(context, &tenant_, &slot_)) {}
+  Admission(const Admission&) = delete;
+  Admission& operator=(const Admission&) = delete;
+
+  // OK when admitted; otherwise Admit's error, to finish the RPC with.
+  const absl::Status& status() const { return status_; }
+  // The caller's tenant; empty when not admitted.
+  const std::string& tenant() const { return tenant_; }
+
+  // Returns the tenant's in-flight slot, then leaves the drain count, if the
+  // RPC was admitted. Call once, from OnDone, after what must go before the
+  // drain completes (pending tensors, leases) is gone.
+  void Release() {
+    slot_ = InFlightSlot();
+    if (status_.ok()) service_->Leave();
   }
 
-  void OnReadDone(bool ok) override {
+ private:
+  LossdService* const service_;
+  std::string tenant_;
+  InFlightSlot slot_;
+  const absl::Status status_;
+};
+
+// The pipelined read loop of the client-streaming RPCs (Upload, Evaluate):
+// while one message is consumed, the next is already being received into the
+// other of two buffers. Subclasses supply what a message, the stream's clean
+// end and a cancelled or failed stream mean; reads complete on gRPC's threads,
+// so every hook runs under mu_, one reaction at a time.
+template <typename Message>
+class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
+ public:
+  void OnReadDone(bool ok) final {
     absl::MutexLock lock(&mu_);
     if (finished_) return;  // an earlier message failed; this read is moot
     if (!ok) {
       // End of the client's stream, or a cancelled / broken one.
       finished_ = true;
       if (context_->IsCancelled()) {
-        pending_.reset();
+        Abandon();
         End(grpc::Status::CANCELLED);
         return;
       }
       End(ToGrpcStatus(Complete()));
       return;
     }
-    grpc::ByteBuffer* buffer = &buffers_[current_];
+    Message* message = &messages_[current_];
     current_ ^= 1;
-    // Pipelined: the next message is received into the other buffer while
-    // this one's bytes are copied towards the device.
-    StartRead(&buffers_[current_]);
-    const absl::Status status = Consume(buffer);
-    buffer->Clear();
+    this->StartRead(&messages_[current_]);
+    const absl::Status status = Consume(message);
     if (!status.ok()) {
       finished_ = true;
-      pending_.reset();
+      Abandon();
       End(ToGrpcStatus(status));
     }
+  }
+
+ protected:
+  // `context` is borrowed; gRPC keeps it alive until OnDone.
+  explicit PipelinedReadReactor(grpc::CallbackServerContext* context)
+      : context_(context) {}
+
+  // Starts the first read. Once, from the subclass's constructor, when the RPC
+  // was admitted (otherwise End instead).
+  void StartReading() {
+    absl::MutexLock lock(&mu_);
+    this->StartRead(&messages_[current_]);
+  }
+
+  // One message of the stream; an error ends the RPC with it (after Abandon).
+  // `message` may be modified; it is read into again afterwards.
+  virtual absl::Status Consume(Message* message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // The client ended the stream cleanly: the RPC's status, its response filled
+  // on OK.
+  virtual absl::Status Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // The stream was cancelled or a message failed: drop partial work early.
+  virtual void Abandon() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
+  // Finishes the RPC with `status` (and records it).
+  virtual void End(const grpc::Status& status) = 0;
+
+  grpc::CallbackServerContext* const context_;
+  absl::Mutex mu_;
+
+ private:
+  Message messages_[2] ABSL_GUARDED_BY(mu_);
+  int current_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
+ public:
+  UploadReactor(LossdService* service, grpc::CallbackServerContext* context,
+                grpc::ByteBuffer* response)
+      : PipelinedReadReactor(context),
+        service_(service),
+        response_(response),
+        admission_(service, *context) {
+    if (!admission_.status().ok()) {
+      End(ToGrpcStatus(admission_.status()));
+      return;
+    }
+    StartReading();
   }
 
   void OnDone() override {
@@ -198,15 +266,27 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     // A deadline or cancellation that raced the reply: the client never got
     // the handle, so the tensor must not stay behind.
     if (!committed_.empty() && context_->IsCancelled()) {
-      service_->store()->Release(tenant_, committed_).IgnoreError();
+      service_->store()->Release(admission_.tenant(), committed_).IgnoreError();
     }
-    in_flight_ = InFlightSlot();
-    if (entered_) service_->Leave();
+    admission_.Release();
     delete this;
   }
 
  private:
-  absl::Status Consume(grpc::ByteBuffer* buffer)
+  // The next message is received into the other buffer while this one's bytes
+  // are copied towards the device.
+  absl::Status Consume(grpc::ByteBuffer* buffer) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Status status = ConsumeBytes(buffer);
+    buffer->Clear();
+    return status;
+  }
+
+  void Abandon() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pending_.reset();
+  }
+
+  absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<grpc::Slice> slices;
     if (!buffer->Dump(&slices).ok()) {
@@ -239,7 +319,7 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
         const pb::TensorHeader& header = request.header();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
-                                       tenant_, spec.dtype,
+                                       admission_.tenant(), spec.dtype,
                                        std::move(spec.shape), header.label()));
         return absl::OkStatus();
       }
@@ -283,7 +363,7 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
-  absl::Status Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
@@ -304,25 +384,17 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
   // Finishes the RPC with `status`. Recorded before Finish, so that a client
   // that has its status also sees it counted.
-  void End(const grpc::Status& status) {
+  void End(const grpc::Status& status) override {
     service_->RecordRpc("Upload", status.error_code(), start_);
     Finish(status);
   }
 
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
-  grpc::CallbackServerContext* const context_;
   grpc::ByteBuffer* const response_;
-  // Reads complete on gRPC's threads: one reaction at a time here.
-  absl::Mutex mu_;
-  grpc::ByteBuffer buffers_[2];
-  int current_ = 0;
-  bool finished_ = false;
   std::unique_ptr<PendingTensor> pending_;
   std::string committed_;  // the handle, once published
-  std::string tenant_;
-  InFlightSlot in_flight_;
-  bool entered_ = true;
+  Admission admission_;
 };
 
 // The generated (parsing) Upload handler is replaced by the raw one above;
@@ -344,12 +416,9 @@ class DownloadReactor final
  public:
   DownloadReactor(LossdService* service, grpc::CallbackServerContext* context,
                   const pb::DownloadRequest& request)
-      : service_(service) {
-    const absl::Status admitted =
-        service_->Admit(*context, &tenant_, &in_flight_);
-    if (!admitted.ok()) {
-      entered_ = false;
-      End(ToGrpcStatus(admitted));
+      : service_(service), admission_(service, *context) {
+    if (!admission_.status().ok()) {
+      End(ToGrpcStatus(admission_.status()));
       return;
     }
     const absl::Status status = Start(context, request);
@@ -384,8 +453,7 @@ class DownloadReactor final
 
   void OnDone() override {
     lease_ = ReadLease();
-    in_flight_ = InFlightSlot();
-    if (entered_) service_->Leave();
+    admission_.Release();
     delete this;
   }
 
@@ -396,8 +464,9 @@ class DownloadReactor final
         DownloadSpec spec,
         ValidateDownloadRequest(request, service_->options().max_chunk_bytes));
     DType as_dtype = spec.dtype;
-    ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
-                     service_->store()->Get(tenant_, request.handle()));
+    ASSIGN_OR_RETURN(
+        std::shared_ptr<Tensor> tensor,
+        service_->store()->Get(admission_.tenant(), request.handle()));
     const DType stored = tensor->dtype();
     if (as_dtype == DType::kInvalid) as_dtype = stored;
     const int64_t out_size = static_cast<int64_t>(DTypeSize(as_dtype));
@@ -471,63 +540,37 @@ class DownloadReactor final
   int64_t elements_ = 0;
   int64_t chunk_elements_ = 0;
   int64_t next_element_ = 0;
-  std::string tenant_;
-  InFlightSlot in_flight_;
-  bool entered_ = true;
+  Admission admission_;
 };
 
 // ---------------------------------------------------------------- Evaluate
 
-class EvaluateReactor final
-    : public grpc::ServerReadReactor<pb::EvaluateRequest> {
+class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
  public:
   EvaluateReactor(LossdService* service, grpc::CallbackServerContext* context,
                   pb::EvaluateResponse* response)
-      : service_(service), context_(context), response_(response) {
-    const absl::Status admitted =
-        service_->Admit(*context_, &tenant_, &in_flight_);
-    if (!admitted.ok()) {
-      entered_ = false;
-      End(ToGrpcStatus(admitted));
+      : PipelinedReadReactor(context),
+        service_(service),
+        response_(response),
+        admission_(service, *context) {
+    if (!admission_.status().ok()) {
+      End(ToGrpcStatus(admission_.status()));
       return;
     }
-    absl::MutexLock lock(&mu_);
-    StartRead(&requests_[current_]);
-  }
-
-  void OnReadDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return;  // an earlier block failed; this read is moot
-    if (!ok) {
-      finished_ = true;
-      if (context_->IsCancelled()) {
-        End(grpc::Status::CANCELLED);
-        return;
-      }
-      End(ToGrpcStatus(Complete()));
-      return;
-    }
-    const pb::EvaluateRequest& request = requests_[current_];
-    current_ ^= 1;
-    // Pipelined: the next block is received into the other buffer while this
-    // one is copied to the device and evaluated.
-    StartRead(&requests_[current_]);
-    const absl::Status status = Consume(request);
-    if (!status.ok()) {
-      finished_ = true;
-      End(ToGrpcStatus(status));
-    }
+    StartReading();
   }
 
   void OnDone() override {
     weights_ = ReadLease();
-    in_flight_ = InFlightSlot();
-    if (entered_) service_->Leave();
+    admission_.Release();
     delete this;
   }
 
  private:
-  absl::Status Consume(const pb::EvaluateRequest& request) {
+  // The next block is received into the other buffer while this one is copied
+  // to the device and evaluated.
+  absl::Status Consume(pb::EvaluateRequest* message) override {
+    const pb::EvaluateRequest& request = *message;
     switch (request.kind_case()) {
       case pb::EvaluateRequest::kHeader:
         if (have_header_) {
@@ -554,7 +597,7 @@ class EvaluateReactor final
     targets_dtype_ = spec_.targets_dtype;
     if (!header.options().class_weights().empty()) {
       ASSIGN_OR_RETURN(weights_, LeaseClassWeights(
-                                     service_->store(), tenant_,
+                                     service_->store(), admission_.tenant(),
                                      header.options().class_weights(), vocab_));
       // The mean's denominator sums w[target] on the host.
       host_weights_.resize(static_cast<size_t>(vocab_));
@@ -634,7 +677,7 @@ class EvaluateReactor final
     return absl::OkStatus();
   }
 
-  absl::Status Complete() {
+  absl::Status Complete() override {
     if (!have_header_) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
@@ -661,23 +704,15 @@ class EvaluateReactor final
 
   // Finishes the RPC with `status`. Recorded before Finish, so that a client
   // that has its status also sees it counted.
-  void End(const grpc::Status& status) {
+  void End(const grpc::Status& status) override {
     service_->RecordRpc("Evaluate", status.error_code(), start_);
     Finish(status);
   }
 
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
-  grpc::CallbackServerContext* const context_;
   pb::EvaluateResponse* const response_;
-  // Reads complete on gRPC's threads: one reaction at a time here.
-  absl::Mutex mu_;
-  pb::EvaluateRequest requests_[2];
-  int current_ = 0;
-  bool finished_ = false;
-  std::string tenant_;
-  InFlightSlot in_flight_;
-  bool entered_ = true;
+  Admission admission_;
   bool have_header_ = false;
   EvaluateSpec spec_;
   CrossEntropyOptions options_;

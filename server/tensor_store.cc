@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/status_macros.h"
+#include "server/validation.h"
 
 namespace lossd {
 namespace internal {
@@ -112,30 +113,6 @@ bool IsHex(absl::string_view text) {
   return std::all_of(text.begin(), text.end(), [](char c) {
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
   });
-}
-
-absl::StatusOr<int64_t> CheckedBytes(DType dtype,
-                                     const std::vector<int64_t>& shape) {
-  if (DTypeSize(dtype) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("invalid dtype ", static_cast<int>(dtype)));
-  }
-  if (shape.empty() || shape.size() > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a tensor has 1 or 2 dimensions, got ", shape.size()));
-  }
-  int64_t bytes = static_cast<int64_t>(DTypeSize(dtype));
-  for (int64_t dim : shape) {
-    if (dim <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dimension ", dim, " must be > 0"));
-    }
-    if (bytes > std::numeric_limits<int64_t>::max() / dim) {
-      return absl::InvalidArgumentError("tensor size overflows int64");
-    }
-    bytes *= dim;
-  }
-  return bytes;
 }
 
 }  // namespace
@@ -292,7 +269,7 @@ PendingTensor::PendingTensor(TensorStore* store, std::string tenant,
       dtype_(dtype),
       shape_(std::move(shape)),
       state_(state),
-      bytes_(*CheckedBytes(dtype_, shape_)),
+      bytes_(*TensorBytes(dtype_, shape_)),
       allocation_(std::move(allocation)) {}
 
 PendingTensor::~PendingTensor() = default;
@@ -353,7 +330,7 @@ std::string TensorStore::NewHandle() const {
 absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
     const std::string& tenant, DType dtype, std::vector<int64_t> shape,
     std::string label, TensorState state) {
-  ASSIGN_OR_RETURN(const int64_t bytes, CheckedBytes(dtype, shape));
+  ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
   MaybeSweep();
   // The tenant's quota first: a tenant over its own limit learns that, not
   // how full the device is.

@@ -26,23 +26,6 @@ absl::Status CheckFinite(double value, absl::string_view field) {
 
 }  // namespace
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    default:
-      return "invalid";
-  }
-}
-
 std::string ShapeString(absl::Span<const int64_t> shape) {
   std::string text = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

@@ -17,9 +17,6 @@
 
 namespace lossd {
 
-// "float32", "int64", ...; "invalid" for anything else. Thread-safe.
-const char* DTypeName(DType dtype);
-
 // "[4, 5]". Thread-safe.
 std::string ShapeString(absl::Span<const int64_t> shape);
 

@@ -6,26 +6,14 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/float16.h"
+#include "kernels/cpu/cross_entropy_internal.h"
 
 namespace lossd {
 namespace {
 
-struct Float32Format {
-  using Storage = float;
-  static float Load(float v) { return v; }
-  static float Store(float v) { return v; }
-};
-struct BFloat16Format {
-  using Storage = uint16_t;
-  static float Load(uint16_t v) { return BF16ToFloat(v); }
-  static uint16_t Store(float v) { return FloatToBF16(v); }
-};
-struct Float16Format {
-  using Storage = uint16_t;
-  static float Load(uint16_t v) { return HalfToFloat(v); }
-  static uint16_t Store(float v) { return FloatToHalf(v); }
-};
+using cpu_internal::BFloat16Format;
+using cpu_internal::Float16Format;
+using cpu_internal::Float32Format;
 
 // Reads each element before its slot in dst is written, so src == dst (same
 // dtype) is safe.

@@ -20,6 +20,9 @@ namespace lossd {
 namespace {
 
 using cpu_internal::ArgmaxUpdate;
+using cpu_internal::BFloat16Format;
+using cpu_internal::Float16Format;
+using cpu_internal::Float32Format;
 using cpu_internal::LoadTarget;
 using cpu_internal::StoreDouble;
 
@@ -37,23 +40,6 @@ int64_t SpanBytes(const CrossEntropyArgs& args) {
   return ((args.rows - 1) * args.row_stride + args.vocab) *
          static_cast<int64_t>(DTypeSize(args.logits_dtype));
 }
-
-// Storage formats of the logits; Load is exact, Store rounds once.
-struct Float32Format {
-  using Storage = float;
-  static float Load(float v) { return v; }
-  static float Store(float v) { return v; }
-};
-struct BFloat16Format {
-  using Storage = uint16_t;
-  static float Load(uint16_t v) { return BF16ToFloat(v); }
-  static uint16_t Store(float v) { return FloatToBF16(v); }
-};
-struct Float16Format {
-  using Storage = uint16_t;
-  static float Load(uint16_t v) { return HalfToFloat(v); }
-  static uint16_t Store(float v) { return FloatToHalf(v); }
-};
 
 // Everything a row needs that is the same for all rows of one call.
 struct Plan {

@@ -1,7 +1,7 @@
 // Small pieces shared by the fast CPU backend and the fp64 reference, so that
 // the two agree on the details that are conventions rather than math: how a
 // row's argmax treats NaN and ties, and how a value is rounded once to a
-// 16-bit output.
+// 16-bit output; and the dtype storage formats the backend and convert.cc use.
 #ifndef LOSSD_KERNELS_CPU_CROSS_ENTROPY_INTERNAL_H_
 #define LOSSD_KERNELS_CPU_CROSS_ENTROPY_INTERNAL_H_
 
@@ -13,6 +13,25 @@
 
 namespace lossd {
 namespace cpu_internal {
+
+// Storage formats of the floating-point dtypes, for loops templated on the
+// format (the fast backend's rows, the conversions of convert.cc): Load is
+// exact, Store rounds once (nearest even).
+struct Float32Format {
+  using Storage = float;
+  static float Load(float v) { return v; }
+  static float Store(float v) { return v; }
+};
+struct BFloat16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return BF16ToFloat(v); }
+  static uint16_t Store(float v) { return FloatToBF16(v); }
+};
+struct Float16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t v) { return HalfToFloat(v); }
+  static uint16_t Store(float v) { return FloatToHalf(v); }
+};
 
 // The target of `row`; the dtype has been validated.
 inline int64_t LoadTarget(const void* targets, DType dtype, int64_t row) {

@@ -18,11 +18,13 @@
 #include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 
 namespace lossd {
 namespace {
 
 namespace pb = ::lossd::v1;
+using ::lossd::e2e_test::Bytes;
 using ::testing::HasSubstr;
 using Code = grpc::StatusCode;
 
@@ -30,12 +32,6 @@ using Code = grpc::StatusCode;
 constexpr int64_t kBudget = 1 << 20;
 constexpr int64_t kRows = 4;
 constexpr int64_t kVocab = 5;
-
-template <typename T>
-std::string Bytes(const std::vector<T>& values) {
-  return std::string(reinterpret_cast<const char*>(values.data()),
-                     values.size() * sizeof(T));
-}
 
 unsigned TestSeed() {
   const char* text = std::getenv("LOSSD_TEST_SEED");

@@ -3,7 +3,6 @@
 // compared with a second in-process server on the CPU device (the reference
 // backend). Skipped, with the reason, where no GPU is visible.
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -18,25 +17,15 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/cuda_device.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 
 namespace lossd {
 namespace {
 
 namespace pb = ::lossd::v1;
+using ::lossd::e2e_test::Bytes;
+using ::lossd::e2e_test::FromBytes;
 using ::testing::HasSubstr;
-
-template <typename T>
-std::string Bytes(const std::vector<T>& values) {
-  return std::string(reinterpret_cast<const char*>(values.data()),
-                     values.size() * sizeof(T));
-}
-
-template <typename T>
-std::vector<T> FromBytes(const std::string& bytes) {
-  std::vector<T> values(bytes.size() / sizeof(T));
-  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
-  return values;
-}
 
 // Host floats of a stored buffer of `dtype`.
 std::vector<float> ToFloats(const std::string& bytes, DType dtype) {

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -20,12 +19,14 @@
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 #include "tests/e2e/scrape.h"
 
 namespace lossd {
 namespace {
 
 namespace pb = ::lossd::v1;
+using ::lossd::e2e_test::Bytes;
 using scrape::FindSample;
 using scrape::Sample;
 using Labels = std::map<std::string, std::string>;
@@ -33,12 +34,6 @@ using Labels = std::map<std::string, std::string>;
 constexpr int64_t kBudget = 64 << 20;
 constexpr int64_t kRows = 16;
 constexpr int64_t kVocab = 50;
-
-template <typename T>
-std::string Bytes(const std::vector<T>& values) {
-  return std::string(reinterpret_cast<const char*>(values.data()),
-                     values.size() * sizeof(T));
-}
 
 // A sample's value, 0 when absent (counters and gauges not yet created).
 double ValueOr0(const std::vector<Sample>& samples, const std::string& name,

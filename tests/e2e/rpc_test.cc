@@ -1,7 +1,6 @@
 // Every lossd.v1 RPC and its documented error codes, against a real
 // in-process server on 127.0.0.1:0, through the generated stub only.
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -16,11 +15,14 @@
 #include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 
 namespace lossd {
 namespace {
 
 namespace pb = ::lossd::v1;
+using ::lossd::e2e_test::Bytes;
+using ::lossd::e2e_test::FromBytes;
 using ::testing::HasSubstr;
 
 constexpr int64_t kBudget = 64 << 20;
@@ -31,19 +33,6 @@ struct Downloaded {
   std::string bytes;
   int chunks = 0;
 };
-
-template <typename T>
-std::string Bytes(const std::vector<T>& values) {
-  return std::string(reinterpret_cast<const char*>(values.data()),
-                     values.size() * sizeof(T));
-}
-
-template <typename T>
-std::vector<T> FromBytes(const std::string& bytes) {
-  std::vector<T> values(bytes.size() / sizeof(T));
-  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
-  return values;
-}
 
 class RpcTest : public ::testing::Test {
  protected:
