@@ -51,6 +51,8 @@ ABSL_FLAG(std::string, python_server, "",
 ABSL_FLAG(std::string, python, "python3", "interpreter for --python_server");
 ABSL_FLAG(std::string, stubs, "", "folder with the Python lossd stubs");
 ABSL_FLAG(std::string, out, "", "append a markdown summary here");
+ABSL_FLAG(bool, metrics, false,
+          "serve Prometheus metrics (on a free port), as a deployment does");
 
 namespace pb = ::lossd::v1;
 using Clock = std::chrono::steady_clock;
@@ -483,6 +485,7 @@ int main(int argc, char** argv) {
   config.host = "127.0.0.1";
   config.port = 0;
   config.device = cuda ? "cuda" : "cpu";
+  if (absl::GetFlag(FLAGS_metrics)) config.metrics_port = 0;
   absl::StatusOr<std::unique_ptr<lossd::LossdServer>> server =
       lossd::LossdServer::Start(config);
   if (!server.ok()) Die(server.status().ToString());
@@ -623,7 +626,7 @@ int main(int argc, char** argv) {
   for (double factor : {1.0, 0.5}) {
     std::vector<double> times;
     bool launched = false;
-    for (int i = 0; i < 101; ++i) {
+    for (int i = 0; i < 1001; ++i) {
       pb::BackwardRequest request;
       request.set_gradient(handle);
       request.set_scalar(factor);
@@ -638,6 +641,22 @@ int main(int argc, char** argv) {
         "| Backward grad_output=%.1f | RPC median %.1f us, kernel launched: %s "
         "| < 200 us, none |",
         factor, 1e6 * Median(times), launched ? "yes" : "no"));
+  }
+  // The floor under Backward: a unary RPC that does almost nothing.
+  {
+    std::vector<double> times;
+    for (int i = 0; i < 1001; ++i) {
+      pb::GetServerInfoRequest request;
+      pb::ServerInfo response;
+      grpc::ClientContext context;
+      const auto start = Clock::now();
+      Check(stub->GetServerInfo(&context, request, &response), "info");
+      if (i > 0) times.push_back(Seconds(start));
+    }
+    line(absl::StrFormat(
+        "| GetServerInfo (the unary RPC floor, for comparison) | RPC median "
+        "%.1f us | |",
+        1e6 * Median(times)));
   }
 
   // Download of the gradient with the pending 0.5, as stored (bf16).

@@ -181,13 +181,37 @@ std::string Metrics::Render() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
-void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code,
-                         absl::Duration elapsed) {
+Metrics::RpcSeries Metrics::SeriesFor(absl::string_view method,
+                                      absl::StatusCode code) {
+  const int index = static_cast<int>(code);
+  const bool canonical =
+      index >= 0 && index < static_cast<int>(RpcSeriesByCode().size());
+  if (canonical) {
+    absl::ReaderMutexLock lock(&series_mu_);
+    auto it = rpc_series_.find(method);
+    if (it != rpc_series_.end() && (*it->second)[index].total != nullptr) {
+      return (*it->second)[index];
+    }
+  }
   const prometheus::Labels labels = {{"method", std::string(method)},
                                      {"code", absl::StatusCodeToString(code)}};
-  rpc_total_->Add(labels).Increment();
-  rpc_duration_->Add(labels, RpcBuckets())
-      .Observe(absl::ToDoubleSeconds(elapsed));
+  RpcSeries series;
+  series.total = &rpc_total_->Add(labels);
+  series.duration = &rpc_duration_->Add(labels, RpcBuckets());
+  if (canonical) {
+    absl::MutexLock lock(&series_mu_);
+    std::unique_ptr<RpcSeriesByCode>& codes = rpc_series_[std::string(method)];
+    if (codes == nullptr) codes = std::make_unique<RpcSeriesByCode>();
+    (*codes)[index] = series;
+  }
+  return series;
+}
+
+void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code,
+                         absl::Duration elapsed) {
+  const RpcSeries series = SeriesFor(method, code);
+  series.total->Increment();
+  series.duration->Observe(absl::ToDoubleSeconds(elapsed));
 }
 
 void Metrics::ObserveKernel(absl::string_view device, absl::string_view kernel,

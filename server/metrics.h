@@ -5,12 +5,16 @@
 #ifndef LOSSD_SERVER_METRICS_H_
 #define LOSSD_SERVER_METRICS_H_
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace prometheus {
@@ -76,6 +80,20 @@ class Metrics {
  private:
   class StoreCollector;
 
+  // The two series of one (method, code); null until first observed.
+  struct RpcSeries {
+    prometheus::Counter* total = nullptr;
+    prometheus::Histogram* duration = nullptr;
+  };
+  // Canonical codes 0..16.
+  using RpcSeriesByCode = std::array<RpcSeries, 17>;
+
+  // The series of (method, code), created on first use. Building the label
+  // set and looking it up in the families costs more than the observation, so
+  // the series pointers (stable for the registry's life) are cached.
+  RpcSeries SeriesFor(absl::string_view method, absl::StatusCode code)
+      ABSL_LOCKS_EXCLUDED(series_mu_);
+
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<StoreCollector> store_collector_;
   prometheus::Family<prometheus::Counter>* rpc_total_;
@@ -83,6 +101,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* kernel_seconds_;
   prometheus::Family<prometheus::Counter>* kernel_runs_;
   prometheus::Counter* transfer_bytes_[3];
+  absl::Mutex series_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<RpcSeriesByCode>> rpc_series_
+      ABSL_GUARDED_BY(series_mu_);
   int port_ = 0;
   // Last member: destroyed first, so no scrape runs while the rest goes.
   std::unique_ptr<prometheus::Exposer> exposer_;

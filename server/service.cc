@@ -397,14 +397,14 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   Admission admission_;
 };
 
-// The generated (parsing) Upload handler is replaced by the raw one above;
-// this reactor only answers if that ever stops being so.
-class UnreachableUploadReactor final
-    : public grpc::ServerReadReactor<pb::UploadRequest> {
+// The generated (parsing) Upload and Evaluate handlers are replaced by raw
+// ones; this reactor only answers if that ever stops being so.
+template <typename Request>
+class UnreachableReadReactor final : public grpc::ServerReadReactor<Request> {
  public:
-  UnreachableUploadReactor() {
-    Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                        "Upload is served by the raw handler"));
+  UnreachableReadReactor() {
+    this->Finish(
+        grpc::Status(grpc::StatusCode::INTERNAL, "served by the raw handler"));
   }
   void OnDone() override { delete this; }
 };
@@ -545,10 +545,151 @@ class DownloadReactor final
 
 // ---------------------------------------------------------------- Evaluate
 
-class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
+// Evaluate is served on raw ByteBuffers too (the constructor of LossdService
+// installs the handler): a block's logits go from gRPC's receive slices to the
+// device in one copy (pinned staging on CUDA), where parsing would first copy
+// the whole block into a std::string.
+
+// A byte range of a message held in slices: [offset, offset + size).
+struct ByteRange {
+  size_t offset = 0;
+  size_t size = 0;
+};
+
+// A forward-only reader of the concatenation of `slices` (borrowed).
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices)
+      : slices_(slices) {}
+
+  size_t position() const { return position_; }
+
+  // False at the end of the bytes.
+  bool ReadByte(uint8_t* byte) {
+    while (slice_ < slices_.size() && in_slice_ == slices_[slice_].size()) {
+      ++slice_;
+      in_slice_ = 0;
+    }
+    if (slice_ == slices_.size()) return false;
+    *byte = slices_[slice_].begin()[in_slice_++];
+    ++position_;
+    return true;
+  }
+
+  // A base-128 varint of at most 10 bytes; false when cut short or longer.
+  bool ReadVarint(uint64_t* value) {
+    *value = 0;
+    for (int i = 0; i < 10; ++i) {
+      uint8_t byte;
+      if (!ReadByte(&byte)) return false;
+      *value |= static_cast<uint64_t>(byte & 0x7f) << (7 * i);
+      if ((byte & 0x80) == 0) return true;
+    }
+    return false;
+  }
+
+  // Skips `bytes`; false when fewer remain than `limit - position()` allows.
+  bool Skip(uint64_t bytes, size_t limit) {
+    if (bytes > limit - position_) return false;
+    size_t left = static_cast<size_t>(bytes);
+    position_ += left;
+    while (left > 0) {
+      const size_t here = slices_[slice_].size() - in_slice_;
+      const size_t step = std::min(here, left);
+      in_slice_ += step;
+      left -= step;
+      if (in_slice_ == slices_[slice_].size() && left > 0) {
+        ++slice_;
+        in_slice_ = 0;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const std::vector<grpc::Slice>& slices_;
+  size_t slice_ = 0;
+  size_t in_slice_ = 0;
+  size_t position_ = 0;
+};
+
+// Calls `consume(pointer, size)` for the pieces of `range` of `slices` in
+// order; stops at (and returns) the first error.
+template <typename Consume>
+absl::Status ForEachPiece(const std::vector<grpc::Slice>& slices,
+                          ByteRange range, Consume consume) {
+  size_t skip = range.offset;
+  size_t left = range.size;
+  for (const grpc::Slice& slice : slices) {
+    if (left == 0) break;
+    if (skip >= slice.size()) {
+      skip -= slice.size();
+      continue;
+    }
+    const size_t piece = std::min(slice.size() - skip, left);
+    RETURN_IF_ERROR(consume(slice.begin() + skip, piece));
+    left -= piece;
+    skip = 0;
+  }
+  return absl::OkStatus();
+}
+
+// The tag of EvaluateRequest.block (field 2, length-delimited).
+constexpr uint8_t kBlockTag = (2 << 3) | 2;
+
+// Where the logits and targets of a serialized EvaluateRequest of `size` bytes
+// lie, when the message is exactly one `block` field (what every client sends
+// after the header) and well formed; false for anything else (the caller then
+// parses it the protobuf way, which also judges malformed bytes). As protobuf
+// does, the last occurrence of a field wins and unknown fields are skipped.
+bool FindRowBlock(const std::vector<grpc::Slice>& slices, size_t size,
+                  ByteRange* logits, ByteRange* targets) {
+  SliceReader reader(slices);
+  uint8_t tag;
+  uint64_t length;
+  if (!reader.ReadByte(&tag) || tag != kBlockTag ||
+      !reader.ReadVarint(&length) || length != size - reader.position()) {
+    return false;
+  }
+  *logits = ByteRange();
+  *targets = ByteRange();
+  while (reader.position() < size) {
+    uint64_t key;
+    if (!reader.ReadVarint(&key)) return false;
+    const uint64_t field = key >> 3;
+    uint64_t value;
+    switch (key & 7) {
+      case 0:  // varint
+        if (!reader.ReadVarint(&value)) return false;
+        break;
+      case 1:  // fixed64
+        if (!reader.Skip(8, size)) return false;
+        break;
+      case 2: {  // length-delimited
+        if (!reader.ReadVarint(&value) || value > size - reader.position()) {
+          return false;
+        }
+        const ByteRange range{reader.position(), static_cast<size_t>(value)};
+        if (field == 1) *logits = range;
+        if (field == 2) *targets = range;
+        if (!reader.Skip(value, size)) return false;
+        break;
+      }
+      case 5:  // fixed32
+        if (!reader.Skip(4, size)) return false;
+        break;
+      default:  // groups, invalid wire types
+        return false;
+    }
+    if (field == 0) return false;
+  }
+  return true;
+}
+
+class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
  public:
   EvaluateReactor(LossdService* service, grpc::CallbackServerContext* context,
-                  pb::EvaluateResponse* response)
+                  grpc::ByteBuffer* response)
       : PipelinedReadReactor(context),
         service_(service),
         response_(response),
@@ -561,6 +702,10 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
   }
 
   void OnDone() override {
+    {
+      absl::MutexLock lock(&mu_);
+      FreeBuffers();
+    }
     weights_ = ReadLease();
     admission_.Release();
     delete this;
@@ -569,8 +714,37 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
  private:
   // The next block is received into the other buffer while this one is copied
   // to the device and evaluated.
-  absl::Status Consume(pb::EvaluateRequest* message) override {
-    const pb::EvaluateRequest& request = *message;
+  absl::Status Consume(grpc::ByteBuffer* buffer) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Status status = ConsumeBytes(buffer);
+    buffer->Clear();
+    return status;
+  }
+
+  // The device buffers go as soon as the stream fails.
+  void Abandon() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { FreeBuffers(); }
+
+  absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<grpc::Slice> slices;
+    if (!buffer->Dump(&slices).ok()) {
+      return absl::InternalError("cannot read an EvaluateRequest's bytes");
+    }
+    ByteRange logits;
+    ByteRange targets;
+    if (FindRowBlock(slices, buffer->Length(), &logits, &targets)) {
+      if (!have_header_) {
+        return absl::InvalidArgumentError("data before the header");
+      }
+      return EvaluateBlock(slices, logits, targets);
+    }
+    // The header, or a block in an unusual encoding: the protobuf way.
+    pb::EvaluateRequest request;
+    if (!grpc::SerializationTraits<pb::EvaluateRequest>::Deserialize(buffer,
+                                                                     &request)
+             .ok()) {
+      return absl::InvalidArgumentError("a malformed EvaluateRequest");
+    }
     switch (request.kind_case()) {
       case pb::EvaluateRequest::kHeader:
         if (have_header_) {
@@ -578,18 +752,29 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
         }
         have_header_ = true;
         return StartEvaluation(request.header());
-      case pb::EvaluateRequest::kBlock:
+      case pb::EvaluateRequest::kBlock: {
         if (!have_header_) {
           return absl::InvalidArgumentError("data before the header");
         }
-        return EvaluateBlock(request.block());
+        const std::string& logits_bytes = request.block().logits();
+        const std::string& targets_bytes = request.block().targets();
+        const std::vector<grpc::Slice> parsed = {
+            grpc::Slice(logits_bytes.data(), logits_bytes.size(),
+                        grpc::Slice::STATIC_SLICE),
+            grpc::Slice(targets_bytes.data(), targets_bytes.size(),
+                        grpc::Slice::STATIC_SLICE)};
+        return EvaluateBlock(
+            parsed, ByteRange{0, logits_bytes.size()},
+            ByteRange{logits_bytes.size(), targets_bytes.size()});
+      }
       default:
         return absl::InvalidArgumentError(
             "an EvaluateRequest with neither header nor block");
     }
   }
 
-  absl::Status StartEvaluation(const pb::EvaluateHeader& header) {
+  absl::Status StartEvaluation(const pb::EvaluateHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ASSIGN_OR_RETURN(spec_, ValidateEvaluateHeader(header));
     options_ = spec_.options;
     vocab_ = spec_.vocab;
@@ -609,40 +794,95 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
     return absl::OkStatus();
   }
 
-  absl::Status EvaluateBlock(const pb::RowBlock& block) {
-    ASSIGN_OR_RETURN(const int64_t rows,
-                     ValidateRowBlock(spec_, block, blocks_));
-    const int64_t logits_bytes = static_cast<int64_t>(block.logits().size());
+  // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
+  // the largest block so far, so device memory stays O(block).
+  absl::Status Reserve(void** buffer, size_t* capacity, size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (bytes <= *capacity) return absl::OkStatus();
+    Device* device = service_->store()->device();
+    device->Free(*buffer, *capacity);
+    *buffer = nullptr;
+    *capacity = 0;
+    ASSIGN_OR_RETURN(*buffer, device->Allocate(bytes));
+    *capacity = bytes;
+    return absl::OkStatus();
+  }
+
+  void FreeBuffers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Device* device = service_->store()->device();
+    device->Free(logits_buffer_, logits_capacity_);
+    device->Free(targets_buffer_, targets_capacity_);
+    logits_buffer_ = nullptr;
+    targets_buffer_ = nullptr;
+    logits_capacity_ = 0;
+    targets_capacity_ = 0;
+  }
+
+  // One block, whose logits and targets are `logits` and `targets` of the
+  // concatenated `slices`.
+  absl::Status EvaluateBlock(const std::vector<grpc::Slice>& slices,
+                             ByteRange logits, ByteRange targets)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ASSIGN_OR_RETURN(
+        const int64_t rows,
+        ValidateRowBlockSizes(spec_, static_cast<int64_t>(logits.size),
+                              static_cast<int64_t>(targets.size), blocks_));
     ++blocks_;
     Metrics* const metrics = service_->metrics();
     if (metrics != nullptr) {
       metrics->AddTransferBytes(
           TransferDirection::kEvaluate,
-          logits_bytes + static_cast<int64_t>(block.targets().size()));
+          static_cast<int64_t>(logits.size + targets.size));
     }
     if (rows == 0) return absl::OkStatus();
 
     Device* device = service_->store()->device();
-    Staged logits;
-    Staged targets;
+    // Targets are small and read on the host too (the weight sum): gathered.
+    host_targets_.resize(targets.size);
+    char* gathered = host_targets_.data();
     RETURN_IF_ERROR(
-        logits.Stage(device, block.logits().data(), block.logits().size()));
+        ForEachPiece(slices, targets, [&](const uint8_t* piece, size_t size) {
+          std::memcpy(gathered, piece, size);
+          gathered += size;
+          return absl::OkStatus();
+        }));
+    const void* device_targets = host_targets_.data();
+    if (!device->host_accessible()) {
+      RETURN_IF_ERROR(
+          Reserve(&targets_buffer_, &targets_capacity_, targets.size));
+      RETURN_IF_ERROR(device->CopyFromHost(targets_buffer_, 0,
+                                           host_targets_.data(), targets.size));
+      device_targets = targets_buffer_;
+    }
+    // Logits: slice by slice into the block buffer; on CUDA through double
+    // buffered pinned staging, so gathering one piece overlaps copying the
+    // previous one.
+    RETURN_IF_ERROR(Reserve(&logits_buffer_, &logits_capacity_, logits.size));
+    size_t written = 0;
     RETURN_IF_ERROR(
-        targets.Stage(device, block.targets().data(), block.targets().size()));
+        ForEachPiece(slices, logits, [&](const uint8_t* piece, size_t size) {
+          const absl::Status status =
+              device->CopyFromHostAsync(logits_buffer_, written, piece, size);
+          written += size;
+          return status;
+        }));
+    RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
+
     CrossEntropyArgs args;
     args.rows = rows;
     args.vocab = vocab_;
     args.row_stride = vocab_;
     args.logits_dtype = logits_dtype_;
-    args.logits = logits.get();
+    args.logits = logits_buffer_;
     args.targets_dtype = targets_dtype_;
-    args.targets = targets.get();
+    args.targets = device_targets;
     args.class_weights =
         weights_.tensor() == nullptr
             ? nullptr
             : static_cast<const float*>(weights_.tensor()->data());
     args.options = options_;
-    // Blocks are summed here and reduced once at the end, in block order.
+    // Blocks are summed here and reduced once at the end, in block order, so
+    // the result is the same bits for the same blocks.
     args.options.reduction = Reduction::kSum;
     args.mode = GradientMode::kNone;
     CrossEntropyResult result;
@@ -664,10 +904,10 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
       int64_t target;
       if (targets_dtype_ == DType::kInt32) {
         int32_t value;
-        std::memcpy(&value, block.targets().data() + row * 4, 4);
+        std::memcpy(&value, host_targets_.data() + row * 4, 4);
         target = value;
       } else {
-        std::memcpy(&target, block.targets().data() + row * 8, 8);
+        std::memcpy(&target, host_targets_.data() + row * 8, 8);
       }
       if (target == options_.ignore_index) continue;
       weight_sum_ += host_weights_.empty()
@@ -677,7 +917,8 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
     return absl::OkStatus();
   }
 
-  absl::Status Complete() override {
+  absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    FreeBuffers();
     if (!have_header_) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
@@ -692,13 +933,20 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
       loss = denominator != 0.0 ? loss_sum_ / denominator : 0.0;
       z_loss = denominator != 0.0 ? z_loss_sum_ / denominator : 0.0;
     }
-    response_->set_loss(loss);
-    response_->set_z_loss(z_loss);
-    response_->set_rows(rows_);
-    response_->set_valid_tokens(valid_tokens_);
-    response_->set_correct_tokens(correct_tokens_);
-    response_->set_nonfinite_rows(nonfinite_rows_);
-    response_->set_denominator(denominator);
+    pb::EvaluateResponse response;
+    response.set_loss(loss);
+    response.set_z_loss(z_loss);
+    response.set_rows(rows_);
+    response.set_valid_tokens(valid_tokens_);
+    response.set_correct_tokens(correct_tokens_);
+    response.set_nonfinite_rows(nonfinite_rows_);
+    response.set_denominator(denominator);
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<pb::EvaluateResponse>::Serialize(
+             response, response_, &own_buffer)
+             .ok()) {
+      return absl::InternalError("cannot serialize the EvaluateResponse");
+    }
     return absl::OkStatus();
   }
 
@@ -711,24 +959,30 @@ class EvaluateReactor final : public PipelinedReadReactor<pb::EvaluateRequest> {
 
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
-  pb::EvaluateResponse* const response_;
+  grpc::ByteBuffer* const response_;
   Admission admission_;
-  bool have_header_ = false;
-  EvaluateSpec spec_;
-  CrossEntropyOptions options_;
-  int64_t vocab_ = 0;
-  DType logits_dtype_ = DType::kInvalid;
-  DType targets_dtype_ = DType::kInvalid;
+  bool have_header_ ABSL_GUARDED_BY(mu_) = false;
+  EvaluateSpec spec_ ABSL_GUARDED_BY(mu_);
+  CrossEntropyOptions options_ ABSL_GUARDED_BY(mu_);
+  int64_t vocab_ ABSL_GUARDED_BY(mu_) = 0;
+  DType logits_dtype_ ABSL_GUARDED_BY(mu_) = DType::kInvalid;
+  DType targets_dtype_ ABSL_GUARDED_BY(mu_) = DType::kInvalid;
   ReadLease weights_;
-  std::vector<float> host_weights_;
-  int64_t blocks_ = 0;
-  double loss_sum_ = 0.0;
-  double z_loss_sum_ = 0.0;
-  double weight_sum_ = 0.0;
-  int64_t rows_ = 0;
-  int64_t valid_tokens_ = 0;
-  int64_t correct_tokens_ = 0;
-  int64_t nonfinite_rows_ = 0;
+  std::vector<float> host_weights_ ABSL_GUARDED_BY(mu_);
+  // The block buffers, reused from block to block (device memory).
+  void* logits_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t logits_capacity_ ABSL_GUARDED_BY(mu_) = 0;
+  void* targets_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t targets_capacity_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string host_targets_ ABSL_GUARDED_BY(mu_);
+  int64_t blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  double loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
+  double z_loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
+  double weight_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
+  int64_t rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t valid_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t correct_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t nonfinite_rows_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace
@@ -746,6 +1000,15 @@ LossdService::LossdService(TensorStore* store, ServiceOptions options,
              [this](grpc::CallbackServerContext* context,
                     grpc::ByteBuffer* response) {
                return new UploadReactor(this, context, response);
+             }));
+  // Evaluate is method 7: blocks go from the receive slices to the device
+  // without a parse (see EvaluateReactor).
+  MarkMethodRawCallback(
+      7, new grpc::internal::CallbackClientStreamingHandler<grpc::ByteBuffer,
+                                                            grpc::ByteBuffer>(
+             [this](grpc::CallbackServerContext* context,
+                    grpc::ByteBuffer* response) {
+               return new EvaluateReactor(this, context, response);
              }));
 }
 
@@ -848,7 +1111,7 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
 grpc::ServerReadReactor<pb::UploadRequest>* LossdService::Upload(
     grpc::CallbackServerContext* /*context*/,
     pb::UploadResponse* /*response*/) {
-  return new UnreachableUploadReactor();
+  return new UnreachableReadReactor<pb::UploadRequest>();
 }
 
 grpc::ServerWriteReactor<pb::DownloadResponse>* LossdService::Download(
@@ -857,8 +1120,9 @@ grpc::ServerWriteReactor<pb::DownloadResponse>* LossdService::Download(
 }
 
 grpc::ServerReadReactor<pb::EvaluateRequest>* LossdService::Evaluate(
-    grpc::CallbackServerContext* context, pb::EvaluateResponse* response) {
-  return new EvaluateReactor(this, context, response);
+    grpc::CallbackServerContext* /*context*/,
+    pb::EvaluateResponse* /*response*/) {
+  return new UnreachableReadReactor<pb::EvaluateRequest>();
 }
 
 grpc::ServerUnaryReactor* LossdService::Describe(

@@ -297,7 +297,15 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
 absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
                                          const pb::RowBlock& block,
                                          int64_t index) {
-  const int64_t logits_bytes = static_cast<int64_t>(block.logits().size());
+  return ValidateRowBlockSizes(
+      spec, static_cast<int64_t>(block.logits().size()),
+      static_cast<int64_t>(block.targets().size()), index);
+}
+
+absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
+                                              int64_t logits_bytes,
+                                              int64_t targets_bytes,
+                                              int64_t index) {
   const int64_t target_size =
       static_cast<int64_t>(DTypeSize(spec.targets_dtype));
   if (spec.row_bytes <= 0 || target_size == 0) {
@@ -310,10 +318,10 @@ absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
         index, logits_bytes, spec.row_bytes));
   }
   const int64_t rows = logits_bytes / spec.row_bytes;
-  if (static_cast<int64_t>(block.targets().size()) != rows * target_size) {
+  if (targets_bytes != rows * target_size) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "block %d: %d rows of logits but %d bytes of targets (%d each)", index,
-        rows, block.targets().size(), target_size));
+        rows, targets_bytes, target_size));
   }
   return rows;
 }

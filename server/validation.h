@@ -130,6 +130,13 @@ absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
                                          const lossd::v1::RowBlock& block,
                                          int64_t index);
 
+// As above, from the byte sizes of the block's logits and targets (the
+// Evaluate reactor finds them in the raw message without parsing it).
+absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
+                                              int64_t logits_bytes,
+                                              int64_t targets_bytes,
+                                              int64_t index);
+
 }  // namespace lossd
 
 #endif  // LOSSD_SERVER_VALIDATION_H_
