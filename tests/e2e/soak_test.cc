@@ -526,9 +526,17 @@ class SoakClient {
             reinterpret_cast<const char*>(targets.data()), logits->rows * 8));
         grpc::ClientContext context;
         pb::ForwardResponse response;
-        Check("Forward out of range",
-              stub_->Forward(&context, request, &response),
-              {Code::INVALID_ARGUMENT});
+        const grpc::Status status =
+            stub_->Forward(&context, request, &response);
+        // The state check comes before the target check: a logits tensor
+        // still held by a cancelled Download is busy first.
+        if (logits->maybe_read) {
+          Check("Forward out of range (after a cancelled Download)", status,
+                {Code::INVALID_ARGUMENT, Code::FAILED_PRECONDITION});
+        } else {
+          Check("Forward out of range", status, {Code::INVALID_ARGUMENT});
+        }
+        logits->maybe_read = false;
         return;
       }
     }
