@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -128,6 +129,9 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
 constexpr uint8_t kChunkTag = (2 << 3) | 2;
 // The tag plus the longest varint.
 constexpr size_t kMaxChunkPrefix = 11;
+// The most varint bytes protobuf accepts in a tag or a length (a longer one,
+// even a padded small value, fails its parse).
+constexpr size_t kMaxVarint32Bytes = 5;
 
 // Where the data of a serialized UploadRequest of `size` bytes starts, when the
 // message is exactly one `chunk` field (what every client sends after the
@@ -137,7 +141,8 @@ std::optional<size_t> ChunkPrefixBytes(const uint8_t* head, size_t head_size,
                                        size_t size) {
   if (head_size < 2 || head[0] != kChunkTag) return std::nullopt;
   uint64_t length = 0;
-  for (size_t i = 1; i < head_size; ++i) {
+  // Protobuf rejects a length of more than 5 varint bytes; the parse judges.
+  for (size_t i = 1; i < head_size && i <= kMaxVarint32Bytes; ++i) {
     length |= static_cast<uint64_t>(head[i] & 0x7f) << (7 * (i - 1));
     if ((head[i] & 0x80) == 0) {
       const size_t prefix = i + 1;
@@ -576,10 +581,11 @@ class SliceReader {
     return true;
   }
 
-  // A base-128 varint of at most 10 bytes; false when cut short or longer.
-  bool ReadVarint(uint64_t* value) {
+  // A base-128 varint of at most `max_bytes` bytes; false when cut short or
+  // longer.
+  bool ReadVarint(uint64_t* value, size_t max_bytes = 10) {
     *value = 0;
-    for (int i = 0; i < 10; ++i) {
+    for (size_t i = 0; i < max_bytes; ++i) {
       uint8_t byte;
       if (!ReadByte(&byte)) return false;
       *value |= static_cast<uint64_t>(byte & 0x7f) << (7 * i);
@@ -648,14 +654,19 @@ bool FindRowBlock(const std::vector<grpc::Slice>& slices, size_t size,
   uint8_t tag;
   uint64_t length;
   if (!reader.ReadByte(&tag) || tag != kBlockTag ||
-      !reader.ReadVarint(&length) || length != size - reader.position()) {
+      !reader.ReadVarint(&length, kMaxVarint32Bytes) ||
+      length != size - reader.position()) {
     return false;
   }
   *logits = ByteRange();
   *targets = ByteRange();
   while (reader.position() < size) {
     uint64_t key;
-    if (!reader.ReadVarint(&key)) return false;
+    // Keys and lengths that protobuf would reject (or, for a 5-byte key past
+    // 32 bits, truncate) are left to its parse.
+    if (!reader.ReadVarint(&key, kMaxVarint32Bytes) || key > UINT32_MAX) {
+      return false;
+    }
     const uint64_t field = key >> 3;
     uint64_t value;
     switch (key & 7) {
@@ -666,7 +677,8 @@ bool FindRowBlock(const std::vector<grpc::Slice>& slices, size_t size,
         if (!reader.Skip(8, size)) return false;
         break;
       case 2: {  // length-delimited
-        if (!reader.ReadVarint(&value) || value > size - reader.position()) {
+        if (!reader.ReadVarint(&value, kMaxVarint32Bytes) ||
+            value > size - reader.position()) {
           return false;
         }
         const ByteRange range{reader.position(), static_cast<size_t>(value)};
