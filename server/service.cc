@@ -118,6 +118,18 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
   return reactor;
 }
 
+// Serializes the response of a raw (ByteBuffer) reactor into `out`.
+template <typename Message>
+absl::Status SerializeResponse(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer)
+           .ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot serialize the ", Message::descriptor()->name()));
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------- Upload
 
 // Upload is served on raw ByteBuffers rather than parsed UploadRequests (the
@@ -378,13 +390,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     committed_ = (*tensor)->handle();
     pb::UploadResponse response;
     ToProto((*tensor)->Info(), response.mutable_tensor());
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<pb::UploadResponse>::Serialize(
-             response, response_, &own_buffer)
-             .ok()) {
-      return absl::InternalError("cannot serialize the UploadResponse");
-    }
-    return absl::OkStatus();
+    return SerializeResponse(response, response_);
   }
 
   // Finishes the RPC with `status`. Recorded before Finish, so that a client
@@ -953,13 +959,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     response.set_correct_tokens(correct_tokens_);
     response.set_nonfinite_rows(nonfinite_rows_);
     response.set_denominator(denominator);
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<pb::EvaluateResponse>::Serialize(
-             response, response_, &own_buffer)
-             .ok()) {
-      return absl::InternalError("cannot serialize the EvaluateResponse");
-    }
-    return absl::OkStatus();
+    return SerializeResponse(response, response_);
   }
 
   // Finishes the RPC with `status`. Recorded before Finish, so that a client
