@@ -18,6 +18,7 @@
 #include "server/cuda_device.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"
+#include "tests/e2e/test_server.h"
 
 namespace lossd {
 namespace {
@@ -25,6 +26,8 @@ namespace {
 namespace pb = ::lossd::v1;
 using ::lossd::e2e_test::Bytes;
 using ::lossd::e2e_test::FromBytes;
+using ::lossd::e2e_test::LargeMessageChannel;
+using ::lossd::e2e_test::LoopbackConfig;
 using ::testing::HasSubstr;
 
 // Host floats of a stored buffer of `dtype`.
@@ -71,22 +74,11 @@ struct Downloaded {
 class Endpoint {
  public:
   absl::Status Start(const std::string& device, int64_t budget) {
-    ServerConfig config;
-    config.host = "127.0.0.1";
-    config.port = 0;
-    config.device = device;
-    config.memory_budget = budget;
-    config.threads = 2;
-    config.drain_timeout = absl::Seconds(5);
     absl::StatusOr<std::unique_ptr<LossdServer>> server =
-        LossdServer::Start(config);
+        LossdServer::Start(LoopbackConfig(device, budget, absl::Seconds(5)));
     if (!server.ok()) return server.status();
     server_ = std::move(*server);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetMaxSendMessageSize(64 << 20);
-    stub_ = pb::Lossd::NewStub(grpc::CreateCustomChannel(
-        server_->address(), grpc::InsecureChannelCredentials(), args));
+    stub_ = pb::Lossd::NewStub(LargeMessageChannel(server_->address()));
     return absl::OkStatus();
   }
 

@@ -14,12 +14,15 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"
+#include "tests/e2e/test_server.h"
 
 namespace lossd {
 namespace {
 
 namespace pb = ::lossd::v1;
 using ::lossd::e2e_test::Bytes;
+using ::lossd::e2e_test::LargeMessageChannel;
+using ::lossd::e2e_test::LoopbackConfig;
 
 constexpr int64_t kBudget = 64 << 20;
 
@@ -139,21 +142,11 @@ class RawMessagesTest : public ::testing::Test {
   void SetUp() override {
     seed_ = std::random_device{}();
     rng_.seed(seed_);
-    ServerConfig config;
-    config.host = "127.0.0.1";
-    config.port = 0;
-    config.device = "cpu";
-    config.memory_budget = kBudget;
-    config.threads = 2;
-    config.drain_timeout = absl::Seconds(20);
-    auto server = LossdServer::Start(config);
+    auto server =
+        LossdServer::Start(LoopbackConfig("cpu", kBudget, absl::Seconds(20)));
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetMaxSendMessageSize(64 << 20);
-    channel_ = grpc::CreateCustomChannel(
-        server_->address(), grpc::InsecureChannelCredentials(), args);
+    channel_ = LargeMessageChannel(server_->address());
     stub_ = pb::Lossd::NewStub(channel_);
   }
 

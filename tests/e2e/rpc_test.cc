@@ -16,6 +16,7 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"
+#include "tests/e2e/test_server.h"
 
 namespace lossd {
 namespace {
@@ -23,6 +24,8 @@ namespace {
 namespace pb = ::lossd::v1;
 using ::lossd::e2e_test::Bytes;
 using ::lossd::e2e_test::FromBytes;
+using ::lossd::e2e_test::LargeMessageChannel;
+using ::lossd::e2e_test::LoopbackConfig;
 using ::testing::HasSubstr;
 
 constexpr int64_t kBudget = 64 << 20;
@@ -41,21 +44,11 @@ class RpcTest : public ::testing::Test {
   void StartServer(int64_t budget) {
     stub_.reset();
     server_.reset();
-    ServerConfig config;
-    config.host = "127.0.0.1";
-    config.port = 0;
-    config.device = "cpu";
-    config.memory_budget = budget;
-    config.threads = 2;
-    config.drain_timeout = absl::Seconds(20);
-    auto server = LossdServer::Start(config);
+    auto server =
+        LossdServer::Start(LoopbackConfig("cpu", budget, absl::Seconds(20)));
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetMaxSendMessageSize(64 << 20);
-    channel_ = grpc::CreateCustomChannel(
-        server_->address(), grpc::InsecureChannelCredentials(), args);
+    channel_ = LargeMessageChannel(server_->address());
     stub_ = pb::Lossd::NewStub(channel_);
   }
 

@@ -1,0 +1,43 @@
+// The in-process lossd that e2e tests start on 127.0.0.1:0, and a channel to it
+// with the server's 64 MiB message limits: one copy for every test file.
+#ifndef LOSSD_TESTS_E2E_TEST_SERVER_H_
+#define LOSSD_TESTS_E2E_TEST_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "server/server.h"
+
+namespace lossd {
+namespace e2e_test {
+
+// A loopback server config on a free port with `device` and `budget` bytes.
+inline ServerConfig LoopbackConfig(const std::string& device, int64_t budget,
+                                   absl::Duration drain_timeout) {
+  ServerConfig config;
+  config.host = "127.0.0.1";
+  config.port = 0;
+  config.device = device;
+  config.memory_budget = budget;
+  config.threads = 2;
+  config.drain_timeout = drain_timeout;
+  return config;
+}
+
+// An insecure channel to `address` that sends and receives 64 MiB messages.
+inline std::shared_ptr<grpc::Channel> LargeMessageChannel(
+    const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+}  // namespace e2e_test
+}  // namespace lossd
+
+#endif  // LOSSD_TESTS_E2E_TEST_SERVER_H_
