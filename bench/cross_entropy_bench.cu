@@ -72,10 +72,12 @@ const char* Name(lossd::DType d) {
 
 int main(int argc, char** argv) {
   bool sweep = false;
+  bool sweep6 = false;   // v6 slice and stage variants only
   bool profile = false;  // one small config, for ncu
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
+    if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
   }
@@ -169,6 +171,17 @@ int main(int argc, char** argv) {
     // occupancy caps and v4 for comparison.
     std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
         variants = {{"auto", {}}};
+    if (sweep6) {
+      for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
+               {64, 1}, {96, 1}, {32, 2}, {48, 2}, {16, 2}}) {
+        lossd::CrossEntropyCudaConfig v6;
+        v6.version = 6;
+        v6.slice_kib = slice;
+        v6.ctas_per_sm = ctas;
+        variants.push_back(
+            {"v6 s" + std::to_string(slice) + " x" + std::to_string(ctas), v6});
+      }
+    }
     if (sweep) {
       for (int slice : {32, 64, 128}) {
         for (int cap : {0, 4}) {

@@ -920,6 +920,551 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   }  // rows
 }
 
+// ---- v6: slices in shared memory by bulk copy, a pipeline per block ------
+
+constexpr int kMaxStages = 8;
+
+__device__ __forceinline__ unsigned SmemAddr(const void* ptr) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void MbarInit(unsigned long long* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarExpectTx(unsigned long long* bar,
+                                             unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// How long a waiting thread may sleep in try_wait before it looks again: a
+// waiting warp then takes no issue slots from the SM's other block.
+constexpr unsigned kSuspendNs = 1000000;
+__device__ __forceinline__ void MbarWait(unsigned long long* bar,
+                                         unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity), "n"(kSuspendNs)
+        : "memory");
+  } while (!done);
+}
+// Global -> shared bulk copy (the TMA unit, no tensor map): `bytes` a
+// multiple of 16, both addresses 16-byte aligned; completes on `bar`.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src,
+                                         unsigned bytes,
+                                         unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+      "[%0], [%1], %2, [%3];" ::"r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+// try_wait with cluster-scope acquire: the data other blocks' st.async wrote
+// before completing the phase is visible after it.
+__device__ __forceinline__ void MbarWaitCluster(unsigned long long* bar,
+                                                unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
+        "%2, %3;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity), "n"(kSuspendNs)
+        : "memory");
+  } while (!done);
+}
+// Stores `v` into `slot` (an address in this block's shared memory) of the
+// block of cluster rank `peer`, completing 16 bytes of the transaction on
+// that block's copy of `bar`. No fence: ordering comes from the mbarrier.
+__device__ __forceinline__ void StAsyncStats(Stats* slot, int peer,
+                                             const Stats& v,
+                                             unsigned long long* bar) {
+  unsigned rslot, rbar;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;"
+      : "=r"(rslot)
+      : "r"(SmemAddr(slot)), "r"(peer));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;"
+      : "=r"(rbar)
+      : "r"(SmemAddr(bar)), "r"(peer));
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], "
+      "{%1, %2, %3, %4}, [%5];" ::"r"(rslot),
+      "r"(__float_as_uint(v.m)), "r"(__float_as_uint(v.t)),
+      "r"(__float_as_uint(v.sum_wz)), "r"(v.arg), "r"(rbar)
+      : "memory");
+}
+
+// Merges the statistics of the 32 lanes of a warp; every lane gets the same
+// bits (each butterfly level adds or compares the same pair in every lane).
+// One accurate expf a lane instead of one a level: max and first argmax
+// first, then each lane's 1 + t rescaled to the warp max (the lane holding
+// the argmax adds its t alone, so a tiny t keeps its digits) and summed.
+__device__ __forceinline__ Stats WarpMergeStats(const Stats& v) {
+  float m = v.m;
+  int arg = v.arg;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, o);
+    const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (om > m || (om == m && oa < arg)) {
+      m = om;
+      arg = oa;
+    }
+  }
+  float u = 0.0f;
+  float wz = v.sum_wz;
+  if (m != -INFINITY) {
+    u = (v.arg == arg && v.m == m) ? v.t : (1.0f + v.t) * expf(v.m - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    u += __shfl_xor_sync(0xffffffffu, u, o);
+    wz += __shfl_xor_sync(0xffffffffu, wz, o);
+  }
+  Stats r;
+  r.m = m;
+  r.arg = arg;
+  r.t = m == -INFINITY ? -1.0f : u;
+  r.sum_wz = wz;
+  return r;
+}
+
+__device__ __forceinline__ Stats EmptyStats() {
+  Stats e;
+  e.m = -INFINITY;
+  e.t = -1.0f;
+  e.sum_wz = 0.0f;
+  e.arg = INT_MAX;
+  return e;
+}
+
+// Block-wide merge (kBlock threads, fixed order); valid in every thread.
+// `scratch` holds kBlock / 32 + 1 Stats.
+template <int kBlock>
+__device__ __forceinline__ Stats BlockMergeStats(const Stats& v,
+                                                 Stats* scratch) {
+  constexpr int kWarps = kBlock / 32;
+  const Stats w = WarpMergeStats(v);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = w;
+  __syncthreads();
+  if (warp == 0) {
+    const Stats b =
+        WarpMergeStats(lane < kWarps ? scratch[lane] : EmptyStats());
+    if (lane == 0) scratch[kWarps] = b;
+  }
+  __syncthreads();
+  return scratch[kWarps];
+}
+
+// Fixed-order block sum over kBlock threads; valid in every thread.
+template <int kBlock>
+__device__ float BlockSumF(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kWarps = kBlock / 32;
+    float w = scratch[threadIdx.x % kWarps];
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o >>= 1)
+      w += __shfl_xor_sync(0xffffffffu, w, o);
+    if (threadIdx.x == 0) scratch[kWarps] = w;
+  }
+  __syncthreads();
+  const float r = scratch[kBlock / 32];
+  __syncthreads();  // scratch may be reused at once
+  return r;
+}
+
+// Largest element of kU vectors (max of z; NaN loses as in fmaxf): the halves
+// compare packed pairs, half the instructions of unpacking first.
+template <typename T>
+__device__ __forceinline__ float BatchMax(const uint4 (&v)[kU]);
+template <>
+__device__ __forceinline__ float BatchMax<float>(const uint4 (&v)[kU]) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    m = fmaxf(m,
+              fmaxf(fmaxf(__uint_as_float(v[u].x), __uint_as_float(v[u].y)),
+                    fmaxf(__uint_as_float(v[u].z), __uint_as_float(v[u].w))));
+  }
+  return m;
+}
+template <typename H2>
+__device__ __forceinline__ H2 AsPair(unsigned w) {
+  return *reinterpret_cast<const H2*>(&w);
+}
+template <typename H2>
+__device__ __forceinline__ H2 PairMax(const uint4 (&v)[kU]) {
+  H2 m = __hmax2(__hmax2(AsPair<H2>(v[0].x), AsPair<H2>(v[0].y)),
+                 __hmax2(AsPair<H2>(v[0].z), AsPair<H2>(v[0].w)));
+#pragma unroll
+  for (int u = 1; u < kU; ++u) {
+    m = __hmax2(m, __hmax2(__hmax2(AsPair<H2>(v[u].x), AsPair<H2>(v[u].y)),
+                           __hmax2(AsPair<H2>(v[u].z), AsPair<H2>(v[u].w))));
+  }
+  return m;
+}
+template <>
+__device__ __forceinline__ float BatchMax<__nv_bfloat16>(const uint4 (&v)[kU]) {
+  const __nv_bfloat162 m = PairMax<__nv_bfloat162>(v);
+  return fmaxf(__low2float(m), __high2float(m));
+}
+template <>
+__device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
+  const __half2 m = PairMax<__half2>(v);
+  return fmaxf(__low2float(m), __high2float(m));
+}
+
+// This thread's statistics of a slice of `n` elements (a multiple of the
+// vector width) at `s` (shared or global memory), columns from `col0`: online
+// max and sum of 2^(z*log2e - m_l2) over batches of kU vectors, the first
+// argmax found afterwards in the batch that set the max.
+template <typename T, int kBlock>
+__device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
+                                            int tid) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  const uint4* sv = reinterpret_cast<const uint4*>(s);
+  const int nvec = n / kVec;
+  float m = -INFINITY;
+  float m_l2 = 0.0f;
+  int arg_q = 0;
+  float acc[2] = {0.0f, 0.0f};
+  uint4 ninf;
+  {
+    float f[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) f[j] = -INFINITY;
+    Tr::Pack(f, &ninf);
+  }
+#pragma unroll 1
+  for (int q0 = tid; q0 < nvec; q0 += kU * kBlock) {
+    uint4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int q = q0 + u * kBlock;
+      v[u] = q < nvec ? sv[q] : ninf;
+    }
+    const float bm = BatchMax<T>(v);
+    if (bm > m) {
+      const float nl2 = bm * kLog2e;
+      const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
+      acc[0] *= f;
+      acc[1] *= f;
+      m = bm;
+      m_l2 = nl2;
+      arg_q = q0;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        acc[j % 2] += Exp2(fmaf(Tr::Get(v[u], j), kLog2e, -m_l2));
+  }
+  Stats st;
+  st.m = m;
+  st.sum_wz = 0.0f;
+  st.arg = INT_MAX;
+  if (m == -INFINITY) {
+    st.t = -1.0f;
+  } else {
+#pragma unroll 1
+    for (int u = kU - 1; u >= 0; --u) {
+      const int q = arg_q + u * kBlock;
+      if (q >= nvec) continue;
+      const uint4 v = sv[q];
+#pragma unroll
+      for (int j = kVec - 1; j >= 0; --j)
+        if (Tr::Get(v, j) == m) st.arg = col0 + q * kVec + j;
+    }
+    const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+    st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
+  }
+  return st;
+}
+
+// sum_{c != arg} exp(z_c - m) over this thread's share of a slice (the rare
+// p_max -> 1 path: exact, skips the argmax).
+template <typename T, int kBlock>
+__device__ float SliceSumExcept(const T* s, int n, int col0, int tid, float m,
+                                int arg) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  const uint4* sv = reinterpret_cast<const uint4*>(s);
+  float t = 0.0f;
+#pragma unroll 1
+  for (int q = tid; q < n / kVec; q += kBlock) {
+    const uint4 v = sv[q];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float e = expf(Tr::Get(v, j) - m);
+      t += col0 + q * kVec + j == arg ? 0.0f : e;
+    }
+  }
+  return t;
+}
+
+// Logits [N, V] with 16-byte aligned rows, V a multiple of the vector width;
+// persistent grid of clusters of C blocks (kMinBlocks blocks of kBlock threads
+// a SM); block `rank` owns columns [start, end) of every row its cluster takes
+// (rows g, g + G, ...). Thread 0 streams the block's slices of the next rows
+// into `stages` shared-memory buffers with bulk copies (TMA) that complete on
+// mbarriers, so DRAM reads run ahead of the arithmetic. Per row: statistics of
+// the slice from shared memory, sent to every peer with st.async into a ring
+// of kInbox slots that completes on the peer's mbarrier (no cluster barrier,
+// so no release fence waits for this block's gradient stores), the next row's
+// statistics computed before this row's partials are awaited, then the
+// gradient from shared memory with streaming stores. Targets are read a row
+// ahead and the target logit from shared memory: nothing on a row's chain
+// waits for DRAM. Two blocks a SM overlap one's reductions and exchange with
+// the other's streaming. One read and one write of the logits. Plain options
+// only (z-loss, grad_scale), like v5.
+template <typename T, int kBlock, int kMinBlocks>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
+    TmaKernel(Params p, int stages, int stage_bytes) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  // A peer pushes row j + 1 once it has row j - 1 from this block, so this
+  // block may still read the slot of row j - 2: four slots never collide.
+  constexpr int kInbox = 4;
+  extern __shared__ __align__(128) unsigned char smem6[];
+  __shared__ Stats scratch[kBlock / 32 + 1];
+  __shared__ float fscratch[kBlock / 32 + 1];
+  __shared__ __align__(16) Stats inbox[kInbox][kMaxCluster];
+  __shared__ float tbox[kMaxCluster];
+  __shared__ unsigned long long full[kMaxStages];
+  __shared__ unsigned long long inbar[kInbox];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x;
+  const int start = rank * p.chunk;
+  const int end = min(start + p.chunk, p.vocab);
+  const int n = max(0, end - start);
+  const unsigned slice_bytes = static_cast<unsigned>(n) * sizeof(T);
+  const long long g = blockIdx.x / csize;
+  const long long ncl = gridDim.x / csize;
+  const long long nrows = g < p.rows ? (p.rows - g + ncl - 1) / ncl : 0;
+  const unsigned inbox_bytes = static_cast<unsigned>(csize * sizeof(Stats));
+
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) MbarInit(&full[s], 1);
+    for (int s = 0; s < kInbox; ++s) MbarInit(&inbar[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Peers' mbarriers and inboxes may be used only once every peer has
+  // started and initialised them.
+  cluster.sync();
+  const WorkspaceHeader hdr = *p.header;
+  if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+
+  const auto stage_ptr = [&](long long i) {
+    return reinterpret_cast<T*>(smem6 + (i % stages) * stage_bytes);
+  };
+  const auto row_of = [&](long long i) { return g + i * ncl; };
+  const auto target_of = [&](long long i) {
+    return i < nrows ? LoadTarget(p, row_of(i)) : p.ignore_index;
+  };
+  // Thread 0 only: bring local row i's slice into its stage.
+  const auto issue = [&](long long i) {
+    if (i >= nrows || slice_bytes == 0) return;
+    unsigned long long* bar = &full[i % stages];
+    const char* src = reinterpret_cast<const char*>(
+        static_cast<const T*>(p.logits) + row_of(i) * p.stride + start);
+    char* dst = reinterpret_cast<char*>(stage_ptr(i));
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    MbarExpectTx(bar, slice_bytes);
+    constexpr unsigned kPiece = 16384;
+    for (unsigned off = 0; off < slice_bytes; off += kPiece) {
+      BulkLoad(dst + off, src + off, min(kPiece, slice_bytes - off), bar);
+    }
+  };
+  // Thread 0 only: expect row i's partials from every peer.
+  const auto arm = [&](long long i) {
+    if (i < nrows) MbarExpectTx(&inbar[i % kInbox], inbox_bytes);
+  };
+  const bool forward_only = p.grad == nullptr;
+  // Statistics of local row i (target y): block-merged and sent to every
+  // peer; *zy gets the target logit when this block owns column y.
+  const auto stats_and_push = [&](long long i, long long y, float* zy) {
+    const T* sl = stage_ptr(i);
+    if (slice_bytes != 0)
+      MbarWait(&full[i % stages], static_cast<unsigned>((i / stages) & 1));
+    Stats st = SliceStats<T, kBlock>(sl, n, start, tid);
+    const bool mine = y != p.ignore_index && y >= start && y < end;
+    *zy = mine ? Tr::Load(sl + (y - start)) : 0.0f;
+    st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
+    if (forward_only && tid == 0) issue(i + stages);
+    if (tid < csize) {
+      StAsyncStats(&inbox[i % kInbox][rank], tid, st, &inbar[i % kInbox]);
+    }
+  };
+
+  if (tid == 0) {
+    for (long long i = 0; i < kInbox; ++i) arm(i);
+    for (long long i = 0; i < stages; ++i) issue(i);
+  }
+  long long y = target_of(0);
+  long long y_next = target_of(1);
+  float zy = 0.0f, zy_next = 0.0f;
+  if (nrows > 0) stats_and_push(0, y, &zy);
+#pragma unroll 1
+  for (long long i = 0; i < nrows; ++i) {
+    const long long row = row_of(i);
+    const long long y_after = target_of(i + 2);  // in flight meanwhile
+    // The next row's statistics while the peers finish this one.
+    if (i + 1 < nrows) stats_and_push(i + 1, y_next, &zy_next);
+    MbarWaitCluster(&inbar[i % kInbox],
+                    static_cast<unsigned>((i / kInbox) & 1));
+    // Every warp merges the partials in the same fixed order.
+    const int lane = tid % 32;
+    Stats row_st =
+        WarpMergeStats(lane < csize ? inbox[i % kInbox][lane] : EmptyStats());
+    const bool valid = y != p.ignore_index;
+    const bool owner = valid ? (y >= start && y < end) : rank == 0;
+    const T* sl = stage_ptr(i);
+
+    if (row_st.t < 0.0625f && isfinite(row_st.m)) {
+      // One element dominates the row (see v5): exact sum of the others,
+      // exchanged through a cluster barrier (rare; uniform over the cluster).
+      // Forward only has released the stage: read global memory then.
+      const T* src = forward_only ? static_cast<const T*>(p.logits) +
+                                        row * p.stride + start
+                                  : sl;
+      float t =
+          SliceSumExcept<T, kBlock>(src, n, start, tid, row_st.m, row_st.arg);
+      t = BlockSumF<kBlock>(t, fscratch);
+      if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
+      cluster.sync();
+      row_st.t = tbox[0];
+      for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
+      cluster.sync();  // tbox is read before any peer writes it again
+    }
+    if (tid == 0) arm(i + kInbox);
+    const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+    if (owner && tid == 0)
+      WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+
+    if (!forward_only) {
+      T* out = static_cast<T*>(p.grad) + row * p.stride + start;
+      const uint4* sv = reinterpret_cast<const uint4*>(sl);
+      const int nvec = n / kVec;
+      if (!valid) {
+        const float zero[kVec] = {};
+        uint4 zv;
+        Tr::Pack(zero, &zv);
+#pragma unroll 4
+        for (int q = tid; q < nvec; q += kBlock)
+          __stcs(reinterpret_cast<uint4*>(out) + q, zv);
+      } else {
+#pragma unroll 4
+        for (int q = tid; q < nvec; q += kBlock) {
+          const uint4 v = sv[q];
+          float gr[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            gr[j] =
+                fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -rm.lse_l2)), rm.a, rm.b);
+          }
+          uint4 o;
+          Tr::Pack(gr, &o);
+          __stcs(reinterpret_cast<uint4*>(out) + q, o);
+        }
+        // The target column, computed without cancellation, overwrites what
+        // the same thread stored there (program order).
+        const int yl = static_cast<int>(y - start);
+        if (owner && (yl / kVec) % kBlock == tid) Tr::Store(out + yl, rm.gy);
+      }
+      __syncthreads();  // every thread is done with this row's stage
+      if (tid == 0) issue(i + stages);
+    }
+    y = y_next;
+    y_next = y_after;
+    zy = zy_next;
+  }
+}
+
+// v6 launch: clusters of `csize` blocks, `ctas_per_sm` (1: 512 threads, 2:
+// 256 threads) blocks a SM, `stages` stage buffers of the slice (0 = as many
+// as fit, at most kMaxStages), a persistent grid of as many clusters as can
+// be resident.
+template <typename T>
+cudaError_t LaunchTma(const Params& p, int csize, int ctas_per_sm, int stages,
+                      cudaStream_t stream) {
+  const bool two = ctas_per_sm == 2;
+  auto kernel = two ? TmaKernel<T, 256, 2> : TmaKernel<T, 512, 1>;
+  cudaError_t e = cudaSuccess;
+  if (csize > 8) {
+    e = cudaFuncSetAttribute(kernel,
+                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  int device = 0, per_sm = 0, optin = 0;
+  e = cudaGetDevice(&device);
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(
+        &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  }
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                               device);
+  }
+  if (e != cudaSuccess) return e;
+  const int stage_bytes = static_cast<int>(
+      (static_cast<long long>(p.chunk) * sizeof(T) + 127) / 128 * 128);
+  // Per block: its share of the SM less the runtime's 1 KiB reservation and
+  // the kernel's static shared memory (< 2 KiB).
+  const int room = std::min(optin, per_sm / (two ? 2 : 1) - 1024) - 2048;
+  const int fit = std::min(kMaxStages, room / stage_bytes);
+  if (stages <= 0) stages = fit;
+  if (stages < 2 || stages > fit) return cudaErrorInvalidConfiguration;
+  const int dyn = stages * stage_bytes;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           dyn);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(csize));
+  cfg.blockDim = dim3(two ? 256 : 512);
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
+  return cudaLaunchKernelEx(&cfg, kernel, p, stages, stage_bytes);
+}
+
 // ---- generic path: one block per row, any alignment ----------------------
 
 // Logits [N, V]; grid = N blocks. Reads the row three times (the later reads
@@ -1099,6 +1644,37 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
                    (config.version == 0 &&
                     (row_bytes > 160 * 1024 ||
                      (p.grad == nullptr && row_bytes >= 32 * 1024))));
+  // v6 (bench/NOTES.md): forward+gradient on rows of 32 KiB and more, 32 KiB
+  // slices with two blocks a SM; rows past 16 such slices take 64 KiB slices
+  // with one block a SM. Forward-only stays on v5, which measured faster.
+  const bool v6 =
+      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
+      p.vocab % vec == 0 &&
+      (config.version == 6 ||
+       (config.version == 0 && p.grad != nullptr && row_bytes >= 32 * 1024));
+  if (v6) {
+    int slice_kib = config.slice_kib;
+    int ctas = config.ctas_per_sm;
+    if (slice_kib <= 0) {
+      const bool fits =
+          row_bytes <= static_cast<long long>(kMaxCluster) * 32 * 1024;
+      slice_kib = fits ? 32 : 64;
+      if (ctas <= 0) ctas = fits ? 2 : 1;
+    }
+    const long long slice = static_cast<long long>(slice_kib) * 1024;
+    long long csize = std::max<long long>(1, (row_bytes + slice - 1) / slice);
+    const long long chunk =
+        ((p.vocab + csize - 1) / csize + vec - 1) / vec * vec;
+    csize = (p.vocab + chunk - 1) / chunk;
+    cudaError_t e = cudaErrorInvalidConfiguration;
+    if (csize <= kMaxCluster) {
+      p.chunk = static_cast<int>(chunk);
+      e = LaunchTma<T>(p, static_cast<int>(csize), ctas, config.stages, stream);
+    }
+    // Asked for by name (tests, benchmark): report rather than fall back.
+    if (e == cudaSuccess || config.version == 6) return e;
+    cudaGetLastError();  // fall through to v5 / v4 / generic
+  }
   if (v5) {
     const long long slice =
         static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 128) *

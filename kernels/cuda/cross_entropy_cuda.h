@@ -33,14 +33,22 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
-// version 5 (the default for the plain options -- no softcap, class weights or
-// label smoothing -- on long rows) streams each block's row slice twice, the
-// second read from L2, in persistent clusters; version 4 keeps the slice in
-// registers, a cluster per row. v5: slice_kib (32, 64, 128...; default 128)
-// sets each block's slice and so the cluster size ceil(row bytes / slice),
-// raised where it would pass 16; ctas_per_sm 4 picks the build for 4 blocks
-// a SM (64 registers, spills), 0 or 3 the one for 3, others cap resident
-// blocks through shared memory.
+// version 6 (the default for forward+gradient with the plain options -- no
+// softcap, class weights or label smoothing -- on 16-byte aligned rows of 32
+// KiB and more, V a multiple of 16 bytes) streams each block's row slice into
+// shared memory with bulk copies, in persistent clusters with an mbarrier
+// exchange: slice_kib (default 32, or 64 past 16 slices a row) sets the slice
+// and so the cluster size (<= 16), ctas_per_sm 2 the 256-thread build for two
+// blocks a SM (default with 32 KiB slices), otherwise one 512-thread block,
+// stages the shared-memory buffers (0 = as many as fit, >= 2).
+// version 5 (the default for forward-only rows of 32 KiB and more, and for
+// forward+gradient rows past 160 KiB that v6 cannot take) streams each
+// block's row slice twice, the second read from L2, in persistent clusters;
+// version 4 keeps the slice in registers, a cluster per row. v5: slice_kib
+// (32, 64, 128...; default 128) sets each block's slice and so the cluster
+// size ceil(row bytes / slice), raised where it would pass 16; ctas_per_sm 4
+// picks the build for 4 blocks a SM (64 registers, spills), 0 or 3 the one
+// for 3, others cap resident blocks through shared memory.
 // v4: vectors_per_thread (1, 2, 4, 8 or 16) sets the slice kept in registers
 // (vectors_per_thread * 256 threads * 16 bytes); the cluster size
 // ceil(vocab / slice) must come out <= 16. generic = true forces the simple
@@ -51,6 +59,7 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
+  int stages = 0;  // v6: shared-memory stages (0 = as many as fit)
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

@@ -686,6 +686,55 @@ TEST_F(CudaCrossEntropyTest, StreamKernelConfigs) {
   }
 }
 
+// v6 (slices in shared memory, bulk copies, persistent clusters): slice sizes
+// that give clusters of 1 to 16 blocks, 2 stages to as many as fit, more rows
+// than resident clusters (so each cluster loops and the pipeline turns over),
+// ignored rows, padded rows, every mode, and the rare p_max -> 1 exchange.
+TEST_F(CudaCrossEntropyTest, TmaKernelConfigs) {
+  uint32_t seed = 900;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int slice : {8, 32, 64, 96}) {
+      for (int stages : {0, 2}) {
+        Case c = Make(absl::StrCat("v6 slice=", slice, " stages=", stages,
+                                   " blocks/SM=", slice <= 32 ? 2 : 1),
+                      300, 100000, dtype);
+        c.config.ctas_per_sm = slice <= 32 ? 2 : 1;
+        c.pad = dtype == DType::kFloat32 ? 4 : 8;  // 16-byte rows
+        c.config.version = 6;
+        c.config.slice_kib = slice;
+        c.config.stages = stages;
+        c.ignore_fraction = 0.3;
+        c.options.z_loss_scale = 1e-3f;
+        c.options.grad_scale = 0.5f;
+        c.mode =
+            stages == 2 ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+        CheckCase(c, seed++);
+      }
+    }
+    Case d = Make("v6 p_y -> 1", 300, 131072, dtype);
+    d.logits = Logits::kTargetDominant;
+    d.config.version = 6;
+    CheckCase(d, seed++);
+    for (int slice : {16, 64}) {
+      Case f = Make(absl::StrCat("v6 forward only, slice=", slice), 300, 131072,
+                    dtype);
+      f.config.version = 6;
+      f.config.slice_kib = slice;
+      f.mode = GradientMode::kNone;
+      f.options.reduction = Reduction::kSum;
+      CheckCase(f, seed++);
+    }
+    Case f1 = Make("v6 forward only, p_y -> 1", 300, 131072, dtype);
+    f1.logits = Logits::kTargetDominant;
+    f1.config.version = 6;
+    f1.mode = GradientMode::kNone;
+    CheckCase(f1, seed++);
+    Case s = Make("v6 one row, one block", 1, 32000, dtype);
+    s.config.version = 6;
+    CheckCase(s, seed++);
+  }
+}
+
 TEST_F(CudaCrossEntropyTest, TargetGradientKeepsItsDigitsWhenPyNearOne) {
   Case c = Make("p_y -> 1", 4, 32000, DType::kBFloat16);
   c.logits = Logits::kTargetDominant;
