@@ -183,8 +183,11 @@ void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
   const double z_target = z[target];
   const double smooth = plan.total_weight * log_sum - weighted_shifted_sum;
   const double z_loss = static_cast<double>(options.z_loss_scale) * lse * lse;
-  const double loss = (1.0 - eps) * target_weight * (lse - z_target) +
-                      eps / static_cast<double>(vocab) * smooth + z_loss;
+  // As the reference: no smoothing term at eps = 0 (0 * inf for a -inf
+  // logit would be NaN).
+  const double loss =
+      (1.0 - eps) * target_weight * (lse - z_target) +
+      (eps > 0.0f ? eps / static_cast<double>(vocab) * smooth : 0.0) + z_loss;
   if (!std::isfinite(loss)) ++totals->nonfinite;
   if (argmax == target) ++totals->correct;
   totals->loss += loss;

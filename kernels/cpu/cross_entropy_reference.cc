@@ -92,8 +92,11 @@ absl::Status CrossEntropyReference(const CrossEntropyArgs& args,
     double smooth = 0.0;
     for (int64_t c = 0; c < vocab; ++c) smooth += weight(c) * (lse - z[c]);
     const double z_loss = z_loss_scale * lse * lse;
+    // The smoothing term only when eps > 0: a -inf logit (a masked class)
+    // makes `smooth` infinite, and 0 * inf would turn the loss into NaN where
+    // torch gives a finite loss.
     const double loss = (1.0 - eps) * weight(y) * (lse - z[y]) +
-                        eps / vocab_d * smooth + z_loss;
+                        (eps > 0.0 ? eps / vocab_d * smooth : 0.0) + z_loss;
     out.loss += loss;
     out.z_loss += z_loss;
     if (!std::isfinite(loss)) ++out.nonfinite_rows;

@@ -1071,28 +1071,6 @@ __device__ __forceinline__ Stats BlockMergeStats(const Stats& v,
   return scratch[kWarps];
 }
 
-// Fixed-order block sum over kBlock threads; valid in every thread.
-template <int kBlock>
-__device__ float BlockSumF(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    constexpr int kWarps = kBlock / 32;
-    float w = scratch[threadIdx.x % kWarps];
-#pragma unroll
-    for (int o = kWarps / 2; o > 0; o >>= 1)
-      w += __shfl_xor_sync(0xffffffffu, w, o);
-    if (threadIdx.x == 0) scratch[kWarps] = w;
-  }
-  __syncthreads();
-  const float r = scratch[kBlock / 32];
-  __syncthreads();  // scratch may be reused at once
-  return r;
-}
-
 // Largest element of kU vectors (max of z; NaN loses as in fmaxf): the halves
 // compare packed pairs, half the instructions of unpacking first.
 template <typename T>
@@ -1148,7 +1126,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   float m = -INFINITY;
   float m_l2 = 0.0f;
   int arg_q = 0;
-  float acc[2] = {0.0f, 0.0f};
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   uint4 ninf;
   {
     float f[kVec];
@@ -1159,26 +1137,32 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
 #pragma unroll 1
   for (int q0 = tid; q0 < nvec; q0 += kU * kBlock) {
     uint4 v[kU];
+    if (q0 + (kU - 1) * kBlock < nvec) {  // a whole batch (the usual case)
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int q = q0 + u * kBlock;
-      v[u] = q < nvec ? sv[q] : ninf;
+      for (int u = 0; u < kU; ++u) v[u] = sv[q0 + u * kBlock];
+    } else {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int q = q0 + u * kBlock;
+        v[u] = q < nvec ? sv[q] : ninf;
+      }
     }
     const float bm = BatchMax<T>(v);
     if (bm > m) {
       const float nl2 = bm * kLog2e;
       const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
-      acc[0] *= f;
-      acc[1] *= f;
+#pragma unroll
+      for (int a = 0; a < 4; ++a) acc[a] *= f;
       m = bm;
       m_l2 = nl2;
       arg_q = q0;
     }
+    // Four independent sums: the adds' latency is not one chain.
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int j = 0; j < kVec; ++j)
-        acc[j % 2] += Exp2(fmaf(Tr::Get(v[u], j), kLog2e, -m_l2));
+        acc[(u * kVec + j) % 4] += Exp2(fmaf(Tr::Get(v[u], j), kLog2e, -m_l2));
   }
   Stats st;
   st.m = m;
@@ -1197,30 +1181,48 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
         if (Tr::Get(v, j) == m) st.arg = col0 + q * kVec + j;
     }
     const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
-    st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
+    const float corr = exp2f(-lo);
+    st.t = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * corr - 1.0f;
+    if (st.t < 0.0625f) {
+      // This thread's max dominates its elements: 1 + t kept only t's high
+      // digits, which p_max - 1 needs (p_y -> 1). Sum the others alone, from
+      // shared memory; then no merge above cancels, and the row needs no
+      // second exchange (v5 has one).
+      float t = 0.0f;
+#pragma unroll 1
+      for (int q = tid; q < nvec; q += kBlock) {
+        const uint4 v = sv[q];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float e = Exp2(fmaf(Tr::Get(v, j), kLog2e, -m_l2));
+          t += col0 + q * kVec + j == st.arg ? 0.0f : e;
+        }
+      }
+      st.t = t * corr;
+    }
   }
   return st;
 }
 
-// sum_{c != arg} exp(z_c - m) over this thread's share of a slice (the rare
-// p_max -> 1 path: exact, skips the argmax).
+// Gradient of this thread's share of a slice (shared memory) into `out`
+// with streaming stores; the target column is fixed up by the caller.
 template <typename T, int kBlock>
-__device__ float SliceSumExcept(const T* s, int n, int col0, int tid, float m,
-                                int arg) {
+__device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
+                                              int tid, const RowMath& rm) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
-  const uint4* sv = reinterpret_cast<const uint4*>(s);
-  float t = 0.0f;
-#pragma unroll 1
-  for (int q = tid; q < n / kVec; q += kBlock) {
+#pragma unroll 4
+  for (int q = tid; q < nvec; q += kBlock) {
     const uint4 v = sv[q];
+    float gr[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float e = expf(Tr::Get(v, j) - m);
-      t += col0 + q * kVec + j == arg ? 0.0f : e;
+      gr[j] = fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -rm.lse_l2)), rm.a, rm.b);
     }
+    uint4 o;
+    Tr::Pack(gr, &o);
+    __stcs(reinterpret_cast<uint4*>(out) + q, o);
   }
-  return t;
 }
 
 // Logits [N, V] with 16-byte aligned rows, V a multiple of the vector width;
@@ -1235,9 +1237,10 @@ __device__ float SliceSumExcept(const T* s, int n, int col0, int tid, float m,
 // statistics computed before this row's partials are awaited, then the
 // gradient from shared memory with streaming stores. Targets are read a row
 // ahead and the target logit from shared memory: nothing on a row's chain
-// waits for DRAM. Two blocks a SM overlap one's reductions and exchange with
-// the other's streaming. One read and one write of the logits. Plain options
-// only (z-loss, grad_scale), like v5.
+// waits for DRAM; a dominant element (p -> 1) is summed exactly per thread,
+// so no row needs a second exchange. Two blocks a SM overlap one's reductions
+// and exchange with the other's streaming. One read and one write of the
+// logits. Plain options only (z-loss, grad_scale), like v5.
 template <typename T, int kBlock, int kMinBlocks>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     TmaKernel(Params p, int stages, int stage_bytes) {
@@ -1248,11 +1251,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   constexpr int kInbox = 4;
   extern __shared__ __align__(128) unsigned char smem6[];
   __shared__ Stats scratch[kBlock / 32 + 1];
-  __shared__ float fscratch[kBlock / 32 + 1];
   __shared__ __align__(16) Stats inbox[kInbox][kMaxCluster];
-  __shared__ float tbox[kMaxCluster];
   __shared__ unsigned long long full[kMaxStages];
   __shared__ unsigned long long inbar[kInbox];
+  __shared__ RowMath rowmath;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int csize = static_cast<int>(cluster.num_blocks());
@@ -1264,7 +1266,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const unsigned slice_bytes = static_cast<unsigned>(n) * sizeof(T);
   const long long g = blockIdx.x / csize;
   const long long ncl = gridDim.x / csize;
-  const long long nrows = g < p.rows ? (p.rows - g + ncl - 1) / ncl : 0;
+  // rows <= INT_MAX (CrossEntropyCudaLaunch), so local counts fit an int.
+  const int nrows =
+      g < p.rows ? static_cast<int>((p.rows - g + ncl - 1) / ncl) : 0;
   const unsigned inbox_bytes = static_cast<unsigned>(csize * sizeof(Stats));
 
   if (tid == 0) {
@@ -1278,20 +1282,33 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
 
-  const auto stage_ptr = [&](long long i) {
-    return reinterpret_cast<T*>(smem6 + (i % stages) * stage_bytes);
+  // Stage and mbarrier parity of a local row, advanced row by row: no
+  // division on the row's chain (a 64-bit modulo costs ~100 instructions).
+  struct Ring {
+    int stage;
+    unsigned parity;
   };
-  const auto row_of = [&](long long i) { return g + i * ncl; };
-  const auto target_of = [&](long long i) {
+  const auto advance = [&](Ring r) {
+    if (++r.stage == stages) {
+      r.stage = 0;
+      r.parity ^= 1u;
+    }
+    return r;
+  };
+  const auto stage_ptr = [&](const Ring& r) {
+    return reinterpret_cast<T*>(smem6 + r.stage * stage_bytes);
+  };
+  const auto row_of = [&](int i) { return g + i * ncl; };
+  const auto target_of = [&](int i) {
     return i < nrows ? LoadTarget(p, row_of(i)) : p.ignore_index;
   };
-  // Thread 0 only: bring local row i's slice into its stage.
-  const auto issue = [&](long long i) {
+  // Thread 0 only: bring local row i's slice into stage r.
+  const auto issue = [&](int i, const Ring& r) {
     if (i >= nrows || slice_bytes == 0) return;
-    unsigned long long* bar = &full[i % stages];
+    unsigned long long* bar = &full[r.stage];
     const char* src = reinterpret_cast<const char*>(
         static_cast<const T*>(p.logits) + row_of(i) * p.stride + start);
-    char* dst = reinterpret_cast<char*>(stage_ptr(i));
+    char* dst = reinterpret_cast<char*>(stage_ptr(r));
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     MbarExpectTx(bar, slice_bytes);
     constexpr unsigned kPiece = 16384;
@@ -1300,70 +1317,70 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     }
   };
   // Thread 0 only: expect row i's partials from every peer.
-  const auto arm = [&](long long i) {
+  const auto arm = [&](int i) {
     if (i < nrows) MbarExpectTx(&inbar[i % kInbox], inbox_bytes);
   };
   const bool forward_only = p.grad == nullptr;
-  // Statistics of local row i (target y): block-merged and sent to every
-  // peer; *zy gets the target logit when this block owns column y.
-  const auto stats_and_push = [&](long long i, long long y, float* zy) {
-    const T* sl = stage_ptr(i);
-    if (slice_bytes != 0)
-      MbarWait(&full[i % stages], static_cast<unsigned>((i / stages) & 1));
+  // Statistics of local row i (target y, stage r): block-merged and sent to
+  // every peer; *zy gets the target logit when this block owns column y.
+  const auto stats_and_push = [&](int i, const Ring& r, long long y,
+                                  float* zy) {
+    const T* sl = stage_ptr(r);
+    if (slice_bytes != 0) MbarWait(&full[r.stage], r.parity);
     Stats st = SliceStats<T, kBlock>(sl, n, start, tid);
     const bool mine = y != p.ignore_index && y >= start && y < end;
     *zy = mine ? Tr::Load(sl + (y - start)) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
-    if (forward_only && tid == 0) issue(i + stages);
+    if (forward_only && tid == 0) issue(i + stages, r);
     if (tid < csize) {
       StAsyncStats(&inbox[i % kInbox][rank], tid, st, &inbar[i % kInbox]);
     }
   };
 
+  Ring ring = {0, 0u};
   if (tid == 0) {
-    for (long long i = 0; i < kInbox; ++i) arm(i);
-    for (long long i = 0; i < stages; ++i) issue(i);
+    for (int i = 0; i < kInbox; ++i) arm(i);
+    Ring r = ring;
+    for (int i = 0; i < stages; ++i, r = advance(r)) issue(i, r);
   }
   long long y = target_of(0);
   long long y_next = target_of(1);
   float zy = 0.0f, zy_next = 0.0f;
-  if (nrows > 0) stats_and_push(0, y, &zy);
+  if (nrows > 0) stats_and_push(0, ring, y, &zy);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
 #pragma unroll 1
-  for (long long i = 0; i < nrows; ++i) {
+  for (int i = 0; i < nrows; ++i) {
     const long long row = row_of(i);
     const long long y_after = target_of(i + 2);  // in flight meanwhile
+    const Ring next = advance(ring);
     // The next row's statistics while the peers finish this one.
-    if (i + 1 < nrows) stats_and_push(i + 1, y_next, &zy_next);
-    MbarWaitCluster(&inbar[i % kInbox],
-                    static_cast<unsigned>((i / kInbox) & 1));
-    // Every warp merges the partials in the same fixed order.
-    const int lane = tid % 32;
-    Stats row_st =
-        WarpMergeStats(lane < csize ? inbox[i % kInbox][lane] : EmptyStats());
+    if (i + 1 < nrows) stats_and_push(i + 1, next, y_next, &zy_next);
+    // One warp awaits and merges the partials (fixed order); the others
+    // sleep at the barrier and leave the issue slots to the SM's other block.
+    if (warp == 0) {
+      MbarWaitCluster(&inbar[i % kInbox],
+                      static_cast<unsigned>((i / kInbox) & 1));
+      const Stats m =
+          WarpMergeStats(lane < csize ? inbox[i % kInbox][lane] : EmptyStats());
+      if (lane == 0) scratch[0] = m;
+    }
+    __syncthreads();
+    const Stats row_st = scratch[0];
     const bool valid = y != p.ignore_index;
     const bool owner = valid ? (y >= start && y < end) : rank == 0;
-    const T* sl = stage_ptr(i);
+    const T* sl = stage_ptr(ring);
 
-    if (row_st.t < 0.0625f && isfinite(row_st.m)) {
-      // One element dominates the row (see v5): exact sum of the others,
-      // exchanged through a cluster barrier (rare; uniform over the cluster).
-      // Forward only has released the stage: read global memory then.
-      const T* src = forward_only ? static_cast<const T*>(p.logits) +
-                                        row * p.stride + start
-                                  : sl;
-      float t =
-          SliceSumExcept<T, kBlock>(src, n, start, tid, row_st.m, row_st.arg);
-      t = BlockSumF<kBlock>(t, fscratch);
-      if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
-      cluster.sync();
-      row_st.t = tbox[0];
-      for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
-      cluster.sync();  // tbox is read before any peer writes it again
-    }
     if (tid == 0) arm(i + kInbox);
-    const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
-    if (owner && tid == 0)
-      WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+    if (warp == 0) {
+      const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+      if (lane == 0) {
+        rowmath = rm;
+        if (owner) WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+      }
+    }
+    __syncthreads();
+    const RowMath rm = rowmath;
 
     if (!forward_only) {
       T* out = static_cast<T*>(p.grad) + row * p.stride + start;
@@ -1377,27 +1394,16 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         for (int q = tid; q < nvec; q += kBlock)
           __stcs(reinterpret_cast<uint4*>(out) + q, zv);
       } else {
-#pragma unroll 4
-        for (int q = tid; q < nvec; q += kBlock) {
-          const uint4 v = sv[q];
-          float gr[kVec];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            gr[j] =
-                fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -rm.lse_l2)), rm.a, rm.b);
-          }
-          uint4 o;
-          Tr::Pack(gr, &o);
-          __stcs(reinterpret_cast<uint4*>(out) + q, o);
-        }
+        GradientSlice<T, kBlock>(sv, out, nvec, tid, rm);
         // The target column, computed without cancellation, overwrites what
         // the same thread stored there (program order).
         const int yl = static_cast<int>(y - start);
         if (owner && (yl / kVec) % kBlock == tid) Tr::Store(out + yl, rm.gy);
       }
       __syncthreads();  // every thread is done with this row's stage
-      if (tid == 0) issue(i + stages);
+      if (tid == 0) issue(i + stages, ring);
     }
+    ring = next;
     y = y_next;
     y_next = y_after;
     zy = zy_next;
