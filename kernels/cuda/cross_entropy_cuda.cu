@@ -226,7 +226,9 @@ struct Log2Split {
 };
 __device__ __forceinline__ Log2Split SplitLog2(float v) {
   Log2Split r;
-  r.hi = v * kLog2e;
+  // __fmul_rn: never contracted into a later add, or lo would belong to a
+  // different hi (seen on the H200: one ulp of lse * log2e, 2.6e-6 of p).
+  r.hi = __fmul_rn(v, kLog2e);
   r.lo = isfinite(r.hi) ? fmaf(v, kLog2e, -r.hi) : 0.0f;
   return r;
 }
@@ -254,9 +256,13 @@ __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
   // exactly by fma, summed with a two-sum.
   const Log2Split ms = SplitLog2(st.m);
   const Log2Split ls = SplitLog2(r.l1p);
-  const float hi = ms.hi + ls.hi;
-  const float bv = hi - ms.hi;
-  const float lo = ((ms.hi - (hi - bv)) + (ls.hi - bv)) + (ms.lo + ls.lo);
+  // Two-sum with explicitly rounded operations (no contraction, no
+  // reassociation): the identity hi + lo = (m + l1p) * log2e relies on it.
+  const float hi = __fadd_rn(ms.hi, ls.hi);
+  const float bv = __fsub_rn(hi, ms.hi);
+  const float lo = __fadd_rn(
+      __fadd_rn(__fsub_rn(ms.hi, __fsub_rn(hi, bv)), __fsub_rn(ls.hi, bv)),
+      __fadd_rn(ms.lo, ls.lo));
   r.lse_l2 = hi;
   const float corr = isfinite(hi) && isfinite(lo) ? exp2f(-lo) : 1.0f;
   const float zy_minus_lse = (zy - st.m) - r.l1p;
@@ -786,7 +792,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
       if (bm > m) {
-        const float nl2 = bm * kLog2e;
+        const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
         const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
         acc[0] *= f;
         acc[1] *= f;
@@ -1149,7 +1155,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
     }
     const float bm = BatchMax<T>(v);
     if (bm > m) {
-      const float nl2 = bm * kLog2e;
+      const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
       const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
 #pragma unroll
       for (int a = 0; a < 4; ++a) acc[a] *= f;
