@@ -42,6 +42,9 @@ ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "upload/download chunk");
 ABSL_FLAG(int, repeats, 10, "timed runs per measurement");
 ABSL_FLAG(int, upload_repeats, 3,
           "uploads per target (raw TCP, discarding server, lossd); medians");
+ABSL_FLAG(int, upload_streams, 4,
+          "stripes (= connections) of the striped upload rows; lossd::Client's "
+          "default");
 ABSL_FLAG(std::string, eval_block_bytes, "4194304,33554432",
           "Evaluate row-block sizes to measure (comma-separated bytes)");
 ABSL_FLAG(std::string, device, "cuda",
@@ -121,6 +124,60 @@ double RawTcpSeconds(const std::string& data, size_t chunk) {
   return seconds;
 }
 
+// Raw TCP over loopback, `connections` connections at once, each carrying its
+// share of `data` (the stripes of a striped upload) from its own thread.
+double RawTcpStripedSeconds(const std::string& data, size_t chunk,
+                            int connections) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
+      listen(listener, connections) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) !=
+          0) {
+    Die("raw tcp: cannot listen");
+  }
+  std::vector<int> senders;
+  std::vector<std::thread> receivers;
+  for (int i = 0; i < connections; ++i) {
+    const int sender = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(sender, reinterpret_cast<sockaddr*>(&address), length) != 0) {
+      Die("raw tcp: cannot connect");
+    }
+    senders.push_back(sender);
+    const int connection = accept(listener, nullptr, nullptr);
+    receivers.emplace_back([connection, chunk] {
+      std::vector<char> buffer(chunk);
+      while (read(connection, buffer.data(), buffer.size()) > 0) {
+      }
+      close(connection);
+    });
+  }
+  const auto start = Clock::now();
+  std::vector<std::thread> writers;
+  for (int i = 0; i < connections; ++i) {
+    writers.emplace_back([&, i] {
+      const size_t first = data.size() * i / connections;
+      const size_t end = data.size() * (i + 1) / connections;
+      for (size_t at = first; at < end;) {
+        const ssize_t n =
+            write(senders[i], data.data() + at, std::min(chunk, end - at));
+        if (n <= 0) Die("raw tcp: write failed");
+        at += static_cast<size_t>(n);
+      }
+      shutdown(senders[i], SHUT_WR);
+    });
+  }
+  for (std::thread& writer : writers) writer.join();
+  for (std::thread& receiver : receivers) receiver.join();
+  const double seconds = Seconds(start);
+  for (int sender : senders) close(sender);
+  close(listener);
+  return seconds;
+}
+
 // A server with lossd's Upload method that reads every message and drops it:
 // the same gRPC stack, channel settings, client and read pattern as lossd,
 // without the store and the device. Upload to it is the floor lossd's upload
@@ -178,48 +235,110 @@ std::string FieldPrefix(int field, size_t length) {
 // header as a protobuf, then each chunk as its framing plus a view of the
 // caller's bytes, so no copy is made before the socket. Kept on raw channels
 // so that the discarding server and lossd see byte-identical traffic.
-std::string RawUpload(const std::shared_ptr<grpc::Channel>& channel,
-                      pb::DType dtype, std::vector<int64_t> shape,
-                      const std::string& data, size_t chunk, double* seconds) {
-  const auto start = Clock::now();
+// One Upload stream: `header`, then the `bytes` at `data`. Returns the
+// handle (empty from the discarding server).
+std::string SendUpload(grpc::Channel* channel, const pb::TensorHeader& header,
+                       const char* data, size_t bytes, size_t chunk) {
   grpc::ClientContext context;
   grpc::ByteBuffer raw_response;
   const grpc::internal::RpcMethod method(
       "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
       grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-          channel.get(), method, &context, &raw_response));
+          channel, method, &context, &raw_response));
   pb::UploadRequest request;
-  request.mutable_header()->set_dtype(dtype);
-  for (int64_t dim : shape) request.mutable_header()->add_shape(dim);
+  *request.mutable_header() = header;
   grpc::ByteBuffer message;
   bool own_buffer = false;
   grpc::SerializationTraits<pb::UploadRequest>::Serialize(request, &message,
                                                           &own_buffer);
   bool sending = writer->Write(message);
-  for (size_t at = 0; sending && at < data.size(); at += chunk) {
-    const size_t n = std::min(chunk, data.size() - at);
+  for (size_t at = 0; sending && at < bytes; at += chunk) {
+    const size_t n = std::min(chunk, bytes - at);
     grpc::Slice slices[2] = {
         grpc::Slice(FieldPrefix(2, n)),
-        grpc::Slice(data.data() + at, n, grpc::Slice::STATIC_SLICE)};
+        grpc::Slice(data + at, n, grpc::Slice::STATIC_SLICE)};
     message = grpc::ByteBuffer(slices, 2);
     sending = writer->Write(message);
   }
   if (sending) writer->WritesDone();
   Check(writer->Finish(), "upload");
-  *seconds = Seconds(start);
   pb::UploadResponse response;
   grpc::SerializationTraits<pb::UploadResponse>::Deserialize(&raw_response,
                                                              &response);
   return response.tensor().handle();
 }
 
-std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
+pb::TensorHeader Header(pb::DType dtype, const std::vector<int64_t>& shape) {
+  pb::TensorHeader header;
+  header.set_dtype(dtype);
+  for (int64_t dim : shape) header.add_shape(dim);
+  return header;
+}
+
+std::string RawUpload(const std::shared_ptr<grpc::Channel>& channel,
+                      pb::DType dtype, std::vector<int64_t> shape,
+                      const std::string& data, size_t chunk, double* seconds) {
+  const auto start = Clock::now();
+  const std::string handle = SendUpload(channel.get(), Header(dtype, shape),
+                                        data.data(), data.size(), chunk);
+  *seconds = Seconds(start);
+  return handle;
+}
+
+// A striped upload as lossd::Client sends one (client/client.cc,
+// Client::UploadStriped): stripe i of K on channels[i] from its own thread,
+// carrying elements [floor(i * E / K), floor((i + 1) * E / K)).
+std::string RawStripedUpload(
+    const std::vector<std::shared_ptr<grpc::Channel>>& channels,
+    pb::DType dtype, std::vector<int64_t> shape, int64_t element_bytes,
+    const std::string& data, size_t chunk, double* seconds) {
+  static int uploads = 0;
+  const int count = static_cast<int>(channels.size());
+  const int64_t elements = static_cast<int64_t>(data.size()) / element_bytes;
+  pb::TensorHeader header = Header(dtype, shape);
+  header.mutable_stripe()->set_upload_id(
+      absl::StrFormat("bench-%d-%d", getpid(), ++uploads));
+  header.mutable_stripe()->set_count(count);
+  std::vector<std::string> handles(static_cast<size_t>(count));
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int i = 0; i < count; ++i) {
+    threads.emplace_back([&, i] {
+      const int64_t first =
+          i * (elements / count) + i * (elements % count) / count;
+      const int64_t end =
+          (i + 1) * (elements / count) + (i + 1) * (elements % count) / count;
+      pb::TensorHeader stripe = header;
+      stripe.mutable_stripe()->set_index(i);
+      handles[i] = SendUpload(
+          channels[i].get(), stripe, data.data() + first * element_bytes,
+          static_cast<size_t>((end - first) * element_bytes), chunk);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  *seconds = Seconds(start);
+  return handles[0];
+}
+
+// A channel of its own TCP connection (`connection` tells the channels of
+// one striped upload apart, as lossd::Client does).
+std::shared_ptr<grpc::Channel> Connect(const std::string& address,
+                                       int connection = 0) {
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(64 << 20);
   channel_args.SetMaxSendMessageSize(64 << 20);
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  channel_args.SetInt("lossd.upload_stripe", connection);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
                                    channel_args);
+}
+
+std::vector<std::shared_ptr<grpc::Channel>> ConnectStripes(
+    const std::string& address, int count) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < count; ++i) channels.push_back(Connect(address, i + 1));
+  return channels;
 }
 
 // Evaluate with blocks of `block_rows` rows sent as raw messages whose logits
@@ -461,6 +580,7 @@ int main(int argc, char** argv) {
   const size_t chunk = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
   const int repeats = absl::GetFlag(FLAGS_repeats);
   const int upload_repeats = std::max(1, absl::GetFlag(FLAGS_upload_repeats));
+  const int streams = std::clamp(absl::GetFlag(FLAGS_upload_streams), 1, 64);
   const bool cuda = absl::GetFlag(FLAGS_device) != "cpu";
   const int64_t elements = rows * vocab;
   const double gigabytes = static_cast<double>(elements) * 2 / 1e9;
@@ -526,9 +646,14 @@ int main(int argc, char** argv) {
   line("| measurement | result | target |");
   line("|---|---|---|");
 
-  // Upload: raw TCP, the discarding server and lossd take turns, so that
-  // drifts of the machine hit all three alike.
+  // Upload: raw TCP, the discarding server and lossd take turns, one stream
+  // and striped, so that drifts of the machine hit all of them alike.
+  const std::vector<std::shared_ptr<grpc::Channel>> stripe_channels =
+      ConnectStripes((*server)->address(), streams);
+  const std::vector<std::shared_ptr<grpc::Channel>> discard_stripe_channels =
+      ConnectStripes(absl::StrFormat("127.0.0.1:%d", discard_port), streams);
   std::vector<double> tcp_times, discard_times, lossd_times;
+  std::vector<double> tcp_k_times, discard_k_times, lossd_k_times;
   std::string handle;
   for (int i = 0; i < upload_repeats; ++i) {
     tcp_times.push_back(RawTcpSeconds(logits, chunk));
@@ -540,10 +665,23 @@ int main(int argc, char** argv) {
     handle = RawUpload(channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits,
                        chunk, &seconds);
     lossd_times.push_back(seconds);
+
+    tcp_k_times.push_back(RawTcpStripedSeconds(logits, chunk, streams));
+    RawStripedUpload(discard_stripe_channels, pb::DTYPE_BFLOAT16, {rows, vocab},
+                     2, logits, chunk, &seconds);
+    discard_k_times.push_back(seconds);
+    release(handle);
+    handle = RawStripedUpload(stripe_channels, pb::DTYPE_BFLOAT16,
+                              {rows, vocab}, 2, logits, chunk, &seconds);
+    if (handle.empty()) Die("striped upload returned no handle");
+    lossd_k_times.push_back(seconds);
   }
   const double tcp = Median(tcp_times);
   const double discard = Median(discard_times);
   const double upload = Median(lossd_times);
+  const double tcp_k = Median(tcp_k_times);
+  const double discard_k = Median(discard_k_times);
+  const double upload_k = Median(lossd_k_times);
   line(absl::StrFormat(
       "| Upload %.2f GB, raw TCP (1 connection, same bytes) | %.3f s = %.2f "
       "GB/s | |",
@@ -558,6 +696,23 @@ int main(int argc, char** argv) {
       "**%.3fx the discarding server** | >= 80%%; <= 1.1x |",
       config.device, upload, gigabytes / upload, 100 * tcp / upload,
       upload / discard));
+  line(absl::StrFormat(
+      "| Upload %.2f GB, raw TCP (%d connections, same bytes) | %.3f s = "
+      "%.2f GB/s | |",
+      gigabytes, streams, tcp_k, gigabytes / tcp_k));
+  line(absl::StrFormat(
+      "| Upload to a server that discards the bytes, %d stripes over %d "
+      "connections | %.3f s = %.2f GB/s (%.0f%% of raw TCP, 1 connection) | "
+      "|",
+      streams, streams, discard_k, gigabytes / discard_k,
+      100 * tcp / discard_k));
+  line(absl::StrFormat(
+      "| Upload to lossd (%s), %d stripes over %d connections | %.3f s = "
+      "%.2f GB/s: **%.0f%% of raw TCP (1 connection)**, %.0f%% of raw TCP "
+      "(%d connections), %.3fx the striped discarding server | >= 80%% |",
+      config.device, streams, streams, upload_k, gigabytes / upload_k,
+      100 * tcp / upload_k, 100 * tcp_k / upload_k, streams,
+      upload_k / discard_k));
   double targets_seconds = 0;
   const std::string targets_handle = RawUpload(
       channel, pb::DTYPE_INT64, {rows}, targets, chunk, &targets_seconds);

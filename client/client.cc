@@ -11,6 +11,7 @@
 #include <deque>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -31,6 +32,32 @@ struct Client::Channel {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Lossd::Stub> lossd;
   std::unique_ptr<health::Health::Stub> health;
+  // What made `channel`, for the extra connections of striped uploads.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  grpc::ChannelArguments args;
+
+  // Connection `index` (>= 1) of a striped upload to `target`, made on first
+  // use and kept; connection 0 is `channel`. Thread-safe.
+  std::shared_ptr<grpc::Channel> StripeChannel(const std::string& target,
+                                               int index)
+      ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    while (static_cast<int>(stripe_channels.size()) < index) {
+      grpc::ChannelArguments stripe_args = args;
+      // Each channel has its own subchannel pool (the arguments say so), so
+      // each is its own TCP connection; the distinct argument keeps that
+      // true should the pool ever be shared again.
+      stripe_args.SetInt("lossd.upload_stripe",
+                         static_cast<int>(stripe_channels.size()) + 1);
+      stripe_channels.push_back(
+          grpc::CreateCustomChannel(target, credentials, stripe_args));
+    }
+    return stripe_channels[static_cast<std::size_t>(index - 1)];
+  }
+
+  absl::Mutex mu;
+  std::vector<std::shared_ptr<grpc::Channel>> stripe_channels
+      ABSL_GUARDED_BY(mu);
 };
 
 namespace {
@@ -104,6 +131,100 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     args->SetSslTargetNameOverride(options.tls_server_name);
   }
   return grpc::SslCredentials(ssl);
+}
+
+// Sends one Upload stream on `channel` under `context`: `header`, then the
+// `bytes` at `data` in chunks of `chunk_bytes`, calling `on_sent` with each
+// chunk's size once it is written. Success: the stored tensor's metadata.
+// Errors: the server's status; DATA_LOSS when the server ended the stream OK
+// before taking every byte. `data` is only read during the call.
+absl::StatusOr<v1::TensorInfo> SendUpload(
+    grpc::Channel* channel, grpc::ClientContext* context,
+    const v1::TensorHeader& header, const char* data, std::size_t bytes,
+    std::size_t chunk_bytes, const std::function<void(std::size_t)>& on_sent) {
+  // Raw messages: a chunk is sent as its UploadRequest framing followed by a
+  // view of the caller's bytes, so nothing copies them before the socket
+  // (the generated stub would copy each chunk twice: into the request, then
+  // into its serialization). `data` outlives the call, which ends in Finish.
+  const grpc::internal::RpcMethod method(
+      "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
+  grpc::ByteBuffer raw_response;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel, method, context, &raw_response));
+  v1::UploadRequest request;
+  *request.mutable_header() = header;
+  grpc::ByteBuffer message;
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<v1::UploadRequest>::Serialize(
+           request, &message, &own_buffer)
+           .ok()) {
+    return absl::InternalError("cannot serialize the upload header");
+  }
+  bool sending = writer->Write(message);
+  std::size_t sent = 0;
+  while (sending && sent < bytes) {
+    const std::size_t n = std::min(chunk_bytes, bytes - sent);
+    // Field 2 (chunk), length-delimited, then the length as a varint.
+    uint8_t prefix[11] = {(2 << 3) | 2};
+    std::size_t prefix_bytes = 1;
+    for (uint64_t left = n;; left >>= 7) {
+      prefix[prefix_bytes++] =
+          static_cast<uint8_t>((left & 0x7f) | (left > 0x7f ? 0x80 : 0));
+      if (left <= 0x7f) break;
+    }
+    grpc::Slice slices[2] = {
+        grpc::Slice(prefix, prefix_bytes),
+        grpc::Slice(data + sent, n, grpc::Slice::STATIC_SLICE)};
+    message = grpc::ByteBuffer(slices, 2);
+    sending = writer->Write(message);
+    if (sending) {
+      sent += n;
+      on_sent(n);
+    }
+  }
+  if (sending) writer->WritesDone();
+  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
+  if (sent != bytes) {
+    return absl::DataLossError(absl::StrCat(
+        "the server ended the upload after ", sent, " of ", bytes, " bytes"));
+  }
+  v1::UploadResponse response;
+  if (!grpc::SerializationTraits<v1::UploadResponse>::Deserialize(&raw_response,
+                                                                  &response)
+           .ok()) {
+    return absl::InternalError("a malformed UploadResponse");
+  }
+  return response.tensor();
+}
+
+// Elements [first, end) of a tensor.
+struct StripeRange {
+  int64_t first = 0;
+  int64_t end = 0;
+};
+
+// The elements stripe `index` of `count` carries, as lossd.v1.UploadStripe
+// defines them: [floor(index * elements / count), floor((index + 1) *
+// elements / count)), computed without overflow.
+StripeRange StripeElements(int64_t elements, int index, int count) {
+  const int64_t whole = elements / count;
+  const int64_t rest = elements % count;
+  auto boundary = [&](int64_t i) { return i * whole + (i * rest) / count; };
+  return StripeRange{boundary(index), boundary(index + 1)};
+}
+
+// A fresh upload_id: 32 hex digits, unique enough that two clients of one
+// tenant never pick the same.
+std::string RandomUploadId() {
+  std::random_device random;
+  std::string id;
+  static constexpr char kHex[] = "0123456789abcdef";
+  for (int i = 0; i < 8; ++i) {
+    uint32_t word = random();
+    for (int j = 0; j < 4; ++j, word >>= 4) id.push_back(kHex[word & 15]);
+  }
+  return id;
 }
 
 absl::Time FromTimestamp(const google::protobuf::Timestamp& ts) {
@@ -241,141 +362,16 @@ class BlockQueue {
   absl::Status producer_status_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace
-
-Client::Client(std::string target, ClientOptions options,
-               std::unique_ptr<Channel> channel)
-    : target_(std::move(target)),
-      options_(std::move(options)),
-      channel_(std::move(channel)) {}
-
-Client::~Client() = default;
-
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
-                                                        ClientOptions options) {
-  if (target.empty()) return absl::InvalidArgumentError("empty server target");
-  if (options.max_message_bytes <= static_cast<int>(kMessageOverheadBytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_message_bytes ", options.max_message_bytes, " is too small"));
-  }
-  if (options.chunk_bytes == 0 ||
-      options.chunk_bytes >
-          static_cast<std::size_t>(options.max_message_bytes) -
-              kMessageOverheadBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk_bytes ", options.chunk_bytes, " must be in [1, ",
-                     options.max_message_bytes - kMessageOverheadBytes, "]"));
-  }
-  if (options.deadline <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("deadline must be positive");
-  }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
-  args.SetMaxSendMessageSize(options.max_message_bytes);
-  // The connection belongs to this Client (not gRPC's process-wide pool), so
-  // destroying the Client closes it instead of leaving it open for reuse.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
-                   ChannelCredentials(options, &args));
-  auto channel = std::make_unique<Channel>();
-  channel->channel = grpc::CreateCustomChannel(target, credentials, args);
-  channel->lossd = v1::Lossd::NewStub(channel->channel);
-  channel->health = health::Health::NewStub(channel->channel);
-  return std::unique_ptr<Client>(
-      new Client(std::move(target), std::move(options), std::move(channel)));
-}
-
-absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
-                                          absl::Span<const int64_t> shape,
-                                          const void* data, std::size_t bytes,
-                                          const std::string& label,
-                                          const ProgressCallback& progress) {
-  ASSIGN_OR_RETURN(const uint64_t expected, TensorBytes(dtype, shape));
-  if (expected != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
-                     " and the shape need ", expected));
-  }
-  if (data == nullptr && bytes > 0) {
-    return absl::InvalidArgumentError("null data");
-  }
-  grpc::ClientContext context;
-  PrepareContext(options_, &context);
-  // Raw messages: a chunk is sent as its UploadRequest framing followed by a
-  // view of the caller's bytes, so nothing copies them before the socket
-  // (the generated stub would copy each chunk twice: into the request, then
-  // into its serialization). `data` outlives the call, which ends in Finish.
-  const grpc::internal::RpcMethod method(
-      "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
-  grpc::ByteBuffer raw_response;
-  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-          channel_->channel.get(), method, &context, &raw_response));
-  v1::UploadRequest request;
-  v1::TensorHeader* header = request.mutable_header();
-  header->set_dtype(static_cast<v1::DType>(dtype));
-  header->mutable_shape()->Add(shape.begin(), shape.end());
-  header->set_label(label);
-  grpc::ByteBuffer message;
-  bool own_buffer = false;
-  if (!grpc::SerializationTraits<v1::UploadRequest>::Serialize(
-           request, &message, &own_buffer)
-           .ok()) {
-    return absl::InternalError("cannot serialize the upload header");
-  }
-  bool sending = writer->Write(message);
-  const char* bytes_in = static_cast<const char*>(data);
-  std::size_t sent = 0;
-  while (sending && sent < bytes) {
-    const std::size_t n = std::min(options_.chunk_bytes, bytes - sent);
-    // Field 2 (chunk), length-delimited, then the length as a varint.
-    uint8_t prefix[11] = {(2 << 3) | 2};
-    std::size_t prefix_bytes = 1;
-    for (uint64_t left = n;; left >>= 7) {
-      prefix[prefix_bytes++] =
-          static_cast<uint8_t>((left & 0x7f) | (left > 0x7f ? 0x80 : 0));
-      if (left <= 0x7f) break;
-    }
-    grpc::Slice slices[2] = {
-        grpc::Slice(prefix, prefix_bytes),
-        grpc::Slice(bytes_in + sent, n, grpc::Slice::STATIC_SLICE)};
-    message = grpc::ByteBuffer(slices, 2);
-    sending = writer->Write(message);
-    if (sending) {
-      sent += n;
-      if (progress) {
-        progress(static_cast<int64_t>(sent), static_cast<int64_t>(bytes));
-      }
-    }
-  }
-  if (sending) writer->WritesDone();
-  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
-  if (sent != bytes) {
-    return absl::DataLossError(absl::StrCat(
-        "the server ended the upload after ", sent, " of ", bytes, " bytes"));
-  }
-  v1::UploadResponse response;
-  if (!grpc::SerializationTraits<v1::UploadResponse>::Deserialize(&raw_response,
-                                                                  &response)
-           .ok()) {
-    return absl::InternalError("a malformed UploadResponse");
-  }
-  return FromProto(response.tensor());
-}
-
-absl::Status Client::DownloadStream(
-    const std::string& handle, DType as_dtype,
+// Runs one Download RPC of `request` on `stub` under `context` (see
+// Client::DownloadStream for the callbacks and errors).
+absl::Status StreamDownload(
+    v1::Lossd::Stub* stub, grpc::ClientContext* context,
+    const v1::DownloadRequest& request,
     const std::function<absl::Status(const TensorInfo&)>& on_header,
     const std::function<absl::Status(const void*, std::size_t)>& on_chunk,
     const ProgressCallback& progress) {
-  grpc::ClientContext context;
-  PrepareContext(options_, &context);
-  v1::DownloadRequest request;
-  request.set_handle(handle);
-  request.set_dtype(static_cast<v1::DType>(as_dtype));
-  request.set_chunk_bytes(static_cast<int64_t>(options_.chunk_bytes));
   std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
-      channel_->lossd->Download(&context, request);
+      stub->Download(context, request);
 
   // The first error seen locally; the RPC is cancelled and drained after it.
   absl::Status local;
@@ -410,7 +406,7 @@ absl::Status Client::DownloadStream(
     if (local.ok() && progress) progress(received, expected);
   }
   if (!local.ok()) {
-    context.TryCancel();
+    context->TryCancel();
     while (reader->Read(&response)) {
     }
     reader->Finish().ok();  // the local error is what matters now
@@ -427,10 +423,338 @@ absl::Status Client::DownloadStream(
   return absl::OkStatus();
 }
 
+}  // namespace
+
+Client::Client(std::string target, ClientOptions options,
+               std::unique_ptr<Channel> channel)
+    : target_(std::move(target)),
+      options_(std::move(options)),
+      channel_(std::move(channel)) {}
+
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
+                                                        ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty server target");
+  if (options.max_message_bytes <= static_cast<int>(kMessageOverheadBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes ", options.max_message_bytes, " is too small"));
+  }
+  if (options.chunk_bytes == 0 ||
+      options.chunk_bytes >
+          static_cast<std::size_t>(options.max_message_bytes) -
+              kMessageOverheadBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", options.chunk_bytes, " must be in [1, ",
+                     options.max_message_bytes - kMessageOverheadBytes, "]"));
+  }
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("deadline must be positive");
+  }
+  if (options.upload_streams < 1 || options.upload_streams > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "upload_streams ", options.upload_streams, " must be in [1, 64]"));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  // The connection belongs to this Client (not gRPC's process-wide pool), so
+  // destroying the Client closes it instead of leaving it open for reuse.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentials(options, &args));
+  auto channel = std::make_unique<Channel>();
+  channel->channel = grpc::CreateCustomChannel(target, credentials, args);
+  channel->credentials = credentials;
+  channel->args = args;
+  channel->lossd = v1::Lossd::NewStub(channel->channel);
+  channel->health = health::Health::NewStub(channel->channel);
+  return std::unique_ptr<Client>(
+      new Client(std::move(target), std::move(options), std::move(channel)));
+}
+
+absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
+                                          absl::Span<const int64_t> shape,
+                                          const void* data, std::size_t bytes,
+                                          const std::string& label,
+                                          const ProgressCallback& progress) {
+  ASSIGN_OR_RETURN(const uint64_t expected, TensorBytes(dtype, shape));
+  if (expected != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
+                     " and the shape need ", expected));
+  }
+  if (data == nullptr && bytes > 0) {
+    return absl::InvalidArgumentError("null data");
+  }
+  if (options_.upload_streams > 1 && bytes >= options_.stripe_min_bytes &&
+      bytes > 0) {
+    return UploadStriped(dtype, shape, data, bytes, label,
+                         options_.upload_streams, progress);
+  }
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::TensorHeader header;
+  header.set_dtype(static_cast<v1::DType>(dtype));
+  header.mutable_shape()->Add(shape.begin(), shape.end());
+  header.set_label(label);
+  std::size_t sent = 0;
+  ASSIGN_OR_RETURN(const v1::TensorInfo info,
+                   SendUpload(channel_->channel.get(), &context, header,
+                              static_cast<const char*>(data), bytes,
+                              options_.chunk_bytes, [&](std::size_t n) {
+                                sent += n;
+                                if (progress) {
+                                  progress(static_cast<int64_t>(sent),
+                                           static_cast<int64_t>(bytes));
+                                }
+                              }));
+  return FromProto(info);
+}
+
+absl::StatusOr<TensorInfo> Client::UploadStriped(
+    DType dtype, absl::Span<const int64_t> shape, const void* data,
+    std::size_t bytes, const std::string& label, int stripes,
+    const ProgressCallback& progress) {
+  const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
+  v1::TensorHeader header;
+  header.set_dtype(static_cast<v1::DType>(dtype));
+  header.mutable_shape()->Add(shape.begin(), shape.end());
+  header.set_label(label);
+  header.mutable_stripe()->set_upload_id(RandomUploadId());
+  header.mutable_stripe()->set_count(stripes);
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  for (int i = 0; i < stripes; ++i) {
+    channels.push_back(i == 0 ? channel_->channel
+                              : channel_->StripeChannel(target_, i));
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    PrepareContext(options_, contexts.back().get());
+  }
+  // Progress is reported on this thread, from what the stripes' threads
+  // count here.
+  absl::Mutex mu;
+  int64_t sent = 0;
+  int finished = 0;
+  std::vector<absl::StatusOr<v1::TensorInfo>> results(
+      static_cast<std::size_t>(stripes), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < stripes; ++i) {
+    threads.emplace_back([&, i] {
+      const StripeRange range = StripeElements(elements, i, stripes);
+      v1::TensorHeader stripe_header = header;
+      stripe_header.mutable_stripe()->set_index(i);
+      absl::StatusOr<v1::TensorInfo> result = SendUpload(
+          channels[static_cast<std::size_t>(i)].get(),
+          contexts[static_cast<std::size_t>(i)].get(), stripe_header,
+          static_cast<const char*>(data) + range.first * element_bytes,
+          static_cast<std::size_t>((range.end - range.first) * element_bytes),
+          options_.chunk_bytes, [&](std::size_t n) {
+            absl::MutexLock lock(&mu);
+            sent += static_cast<int64_t>(n);
+          });
+      if (!result.ok()) {
+        // A stripe that failed here may never have reached the server: the
+        // others are cancelled rather than left waiting for it.
+        for (int j = 0; j < stripes; ++j) {
+          if (j != i) contexts[static_cast<std::size_t>(j)]->TryCancel();
+        }
+      }
+      absl::MutexLock lock(&mu);
+      results[static_cast<std::size_t>(i)] = std::move(result);
+      ++finished;
+    });
+  }
+  int64_t reported = -1;
+  for (bool all = false; !all;) {
+    int64_t now;
+    {
+      absl::MutexLock lock(&mu);
+      auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+        return sent != reported || finished == stripes;
+      };
+      mu.Await(absl::Condition(&moved));
+      now = sent;
+      all = finished == stripes;
+    }
+    if (progress && now != reported) {
+      progress(now, static_cast<int64_t>(bytes));
+    }
+    reported = now;
+  }
+  for (std::thread& thread : threads) thread.join();
+
+  // The root cause: the first error that is not the others' reaction to it.
+  const absl::Status* first_error = nullptr;
+  const absl::Status* root_cause = nullptr;
+  std::string handle;
+  for (const absl::StatusOr<v1::TensorInfo>& result : results) {
+    if (result.ok()) {
+      if (handle.empty()) handle = result->handle();
+      if (result->handle() != handle) {
+        return absl::InternalError(
+            "the stripes of one upload returned different handles");
+      }
+      continue;
+    }
+    if (first_error == nullptr) first_error = &result.status();
+    const absl::StatusCode code = result.status().code();
+    if (root_cause == nullptr && code != absl::StatusCode::kAborted &&
+        code != absl::StatusCode::kCancelled) {
+      root_cause = &result.status();
+    }
+  }
+  if (first_error == nullptr) return FromProto(*results[0]);
+  // Some stripes finished OK before another failed (a cancellation racing
+  // the reply): the tensor must not stay behind.
+  if (!handle.empty()) Release(handle).IgnoreError();
+  return root_cause != nullptr ? *root_cause : *first_error;
+}
+
+absl::Status Client::DownloadStream(
+    const std::string& handle, DType as_dtype,
+    const std::function<absl::Status(const TensorInfo&)>& on_header,
+    const std::function<absl::Status(const void*, std::size_t)>& on_chunk,
+    const ProgressCallback& progress) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::DownloadRequest request;
+  request.set_handle(handle);
+  request.set_dtype(static_cast<v1::DType>(as_dtype));
+  request.set_chunk_bytes(static_cast<int64_t>(options_.chunk_bytes));
+  return StreamDownload(channel_->lossd.get(), &context, request, on_header,
+                        on_chunk, progress);
+}
+
+absl::StatusOr<bool> Client::DownloadInRanges(
+    const std::string& handle, DType as_dtype, std::vector<uint8_t>* vector,
+    void* buffer, std::size_t capacity, TensorInfo* info,
+    const ProgressCallback& progress) {
+  const int streams = options_.upload_streams;
+  if (streams < 2) return false;
+  ASSIGN_OR_RETURN(const TensorInfo described, Describe(handle));
+  const DType sent = as_dtype == DType::kInvalid ? described.dtype : as_dtype;
+  const int64_t element_bytes = static_cast<int64_t>(DTypeSize(sent));
+  int64_t elements = 1;
+  for (int64_t dim : described.shape) elements *= dim;
+  const int64_t total = elements * element_bytes;
+  if (element_bytes <= 0 || elements < 2 ||
+      static_cast<uint64_t>(total) < options_.stripe_min_bytes) {
+    return false;
+  }
+  uint8_t* base;
+  if (vector != nullptr) {
+    vector->resize(static_cast<std::size_t>(total));
+    base = vector->data();
+  } else {
+    if (static_cast<uint64_t>(total) > capacity) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "the tensor has ", total, " bytes; the buffer holds ", capacity));
+    }
+    base = static_cast<uint8_t*>(buffer);
+  }
+
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  for (int i = 0; i < streams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    PrepareContext(options_, contexts.back().get());
+  }
+  absl::Mutex mu;
+  int64_t received = 0;
+  int finished = 0;
+  TensorInfo first_header;
+  std::vector<absl::Status> results(static_cast<std::size_t>(streams));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < streams; ++i) {
+    threads.emplace_back([&, i] {
+      const StripeRange range = StripeElements(elements, i, streams);
+      const int64_t offset = range.first * element_bytes;
+      const int64_t length = (range.end - range.first) * element_bytes;
+      absl::Status status;
+      // An empty range is nothing to fetch (length 0 would mean "to the end").
+      if (length > 0) {
+        std::unique_ptr<v1::Lossd::Stub> stub = v1::Lossd::NewStub(
+            i == 0 ? channel_->channel : channel_->StripeChannel(target_, i));
+        v1::DownloadRequest request;
+        request.set_handle(handle);
+        request.set_dtype(static_cast<v1::DType>(as_dtype));
+        request.set_chunk_bytes(static_cast<int64_t>(options_.chunk_bytes));
+        request.set_offset(offset);
+        request.set_length(length);
+        int64_t written = 0;
+        status = StreamDownload(
+            stub.get(), contexts[static_cast<std::size_t>(i)].get(), request,
+            [&](const TensorInfo& header) {
+              if (header.bytes != length) {
+                return absl::DataLossError(absl::StrCat(
+                    "asked for bytes [", offset, ", ", offset + length,
+                    "), the server announced ", header.bytes,
+                    " (a server without ranged Download?)"));
+              }
+              if (i == 0) {
+                absl::MutexLock lock(&mu);
+                first_header = header;
+              }
+              return absl::OkStatus();
+            },
+            [&](const void* data, std::size_t bytes) {
+              // StreamDownload never passes more than the header's count.
+              std::memcpy(base + offset + written, data, bytes);
+              written += static_cast<int64_t>(bytes);
+              absl::MutexLock lock(&mu);
+              received += static_cast<int64_t>(bytes);
+              return absl::OkStatus();
+            },
+            nullptr);
+      }
+      if (!status.ok()) {
+        for (int j = 0; j < streams; ++j) {
+          if (j != i) contexts[static_cast<std::size_t>(j)]->TryCancel();
+        }
+      }
+      absl::MutexLock lock(&mu);
+      results[static_cast<std::size_t>(i)] = std::move(status);
+      ++finished;
+    });
+  }
+  int64_t reported = -1;
+  for (bool all = false; !all;) {
+    int64_t now;
+    {
+      absl::MutexLock lock(&mu);
+      auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+        return received != reported || finished == streams;
+      };
+      mu.Await(absl::Condition(&moved));
+      now = received;
+      all = finished == streams;
+    }
+    if (progress && now != reported) progress(now, total);
+    reported = now;
+  }
+  for (std::thread& thread : threads) thread.join();
+  const absl::Status* first_error = nullptr;
+  for (const absl::Status& status : results) {
+    if (status.ok()) continue;
+    if (first_error == nullptr) first_error = &status;
+    if (status.code() != absl::StatusCode::kCancelled) return status;
+  }
+  if (first_error != nullptr) return *first_error;
+  *info = first_header;
+  info->bytes = total;
+  return true;
+}
+
 absl::StatusOr<DownloadedTensor> Client::Download(
     const std::string& handle, DType as_dtype,
     const ProgressCallback& progress) {
   DownloadedTensor out;
+  ASSIGN_OR_RETURN(const bool ranged,
+                   DownloadInRanges(handle, as_dtype, &out.data, nullptr, 0,
+                                    &out.info, progress));
+  if (ranged) return out;
   RETURN_IF_ERROR(DownloadStream(
       handle, as_dtype,
       [&out](const TensorInfo& info) {
@@ -453,6 +777,11 @@ absl::StatusOr<DownloadedTensor> Client::Download(
 absl::StatusOr<TensorInfo> Client::DownloadInto(
     const std::string& handle, DType as_dtype, void* buffer,
     std::size_t capacity, const ProgressCallback& progress) {
+  TensorInfo ranged_info;
+  ASSIGN_OR_RETURN(const bool ranged,
+                   DownloadInRanges(handle, as_dtype, nullptr, buffer, capacity,
+                                    &ranged_info, progress));
+  if (ranged) return ranged_info;
   TensorInfo info;
   std::size_t written = 0;
   RETURN_IF_ERROR(DownloadStream(

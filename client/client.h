@@ -44,6 +44,12 @@ struct ClientOptions {
   // Overrides the name the server certificate is checked against (tests,
   // or addresses the certificate does not list); empty = the target's host.
   std::string tls_server_name;
+  // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
+  // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP
+  // connection, because one gRPC stream is capped below what the network
+  // carries. 1 = always one stream. In [1, 64].
+  int upload_streams = 4;
+  std::size_t stripe_min_bytes = std::size_t{64} << 20;
 };
 
 // Values match lossd.v1.TensorState.
@@ -190,8 +196,8 @@ class Client {
   // plaintext or (options.tls...) TLS channel. Does not contact the server
   // (channels connect lazily; use Health to check). INVALID_ARGUMENT: empty
   // target, chunk_bytes of 0 or larger than max_message_bytes - 4 KiB,
-  // max_message_bytes <= 4 KiB, a negative deadline, an unreadable TLS file
-  // or a certificate without its key.
+  // max_message_bytes <= 4 KiB, a negative deadline, upload_streams outside
+  // [1, 64], an unreadable TLS file or a certificate without its key.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       std::string target, ClientOptions options = {});
 
@@ -203,9 +209,14 @@ class Client {
 
   // Uploads `bytes` bytes at `data` as a tensor of `dtype` and `shape`, in
   // chunks of options().chunk_bytes. Success: the stored tensor's metadata.
+  // A tensor of at least options().stripe_min_bytes goes as
+  // options().upload_streams stripes in parallel, over extra connections made
+  // on first use and kept by this Client (same credentials and options).
   // INVALID_ARGUMENT (client side): bytes != product(shape) * size of dtype,
-  // or data == nullptr with bytes > 0. Server errors as the Upload RPC. On any
-  // error the server keeps nothing. `data` is only read during the call.
+  // or data == nullptr with bytes > 0. Server errors as the Upload RPC (for a
+  // striped upload, the first stripe's error that is not ABORTED or
+  // CANCELLED by the others' failure). On any error the server keeps nothing.
+  // `data` is only read during the call.
   absl::StatusOr<TensorInfo> Upload(DType dtype,
                                     absl::Span<const int64_t> shape,
                                     const void* data, std::size_t bytes,
@@ -225,14 +236,20 @@ class Client {
           on_chunk,
       const ProgressCallback& progress = nullptr);
 
-  // Downloads a whole tensor into memory. Errors as DownloadStream.
+  // Downloads a whole tensor into memory. When it has at least
+  // options().stripe_min_bytes (as sent), it is fetched as
+  // options().upload_streams byte ranges in parallel over the extra
+  // connections of striped uploads (after a Describe for its size; a Backward
+  // racing the ranges may leave them with different factors). Errors as
+  // DownloadStream.
   absl::StatusOr<DownloadedTensor> Download(
       const std::string& handle, DType as_dtype = DType::kInvalid,
       const ProgressCallback& progress = nullptr);
 
   // Downloads into a caller buffer of `capacity` bytes. Success: metadata;
   // info.bytes bytes were written to `buffer`. OUT_OF_RANGE: the tensor does
-  // not fit `capacity` (nothing useful written). Otherwise as DownloadStream.
+  // not fit `capacity` (nothing useful written). Large tensors come in
+  // parallel ranges as with Download. Otherwise as DownloadStream.
   absl::StatusOr<TensorInfo> DownloadInto(
       const std::string& handle, DType as_dtype, void* buffer,
       std::size_t capacity, const ProgressCallback& progress = nullptr);
@@ -295,6 +312,25 @@ class Client {
   struct Channel;  // gRPC channel and stubs, kept out of this header
   Client(std::string target, ClientOptions options,
          std::unique_ptr<Channel> channel);
+
+  // Download as options().upload_streams ranges in parallel into `*vector`
+  // (resized) or `buffer` of `capacity` bytes, when the converted tensor has
+  // at least options().stripe_min_bytes. Success: true and `*info` filled;
+  // false when not worth it (nothing fetched). Errors as DownloadInto.
+  absl::StatusOr<bool> DownloadInRanges(const std::string& handle,
+                                        DType as_dtype,
+                                        std::vector<uint8_t>* vector,
+                                        void* buffer, std::size_t capacity,
+                                        TensorInfo* info,
+                                        const ProgressCallback& progress);
+
+  // Upload as `stripes` parallel streams (stripes >= 2).
+  absl::StatusOr<TensorInfo> UploadStriped(DType dtype,
+                                           absl::Span<const int64_t> shape,
+                                           const void* data, std::size_t bytes,
+                                           const std::string& label,
+                                           int stripes,
+                                           const ProgressCallback& progress);
 
   const std::string target_;
   const ClientOptions options_;

@@ -63,6 +63,11 @@ ABSL_FLAG(std::string, dtype, "",
           "upload/eval: convert the logits to this dtype before sending "
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
+ABSL_FLAG(int, upload_streams, 4,
+          "upload: a tensor of at least --stripe_min_bytes goes as this many "
+          "parallel streams over as many connections (1 = one stream)");
+ABSL_FLAG(int64_t, stripe_min_bytes, int64_t{64} << 20,
+          "upload: smallest tensor sent as parallel streams");
 ABSL_FLAG(std::string, near, "",
           "upload: store the tensor on the instance holding this handle "
           "(a forward's targets and weights must share the logits' instance)");
@@ -192,6 +197,14 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   if (chunk <= 0) return UsageError("--chunk_bytes must be positive");
   options.client.chunk_bytes = static_cast<std::size_t>(chunk);
   options.client.deadline = absl::GetFlag(FLAGS_deadline);
+  const int streams = absl::GetFlag(FLAGS_upload_streams);
+  if (streams < 1 || streams > 64) {
+    return UsageError("--upload_streams must be in [1, 64]");
+  }
+  options.client.upload_streams = streams;
+  const int64_t stripe_min = absl::GetFlag(FLAGS_stripe_min_bytes);
+  if (stripe_min < 0) return UsageError("--stripe_min_bytes must be >= 0");
+  options.client.stripe_min_bytes = static_cast<std::size_t>(stripe_min);
   options.client.bearer_token = absl::GetFlag(FLAGS_token);
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty()) {

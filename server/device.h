@@ -68,7 +68,11 @@ class Device {
   // host bytes may be reused at once): a streamed upload calls it per chunk so
   // that the device copy of one chunk overlaps the receipt of the next. The
   // bytes are only guaranteed in `buffer` after FinishWrites(buffer) returns
-  // OK. Calls for one buffer come from one thread at a time.
+  // OK. Calls for one buffer come from one thread at a time. `buffer` may
+  // also point inside an allocation: writers of disjoint ranges of one
+  // allocation (the stripes of a striped upload) each pass their range's
+  // start, from their own threads, and each calls FinishWrites with it before
+  // the allocation is freed.
   virtual absl::Status CopyFromHostAsync(void* buffer, size_t offset,
                                          const void* host, size_t bytes) {
     return CopyFromHost(buffer, offset, host, bytes);

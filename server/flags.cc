@@ -59,6 +59,10 @@ ABSL_FLAG(int64_t, tenant_max_tensors, 0,
 ABSL_FLAG(int64_t, tenant_max_inflight, 0,
           "per-tenant quota of lossd RPCs running at once; 0 = none");
 
+ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
+          "a striped Upload whose stripes have not all arrived this long "
+          "after the first is abandoned (every stripe fails ABORTED)");
+
 namespace lossd {
 
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
@@ -162,6 +166,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
       config.tenant_limits.max_in_flight < 0) {
     return absl::InvalidArgumentError(
         "--tenant_max_tensors and --tenant_max_inflight must be >= 0");
+  }
+  config.stripe_timeout = absl::GetFlag(FLAGS_stripe_timeout);
+  if (config.stripe_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--stripe_timeout must be positive");
   }
   return config;
 }

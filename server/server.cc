@@ -153,6 +153,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   service_options.max_chunk_bytes = config.max_message_bytes / 2;
   service_options.authenticator = server->authenticator_.get();
   service_options.quotas = server->quotas_.get();
+  service_options.stripe_timeout = config.stripe_timeout;
   if (config.metrics_port >= 0) {
     server->metrics_ = std::make_unique<Metrics>(server->store_.get());
     const absl::Status status =

@@ -60,6 +60,9 @@ struct ServerConfig {
   // -1 = off.
   int health_port = -1;
   std::string health_port_file;  // written with the bound health port
+  // A striped upload whose stripes do not all arrive within this is
+  // abandoned (ServiceOptions::stripe_timeout).
+  absl::Duration stripe_timeout = absl::Seconds(60);
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION

@@ -7,11 +7,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/status_macros.h"
@@ -171,8 +174,13 @@ std::optional<size_t> ChunkPrefixBytes(const uint8_t* head, size_t head_size,
 class Admission {
  public:
   // Admits the RPC of `context` to `service` (borrowed; it outlives the RPC).
-  Admission(LossdService* service, const grpc::ServerContextBase& context)
-      : service_(service), status_(service->Admit(context, &tenant_, &slot_)) {}
+  // With `allow_draining`, a draining service admits it too and draining()
+  // says so (an Upload stripe may still join an upload already started).
+  Admission(LossdService* service, const grpc::ServerContextBase& context,
+            bool allow_draining = false)
+      : service_(service),
+        status_(service->Admit(context, &tenant_, &slot_,
+                               allow_draining ? &draining_ : nullptr)) {}
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
 
@@ -180,6 +188,8 @@ class Admission {
   const absl::Status& status() const { return status_; }
   // The caller's tenant; empty when not admitted.
   const std::string& tenant() const { return tenant_; }
+  // Admitted although the service drains (allow_draining only).
+  bool draining() const { return draining_; }
 
   // Returns the tenant's in-flight slot, then leaves the drain count, if the
   // RPC was admitted. Call once, from OnDone, after what must go before the
@@ -193,6 +203,7 @@ class Admission {
   LossdService* const service_;
   std::string tenant_;
   InFlightSlot slot_;
+  bool draining_ = false;
   const absl::Status status_;
 };
 
@@ -211,11 +222,14 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
       // End of the client's stream, or a cancelled / broken one.
       finished_ = true;
       if (context_->IsCancelled()) {
-        Abandon();
+        Abandon(absl::CancelledError("the RPC was cancelled"));
         End(grpc::Status::CANCELLED);
         return;
       }
-      End(ToGrpcStatus(Complete()));
+      const absl::Status status = Complete();
+      if (end_deferred_) return;
+      if (!status.ok()) Abandon(status);
+      End(ToGrpcStatus(status));
       return;
     }
     Message* message = &messages_[current_];
@@ -224,7 +238,7 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
     const absl::Status status = Consume(message);
     if (!status.ok()) {
       finished_ = true;
-      Abandon();
+      Abandon(status);
       End(ToGrpcStatus(status));
     }
   }
@@ -246,21 +260,223 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
   virtual absl::Status Consume(Message* message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
   // The client ended the stream cleanly: the RPC's status, its response filled
-  // on OK.
+  // on OK; an error ends the RPC with it (after Abandon). A subclass that sets
+  // end_deferred_ here ends the RPC itself, later.
   virtual absl::Status Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
-  // The stream was cancelled or a message failed: drop partial work early.
-  virtual void Abandon() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
+  // The stream was cancelled or failed with `cause`: drop partial work early.
+  virtual void Abandon(const absl::Status& /*cause*/)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
   // Finishes the RPC with `status` (and records it).
   virtual void End(const grpc::Status& status) = 0;
 
+  // Makes later reads moot: the RPC is being ended from outside a read
+  // reaction.
+  void MarkFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { finished_ = true; }
+
   grpc::CallbackServerContext* const context_;
   absl::Mutex mu_;
+  bool end_deferred_ ABSL_GUARDED_BY(mu_) = false;
 
  private:
   Message messages_[2] ABSL_GUARDED_BY(mu_);
   int current_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// ------------------------------------------------------ striped Upload state
+
+// A striped upload is assembled by several UploadReactors (one per stripe);
+// the classes below are what they share. Lock order: a reactor's mu_ ->
+// StripedUploads::mu_ -> StripeAssembly::mu_ -> the store's locks. Whoever
+// decides an upload's fate (the stripe that commits it, the stripe that fails
+// it, or the sweeper that abandons it) ends the other stripes' RPCs only after
+// releasing StripedUploads::mu_ and StripeAssembly::mu_; it may hold its own
+// reactor's mu_ then, and takes the others' one at a time (only one party ever
+// decides an upload's fate, so two reactors never wait for each other).
+
+class UploadReactor;
+
+// The link between an assembly and one attached stripe's reactor. Shared, so
+// that the first party to claim it is the only one to end the stripe's RPC and
+// nobody touches the reactor after it ended (gRPC deletes it in OnDone).
+struct StripeLink {
+  explicit StripeLink(UploadReactor* owner) : reactor(owner) {}
+  // The right to end the RPC; false when another party has it.
+  bool Claim() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    if (claimed) return false;
+    claimed = true;
+    return true;
+  }
+  UploadReactor* const reactor;  // alive until its RPC ends
+  absl::Mutex mu;
+  bool claimed ABSL_GUARDED_BY(mu) = false;
+};
+
+// Ends the RPC of each link not claimed yet: with `status`, and on OK with a
+// response describing `info`. Call holding no assembly or registry lock.
+void EndStripes(const std::vector<std::shared_ptr<StripeLink>>& links,
+                const absl::Status& status, const TensorRecord* info);
+
+// "stripe 3: INVALID_ARGUMENT: ...": why an upload failed, for the others.
+std::string StripeCause(int index, const absl::Status& status) {
+  return absl::StrCat("stripe ", index, ": ",
+                      absl::StatusCodeToString(status.code()), ": ",
+                      status.message());
+}
+
+// What every stripe of one upload must agree on.
+struct StripeHeader {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  std::string label;
+  int count = 1;
+};
+
+// One striped upload being assembled: the reserved tensor and its stripes.
+// Thread-safe.
+class StripeAssembly {
+ public:
+  StripeAssembly(std::string key, std::string upload_id, StripeHeader header,
+                 std::shared_ptr<PendingTensor> pending, absl::Time deadline)
+      : key_(std::move(key)),
+        upload_id_(std::move(upload_id)),
+        header_(std::move(header)),
+        deadline_(deadline),
+        pending_(std::move(pending)),
+        links_(static_cast<size_t>(header_.count)) {}
+  StripeAssembly(const StripeAssembly&) = delete;
+  StripeAssembly& operator=(const StripeAssembly&) = delete;
+
+  const std::string& key() const { return key_; }
+  const std::string& upload_id() const { return upload_id_; }
+  const StripeHeader& header() const { return header_; }
+
+  // Attaches stripe `index` through `link`. Success: the pending tensor to
+  // write into (the caller drops it once its writes are finished).
+  // INVALID_ARGUMENT when `header` differs from the upload's or `index` is
+  // already attached; ABORTED when the upload already completed or failed.
+  absl::StatusOr<std::shared_ptr<PendingTensor>> Join(
+      const StripeHeader& header, int index, std::shared_ptr<StripeLink> link)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What a stripe whose bytes are all written learns.
+  struct DoneResult {
+    bool wait = false;     // others are still writing: the RPC waits
+    bool decided = false;  // this call decided the upload's fate
+    absl::Status status;   // otherwise this stripe's status
+    TensorRecord info;     // on OK: the committed tensor
+    // Stripes to end (with EndStripes) with `others_status`.
+    std::vector<std::shared_ptr<StripeLink>> others;
+    absl::Status others_status;
+  };
+  // Stripe `index` has all its bytes on the device; the last one commits the
+  // tensor.
+  DoneResult Done(int index) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fails the upload because of `cause`. Returns the attached stripes but
+  // `exclude` (the failing one, ended by itself; -1 = none), to end with the
+  // ABORTED status put in `*aborted`. When the upload's fate was already
+  // decided: none, and `*aborted` is OK.
+  std::vector<std::shared_ptr<StripeLink>> Fail(int exclude,
+                                                const std::string& cause,
+                                                absl::Status* aborted)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Not every stripe attached and the deadline passed.
+  bool Overdue(absl::Time now) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Time deadline() const { return deadline_; }
+  // The stripes that have not attached, as "2, 5 of 7".
+  std::string MissingStripes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  enum class Fate { kOpen, kCommitted, kFailed };
+
+  const std::string key_;
+  const std::string upload_id_;
+  const StripeHeader header_;
+  const absl::Time deadline_;
+  mutable absl::Mutex mu_;
+  Fate fate_ ABSL_GUARDED_BY(mu_) = Fate::kOpen;
+  std::string cause_ ABSL_GUARDED_BY(mu_);  // why it failed
+  std::shared_ptr<PendingTensor> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<StripeLink>> links_ ABSL_GUARDED_BY(mu_);
+  int attached_ ABSL_GUARDED_BY(mu_) = 0;
+  int done_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+// The striped uploads in progress of one service, by tenant and upload_id,
+// and the ids recently finished. A sweeper thread abandons the uploads whose
+// stripes do not all arrive in time. Thread-safe.
+class StripedUploads {
+ public:
+  struct Attached {
+    std::shared_ptr<StripeAssembly> assembly;
+    std::shared_ptr<PendingTensor> pending;
+  };
+
+  StripedUploads(TensorStore* store, absl::Duration timeout)
+      : store_(store), timeout_(timeout), sweeper_([this] { Sweep(); }) {}
+  StripedUploads(const StripedUploads&) = delete;
+  StripedUploads& operator=(const StripedUploads&) = delete;
+  ~StripedUploads() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    sweeper_.join();
+  }
+
+  // Attaches stripe `stripe` of `tenant` with `header` through `link`,
+  // creating the upload (reserving the whole tensor in the store) when it is
+  // the first stripe and `may_create`. Errors: INVALID_ARGUMENT (a header
+  // differing from the upload's, an index already attached: the upload then
+  // fails), ABORTED (the id recently completed or failed), UNAVAILABLE (no
+  // such upload and !may_create: draining), and the store's Create errors.
+  absl::StatusOr<Attached> Attach(const std::string& tenant,
+                                  const StripeSpec& stripe,
+                                  const StripeHeader& header,
+                                  std::shared_ptr<StripeLink> link,
+                                  bool may_create) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fails the upload `upload_id` of `tenant`, if one is open, with `cause`
+  // (a stripe whose header was rejected before it could attach).
+  void FailIfOpen(const std::string& tenant, const std::string& upload_id,
+                  const std::string& cause) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Forgets an upload whose fate is decided; `what` ("completed", "failed:
+  // ...") explains later stripes naming its id.
+  void Finished(const StripeAssembly& assembly, std::string what)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  static std::string Key(const std::string& tenant, const std::string& id) {
+    // upload_ids never hold '/', tenants may: the id goes first.
+    return absl::StrCat(id, "/", tenant);
+  }
+  void RememberLocked(const std::string& key, std::string what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Sweep() ABSL_LOCKS_EXCLUDED(mu_);
+
+  static constexpr size_t kRememberedIds = 4096;
+
+  TensorStore* const store_;
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<StripeAssembly>> open_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> finished_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sweeper_;  // last: starts once the rest is built
+};
+
+namespace {
+
+// ---------------------------------------------------------- UploadReactor
 
 class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
  public:
@@ -269,7 +485,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       : PipelinedReadReactor(context),
         service_(service),
         response_(response),
-        admission_(service, *context) {
+        admission_(service, *context, /*allow_draining=*/true) {
     if (!admission_.status().ok()) {
       End(ToGrpcStatus(admission_.status()));
       return;
@@ -280,13 +496,50 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   void OnDone() override {
     // The pending tensor (and its reservation) goes before the drain count.
     pending_.reset();
+    {
+      absl::MutexLock lock(&mu_);
+      StopStripeWrites();
+    }
     // A deadline or cancellation that raced the reply: the client never got
     // the handle, so the tensor must not stay behind.
     if (!committed_.empty() && context_->IsCancelled()) {
       service_->store()->Release(admission_.tenant(), committed_).IgnoreError();
     }
+    assembly_.reset();
     admission_.Release();
     delete this;
+  }
+
+  // A stripe that waits for the others has no read in flight: cancellation
+  // (the client's, or its deadline) only shows here.
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (!waiting_) return;  // a reading stripe learns it from its read
+    waiting_ = false;
+    const absl::Status cause = absl::CancelledError(
+        absl::StrCat("stripe ", stripe_index_, " was cancelled"));
+    Abandon(cause);
+    End(ToGrpcStatus(cause));
+  }
+
+  // Ends this stripe's RPC on behalf of the party that decided the upload's
+  // fate, which claimed the stripe's link: with `status`, and on OK with the
+  // committed tensor `info`.
+  void EndFromAssembly(const absl::Status& status, const TensorRecord* info)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    grpc::Status result = ToGrpcStatus(status);
+    {
+      absl::MutexLock lock(&mu_);
+      MarkFinished();
+      waiting_ = false;
+      StopStripeWrites();
+      if (status.ok()) {
+        committed_ = info->handle;
+        result = ToGrpcStatus(Respond(*info));
+      }
+    }
+    // Outside mu_: once finished, gRPC may delete this reactor at any time.
+    FinishRpc(result);
   }
 
  private:
@@ -299,8 +552,30 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     return status;
   }
 
-  void Abandon() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Abandon(const absl::Status& cause) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     pending_.reset();
+    StopStripeWrites();
+    if (assembly_ == nullptr) return;
+    absl::Status aborted;
+    std::vector<std::shared_ptr<StripeLink>> others = assembly_->Fail(
+        stripe_index_, StripeCause(stripe_index_, cause), &aborted);
+    if (aborted.ok()) return;  // already decided
+    service_->stripes()->Finished(*assembly_,
+                                  absl::StrCat("failed: ", aborted.message()));
+    EndStripes(others, aborted, nullptr);
+  }
+
+  // Waits for this stripe's device copies and lets go of the shared pending
+  // tensor (whose memory goes when no stripe and no assembly holds it).
+  void StopStripeWrites() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stripe_pending_ == nullptr) return;
+    // A stripe without bytes never wrote; its address may be another
+    // stripe's, whose writes are not this stripe's to finish.
+    if (stripe_bytes_ > 0) {
+      service_->store()->device()->FinishWrites(stripe_base_).IgnoreError();
+    }
+    stripe_pending_.reset();
   }
 
   absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
@@ -330,10 +605,12 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     }
     switch (request.kind_case()) {
       case pb::UploadRequest::kHeader: {
-        if (pending_ != nullptr) {
+        if (pending_ != nullptr || link_ != nullptr) {
           return absl::InvalidArgumentError("a second header");
         }
         const pb::TensorHeader& header = request.header();
+        if (header.has_stripe()) return StartStripe(header);
+        if (admission_.draining()) return DrainingError();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
                                        admission_.tenant(), spec.dtype,
@@ -351,14 +628,52 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     }
   }
 
+  // The header of one stripe of a striped upload: attaches to (or starts) the
+  // assembly and finds this stripe's byte range.
+  absl::Status StartStripe(const pb::TensorHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ASSIGN_OR_RETURN(const StripeSpec stripe,
+                     ValidateUploadStripe(header.stripe()));
+    StripedUploads* const stripes = service_->stripes();
+    absl::StatusOr<TensorSpec> spec = ValidateTensorHeader(header);
+    if (!spec.ok()) {
+      stripes->FailIfOpen(admission_.tenant(), stripe.upload_id,
+                          StripeCause(stripe.index, spec.status()));
+      return spec.status();
+    }
+    StripeHeader shared;
+    shared.dtype = spec->dtype;
+    shared.shape = std::move(spec->shape);
+    shared.label = header.label();
+    shared.count = stripe.count;
+    link_ = std::make_shared<StripeLink>(this);
+    ASSIGN_OR_RETURN(StripedUploads::Attached attached,
+                     stripes->Attach(admission_.tenant(), stripe, shared, link_,
+                                     !admission_.draining()));
+    assembly_ = std::move(attached.assembly);
+    stripe_pending_ = std::move(attached.pending);
+    stripe_index_ = stripe.index;
+    int64_t elements = 1;
+    for (int64_t dim : assembly_->header().shape) elements *= dim;
+    const ElementRange range =
+        StripeElements(elements, stripe.index, stripe.count);
+    const int64_t element_bytes =
+        static_cast<int64_t>(DTypeSize(assembly_->header().dtype));
+    stripe_bytes_ = (range.end - range.first) * element_bytes;
+    stripe_base_ = static_cast<char*>(stripe_pending_->data()) +
+                   range.first * element_bytes;
+    return absl::OkStatus();
+  }
+
   // Appends bytes [prefix, size) of the concatenated `slices`.
   absl::Status AppendChunk(const std::vector<grpc::Slice>& slices,
                            size_t prefix, size_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t length = static_cast<int64_t>(size - prefix);
+    if (link_ != nullptr) return AppendStripeChunk(slices, prefix, length);
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("data before the header");
     }
-    const int64_t length = static_cast<int64_t>(size - prefix);
     if (length > pending_->bytes() - pending_->received_bytes()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "more bytes than the header says: %d expected, at least %d received",
@@ -380,7 +695,45 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
+  // A stripe writes straight into its range of the shared buffer, its device
+  // copies keyed by the range's start (Device::CopyFromHostAsync), so that
+  // stripes on different threads never share a staging pipeline.
+  absl::Status AppendStripeChunk(const std::vector<grpc::Slice>& slices,
+                                 size_t prefix, int64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stripe_pending_ == nullptr) {
+      return absl::AbortedError(
+          absl::StrCat("striped upload ", assembly_->upload_id(), " ended"));
+    }
+    if (length > stripe_bytes_ - stripe_received_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "more bytes than stripe %d of %d carries: %d expected, at least %d "
+          "received",
+          stripe_index_, assembly_->header().count, stripe_bytes_,
+          stripe_received_ + length));
+    }
+    Device* device = service_->store()->device();
+    size_t skip = prefix;
+    for (const grpc::Slice& slice : slices) {
+      if (skip >= slice.size()) {
+        skip -= slice.size();
+        continue;
+      }
+      const size_t piece = slice.size() - skip;
+      RETURN_IF_ERROR(device->CopyFromHostAsync(
+          stripe_base_, static_cast<size_t>(stripe_received_),
+          slice.begin() + skip, piece));
+      stripe_received_ += static_cast<int64_t>(piece);
+      skip = 0;
+    }
+    if (service_->metrics() != nullptr) {
+      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (link_ != nullptr) return CompleteStripe();
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
@@ -388,14 +741,64 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     pending_.reset();
     if (!tensor.ok()) return tensor.status();
     committed_ = (*tensor)->handle();
+    return Respond((*tensor)->Info());
+  }
+
+  // This stripe's stream ended cleanly: its bytes are checked and flushed to
+  // the device; then it waits for the others, or (the last) commits for all.
+  absl::Status CompleteStripe() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stripe_received_ != stripe_bytes_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "fewer bytes than stripe %d of %d carries: %d expected, %d received",
+          stripe_index_, assembly_->header().count, stripe_bytes_,
+          stripe_received_));
+    }
+    if (stripe_pending_ != nullptr && stripe_bytes_ > 0) {
+      RETURN_IF_ERROR(service_->store()->device()->FinishWrites(stripe_base_));
+    }
+    stripe_pending_.reset();
+    StripeAssembly::DoneResult done = assembly_->Done(stripe_index_);
+    if (done.wait) {
+      waiting_ = true;
+      end_deferred_ = true;
+      // Cancelled before OnCancel could see waiting_: it has run already.
+      if (context_->IsCancelled()) {
+        waiting_ = false;
+        end_deferred_ = false;
+        return absl::CancelledError(
+            absl::StrCat("stripe ", stripe_index_, " was cancelled"));
+      }
+      return absl::OkStatus();
+    }
+    if (done.decided) {
+      service_->stripes()->Finished(
+          *assembly_, done.status.ok()
+                          ? std::string("completed")
+                          : absl::StrCat("failed: ", done.status.message()));
+    }
+    EndStripes(done.others, done.others_status,
+               done.others_status.ok() ? &done.info : nullptr);
+    if (!done.status.ok()) return done.status;
+    committed_ = done.info.handle;
+    return Respond(done.info);
+  }
+
+  absl::Status Respond(const TensorRecord& info) {
     pb::UploadResponse response;
-    ToProto((*tensor)->Info(), response.mutable_tensor());
+    ToProto(info, response.mutable_tensor());
     return SerializeResponse(response, response_);
   }
 
-  // Finishes the RPC with `status`. Recorded before Finish, so that a client
-  // that has its status also sees it counted.
+  // Finishes the RPC with `status`, unless (a stripe) another party claimed
+  // that right.
   void End(const grpc::Status& status) override {
+    if (link_ != nullptr && !link_->Claim()) return;
+    FinishRpc(status);
+  }
+
+  // Recorded before Finish, so that a client that has its status also sees it
+  // counted.
+  void FinishRpc(const grpc::Status& status) {
     service_->RecordRpc("Upload", status.error_code(), start_);
     Finish(status);
   }
@@ -406,7 +809,253 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   std::unique_ptr<PendingTensor> pending_;
   std::string committed_;  // the handle, once published
   Admission admission_;
+  // A stripe of a striped upload: its link, assembly and byte range.
+  std::shared_ptr<StripeLink> link_;
+  std::shared_ptr<StripeAssembly> assembly_;
+  std::shared_ptr<PendingTensor> stripe_pending_ ABSL_GUARDED_BY(mu_);
+  char* stripe_base_ = nullptr;
+  int64_t stripe_bytes_ = 0;
+  int64_t stripe_received_ = 0;
+  int stripe_index_ = -1;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // bytes in, upload not decided
 };
+
+// ------------------------------------------------------ striped Upload logic
+
+void EndStripes(const std::vector<std::shared_ptr<StripeLink>>& links,
+                const absl::Status& status, const TensorRecord* info) {
+  for (const std::shared_ptr<StripeLink>& link : links) {
+    if (link->Claim()) link->reactor->EndFromAssembly(status, info);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
+    const StripeHeader& header, int index, std::shared_ptr<StripeLink> link) {
+  absl::MutexLock lock(&mu_);
+  if (fate_ != Fate::kOpen) {
+    return absl::AbortedError(absl::StrCat(
+        "striped upload ", upload_id_,
+        fate_ == Fate::kCommitted ? " already completed" : " failed: ", cause_,
+        "; a new upload needs a new upload_id"));
+  }
+  if (header.dtype != header_.dtype || header.shape != header_.shape ||
+      header.label != header_.label || header.count != header_.count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stripe ", index, " of striped upload ", upload_id_, " says ",
+        DTypeName(header.dtype), " ", ShapeString(header.shape), " label '",
+        header.label, "' in ", header.count, " stripes; the upload is ",
+        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label '",
+        header_.label, "' in ", header_.count, " stripes"));
+  }
+  if (links_[static_cast<size_t>(index)] != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stripe ", index, " of striped upload ", upload_id_, " arrived twice"));
+  }
+  links_[static_cast<size_t>(index)] = std::move(link);
+  ++attached_;
+  return pending_;
+}
+
+StripeAssembly::DoneResult StripeAssembly::Done(int index) {
+  DoneResult result;
+  absl::MutexLock lock(&mu_);
+  if (fate_ != Fate::kOpen) {
+    result.status = absl::AbortedError(
+        absl::StrCat("striped upload ", upload_id_, " failed: ", cause_));
+    return result;
+  }
+  if (++done_ < header_.count) {
+    result.wait = true;
+    return result;
+  }
+  for (int i = 0; i < header_.count; ++i) {
+    if (i != index) result.others.push_back(links_[static_cast<size_t>(i)]);
+  }
+  links_.clear();
+  result.decided = true;
+  pending_->MarkFilled();
+  absl::StatusOr<std::shared_ptr<Tensor>> tensor = pending_->Commit();
+  pending_.reset();
+  if (!tensor.ok()) {
+    fate_ = Fate::kFailed;
+    cause_ = std::string(tensor.status().message());
+    result.status = tensor.status();
+    result.others_status = absl::AbortedError(
+        absl::StrCat("striped upload ", upload_id_, " failed: ", cause_));
+    return result;
+  }
+  fate_ = Fate::kCommitted;
+  result.info = (*tensor)->Info();
+  return result;
+}
+
+std::vector<std::shared_ptr<StripeLink>> StripeAssembly::Fail(
+    int exclude, const std::string& cause, absl::Status* aborted) {
+  std::vector<std::shared_ptr<StripeLink>> others;
+  absl::MutexLock lock(&mu_);
+  if (fate_ != Fate::kOpen) {
+    *aborted = absl::OkStatus();
+    return others;
+  }
+  fate_ = Fate::kFailed;
+  cause_ = cause;
+  *aborted = absl::AbortedError(
+      absl::StrCat("striped upload ", upload_id_, " failed: ", cause_));
+  for (int i = 0; i < static_cast<int>(links_.size()); ++i) {
+    if (i != exclude && links_[static_cast<size_t>(i)] != nullptr) {
+      others.push_back(links_[static_cast<size_t>(i)]);
+    }
+  }
+  links_.clear();
+  // The memory goes once the stripes still writing let go of it too.
+  pending_.reset();
+  return others;
+}
+
+bool StripeAssembly::Overdue(absl::Time now) const {
+  absl::MutexLock lock(&mu_);
+  return fate_ == Fate::kOpen && attached_ < header_.count && now >= deadline_;
+}
+
+std::string StripeAssembly::MissingStripes() const {
+  absl::MutexLock lock(&mu_);
+  std::string missing;
+  for (int i = 0; i < static_cast<int>(links_.size()); ++i) {
+    if (links_[static_cast<size_t>(i)] == nullptr) {
+      absl::StrAppend(&missing, missing.empty() ? "" : ", ", i);
+    }
+  }
+  return absl::StrCat(missing, " of ", header_.count);
+}
+
+}  // namespace
+
+absl::StatusOr<StripedUploads::Attached> StripedUploads::Attach(
+    const std::string& tenant, const StripeSpec& stripe,
+    const StripeHeader& header, std::shared_ptr<StripeLink> link,
+    bool may_create) {
+  const std::string key = Key(tenant, stripe.upload_id);
+  std::vector<std::shared_ptr<StripeLink>> others;
+  absl::Status aborted;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = open_.find(key);
+    if (found == open_.end()) {
+      auto gone = finished_.find(key);
+      if (gone != finished_.end()) {
+        return absl::AbortedError(
+            absl::StrCat("striped upload ", stripe.upload_id, " already ",
+                         gone->second, "; a new upload needs a new upload_id"));
+      }
+      if (!may_create) return DrainingError();
+      ASSIGN_OR_RETURN(
+          std::unique_ptr<PendingTensor> pending,
+          store_->Create(tenant, header.dtype, header.shape, header.label));
+      auto assembly = std::make_shared<StripeAssembly>(
+          key, stripe.upload_id, header,
+          std::shared_ptr<PendingTensor>(std::move(pending)),
+          absl::Now() + timeout_);
+      ASSIGN_OR_RETURN(std::shared_ptr<PendingTensor> shared,
+                       assembly->Join(header, stripe.index, std::move(link)));
+      open_[key] = assembly;
+      changed_ = true;
+      return Attached{std::move(assembly), std::move(shared)};
+    }
+    std::shared_ptr<StripeAssembly> assembly = found->second;
+    absl::StatusOr<std::shared_ptr<PendingTensor>> shared =
+        assembly->Join(header, stripe.index, std::move(link));
+    if (shared.ok()) return Attached{std::move(assembly), *std::move(shared)};
+    status = shared.status();
+    if (status.code() != absl::StatusCode::kInvalidArgument) return status;
+    // A stripe that contradicts the upload fails all of it.
+    others = assembly->Fail(-1, StripeCause(stripe.index, status), &aborted);
+    open_.erase(found);
+    RememberLocked(key, absl::StrCat("failed: ", aborted.message()));
+  }
+  EndStripes(others, aborted, nullptr);
+  return status;
+}
+
+void StripedUploads::FailIfOpen(const std::string& tenant,
+                                const std::string& upload_id,
+                                const std::string& cause) {
+  const std::string key = Key(tenant, upload_id);
+  std::vector<std::shared_ptr<StripeLink>> others;
+  absl::Status aborted;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = open_.find(key);
+    if (found == open_.end()) return;
+    others = found->second->Fail(-1, cause, &aborted);
+    open_.erase(found);
+    RememberLocked(key, absl::StrCat("failed: ", aborted.message()));
+  }
+  EndStripes(others, aborted, nullptr);
+}
+
+void StripedUploads::Finished(const StripeAssembly& assembly,
+                              std::string what) {
+  absl::MutexLock lock(&mu_);
+  auto found = open_.find(assembly.key());
+  if (found != open_.end() && found->second.get() == &assembly) {
+    open_.erase(found);
+  }
+  RememberLocked(assembly.key(), std::move(what));
+}
+
+void StripedUploads::RememberLocked(const std::string& key, std::string what) {
+  if (finished_.insert_or_assign(key, std::move(what)).second) {
+    finished_order_.push_back(key);
+  }
+  while (finished_order_.size() > kRememberedIds) {
+    finished_.erase(finished_order_.front());
+    finished_order_.pop_front();
+  }
+}
+
+void StripedUploads::Sweep() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    absl::Time next = absl::InfiniteFuture();
+    for (const auto& [key, assembly] : open_) {
+      next = std::min(next, assembly->deadline());
+    }
+    auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stop_ || changed_;
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&wake), next);
+    changed_ = false;
+    if (stop_) break;
+    const absl::Time now = absl::Now();
+    std::vector<std::shared_ptr<StripeAssembly>> overdue;
+    for (auto it = open_.begin(); it != open_.end();) {
+      if (it->second->Overdue(now)) {
+        overdue.push_back(it->second);
+        open_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    for (const std::shared_ptr<StripeAssembly>& assembly : overdue) {
+      const std::string cause = absl::StrCat(
+          "stripes ", assembly->MissingStripes(), " did not arrive within ",
+          absl::FormatDuration(timeout_));
+      absl::Status aborted;
+      std::vector<std::shared_ptr<StripeLink>> others =
+          assembly->Fail(-1, cause, &aborted);
+      RememberLocked(assembly->key(),
+                     absl::StrCat("failed: ", aborted.message()));
+      // Ending RPCs takes reactor locks: not under mu_ (a reactor may be
+      // waiting for mu_ in Attach while holding its own).
+      mu_.Unlock();
+      EndStripes(others, aborted, nullptr);
+      mu_.Lock();
+    }
+  }
+}
+
+namespace {
 
 // The generated (parsing) Upload and Evaluate handlers are replaced by raw
 // ones; this reactor only answers if that ever stops being so.
@@ -487,13 +1136,17 @@ class DownloadReactor final
                               spec.chunk_bytes == 0
                                   ? service_->options().default_chunk_bytes
                                   : spec.chunk_bytes));
+    ASSIGN_OR_RETURN(const ElementRange range,
+                     DownloadElements(spec, as_dtype, tensor->elements()));
     lease_ = service_->store()->BeginRead(std::move(tensor));
     dtype_ = as_dtype;
-    elements_ = lease_.tensor()->elements();
+    next_element_ = range.first;
+    elements_ = range.end;
     TensorRecord info = lease_.tensor()->Info();
-    // The header describes what is sent: converted, with the factor applied.
+    // The header describes what is sent: converted, with the factor applied,
+    // and only the range asked for.
     info.dtype = as_dtype;
-    info.bytes = elements_ * out_size;
+    info.bytes = (range.end - range.first) * out_size;
     info.pending_scale = lease_.view().scale;
     info.pending_token_scale = !lease_.view().row_scale.empty();
     ToProto(info, response_.mutable_header());
@@ -740,7 +1393,10 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   }
 
   // The device buffers go as soon as the stream fails.
-  void Abandon() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { FreeBuffers(); }
+  void Abandon(const absl::Status& /*cause*/) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    FreeBuffers();
+  }
 
   absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1003,7 +1659,11 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
 
 LossdService::LossdService(TensorStore* store, ServiceOptions options,
                            Metrics* metrics)
-    : store_(store), options_(std::move(options)), metrics_(metrics) {
+    : store_(store),
+      options_(std::move(options)),
+      metrics_(metrics),
+      stripes_(
+          std::make_unique<StripedUploads>(store_, options_.stripe_timeout)) {
   // Upload is method 0 of lossd.v1.Lossd (its first rpc). The raw handler
   // skips the protobuf copy of every chunk (see UploadReactor).
   MarkMethodRawCallback(
@@ -1050,9 +1710,10 @@ int64_t LossdService::in_flight() const {
   return in_flight_;
 }
 
-bool LossdService::Enter() {
+bool LossdService::Enter(bool* draining) {
   absl::MutexLock lock(&mu_);
-  if (draining_) return false;
+  if (draining_ && draining == nullptr) return false;
+  if (draining != nullptr) *draining = draining_;
   ++in_flight_;
   return true;
 }
@@ -1063,8 +1724,9 @@ void LossdService::Leave() {
 }
 
 absl::Status LossdService::Admit(const grpc::ServerContextBase& context,
-                                 std::string* tenant, InFlightSlot* slot) {
-  if (!Enter()) return DrainingError();
+                                 std::string* tenant, InFlightSlot* slot,
+                                 bool* draining) {
+  if (!Enter(draining)) return DrainingError();
   absl::StatusOr<std::string> caller =
       options_.authenticator == nullptr
           ? std::string(kDefaultTenant)

@@ -5,6 +5,7 @@
 #define LOSSD_SERVER_SERVICE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -33,7 +34,13 @@ struct ServiceOptions {
   const Authenticator* authenticator = nullptr;
   // Per-tenant in-flight RPC limits; null = none. Must outlive the service.
   TenantQuotas* quotas = nullptr;
+  // A striped upload whose stripes have not all arrived this long after the
+  // first is abandoned (every stripe fails ABORTED, nothing is kept).
+  absl::Duration stripe_timeout = absl::Seconds(60);
 };
+
+// The striped uploads in progress (service.cc).
+class StripedUploads;
 
 // The lossd.v1.Lossd service. Thread-safe: gRPC calls it from many threads.
 // `store` must outlive the service; so must `metrics` (nullable: nothing is
@@ -85,19 +92,24 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
       lossd::v1::ServerInfo* response) override;
 
   // Counts one RPC as running for the drain; false (and nothing counted) when
-  // draining. Public for the reactors in service.cc.
-  bool Enter() ABSL_LOCKS_EXCLUDED(mu_);
+  // draining, unless `draining` is given: then it is always counted and
+  // `*draining` says whether the service drains. Public for the reactors in
+  // service.cc.
+  bool Enter(bool* draining = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   void Leave() ABSL_LOCKS_EXCLUDED(mu_);
   // Admits one RPC: Enter, then authenticates it (its tenant goes to
   // `*tenant`) and takes one of the tenant's in-flight slots (into `*slot`,
   // to be reset before Leave). UNAVAILABLE when draining, UNAUTHENTICATED /
   // PERMISSION_DENIED from the authenticator, RESOURCE_EXHAUSTED over the
   // tenant's in-flight quota; on error nothing is counted (no Leave due).
+  // With `draining` given, a draining service admits the RPC too and sets
+  // `*draining` (Upload: a stripe may join an upload already started).
   absl::Status Admit(const grpc::ServerContextBase& context,
-                     std::string* tenant, InFlightSlot* slot)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                     std::string* tenant, InFlightSlot* slot,
+                     bool* draining = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   TensorStore* store() const { return store_; }
+  StripedUploads* stripes() const { return stripes_.get(); }
   // Nullable.
   Metrics* metrics() const { return metrics_; }
   // Reports one finished RPC to the metrics (if any). Called before its status
@@ -127,6 +139,7 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   TensorStore* const store_;
   const ServiceOptions options_;
   Metrics* const metrics_;
+  const std::unique_ptr<StripedUploads> stripes_;
 
   mutable absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -147,6 +147,48 @@ absl::StatusOr<TensorSpec> ValidateTensorHeader(
   return spec;
 }
 
+absl::StatusOr<StripeSpec> ValidateUploadStripe(
+    const pb::UploadStripe& stripe) {
+  const std::string& id = stripe.upload_id();
+  if (id.empty() || id.size() > kMaxUploadIdLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.upload_id must have 1 to ", kMaxUploadIdLength,
+                     " characters, got ", id.size()));
+  }
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          "stripe.upload_id may only hold the characters [A-Za-z0-9_-]");
+    }
+  }
+  if (stripe.count() < 1 || stripe.count() > kMaxUploadStripes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.count = ", stripe.count(), " is outside [1, ",
+                     kMaxUploadStripes, "]"));
+  }
+  if (stripe.index() < 0 || stripe.index() >= stripe.count()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stripe.index = ", stripe.index(), " is outside [0, ",
+                     stripe.count(), ")"));
+  }
+  StripeSpec spec;
+  spec.upload_id = id;
+  spec.index = stripe.index();
+  spec.count = stripe.count();
+  return spec;
+}
+
+ElementRange StripeElements(int64_t elements, int index, int count) {
+  // floor(i * E / K) = i * (E / K) + floor(i * (E % K) / K): no product
+  // of E with anything, so no overflow.
+  const int64_t whole = elements / count;
+  const int64_t rest = elements % count;
+  auto boundary = [&](int64_t i) { return i * whole + (i * rest) / count; };
+  return ElementRange{boundary(index), boundary(index + 1)};
+}
+
 absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
     const pb::DownloadRequest& request, int64_t max_chunk_bytes) {
   DownloadSpec spec;
@@ -158,7 +200,33 @@ absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
                      " is outside [0, ", max_chunk_bytes, "]"));
   }
   spec.chunk_bytes = request.chunk_bytes();
+  if (request.offset() < 0 || request.length() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset = ", request.offset(),
+                     " and length = ", request.length(), " must be >= 0"));
+  }
+  spec.offset = request.offset();
+  spec.length = request.length();
   return spec;
+}
+
+absl::StatusOr<ElementRange> DownloadElements(const DownloadSpec& spec,
+                                              DType sent, int64_t elements) {
+  const int64_t size = static_cast<int64_t>(DTypeSize(sent));
+  if (size <= 0 || spec.offset % size != 0 || spec.length % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "offset = ", spec.offset, " and length = ", spec.length,
+        " must be whole elements of ", DTypeName(sent), " (", size, " bytes)"));
+  }
+  const int64_t first = spec.offset / size;
+  const int64_t count = spec.length / size;
+  if (first > elements || count > elements - first) {
+    return absl::OutOfRangeError(
+        absl::StrCat("bytes [", spec.offset, ", ", spec.offset + spec.length,
+                     ") are past the end of the tensor (", elements * size,
+                     " bytes as ", DTypeName(sent), ")"));
+  }
+  return ElementRange{first, count == 0 ? elements : first + count};
 }
 
 absl::StatusOr<int64_t> DownloadChunkElements(DType stored, DType sent,

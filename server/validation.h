@@ -55,15 +55,47 @@ struct TensorSpec {
 absl::StatusOr<TensorSpec> ValidateTensorHeader(
     const lossd::v1::TensorHeader& header);
 
+// Limits of a striped upload (lossd.v1.UploadStripe).
+inline constexpr int kMaxUploadStripes = 64;
+inline constexpr size_t kMaxUploadIdLength = 64;
+
+// A striped upload's stripe, checked.
+struct StripeSpec {
+  std::string upload_id;
+  int index = 0;
+  int count = 1;
+};
+
+// INVALID_ARGUMENT: upload_id empty, longer than kMaxUploadIdLength or with a
+// character outside [A-Za-z0-9_-]; count outside [1, kMaxUploadStripes];
+// index outside [0, count). Thread-safe.
+absl::StatusOr<StripeSpec> ValidateUploadStripe(
+    const lossd::v1::UploadStripe& stripe);
+
+// Elements [first, end) of a tensor.
+struct ElementRange {
+  int64_t first = 0;
+  int64_t end = 0;
+};
+
+// The elements stripe `index` of `count` carries of a tensor of `elements`
+// elements: [floor(index * elements / count), floor((index + 1) * elements /
+// count)), computed without overflow for any elements >= 0. Requires
+// 0 <= index < count <= kMaxUploadStripes (ValidateUploadStripe). Thread-safe.
+ElementRange StripeElements(int64_t elements, int index, int count);
+
 // A Download request, checked: `dtype` kInvalid means "as stored";
-// `chunk_bytes` 0 means "the server's default".
+// `chunk_bytes` 0 means "the server's default"; `offset`/`length` a byte range
+// of the converted output (length 0 = to the end).
 struct DownloadSpec {
   DType dtype = DType::kInvalid;
   int64_t chunk_bytes = 0;
+  int64_t offset = 0;
+  int64_t length = 0;
 };
 
-// INVALID_ARGUMENT: an unknown dtype; chunk_bytes < 0 or > max_chunk_bytes.
-// Thread-safe.
+// INVALID_ARGUMENT: an unknown dtype; chunk_bytes < 0 or > max_chunk_bytes;
+// offset or length < 0. Thread-safe.
 absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
     const lossd::v1::DownloadRequest& request, int64_t max_chunk_bytes);
 
@@ -74,6 +106,13 @@ absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
 // Thread-safe.
 absl::StatusOr<int64_t> DownloadChunkElements(DType stored, DType sent,
                                               int64_t chunk_bytes);
+
+// The elements [first, end) a Download of `spec` sends of a tensor of
+// `elements` elements sent as `sent`. INVALID_ARGUMENT: offset or length not
+// a multiple of the element size; OUT_OF_RANGE: offset + length past the end.
+// Thread-safe.
+absl::StatusOr<ElementRange> DownloadElements(const DownloadSpec& spec,
+                                              DType sent, int64_t elements);
 
 // The request-only part of a Forward: everything checkable before handles
 // are resolved.

@@ -45,6 +45,22 @@ void FuzzTensorHeader(const std::string& bytes) {
     Require(!__builtin_mul_overflow(bytes_expected, dim, &bytes_expected));
   }
   Require(spec->bytes == bytes_expected);
+  if (!header.has_stripe()) return;
+  auto stripe = lossd::ValidateUploadStripe(header.stripe());
+  if (!stripe.ok()) return RequireInvalidArgument(stripe.status());
+  Require(stripe->count >= 1 && stripe->index >= 0 &&
+          stripe->index < stripe->count);
+  // The stripes tile the tensor: contiguous, in order, nothing left out.
+  const int64_t elements =
+      spec->bytes / static_cast<int64_t>(lossd::DTypeSize(spec->dtype));
+  int64_t next = 0;
+  for (int i = 0; i < stripe->count; ++i) {
+    const lossd::ElementRange range =
+        lossd::StripeElements(elements, i, stripe->count);
+    Require(range.first == next && range.end >= range.first);
+    next = range.end;
+  }
+  Require(next == elements);
 }
 
 void FuzzDownload(const std::string& bytes) {
@@ -66,6 +82,18 @@ void FuzzDownload(const std::string& bytes) {
     }
     Require(*elements >= 1);
     Require(lossd::IsLogitsDType(stored_dtype) == lossd::IsLogitsDType(sent));
+    // A byte range of a tensor of a few sizes: inside the tensor, or a clear
+    // INVALID_ARGUMENT / OUT_OF_RANGE.
+    for (int64_t tensor_elements : {int64_t{0}, int64_t{7}, int64_t{1} << 40}) {
+      auto range = lossd::DownloadElements(*spec, sent, tensor_elements);
+      if (!range.ok()) {
+        Require(range.status().code() == absl::StatusCode::kInvalidArgument ||
+                range.status().code() == absl::StatusCode::kOutOfRange);
+        continue;
+      }
+      Require(range->first >= 0 && range->first <= range->end &&
+              range->end <= tensor_elements);
+    }
   }
 }
 
