@@ -784,6 +784,14 @@ TEST_F(CudaCrossEntropyTest, TmaKernelSmall) {
       nf.exact_argmax = false;  // NaN rows: the first max is not defined
       CheckCase(nf, seed++);
     }
+    // Clusters of one block: a 32 KiB row in 32 KiB slices.
+    Case one =
+        Make("v6 auto, clusters of one block", 500, 16384, DType::kBFloat16);
+    one.config.ctas_per_sm = ctas;
+    one.config.slice_kib = 32;
+    one.config.version = 6;
+    one.ignore_fraction = 0.1;
+    CheckCase(one, seed++);
     Case d = Make("v6 small p_y -> 1", 300, 8192, DType::kFloat32);
     d.logits = Logits::kTargetDominant;
     d.config.version = 6;
