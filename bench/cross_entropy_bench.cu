@@ -172,23 +172,15 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
         variants = {{"auto", {}}};
     if (sweep6) {
-      struct V6 {
-        int slice, ctas, threads;
-      };
-      for (const V6& v : std::vector<V6>{{64, 1, 512},
-                                         {32, 2, 256},
-                                         {32, 2, 512},
-                                         {48, 2, 256},
-                                         {48, 2, 512}}) {
+      // (slice KiB, blocks a SM): 1 = one 512-thread block, 2 = two of 256.
+      for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
+               {64, 1}, {32, 2}, {48, 2}, {16, 2}}) {
         lossd::CrossEntropyCudaConfig v6;
         v6.version = 6;
-        v6.slice_kib = v.slice;
-        v6.ctas_per_sm = v.ctas;
-        v6.threads = v.threads;
-        variants.push_back({"v6 s" + std::to_string(v.slice) + " x" +
-                                std::to_string(v.ctas) + " t" +
-                                std::to_string(v.threads),
-                            v6});
+        v6.slice_kib = slice;
+        v6.ctas_per_sm = ctas;
+        variants.push_back(
+            {"v6 s" + std::to_string(slice) + " x" + std::to_string(ctas), v6});
       }
     }
     if (sweep) {

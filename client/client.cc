@@ -423,6 +423,65 @@ absl::Status StreamDownload(
   return absl::OkStatus();
 }
 
+// Runs work(i, context, count) for i in [0, n) on n threads, each with its
+// own ClientContext prepared from `options`. When one fails, the others'
+// contexts are cancelled: a stripe that failed may never have reached the
+// server, so the others must not wait for it. `count(bytes)` adds to the
+// progress this (the calling) thread reports as progress(done, total).
+// Returns each worker's status, in order.
+std::vector<absl::Status> RunParallel(
+    int n, const ClientOptions& options, int64_t total,
+    const ProgressCallback& progress,
+    const std::function<absl::Status(int, grpc::ClientContext*,
+                                     const std::function<void(int64_t)>&)>&
+        work) {
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  for (int i = 0; i < n; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    PrepareContext(options, contexts.back().get());
+  }
+  absl::Mutex mu;
+  int64_t done = 0;
+  int finished = 0;
+  std::vector<absl::Status> results(static_cast<std::size_t>(n));
+  const std::function<void(int64_t)> count = [&](int64_t bytes) {
+    absl::MutexLock lock(&mu);
+    done += bytes;
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      absl::Status status =
+          work(i, contexts[static_cast<std::size_t>(i)].get(), count);
+      if (!status.ok()) {
+        for (int j = 0; j < n; ++j) {
+          if (j != i) contexts[static_cast<std::size_t>(j)]->TryCancel();
+        }
+      }
+      absl::MutexLock lock(&mu);
+      results[static_cast<std::size_t>(i)] = std::move(status);
+      ++finished;
+    });
+  }
+  int64_t reported = -1;
+  for (bool all = false; !all;) {
+    int64_t now;
+    {
+      absl::MutexLock lock(&mu);
+      auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+        return done != reported || finished == n;
+      };
+      mu.Await(absl::Condition(&moved));
+      now = done;
+      all = finished == n;
+    }
+    if (progress && now != reported) progress(now, total);
+    reported = now;
+  }
+  for (std::thread& thread : threads) thread.join();
+  return results;
+}
+
 }  // namespace
 
 Client::Client(std::string target, ClientOptions options,
@@ -526,65 +585,29 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
   header.mutable_stripe()->set_count(stripes);
 
   std::vector<std::shared_ptr<grpc::Channel>> channels;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   for (int i = 0; i < stripes; ++i) {
     channels.push_back(i == 0 ? channel_->channel
                               : channel_->StripeChannel(target_, i));
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    PrepareContext(options_, contexts.back().get());
   }
-  // Progress is reported on this thread, from what the stripes' threads
-  // count here.
-  absl::Mutex mu;
-  int64_t sent = 0;
-  int finished = 0;
   std::vector<absl::StatusOr<v1::TensorInfo>> results(
       static_cast<std::size_t>(stripes), absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int i = 0; i < stripes; ++i) {
-    threads.emplace_back([&, i] {
-      const StripeRange range = StripeElements(elements, i, stripes);
-      v1::TensorHeader stripe_header = header;
-      stripe_header.mutable_stripe()->set_index(i);
-      absl::StatusOr<v1::TensorInfo> result = SendUpload(
-          channels[static_cast<std::size_t>(i)].get(),
-          contexts[static_cast<std::size_t>(i)].get(), stripe_header,
-          static_cast<const char*>(data) + range.first * element_bytes,
-          static_cast<std::size_t>((range.end - range.first) * element_bytes),
-          options_.chunk_bytes, [&](std::size_t n) {
-            absl::MutexLock lock(&mu);
-            sent += static_cast<int64_t>(n);
-          });
-      if (!result.ok()) {
-        // A stripe that failed here may never have reached the server: the
-        // others are cancelled rather than left waiting for it.
-        for (int j = 0; j < stripes; ++j) {
-          if (j != i) contexts[static_cast<std::size_t>(j)]->TryCancel();
-        }
-      }
-      absl::MutexLock lock(&mu);
-      results[static_cast<std::size_t>(i)] = std::move(result);
-      ++finished;
-    });
-  }
-  int64_t reported = -1;
-  for (bool all = false; !all;) {
-    int64_t now;
-    {
-      absl::MutexLock lock(&mu);
-      auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-        return sent != reported || finished == stripes;
-      };
-      mu.Await(absl::Condition(&moved));
-      now = sent;
-      all = finished == stripes;
-    }
-    if (progress && now != reported) {
-      progress(now, static_cast<int64_t>(bytes));
-    }
-    reported = now;
-  }
-  for (std::thread& thread : threads) thread.join();
+  RunParallel(
+      stripes, options_, static_cast<int64_t>(bytes), progress,
+      [&](int i, grpc::ClientContext* context,
+          const std::function<void(int64_t)>& count) {
+        const StripeRange range = StripeElements(elements, i, stripes);
+        v1::TensorHeader stripe_header = header;
+        stripe_header.mutable_stripe()->set_index(i);
+        absl::StatusOr<v1::TensorInfo>& result =
+            results[static_cast<std::size_t>(i)];
+        result = SendUpload(
+            channels[static_cast<std::size_t>(i)].get(), context, stripe_header,
+            static_cast<const char*>(data) + range.first * element_bytes,
+            static_cast<std::size_t>((range.end - range.first) * element_bytes),
+            options_.chunk_bytes,
+            [&](std::size_t n) { count(static_cast<int64_t>(n)); });
+        return result.status();
+      });
 
   // The root cause: the first error that is not the others' reaction to it.
   const absl::Status* first_error = nullptr;
@@ -656,25 +679,18 @@ absl::StatusOr<bool> Client::DownloadInRanges(
     base = static_cast<uint8_t*>(buffer);
   }
 
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  for (int i = 0; i < streams; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    PrepareContext(options_, contexts.back().get());
-  }
   absl::Mutex mu;
-  int64_t received = 0;
-  int finished = 0;
   TensorInfo first_header;
-  std::vector<absl::Status> results(static_cast<std::size_t>(streams));
-  std::vector<std::thread> threads;
-  for (int i = 0; i < streams; ++i) {
-    threads.emplace_back([&, i] {
-      const StripeRange range = StripeElements(elements, i, streams);
-      const int64_t offset = range.first * element_bytes;
-      const int64_t length = (range.end - range.first) * element_bytes;
-      absl::Status status;
-      // An empty range is nothing to fetch (length 0 would mean "to the end").
-      if (length > 0) {
+  const std::vector<absl::Status> results = RunParallel(
+      streams, options_, total, progress,
+      [&](int i, grpc::ClientContext* context,
+          const std::function<void(int64_t)>& count) {
+        const StripeRange range = StripeElements(elements, i, streams);
+        const int64_t offset = range.first * element_bytes;
+        const int64_t length = (range.end - range.first) * element_bytes;
+        // An empty range is nothing to fetch (length 0 would mean "to the
+        // end").
+        if (length == 0) return absl::OkStatus();
         std::unique_ptr<v1::Lossd::Stub> stub = v1::Lossd::NewStub(
             i == 0 ? channel_->channel : channel_->StripeChannel(target_, i));
         v1::DownloadRequest request;
@@ -684,8 +700,8 @@ absl::StatusOr<bool> Client::DownloadInRanges(
         request.set_offset(offset);
         request.set_length(length);
         int64_t written = 0;
-        status = StreamDownload(
-            stub.get(), contexts[static_cast<std::size_t>(i)].get(), request,
+        return StreamDownload(
+            stub.get(), context, request,
             [&](const TensorInfo& header) {
               if (header.bytes != length) {
                 return absl::DataLossError(absl::StrCat(
@@ -703,38 +719,11 @@ absl::StatusOr<bool> Client::DownloadInRanges(
               // StreamDownload never passes more than the header's count.
               std::memcpy(base + offset + written, data, bytes);
               written += static_cast<int64_t>(bytes);
-              absl::MutexLock lock(&mu);
-              received += static_cast<int64_t>(bytes);
+              count(static_cast<int64_t>(bytes));
               return absl::OkStatus();
             },
             nullptr);
-      }
-      if (!status.ok()) {
-        for (int j = 0; j < streams; ++j) {
-          if (j != i) contexts[static_cast<std::size_t>(j)]->TryCancel();
-        }
-      }
-      absl::MutexLock lock(&mu);
-      results[static_cast<std::size_t>(i)] = std::move(status);
-      ++finished;
-    });
-  }
-  int64_t reported = -1;
-  for (bool all = false; !all;) {
-    int64_t now;
-    {
-      absl::MutexLock lock(&mu);
-      auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
-        return received != reported || finished == streams;
-      };
-      mu.Await(absl::Condition(&moved));
-      now = received;
-      all = finished == streams;
-    }
-    if (progress && now != reported) progress(now, total);
-    reported = now;
-  }
-  for (std::thread& thread : threads) thread.join();
+      });
   const absl::Status* first_error = nullptr;
   for (const absl::Status& status : results) {
     if (status.ok()) continue;

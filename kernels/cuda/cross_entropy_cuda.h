@@ -59,8 +59,7 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
-  int stages = 0;   // v6: shared-memory stages (0 = as many as fit)
-  int threads = 0;  // v6: threads a block (256 or 512; 0 = by ctas_per_sm)
+  int stages = 0;  // v6: shared-memory stages (0 = as many as fit)
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

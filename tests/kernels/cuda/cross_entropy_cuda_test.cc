@@ -717,7 +717,6 @@ TEST_F(CudaCrossEntropyTest, TmaKernelConfigs) {
                                    " blocks/SM=", slice <= 32 ? 2 : 1),
                       300, vocab, dtype);
         c.config.ctas_per_sm = slice <= 32 ? 2 : 1;
-        c.config.threads = slice == 8 ? 512 : 0;
         c.pad = dtype == DType::kFloat32 ? 4 : 8;  // 16-byte rows
         c.config.version = 6;
         c.config.slice_kib = slice;
