@@ -7,8 +7,9 @@ bf16/fp16 logits), with z-loss and softcap written in torch ops on top of F.cros
 Tolerances: fp32 loss relative error <= 1e-5 and gradient max abs error <= 1e-6 (relative once a
 gradient exceeds 1); bf16/fp16 gradients within one rounding of the output dtype at the reference
 value (one more per extra rounding the API implies), plus an fp32-level slack relative to the size
-of the terms that cancel in that element. Seeds are random per run, printed, and fixed with
-LOSSD_ORACLE_SEED=<seed> (or --seed); --only_case=<i> reruns one case."""
+of the terms that cancel in that element. Without a seed the run picks a random one (printed)
+to explore; LOSSD_ORACLE_SEED=<seed> (or --seed) fixes it (ctest does, so CI is deterministic);
+--only_case=<i> reruns one case."""
 
 import argparse
 import collections
