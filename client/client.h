@@ -47,7 +47,9 @@ struct ClientOptions {
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
   // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP
   // connection, because one gRPC stream is capped below what the network
-  // carries. 1 = always one stream. In [1, 64].
+  // carries. 1 = always one stream. In [1, 64]. Every connection resolves the
+  // same target, so it must name one lossd instance (as a Client's handles
+  // already require; lossd::RoutingClient spreads over several).
   int upload_streams = 4;
   std::size_t stripe_min_bytes = std::size_t{64} << 20;
 };
