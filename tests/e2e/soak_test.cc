@@ -120,8 +120,10 @@ class SoakClient {
   void Run(absl::Time end) {
     while (absl::Now() < end) {
       const int dice = Uniform(0, 99);
-      if (dice < 22) {
+      if (dice < 17) {
         Upload();
+      } else if (dice < 22) {
+        StripedUpload();
       } else if (dice < 40) {
         Forward();
       } else if (dice < 50) {
@@ -272,6 +274,102 @@ class SoakClient {
         static_cast<int64_t>(tensor.bytes.size())) {
       figures_.unexpected.push_back(
           absl::StrCat("client ", id_, " Upload: wrong size"));
+    }
+    owned_.push_back(std::move(tensor));
+  }
+
+  // One tensor as 2-4 stripes, each its own stream on its own thread (the
+  // server joins them by upload_id). Sometimes one stripe is cancelled
+  // midway: that stripe ends CANCELLED and every other ABORTED (at once, or
+  // after the server's stripe timeout when the cancelled stream never got to
+  // attach), and nothing is stored.
+  void StripedUpload() {
+    if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
+    static constexpr pb::DType kTypes[] = {
+        pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16, pb::DTYPE_FLOAT16};
+    Owned tensor;
+    tensor.dtype = kTypes[Uniform(0, 2)];
+    tensor.rows = Uniform(1, 64);
+    tensor.vocab = Uniform(1, 512);
+    tensor.bytes = RandomLogits(tensor.dtype, tensor.rows * tensor.vocab);
+    const int count = Uniform(2, 4);
+    const int cancelled = Chance(15) ? Uniform(0, count - 1) : -1;
+    const int64_t elements = tensor.rows * tensor.vocab;
+    const int64_t element_bytes =
+        static_cast<int64_t>(tensor.bytes.size()) / elements;
+    const size_t chunk = static_cast<size_t>(Uniform(1, 65536));
+    pb::TensorHeader header;
+    header.set_dtype(tensor.dtype);
+    header.add_shape(tensor.rows);
+    header.add_shape(tensor.vocab);
+    header.set_label(absl::StrCat("soak ", id_, " striped",
+                                  cancelled >= 0 ? " cancelled" : ""));
+    header.mutable_stripe()->set_upload_id(
+        absl::StrCat("soak-", id_, "-", ++stripe_uploads_));
+    header.mutable_stripe()->set_count(count);
+    std::vector<grpc::Status> statuses(static_cast<size_t>(count));
+    std::vector<pb::UploadResponse> responses(static_cast<size_t>(count));
+    std::vector<int64_t> sent(static_cast<size_t>(count), 0);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < count; ++i) {
+      threads.emplace_back([&, i] {
+        const int64_t first = elements * i / count * element_bytes;
+        const int64_t end = elements * (i + 1) / count * element_bytes;
+        grpc::ClientContext context;
+        auto writer = stub_->Upload(&context, &responses[i]);
+        pb::UploadRequest request;
+        *request.mutable_header() = header;
+        request.mutable_header()->mutable_stripe()->set_index(i);
+        bool open = writer->Write(request);
+        // The cancelled stripe stops short of its last half (whole
+        // elements), so it can never complete before the cancel.
+        const int64_t stop =
+            i == cancelled
+                ? first + (end - first) / 2 / element_bytes * element_bytes
+                : end;
+        for (int64_t offset = first; open && offset < stop;) {
+          const int64_t n =
+              std::min<int64_t>(static_cast<int64_t>(chunk), stop - offset);
+          request.set_chunk(tensor.bytes.substr(static_cast<size_t>(offset),
+                                                static_cast<size_t>(n)));
+          open = writer->Write(request);
+          if (open) sent[i] += n;
+          offset += n;
+        }
+        if (i == cancelled) {
+          context.TryCancel();
+        } else {
+          writer->WritesDone();
+        }
+        statuses[i] = writer->Finish();
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (int64_t n : sent) figures_.bytes_uploaded += n;
+    for (int i = 0; i < count; ++i) {
+      if (cancelled < 0) {
+        Check("Upload (stripe)", statuses[i], {Code::OK});
+      } else if (i == cancelled) {
+        Check("Upload (stripe, cancelled)", statuses[i], {Code::CANCELLED});
+      } else {
+        Check("Upload (stripe, another cancelled)", statuses[i],
+              {Code::ABORTED});
+      }
+    }
+    if (cancelled >= 0 || !statuses[0].ok()) return;
+    tensor.handle = responses[0].tensor().handle();
+    for (int i = 1; i < count; ++i) {
+      if (responses[i].tensor().handle() != tensor.handle) {
+        figures_.unexpected.push_back(
+            absl::StrCat("client ", id_,
+                         " striped Upload: stripes returned different "
+                         "handles"));
+      }
+    }
+    if (responses[0].tensor().bytes() !=
+        static_cast<int64_t>(tensor.bytes.size())) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " striped Upload: wrong size"));
     }
     owned_.push_back(std::move(tensor));
   }
@@ -564,6 +662,7 @@ class SoakClient {
   const int id_;
   std::mt19937 rng_;
   std::unique_ptr<pb::Lossd::Stub> stub_;
+  int64_t stripe_uploads_ = 0;
   std::vector<Owned> owned_;
   Figures figures_;
 };
@@ -583,6 +682,8 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
   config.memory_budget = int64_t{512} << 20;  // never the limit here
   config.threads = 2;
   config.drain_timeout = absl::Seconds(20);
+  // A striped upload whose cancelled stripe never attached waits this long.
+  config.stripe_timeout = absl::Seconds(2);
   auto server = LossdServer::Start(config);
   ASSERT_TRUE(server.ok()) << server.status();
 
