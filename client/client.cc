@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -423,6 +424,18 @@ absl::Status StreamDownload(
   return absl::OkStatus();
 }
 
+// A stripe's extra connection may fail its first attempt (seen on loopback
+// under load), and an RPC on a fresh channel fails at once rather than wait:
+// wait for it to connect, through gRPC's reconnect backoff, for up to 20 s.
+absl::Status AwaitConnected(grpc::Channel* channel, int index) {
+  if (channel->WaitForConnected(std::chrono::system_clock::now() +
+                                std::chrono::seconds(20))) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("stripe connection ", index,
+                                             " did not connect within 20 s"));
+}
+
 // Runs work(i, context, count) for i in [0, n) on n threads, each with its
 // own ClientContext prepared from `options`. When one fails, the others'
 // contexts are cancelled: a stripe that failed may never have reached the
@@ -600,6 +613,15 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
         stripe_header.mutable_stripe()->set_index(i);
         absl::StatusOr<v1::TensorInfo>& result =
             results[static_cast<std::size_t>(i)];
+        if (i > 0) {
+          // Not through `result`: an OK status is no StatusOr value.
+          const absl::Status connected =
+              AwaitConnected(channels[static_cast<std::size_t>(i)].get(), i);
+          if (!connected.ok()) {
+            result = connected;
+            return connected;
+          }
+        }
         result = SendUpload(
             channels[static_cast<std::size_t>(i)].get(), context, stripe_header,
             static_cast<const char*>(data) + range.first * element_bytes,
@@ -691,8 +713,10 @@ absl::StatusOr<bool> Client::DownloadInRanges(
         // An empty range is nothing to fetch (length 0 would mean "to the
         // end").
         if (length == 0) return absl::OkStatus();
-        std::unique_ptr<v1::Lossd::Stub> stub = v1::Lossd::NewStub(
-            i == 0 ? channel_->channel : channel_->StripeChannel(target_, i));
+        const std::shared_ptr<grpc::Channel> channel =
+            i == 0 ? channel_->channel : channel_->StripeChannel(target_, i);
+        if (i > 0) RETURN_IF_ERROR(AwaitConnected(channel.get(), i));
+        std::unique_ptr<v1::Lossd::Stub> stub = v1::Lossd::NewStub(channel);
         v1::DownloadRequest request;
         request.set_handle(handle);
         request.set_dtype(static_cast<v1::DType>(as_dtype));
