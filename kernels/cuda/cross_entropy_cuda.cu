@@ -1459,8 +1459,22 @@ cudaError_t LaunchTma(const Params& p, int csize, int ctas_per_sm, int stages,
   cfg.blockDim = dim3(two ? 256 : 512);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
   cfg.stream = stream;
-  return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p, stages,
-                                  stage_bytes);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
+  return cudaLaunchKernelEx(&cfg, kernel, p, stages, stage_bytes);
 }
 
 // ---- generic path: one block per row, any alignment ----------------------
@@ -1549,31 +1563,6 @@ cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// Launches `kernel` with `cfg` (grid, block, shared memory, stream set) in
-// clusters of `csize` blocks on a persistent grid: as many clusters as can be
-// resident at once, at most one a row. The occupancy query sees cfg as given.
-template <typename... KernelArgs, typename... Args>
-cudaError_t LaunchPersistentClusters(void (*kernel)(KernelArgs...),
-                                     cudaLaunchConfig_t cfg, int csize,
-                                     long long rows, Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (e != cudaSuccess || clusters <= 0) {
-    cudaGetLastError();
-    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
-  }
-  cfg.gridDim =
-      dim3(static_cast<unsigned>(std::min<long long>(rows, clusters) * csize));
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
 // v5 launch; `ctas_per_sm` > 0 caps resident blocks per SM with dynamic
 // shared memory that the kernel never touches.
 template <typename T>
@@ -1608,7 +1597,23 @@ cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn_smem);
   cfg.stream = stream;
-  return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // Persistent grid: as many clusters as can be resident at once.
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
+  return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
 template <typename T, bool kGeneral>
