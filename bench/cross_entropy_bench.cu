@@ -1,6 +1,7 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
 // device-to-device copy bandwidth, then each configuration as a ratio to it.
-// Usage: cross_entropy_bench [--sweep] [--out=RESULTS.md]
+// Usage: cross_entropy_bench [--sweep | --sweep=v6 | --sweep=v7] [--profile]
+//                            [--forward] [--out=RESULTS.md]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -41,6 +42,25 @@ __global__ void FillRandom(T* out, int64_t n, uint64_t seed) {
   }
 }
 
+// Read-only reference for forward-only: every 16-byte vector of `in` read
+// once, xor-folded so that no load is dropped; one word written a thread.
+__global__ void ReadAll(const uint4* in, size_t n, unsigned* out) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  unsigned acc = 0;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldg(in + i), b = __ldg(in + i + stride),
+                c = __ldg(in + i + 2 * stride), d = __ldg(in + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = __ldg(in + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
 __global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab,
                             uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -73,13 +93,17 @@ const char* Name(lossd::DType d) {
 int main(int argc, char** argv) {
   bool sweep = false;
   bool sweep6 = false;   // v6 slice and stage variants only
+  bool sweep7 = false;   // v7 piece sizes and v5, forward-only
   bool profile = false;  // one small config, for ncu
+  bool forward = false;  // forward-only configurations only
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
     if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
+    if (std::strcmp(argv[i], "--sweep=v7") == 0) sweep7 = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
+    if (std::strcmp(argv[i], "--forward") == 0) forward = true;
   }
   const int kWarmup = 3;
   const int kRuns = profile ? 2 : 25;
@@ -110,11 +134,29 @@ int main(int argc, char** argv) {
     if (i >= kWarmup) times.push_back(ms);
   }
   const double copy_gbs = 2.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
+  // Read-only bandwidth, for the forward-only rows (reported, not the ratio's
+  // denominator).
+  times.clear();
+  const unsigned read_grid = 8 * prop.multiProcessorCount;
+  for (int i = 0; i < kWarmup + kRuns; ++i) {
+    CHECK_CUDA(cudaEventRecord(t0, stream));
+    ReadAll<<<read_grid, 256, 0, stream>>>(static_cast<const uint4*>(a),
+                                           copy_bytes / 16,
+                                           static_cast<unsigned*>(b));
+    CHECK_CUDA(cudaEventRecord(t1, stream));
+    CHECK_CUDA(cudaEventSynchronize(t1));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    if (i >= kWarmup) times.push_back(ms);
+  }
+  const double read_gbs = 1.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   std::printf(
-      "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d)\n",
-      prop.name, prop.multiProcessorCount, copy_gbs, kRuns);
+      "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d); "
+      "read-only %.0f GB/s (%.1f%% of copy)\n",
+      prop.name, prop.multiProcessorCount, copy_gbs, kRuns, read_gbs,
+      100.0 * read_gbs / copy_gbs);
 
   using lossd::DType;
   using lossd::GradientMode;
@@ -132,6 +174,13 @@ int main(int argc, char** argv) {
     configs.push_back({16384, 131072, d, GradientMode::kInPlace});
     configs.push_back({16384, 131072, d, GradientMode::kNone});
     configs.push_back({8192, 128256, d, GradientMode::kNone});
+  }
+  if (forward) {
+    configs.erase(std::remove_if(configs.begin(), configs.end(),
+                                 [](const Config& c) {
+                                   return c.mode != GradientMode::kNone;
+                                 }),
+                  configs.end());
   }
   std::string table =
       "| N x V | dtype | mode | variant | ms (median) | GB/s | % of copy |\n"
@@ -182,6 +231,22 @@ int main(int argc, char** argv) {
         variants.push_back(
             {"v6 s" + std::to_string(slice) + " x" + std::to_string(ctas), v6});
       }
+    }
+    if (sweep7 && c.mode == GradientMode::kNone) {
+      for (int slice : {32, 64, 128, 256}) {
+        for (int stages : {1, 2}) {
+          lossd::CrossEntropyCudaConfig v7;
+          v7.version = 7;
+          v7.slice_kib = slice;
+          v7.stages = stages;
+          variants.push_back(
+              {"v7 s" + std::to_string(slice) + " b" + std::to_string(stages),
+               v7});
+        }
+      }
+      lossd::CrossEntropyCudaConfig v5;
+      v5.version = 5;
+      variants.push_back({"v5", v5});
     }
     if (sweep) {
       for (int slice : {32, 64, 128}) {
@@ -270,9 +335,11 @@ int main(int argc, char** argv) {
         "logits in [-8, 8), a fresh copy of the logits before every "
         "run (not timed), 2%% ignored rows, mean reduction. Bytes: one "
         "read + one write of the logits (forward-only: one read).\n\n"
-        "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s**\n\n%s",
+        "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s**; for "
+        "reference, a read-only pass over the same 4 GiB: %.0f GB/s (%.1f%% "
+        "of the copy)\n\n%s",
         date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
-        table.c_str());
+        read_gbs, 100.0 * read_gbs / copy_gbs, table.c_str());
     std::fclose(f);
   }
   return 0;

@@ -50,6 +50,7 @@ struct Params {
   float* row_loss;
   float* row_zloss;
   int* row_flags;
+  void* pieces;  // v7: kMaxPieces Stats a row
   long long rows;
   long long stride;
   long long ignore_index;
@@ -319,35 +320,61 @@ __device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
 
 // ---- prepare: target check, D, W, s ---------------------------------------
 
-template <typename A>
-__device__ A BlockSum(A v, A* scratch) {
-  scratch[threadIdx.x] = v;
-  __syncthreads();
-#pragma unroll 1
-  for (int o = kReduceThreads / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) scratch[threadIdx.x] += scratch[threadIdx.x + o];
-    __syncthreads();
+// Fixed-order reduction over the kReduceThreads threads of a block with `op`
+// (commutative): butterflies within each warp, then over the warps' results;
+// every thread gets the same bits. `scratch` holds 32 values.
+template <typename A, typename Op>
+__device__ A BlockFold(A v, A* scratch, Op op) {
+  static_assert(kReduceThreads == 32 * 32, "one warp's lanes for the warps");
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   }
-  const A total = scratch[0];
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
-  return total;
+  v = scratch[threadIdx.x % 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  __syncthreads();  // scratch may be reused at once
+  return v;
 }
 
+template <typename A>
+__device__ A BlockSum(A v, A* scratch) {
+  return BlockFold(v, scratch, [](A a, A b) { return a + b; });
+}
+
+// Rows a thread of the prepare and finalize kernels loads at once (their
+// loads in flight together, not one DRAM round trip a row).
+constexpr int kRowBatch = 8;
+
 __global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
-  __shared__ double dscratch[kReduceThreads];
-  __shared__ long long lscratch[kReduceThreads];
+  __shared__ double dscratch[32];
+  __shared__ long long lscratch[32];
   long long bad = LLONG_MAX;
   long long valid = 0;
   double wsum = 0.0;
-  for (long long i = threadIdx.x; i < p.rows; i += kReduceThreads) {
-    const long long y = LoadTarget(p, i);
-    if (y == p.ignore_index) continue;
-    if (y < 0 || y >= p.vocab) {
-      bad = min(bad, i);
-      continue;
+  for (long long base = threadIdx.x; base < p.rows;
+       base += kRowBatch * kReduceThreads) {
+    long long ys[kRowBatch];
+#pragma unroll
+    for (int k = 0; k < kRowBatch; ++k) {
+      const long long i = base + k * kReduceThreads;
+      ys[k] = i < p.rows ? LoadTarget(p, i) : p.ignore_index;
     }
-    ++valid;
-    wsum += p.weights ? static_cast<double>(p.weights[y]) : 1.0;
+#pragma unroll
+    for (int k = 0; k < kRowBatch; ++k) {
+      const long long y = ys[k];
+      if (y == p.ignore_index) continue;
+      if (y < 0 || y >= p.vocab) {
+        bad = min(bad, base + k * kReduceThreads);
+        continue;
+      }
+      ++valid;
+      wsum += p.weights ? static_cast<double>(p.weights[y]) : 1.0;
+    }
   }
   double wtotal = 0.0;
   if (p.weights) {
@@ -357,18 +384,8 @@ __global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
   } else if (threadIdx.x == 0) {
     wtotal = p.vocab;
   }
-  // Minimum by a fixed-order tree as well.
-  lscratch[threadIdx.x] = bad;
-  __syncthreads();
-  for (int o = kReduceThreads / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) {
-      lscratch[threadIdx.x] =
-          min(lscratch[threadIdx.x], lscratch[threadIdx.x + o]);
-    }
-    __syncthreads();
-  }
-  bad = lscratch[0];
-  __syncthreads();
+  bad = BlockFold(bad, lscratch,
+                  [](long long a, long long b) { return min(a, b); });
   valid = BlockSum(valid, lscratch);
   wsum = BlockSum(wsum, dscratch);
   wtotal = BlockSum(wtotal, dscratch);
@@ -394,8 +411,8 @@ __global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
 
 __global__ void __launch_bounds__(kReduceThreads)
     FinalizeKernel(Params p, CrossEntropyCudaResult* out) {
-  __shared__ double dscratch[kReduceThreads];
-  __shared__ long long lscratch[kReduceThreads];
+  __shared__ double dscratch[32];
+  __shared__ long long lscratch[32];
   const WorkspaceHeader h = *p.header;
   if (h.error) {
     if (threadIdx.x == 0) {
@@ -409,12 +426,25 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
   double loss = 0.0, zloss = 0.0;
   long long correct = 0, nonfinite = 0;
-  for (long long i = threadIdx.x; i < p.rows; i += kReduceThreads) {
-    loss += p.row_loss[i];
-    zloss += p.row_zloss[i];
-    const int f = p.row_flags[i];
-    correct += (f & kFlagCorrect) ? 1 : 0;
-    nonfinite += (f & kFlagNonfinite) ? 1 : 0;
+  for (long long base = threadIdx.x; base < p.rows;
+       base += kRowBatch * kReduceThreads) {
+    float l[kRowBatch], z[kRowBatch];
+    int f[kRowBatch];
+#pragma unroll
+    for (int k = 0; k < kRowBatch; ++k) {
+      const long long i = base + k * kReduceThreads;
+      const bool in = i < p.rows;
+      l[k] = in ? p.row_loss[i] : 0.0f;
+      z[k] = in ? p.row_zloss[i] : 0.0f;
+      f[k] = in ? p.row_flags[i] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < kRowBatch; ++k) {
+      loss += l[k];
+      zloss += z[k];
+      correct += (f[k] & kFlagCorrect) ? 1 : 0;
+      nonfinite += (f[k] & kFlagNonfinite) ? 1 : 0;
+    }
   }
   loss = BlockSum(loss, dscratch);
   zloss = BlockSum(zloss, dscratch);
@@ -1121,8 +1151,9 @@ __device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
 // This thread's statistics of a slice of `n` elements (a multiple of the
 // vector width) at `s` (shared or global memory), columns from `col0`: online
 // max and sum of 2^(z*log2e - m_l2) over batches of kU vectors, the first
-// argmax found afterwards in the batch that set the max.
-template <typename T, int kBlock>
+// argmax found afterwards in the batch that set the max. kPrefetch (global
+// memory): the next batch's loads are issued before this one's arithmetic.
+template <typename T, int kBlock, bool kPrefetch = false>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
                                             int tid) {
   using Tr = Traits<T>;
@@ -1132,6 +1163,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   float m = -INFINITY;
   float m_l2 = 0.0f;
   int arg_q = 0;
+  int arg = INT_MAX;  // kPrefetch: the first argmax, found in the loop
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   uint4 ninf;
   {
@@ -1140,9 +1172,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
     for (int j = 0; j < kVec; ++j) f[j] = -INFINITY;
     Tr::Pack(f, &ninf);
   }
-#pragma unroll 1
-  for (int q0 = tid; q0 < nvec; q0 += kU * kBlock) {
-    uint4 v[kU];
+  const auto load = [&](int q0, uint4(&v)[kU]) {
     if (q0 + (kU - 1) * kBlock < nvec) {  // a whole batch (the usual case)
 #pragma unroll
       for (int u = 0; u < kU; ++u) v[u] = sv[q0 + u * kBlock];
@@ -1153,6 +1183,19 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
         v[u] = q < nvec ? sv[q] : ninf;
       }
     }
+  };
+  uint4 ahead[kU];
+  if (kPrefetch) load(tid, ahead);
+#pragma unroll 1
+  for (int q0 = tid; q0 < nvec; q0 += kU * kBlock) {
+    uint4 v[kU];
+    if (kPrefetch) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) v[u] = ahead[u];
+      if (q0 + kU * kBlock < nvec) load(q0 + kU * kBlock, ahead);
+    } else {
+      load(q0, v);
+    }
     const float bm = BatchMax<T>(v);
     if (bm > m) {
       const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
@@ -1162,6 +1205,17 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       m = bm;
       m_l2 = nl2;
       arg_q = q0;
+      if (kPrefetch) {
+        // The first argmax now, from registers: a re-read after the loop
+        // would wait for global memory at the block's end.
+        arg = INT_MAX;
+#pragma unroll
+        for (int u = kU - 1; u >= 0; --u)
+#pragma unroll
+          for (int j = kVec - 1; j >= 0; --j)
+            if (Tr::Get(v[u], j) == bm)
+              arg = col0 + (q0 + u * kBlock) * kVec + j;
+      }
     }
     // Four independent sums: the adds' latency is not one chain.
 #pragma unroll
@@ -1173,12 +1227,12 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   Stats st;
   st.m = m;
   st.sum_wz = 0.0f;
-  st.arg = INT_MAX;
+  st.arg = kPrefetch ? arg : INT_MAX;
   if (m == -INFINITY) {
     st.t = -1.0f;
   } else {
 #pragma unroll 1
-    for (int u = kU - 1; u >= 0; --u) {
+    for (int u = kU - 1; u >= 0 && !kPrefetch; --u) {
       const int q = arg_q + u * kBlock;
       if (q >= nvec) continue;
       const uint4 v = sv[q];
@@ -1416,23 +1470,48 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   }
 }
 
+// Launches `kernel` with `cfg` (block, shared memory and stream set) in
+// clusters of `csize` blocks on a persistent grid: as many clusters as can be
+// resident at once, at most one a row.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchPersistentClusters(void (*kernel)(KernelArgs...),
+                                     cudaLaunchConfig_t cfg, int csize,
+                                     long long rows, Args... args) {
+  if (csize > 8) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cfg.gridDim = dim3(static_cast<unsigned>(csize));
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim =
+      dim3(static_cast<unsigned>(std::min<long long>(rows, clusters) * csize));
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 // v6 launch: clusters of `csize` blocks, `ctas_per_sm` (1: 512 threads, 2:
 // 256 threads) blocks a SM, `stages` stage buffers of the slice (0 = as many
-// as fit, at most kMaxStages), a persistent grid of as many clusters as can
-// be resident.
+// as fit, at most kMaxStages), a persistent grid. (Two 512-thread blocks a SM
+// measured 10-16 points slower than either: bench/NOTES.md, v6.)
 template <typename T>
 cudaError_t LaunchTma(const Params& p, int csize, int ctas_per_sm, int stages,
                       cudaStream_t stream) {
   const bool two = ctas_per_sm == 2;
   auto kernel = two ? TmaKernel<T, 256, 2> : TmaKernel<T, 512, 1>;
-  cudaError_t e = cudaSuccess;
-  if (csize > 8) {
-    e = cudaFuncSetAttribute(kernel,
-                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
   int device = 0, per_sm = 0, optin = 0;
-  e = cudaGetDevice(&device);
+  cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) {
     e = cudaDeviceGetAttribute(
         &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
@@ -1455,26 +1534,82 @@ cudaError_t LaunchTma(const Params& p, int csize, int ctas_per_sm, int stages,
                            dyn);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(csize));
   cfg.blockDim = dim3(two ? 256 : 512);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (e != cudaSuccess || clusters <= 0) {
-    cudaGetLastError();
-    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p, stages,
+                                  stage_bytes);
+}
+
+// ---- v7: forward-only, row pieces on independent blocks -------------------
+
+// Forward-only needs no row on chip, only its statistics: every block takes
+// one piece of one row (p.chunk elements), computes the piece's statistics
+// from global memory and writes them to the workspace; a second kernel merges
+// each row's pieces in a fixed order (one warp a row) and writes the row's
+// outputs. No cluster, no exchange, no barrier between blocks: a block's
+// reductions overlap the other resident blocks' loads. One read of the logits.
+// Plain options only (z-loss), like v5 and v6.
+constexpr int kMaxPieces = 16;  // per-row statistics slots in the workspace
+
+template <typename T, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, 4)
+    PieceStatsKernel(Params p, int per_row) {
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  if (p.header->error) return;  // uniform: nothing is written
+  const long long item = blockIdx.x;
+  const long long row = item / per_row;
+  const int start = static_cast<int>(item - row * per_row) * p.chunk;
+  const int n = max(0, min(p.chunk, p.vocab - start));
+  const T* s = static_cast<const T*>(p.logits) + row * p.stride + start;
+  Stats st = SliceStats<T, kThreads, kPrefetch>(s, n, start, threadIdx.x);
+  st = BlockMergeStats<kThreads>(st, scratch);
+  if (threadIdx.x == 0) {
+    static_cast<Stats*>(p.pieces)[row * kMaxPieces + (item - row * per_row)] =
+        st;
   }
-  cfg.gridDim = dim3(
-      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
-  return cudaLaunchKernelEx(&cfg, kernel, p, stages, stage_bytes);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    PieceMergeKernel(Params p, int per_row) {
+  const long long row =
+      static_cast<long long>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  const WorkspaceHeader hdr = *p.header;
+  if (hdr.error) return;
+  const Stats st = WarpMergeStats(
+      lane < per_row
+          ? static_cast<const Stats*>(p.pieces)[row * kMaxPieces + lane]
+          : EmptyStats());
+  const long long y = LoadTarget(p, row);
+  const bool valid = y != p.ignore_index;
+  const float zy = valid ? Traits<T>::Load(static_cast<const T*>(p.logits) +
+                                           row * p.stride + y)
+                         : 0.0f;
+  const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, 1.0f);
+  if (lane == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
+}
+
+// v7 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row;
+// `prefetch`: each thread keeps two batches of loads in flight.
+template <typename T>
+cudaError_t LaunchPieces(const Params& p, int per_row, bool prefetch,
+                         cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.rows * per_row));
+  if (prefetch) {
+    PieceStatsKernel<T, true><<<grid, kThreads, 0, stream>>>(p, per_row);
+  } else {
+    PieceStatsKernel<T, false><<<grid, kThreads, 0, stream>>>(p, per_row);
+  }
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  PieceMergeKernel<T>
+      <<<static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock),
+         kThreads, 0, stream>>>(p, per_row);
+  return cudaGetLastError();
 }
 
 // ---- generic path: one block per row, any alignment ----------------------
@@ -1572,16 +1707,10 @@ cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
   // state and measured 25-35% slower (bench/NOTES.md, v5).
   auto kernel = ctas_per_sm == 4 ? StreamKernel<T, 4> : StreamKernel<T, 3>;
   if (ctas_per_sm == 3 || ctas_per_sm == 4) ctas_per_sm = 0;
-  cudaError_t e = cudaSuccess;
-  if (csize > 8) {
-    e = cudaFuncSetAttribute(kernel,
-                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
   int dyn_smem = 0;
   if (ctas_per_sm > 0) {
     int device = 0, per_sm = 0;
-    e = cudaGetDevice(&device);
+    cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) {
       e = cudaDeviceGetAttribute(
           &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
@@ -1593,27 +1722,10 @@ cudaError_t LaunchStream(const Params& p, int csize, int ctas_per_sm,
     if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn_smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  // Persistent grid: as many clusters as can be resident at once.
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (e != cudaSuccess || clusters <= 0) {
-    cudaGetLastError();
-    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
-  }
-  cfg.gridDim = dim3(
-      static_cast<unsigned>(std::min<long long>(p.rows, clusters) * csize));
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p);
 }
 
 template <typename T, bool kGeneral>
@@ -1664,6 +1776,27 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       p.vocab % vec == 0 &&
       (config.version == 6 ||
        (config.version == 0 && p.grad != nullptr && row_bytes >= 32 * 1024));
+  // v7 (bench/NOTES.md): forward-only on rows of 32 KiB and more, pieces of
+  // 256 KiB on independent blocks (more where a row would pass kMaxPieces).
+  const bool v7 =
+      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
+      p.grad == nullptr && p.vocab % vec == 0 &&
+      (config.version == 7 || (config.version == 0 && row_bytes >= 32 * 1024));
+  if (v7) {
+    const long long slice =
+        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 256) *
+        1024;
+    const long long per_row = std::min<long long>(
+        kMaxPieces, std::max<long long>(1, (row_bytes + slice - 1) / slice));
+    const long long chunk =
+        ((p.vocab + per_row - 1) / per_row + vec - 1) / vec * vec;
+    const long long pieces = (p.vocab + chunk - 1) / chunk;
+    if (p.rows * pieces <= INT_MAX) {
+      p.chunk = static_cast<int>(chunk);
+      return LaunchPieces<T>(p, static_cast<int>(pieces), config.stages != 1,
+                             stream);
+    }
+  }
   if (v6) {
     int slice_kib = config.slice_kib;
     int ctas = config.ctas_per_sm;
@@ -1744,7 +1877,8 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
 
 std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
-  return kHeaderBytes + 3 * AlignUp(n * 4);
+  return kHeaderBytes + 3 * AlignUp(n * 4) +
+         AlignUp(n * kMaxPieces * sizeof(Stats));
 }
 
 cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
@@ -1771,6 +1905,7 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
   p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
   p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
   p.row_flags = reinterpret_cast<int*>(ws + kHeaderBytes + 2 * col);
+  p.pieces = ws + kHeaderBytes + 3 * col;
   p.rows = args.rows;
   p.stride = args.row_stride;
   p.ignore_index = args.options.ignore_index;

@@ -33,6 +33,12 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
+// version 7 (the default for forward-only with the plain options on 16-byte
+// aligned rows of 32 KiB and more, V a multiple of 16 bytes) splits every row
+// into pieces of slice_kib (default 256; larger where a row would pass 16
+// pieces) on independent blocks and merges each row's piece statistics in a
+// second kernel; stages 1 keeps one batch of loads in flight a thread, 0 or 2
+// two.
 // version 6 (the default for forward+gradient with the plain options -- no
 // softcap, class weights or label smoothing -- on 16-byte aligned rows of 32
 // KiB and more, V a multiple of 16 bytes) streams each block's row slice into
@@ -41,8 +47,8 @@ constexpr int kCrossEntropyBadTarget = 1;
 // and so the cluster size (<= 16), ctas_per_sm 2 the 256-thread build for two
 // blocks a SM (default with 32 KiB slices), otherwise one 512-thread block,
 // stages the shared-memory buffers (0 = as many as fit, >= 2).
-// version 5 (the default for forward-only rows of 32 KiB and more, and for
-// forward+gradient rows past 160 KiB that v6 cannot take) streams each
+// version 5 (the default for forward+gradient rows past 160 KiB that v6
+// cannot take, and forward-only rows that v7 cannot) streams each
 // block's row slice twice, the second read from L2, in persistent clusters;
 // version 4 keeps the slice in registers, a cluster per row. v5: slice_kib
 // (32, 64, 128...; default 128) sets each block's slice and so the cluster
@@ -59,7 +65,8 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
-  int stages = 0;  // v6: shared-memory stages (0 = as many as fit)
+  int stages = 0;  // v6: shared-memory stages (0 = as many as fit); v7
+                   // batches in flight
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

@@ -653,6 +653,19 @@ TEST_F(CudaCrossEntropyTest, OraclePrecision) {
     c.options.reduction = Reduction::kNone;
     add(c, {0, -1});
   }
+  for (int64_t v : {50257, 32000}) {
+    // The CPU oracle's seed 2497868560, case 384: softcap 21 with |z| ~ 15-20
+    // in fp32, where a few ulps of z = c tanh(x / c) move every p by ~1e-6.
+    Case c = Make(absl::StrCat("softcap 21 eps=1 z-loss fp32 V=", v), 24, v,
+                  DType::kFloat32);
+    c.scale = 4.5;  // the largest x ~ 19, z ~ 15: a few classes dominate
+    c.options.softcap = 21.0f;
+    c.options.label_smoothing = 1.0f;
+    c.options.z_loss_scale = 1e-3f;
+    c.options.grad_scale = 3.65f;
+    c.options.reduction = Reduction::kSum;
+    add(c, {0, -1});
+  }
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {  // the fast paths
     Case c = Make("z-loss mean scale 8", 16, 65536, d);
     c.scale = 8.0;
@@ -750,6 +763,57 @@ TEST_F(CudaCrossEntropyTest, TmaKernelConfigs) {
     Case s = Make("v6 one row, one block", 1, 32000, dtype);
     s.config.version = 6;
     CheckCase(s, seed++);
+  }
+}
+
+// v7 (forward-only, row pieces on independent blocks): piece sizes that give
+// 1 to 16 pieces a row (the last one short), padded rows, ignored rows, z-loss,
+// per-token outputs, every reduction, and p_max -> 1 (a thread's exact second
+// sum).
+TEST_F(CudaCrossEntropyTest, PieceKernelConfigs) {
+  uint32_t seed = 1100;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int slice : {8, 32, 64, 128}) {
+      Case c = Make(absl::StrCat("v7 slice=", slice), 257, 100000, dtype);
+      c.pad = dtype == DType::kFloat32 ? 4 : 8;  // 16-byte rows
+      c.mode = GradientMode::kNone;
+      c.config.version = 7;
+      c.config.slice_kib = slice;
+      c.config.stages = slice == 64 ? 1 : 0;  // one or two batches in flight
+      c.ignore_fraction = 0.3;
+      c.options.z_loss_scale = 1e-3f;
+      c.options.reduction = slice == 32 ? Reduction::kSum : Reduction::kMean;
+      CheckCase(c, seed++);
+    }
+    Case d = Make("v7 p_y -> 1", 300, 131072, dtype);
+    d.logits = Logits::kTargetDominant;
+    d.mode = GradientMode::kNone;
+    d.config.version = 7;
+    CheckCase(d, seed++);
+    Case a = Make("v7 auto, 262144", 40, 262144, dtype);
+    a.mode = GradientMode::kNone;
+    CheckCase(a, seed++);
+  }
+}
+
+// Small v7 cases for compute-sanitizer (scripts/gpu-run): 4 pieces a row,
+// ignored rows, NaN and infinite logits.
+TEST_F(CudaCrossEntropyTest, PieceKernelSmall) {
+  uint32_t seed = 1150;
+  Case c = Make("v7 small", 200, 16384, DType::kBFloat16);
+  c.mode = GradientMode::kNone;
+  c.config.version = 7;
+  c.config.slice_kib = 8;
+  c.ignore_fraction = 0.2;
+  CheckCase(c, seed++);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Case nf = Make("v7 NaN and inf logits", 64, 8192, dtype);
+    nf.logits = Logits::kNonFinite;
+    nf.mode = GradientMode::kNone;
+    nf.config.version = 7;
+    nf.config.slice_kib = 8;
+    nf.exact_argmax = false;  // NaN rows: the first max is not defined
+    CheckCase(nf, seed++);
   }
 }
 
