@@ -1,7 +1,8 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
 // device-to-device copy bandwidth, then each configuration as a ratio to it.
-// Usage: cross_entropy_bench [--sweep | --sweep=v6 | --sweep=v7] [--profile]
-//                            [--forward] [--out=RESULTS.md]
+// Usage: cross_entropy_bench [--sweep | --sweep=v6 | --sweep=v7 | --sweep=v8]
+//                            [--profile] [--forward | --gradient]
+//                            [--out=RESULTS.md]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -92,15 +93,19 @@ const char* Name(lossd::DType d) {
 
 int main(int argc, char** argv) {
   bool sweep = false;
-  bool sweep6 = false;   // v6 slice and stage variants only
-  bool sweep7 = false;   // v7 piece sizes and v5, forward-only
-  bool profile = false;  // one small config, for ncu
-  bool forward = false;  // forward-only configurations only
+  bool sweep6 = false;         // v6 slice and stage variants only
+  bool sweep7 = false;         // v7 piece sizes and v5, forward-only
+  bool sweep8 = false;         // v8 piece and group sizes, forward+gradient
+  bool profile = false;        // one small config, for ncu
+  bool forward = false;        // forward-only configurations only
+  bool gradient_only = false;  // forward+gradient configurations only
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
     if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
     if (std::strcmp(argv[i], "--sweep=v7") == 0) sweep7 = true;
+    if (std::strcmp(argv[i], "--sweep=v8") == 0) sweep8 = true;
+    if (std::strcmp(argv[i], "--gradient") == 0) gradient_only = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
     if (std::strcmp(argv[i], "--forward") == 0) forward = true;
@@ -175,10 +180,11 @@ int main(int argc, char** argv) {
     configs.push_back({16384, 131072, d, GradientMode::kNone});
     configs.push_back({8192, 128256, d, GradientMode::kNone});
   }
-  if (forward) {
+  if (forward || gradient_only) {
     configs.erase(std::remove_if(configs.begin(), configs.end(),
-                                 [](const Config& c) {
-                                   return c.mode != GradientMode::kNone;
+                                 [&](const Config& c) {
+                                   return (c.mode == GradientMode::kNone) !=
+                                          forward;
                                  }),
                   configs.end());
   }
@@ -230,6 +236,23 @@ int main(int argc, char** argv) {
         v6.ctas_per_sm = ctas;
         variants.push_back(
             {"v6 s" + std::to_string(slice) + " x" + std::to_string(ctas), v6});
+      }
+    }
+    if (sweep8 && c.mode != GradientMode::kNone) {
+      for (int slice : {32, 64}) {
+        for (int group : {2, 4, 8}) {
+          for (int ahead : {1, 2}) {
+            lossd::CrossEntropyCudaConfig v8;
+            v8.version = 8;
+            v8.slice_kib = slice;
+            v8.group_mib = group;
+            v8.stages = ahead;
+            variants.push_back({"v8 s" + std::to_string(slice) + " g" +
+                                    std::to_string(group) + " a" +
+                                    std::to_string(ahead),
+                                v8});
+          }
+        }
       }
     }
     if (sweep7 && c.mode == GradientMode::kNone) {

@@ -28,9 +28,10 @@ struct WorkspaceHeader {
   int pad;
   long long bad_row;
   long long valid;
-  double denominator;  // D for kMean (0 without valid rows)
-  float scale;         // s of the contract, rounded once to fp32
-  float weight_total;  // W
+  double denominator;            // D for kMean (0 without valid rows)
+  float scale;                   // s of the contract, rounded once to fp32
+  float weight_total;            // W
+  unsigned long long next_item;  // v8: the next work item (0 at the start)
 };
 constexpr std::size_t kHeaderBytes = 256;
 constexpr int kFlagCorrect = 1;
@@ -50,7 +51,9 @@ struct Params {
   float* row_loss;
   float* row_zloss;
   int* row_flags;
-  void* pieces;  // v7: kMaxPieces Stats a row
+  void* pieces;   // v7, v8: kMaxPieces Stats a row
+  int* row_done;  // v8: pieces a row whose statistics are written
+  float* row_zy;  // v8: the target logit of a row
   long long rows;
   long long stride;
   long long ignore_index;
@@ -375,6 +378,9 @@ __global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
       ++valid;
       wsum += p.weights ? static_cast<double>(p.weights[y]) : 1.0;
     }
+  }
+  for (long long i = threadIdx.x; i < p.rows; i += kReduceThreads) {
+    p.row_done[i] = 0;  // v8's per-row counts start from nothing
   }
   double wtotal = 0.0;
   if (p.weights) {
@@ -1612,6 +1618,182 @@ cudaError_t LaunchPieces(const Params& p, int per_row, bool prefetch,
   return cudaGetLastError();
 }
 
+// ---- v8: forward+gradient on row pieces, the row kept in L2 ----------------
+
+// v7's independent row pieces for forward+gradient: one persistent kernel
+// takes work items from a global counter in a fixed sequence of row groups,
+// statistics of group g + 1 before the gradient of group g:
+//   S(0) S(1) G(0) S(2) G(1) ... S(n - 1) G(n - 2) - G(n - 1)
+// A statistics item reads one piece of one row from DRAM (v7's loop), writes
+// the piece's Stats (and, where it holds the target column, the target
+// logit) and counts itself done for the row (release). A gradient item waits
+// for its row's count (acquire), merges the row's pieces in a fixed order,
+// and re-reads its piece -- from L2, a group (group_rows rows) having been
+// read only one group earlier -- to write the gradient with streaming stores.
+// One read and one write of the logits in DRAM while two groups fit in L2.
+// No deadlock with every block resident: a block waits only in a gradient
+// item, for statistics items taken earlier by blocks that never wait in them.
+// Plain options only (z-loss, grad_scale), like v5 to v7.
+
+__device__ __forceinline__ int LoadAcquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];"
+               : "=r"(v)
+               : "l"(ptr)
+               : "memory");
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4)
+    L2PieceKernel(Params p, int per_row, int group_rows, int lookahead) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ long long item_s[2];
+  __shared__ RowMath rowmath;
+  __shared__ int row_y;  // the target's column in the piece, or kIgnoredRow
+  constexpr int kIgnoredRow = INT_MIN;
+  const WorkspaceHeader hdr = *p.header;
+  if (hdr.error) return;  // uniform: nothing is written
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  Stats* const pieces = static_cast<Stats*>(p.pieces);
+  const long long groups = (p.rows + group_rows - 1) / group_rows;
+  const long long per_slot = static_cast<long long>(group_rows) * per_row;
+  const long long total = (lookahead + 2 * groups) * per_slot;
+#pragma unroll 1
+  for (int turn = 0;; turn ^= 1) {
+    if (tid == 0)
+      item_s[turn] =
+          static_cast<long long>(atomicAdd(&p.header->next_item, 1ull));
+    __syncthreads();  // (item_s[turn ^ 1] is not read again before the next)
+    const long long k = item_s[turn];
+    if (k >= total) break;
+    const long long slot = k / per_slot;
+    const long long o = k - slot * per_slot;
+    // Slots: S(0) .. S(L - 1), then S(L + i) and G(i) in turns (L =
+    // lookahead); statistics past the last group are empty slots.
+    const long long t = slot - lookahead;
+    const bool stats = t < 0 || t % 2 == 0;
+    const long long group = t < 0 ? slot : stats ? lookahead + t / 2 : t / 2;
+    if (group >= groups) continue;
+    const long long row = group * group_rows + o / per_row;
+    if (row >= p.rows) continue;
+    const int piece = static_cast<int>(o % per_row);
+    const int start = piece * p.chunk;
+    const int n = max(0, min(p.chunk, p.vocab - start));
+    const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
+    if (stats) {
+      Stats st = SliceStats<T, kThreads, true>(src, n, start, tid);
+      st = BlockMergeStats<kThreads>(st, scratch);
+      if (tid == 0) {
+        pieces[row * kMaxPieces + piece] = st;
+        const long long y = LoadTarget(p, row);
+        if (y != p.ignore_index && y >= start && y < start + n) {
+          p.row_zy[row] = Tr::Load(src + (y - start));
+        }
+        __threadfence();
+        atomicAdd(p.row_done + row, 1);
+      }
+      continue;
+    }
+    if (warp == 0) {
+      // Every lane acquires the row's count itself before it reads what the
+      // statistics items wrote.
+      while (LoadAcquire(p.row_done + row) < per_row) __nanosleep(64);
+      Stats ps = EmptyStats();
+      if (lane < per_row) {
+        const Stats* from = pieces + row * kMaxPieces + lane;
+        ps.m = __ldcg(&from->m);
+        ps.t = __ldcg(&from->t);
+        ps.sum_wz = __ldcg(&from->sum_wz);
+        ps.arg = __ldcg(&from->arg);
+      }
+      const Stats st = WarpMergeStats(ps);
+      const long long y = LoadTarget(p, row);
+      const bool valid = y != p.ignore_index;
+      const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
+      const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, 1.0f);
+      const bool owner = valid ? (y >= start && y < start + n) : piece == 0;
+      if (lane == 0) {
+        rowmath = rm;
+        if (owner) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
+        row_y = valid ? static_cast<int>(y - start) : kIgnoredRow;
+      }
+    }
+    __syncthreads();
+    const RowMath rm = rowmath;
+    const int yl = row_y;
+    const uint4* sv = reinterpret_cast<const uint4*>(src);
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.grad) +
+                                          row * p.stride + start);
+    const int nvec = n / kVec;
+    if (yl == kIgnoredRow) {
+      const float zero[kVec] = {};
+      uint4 zv;
+      Tr::Pack(zero, &zv);
+#pragma unroll 4
+      for (int q = tid; q < nvec; q += kThreads) __stcs(out + q, zv);
+    } else {
+      constexpr int kB = 4;
+#pragma unroll 1
+      for (int q0 = tid; q0 < nvec; q0 += kB * kThreads) {
+        uint4 v[kB];
+#pragma unroll
+        for (int b = 0; b < kB; ++b) {
+          const int q = q0 + b * kThreads;
+          if (q < nvec) v[b] = __ldcg(sv + q);
+        }
+#pragma unroll
+        for (int b = 0; b < kB; ++b) {
+          const int q = q0 + b * kThreads;
+          if (q >= nvec) break;
+          float gr[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            gr[j] = fmaf(Exp2(fmaf(Tr::Get(v[b], j), kLog2e, -rm.lse_l2)), rm.a,
+                         rm.b);
+          }
+          uint4 o4;
+          Tr::Pack(gr, &o4);
+          __stcs(out + q, o4);
+        }
+      }
+      // The target column, computed without cancellation, overwrites what
+      // the same thread stored there (program order).
+      if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
+        Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl, rm.gy);
+      }
+    }
+    __syncthreads();  // rowmath and row_y are rewritten by the next item
+  }
+}
+
+// v8 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row,
+// groups of `group_rows` rows, statistics `lookahead` groups ahead of the
+// gradient, a persistent grid of every block that fits.
+template <typename T>
+cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
+                           int lookahead, cudaStream_t stream) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, L2PieceKernel<T>,
+                                                      kThreads, 0);
+  }
+  if (e != cudaSuccess) return e;
+  if (per_sm <= 0) return cudaErrorInvalidConfiguration;
+  L2PieceKernel<T>
+      <<<static_cast<unsigned>(sms * per_sm), kThreads, 0, stream>>>(
+          p, per_row, group_rows, lookahead);
+  return cudaGetLastError();
+}
+
 // ---- generic path: one block per row, any alignment ----------------------
 
 // Logits [N, V]; grid = N blocks. Reads the row three times (the later reads
@@ -1782,6 +1964,35 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
       p.grad == nullptr && p.vocab % vec == 0 &&
       (config.version == 7 || (config.version == 0 && row_bytes >= 32 * 1024));
+  // v8 (bench/NOTES.md): in-place forward+gradient of 2-byte logits on rows
+  // of 32 KiB and more, 64 KiB pieces, 4 MiB groups, statistics two groups
+  // ahead (bf16 72-77% of copy against v6's 68-73%; fp32 stays on v6,
+  // 78-87%; out of place, the separate gradient's lines evict the group from
+  // L2: 3.05 ms against v6's 2.79 ms at bf16 16384 x 131072).
+  const bool v8 =
+      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
+      p.grad != nullptr && p.vocab % vec == 0 &&
+      (config.version == 8 || (config.version == 0 && esize == 2 &&
+                               p.grad == p.logits && row_bytes >= 32 * 1024));
+  if (v8) {
+    const long long slice =
+        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 64) *
+        1024;
+    const long long per_row = std::min<long long>(
+        kMaxPieces, std::max<long long>(1, (row_bytes + slice - 1) / slice));
+    const long long chunk =
+        ((p.vocab + per_row - 1) / per_row + vec - 1) / vec * vec;
+    const long long pieces = (p.vocab + chunk - 1) / chunk;
+    const long long group_bytes =
+        static_cast<long long>(config.group_mib > 0 ? config.group_mib : 4)
+        << 20;
+    const long long group_rows = std::min<long long>(
+        std::max<long long>(1, group_bytes / row_bytes), p.rows);
+    p.chunk = static_cast<int>(chunk);
+    return LaunchL2Pieces<T>(p, static_cast<int>(pieces),
+                             static_cast<int>(group_rows),
+                             config.stages > 0 ? config.stages : 2, stream);
+  }
   if (v7) {
     const long long slice =
         static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 256) *
@@ -1877,7 +2088,7 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
 
 std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
-  return kHeaderBytes + 3 * AlignUp(n * 4) +
+  return kHeaderBytes + 5 * AlignUp(n * 4) +
          AlignUp(n * kMaxPieces * sizeof(Stats));
 }
 
@@ -1905,7 +2116,9 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
   p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
   p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
   p.row_flags = reinterpret_cast<int*>(ws + kHeaderBytes + 2 * col);
-  p.pieces = ws + kHeaderBytes + 3 * col;
+  p.row_done = reinterpret_cast<int*>(ws + kHeaderBytes + 3 * col);
+  p.row_zy = reinterpret_cast<float*>(ws + kHeaderBytes + 4 * col);
+  p.pieces = ws + kHeaderBytes + 5 * col;
   p.rows = args.rows;
   p.stride = args.row_stride;
   p.ignore_index = args.options.ignore_index;

@@ -33,14 +33,20 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
+// version 8 (the default for in-place forward+gradient of bf16/fp16 logits
+// with the plain options on 16-byte aligned rows of 32 KiB and more, V a
+// multiple of 8) runs v7's row pieces in one persistent kernel, the statistics
+// of a group of rows (group_mib, default 4) `stages` groups (default 2) before
+// the gradient of that group, which re-reads its rows from L2; slice_kib sets
+// the piece (default 64).
 // version 7 (the default for forward-only with the plain options on 16-byte
 // aligned rows of 32 KiB and more, V a multiple of 16 bytes) splits every row
 // into pieces of slice_kib (default 256; larger where a row would pass 16
 // pieces) on independent blocks and merges each row's piece statistics in a
 // second kernel; stages 1 keeps one batch of loads in flight a thread, 0 or 2
 // two.
-// version 6 (the default for forward+gradient with the plain options -- no
-// softcap, class weights or label smoothing -- on 16-byte aligned rows of 32
+// version 6 (the default for fp32 forward+gradient with the plain options --
+// no softcap, class weights or label smoothing -- on 16-byte aligned rows of 32
 // KiB and more, V a multiple of 16 bytes) streams each block's row slice into
 // shared memory with bulk copies, in persistent clusters with an mbarrier
 // exchange: slice_kib (default 32, or 64 past 16 slices a row) sets the slice
@@ -65,8 +71,9 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
-  int stages = 0;  // v6: shared-memory stages (0 = as many as fit); v7
-                   // batches in flight
+  int group_mib = 0;  // v8: MiB of rows a group (0 = 4)
+  int stages = 0;     // v6: shared-memory stages (0 = as many as fit); v7
+                      // batches in flight
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

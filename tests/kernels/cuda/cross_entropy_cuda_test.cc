@@ -796,6 +796,50 @@ TEST_F(CudaCrossEntropyTest, PieceKernelConfigs) {
   }
 }
 
+// v8 (forward+gradient on row pieces through L2, one persistent kernel):
+// pieces of 8 to 256 KiB, groups of one to many rows (so that statistics and
+// gradient items of different groups interleave), in place and out of place,
+// ignored rows, z-loss, grad_scale, p_y -> 1, NaN and infinite logits.
+TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
+  uint32_t seed = 1200;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int slice : {8, 64, 256}) {
+      for (int group : {1, 16}) {
+        Case c = Make(absl::StrCat("v8 slice=", slice, " group=", group, "MiB"),
+                      300, 100000, dtype);
+        c.pad = dtype == DType::kFloat32 ? 4 : 8;  // 16-byte rows
+        c.config.version = 8;
+        c.config.slice_kib = slice;
+        c.config.group_mib = group;
+        c.config.stages = slice == 64 ? 2 : 0;  // groups of lookahead
+        c.ignore_fraction = 0.3;
+        c.options.z_loss_scale = 1e-3f;
+        c.options.grad_scale = 0.5f;
+        c.mode =
+            group == 1 ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+        CheckCase(c, seed++);
+      }
+    }
+    Case d = Make("v8 p_y -> 1", 300, 131072, dtype);
+    d.logits = Logits::kTargetDominant;
+    d.config.version = 8;
+    d.config.group_mib = 2;
+    CheckCase(d, seed++);
+  }
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Case nf = Make("v8 NaN and inf logits", 64, 8192, dtype);
+    nf.logits = Logits::kNonFinite;
+    nf.config.version = 8;
+    nf.config.slice_kib = 8;
+    nf.config.group_mib = 1;
+    nf.exact_argmax = false;  // NaN rows: the first max is not defined
+    CheckCase(nf, seed++);
+    Case one = Make("v8 one row", 1, 32000, dtype);
+    one.config.version = 8;
+    CheckCase(one, seed++);
+  }
+}
+
 // Small v7 cases for compute-sanitizer (scripts/gpu-run): 4 pieces a row,
 // ignored rows, NaN and infinite logits.
 TEST_F(CudaCrossEntropyTest, PieceKernelSmall) {
