@@ -54,9 +54,6 @@ struct ClientOptions {
   std::size_t stripe_min_bytes = std::size_t{64} << 20;
 };
 
-// Values match lossd.v1.TensorState.
-enum class TensorState : int { kUnspecified = 0, kLogits = 1, kGradient = 2 };
-
 // Metadata of a stored tensor (lossd.v1.TensorInfo).
 struct TensorInfo {
   std::string handle;

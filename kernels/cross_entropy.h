@@ -20,6 +20,11 @@ enum class DType : int {
   kInt64 = 5,
 };
 
+// What a stored tensor's buffer holds (the server's store and the client's
+// TensorInfo, so that both headers can be included together). Values match
+// lossd.v1.TensorState; the server never reports kUnspecified.
+enum class TensorState : int { kUnspecified = 0, kLogits = 1, kGradient = 2 };
+
 // Bytes per element; 0 for kInvalid.
 constexpr std::size_t DTypeSize(DType dtype) {
   switch (dtype) {

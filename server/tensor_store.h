@@ -27,9 +27,6 @@ namespace lossd {
 // The only tenant until authentication exists; every API takes a tenant.
 inline constexpr char kDefaultTenant[] = "default";
 
-// Values match lossd.v1.TensorState.
-enum class TensorState : int { kLogits = 1, kGradient = 2 };
-
 // A consistent snapshot of one tensor's metadata.
 struct TensorRecord {
   std::string handle;

@@ -11,7 +11,8 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
-#include "tests/e2e/stripe_server.h"
+#include "server/server.h"
+#include "tests/e2e/test_server.h"
 
 namespace lossd {
 namespace {
@@ -29,8 +30,11 @@ class StripeTest : public ::testing::Test {
  protected:
   void Start(absl::Duration stripe_timeout = absl::Seconds(30),
              int64_t budget = kBudget) {
-    absl::StatusOr<std::unique_ptr<e2e_test::StripeServer>> server =
-        e2e_test::StripeServer::Start(budget, stripe_timeout);
+    ServerConfig config =
+        e2e_test::LoopbackConfig("cpu", budget, absl::Seconds(10));
+    config.stripe_timeout = stripe_timeout;
+    absl::StatusOr<std::unique_ptr<LossdServer>> server =
+        LossdServer::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
   }
@@ -56,12 +60,12 @@ class StripeTest : public ::testing::Test {
   }
 
   void ExpectStore(int64_t tensors, int64_t bytes) {
-    EXPECT_TRUE(server_->AwaitUsedBytes(bytes, absl::Seconds(10)))
+    EXPECT_TRUE(server_->store()->AwaitUsedBytes(bytes, absl::Seconds(10)))
         << "expected " << bytes << " bytes used";
-    EXPECT_EQ(server_->tensors(), tensors);
+    EXPECT_EQ(server_->store()->Stats().tensors, tensors);
   }
 
-  std::unique_ptr<e2e_test::StripeServer> server_;
+  std::unique_ptr<LossdServer> server_;
 };
 
 // K stripes of bf16 logits (odd shapes, so splits are uneven) and of int64
