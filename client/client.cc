@@ -12,11 +12,13 @@
 #include <deque>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -59,6 +61,40 @@ struct Client::Channel {
   absl::Mutex mu;
   std::vector<std::shared_ptr<grpc::Channel>> stripe_channels
       ABSL_GUARDED_BY(mu);
+
+  // The dtype and shape of handles this client uploaded or described (they
+  // never change on the server), so that a ranged Download needs no Describe
+  // first. At most kKnownShapes, the oldest forgotten first. Thread-safe.
+  struct Shape {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> dims;
+  };
+  static constexpr std::size_t kKnownShapes = 4096;
+  void Remember(const TensorInfo& info) ABSL_LOCKS_EXCLUDED(mu) {
+    if (info.handle.empty()) return;
+    absl::MutexLock lock(&mu);
+    auto [it, added] = known.try_emplace(info.handle);
+    it->second = Shape{info.dtype, info.shape};
+    if (!added) return;
+    known_order.push_back(info.handle);
+    if (known_order.size() > kKnownShapes) {
+      known.erase(known_order.front());
+      known_order.pop_front();
+    }
+  }
+  std::optional<Shape> Known(const std::string& handle)
+      ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    auto it = known.find(handle);
+    if (it == known.end()) return std::nullopt;
+    return it->second;
+  }
+  void Forget(const std::string& handle) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    known.erase(handle);  // its place in known_order goes with eviction
+  }
+  absl::flat_hash_map<std::string, Shape> known ABSL_GUARDED_BY(mu);
+  std::deque<std::string> known_order ABSL_GUARDED_BY(mu);
 };
 
 namespace {
@@ -581,7 +617,9 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                                            static_cast<int64_t>(bytes));
                                 }
                               }));
-  return FromProto(info);
+  TensorInfo uploaded = FromProto(info);
+  channel_->Remember(uploaded);
+  return uploaded;
 }
 
 absl::StatusOr<TensorInfo> Client::UploadStriped(
@@ -651,7 +689,11 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
       root_cause = &result.status();
     }
   }
-  if (first_error == nullptr) return FromProto(*results[0]);
+  if (first_error == nullptr) {
+    TensorInfo uploaded = FromProto(*results[0]);
+    channel_->Remember(uploaded);
+    return uploaded;
+  }
   // Some stripes finished OK before another failed (a cancellation racing
   // the reply): the tensor must not stay behind.
   if (!handle.empty()) Release(handle).IgnoreError();
@@ -679,11 +721,15 @@ absl::StatusOr<bool> Client::DownloadInRanges(
     const ProgressCallback& progress) {
   const int streams = options_.upload_streams;
   if (streams < 2) return false;
-  ASSIGN_OR_RETURN(const TensorInfo described, Describe(handle));
-  const DType sent = as_dtype == DType::kInvalid ? described.dtype : as_dtype;
+  std::optional<Channel::Shape> known = channel_->Known(handle);
+  if (!known.has_value()) {
+    ASSIGN_OR_RETURN(const TensorInfo described, Describe(handle));
+    known = Channel::Shape{described.dtype, described.shape};
+  }
+  const DType sent = as_dtype == DType::kInvalid ? known->dtype : as_dtype;
   const int64_t element_bytes = static_cast<int64_t>(DTypeSize(sent));
   int64_t elements = 1;
-  for (int64_t dim : described.shape) elements *= dim;
+  for (int64_t dim : known->dims) elements *= dim;
   const int64_t total = elements * element_bytes;
   if (element_bytes <= 0 || elements < 2 ||
       static_cast<uint64_t>(total) < options_.stripe_min_bytes) {
@@ -828,7 +874,9 @@ absl::StatusOr<TensorInfo> Client::Describe(const std::string& handle) {
   v1::TensorInfo response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Describe(&context, request, &response)));
-  return FromProto(response);
+  TensorInfo info = FromProto(response);
+  channel_->Remember(info);
+  return info;
 }
 
 absl::StatusOr<ListResult> Client::List() {
@@ -851,6 +899,7 @@ absl::StatusOr<int64_t> Client::Release(const std::string& handle) {
   v1::ReleaseRequest request;
   request.set_handle(handle);
   v1::ReleaseResponse response;
+  channel_->Forget(handle);
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Release(&context, request, &response)));
   return response.released_bytes();

@@ -238,8 +238,9 @@ class Client {
   // Downloads a whole tensor into memory. When it has at least
   // options().stripe_min_bytes (as sent), it is fetched as
   // options().upload_streams byte ranges in parallel over the extra
-  // connections of striped uploads (after a Describe for its size; a Backward
-  // racing the ranges may leave them with different factors). Errors as
+  // connections of striped uploads (its size from the handle's Upload or
+  // Describe by this client, else from a Describe first; a Backward racing
+  // the ranges may leave them with different factors). Errors as
   // DownloadStream.
   absl::StatusOr<DownloadedTensor> Download(
       const std::string& handle, DType as_dtype = DType::kInvalid,

@@ -12,6 +12,7 @@
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "server/server.h"
+#include "tests/e2e/scrape.h"
 #include "tests/e2e/test_server.h"
 
 namespace lossd {
@@ -29,10 +30,11 @@ std::string RandomBytes(size_t size, uint32_t seed) {
 class StripeTest : public ::testing::Test {
  protected:
   void Start(absl::Duration stripe_timeout = absl::Seconds(30),
-             int64_t budget = kBudget) {
+             int64_t budget = kBudget, bool metrics = false) {
     ServerConfig config =
         e2e_test::LoopbackConfig("cpu", budget, absl::Seconds(10));
     config.stripe_timeout = stripe_timeout;
+    if (metrics) config.metrics_port = 0;  // a free port
     absl::StatusOr<std::unique_ptr<LossdServer>> server =
         LossdServer::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -147,6 +149,49 @@ TEST_F(StripeTest, ConcurrentUploadsStaySeparate) {
   }
   EXPECT_NE(results[0]->handle, results[1]->handle);
   ExpectStore(2, int64_t{6} << 20);
+}
+
+// A ranged Download takes the tensor's size from what the client already knows
+// (its Upload or an earlier Describe), so only a handle it has never seen
+// costs a Describe first; a released handle is forgotten.
+TEST_F(StripeTest, RangedDownloadsDescribeOnlyUnknownHandles) {
+  Start(absl::Seconds(30), kBudget, /*metrics=*/true);
+  const auto describes = [&](const std::string& code) {
+    absl::StatusOr<std::vector<scrape::Sample>> samples =
+        scrape::Scrape(server_->metrics_port());
+    EXPECT_TRUE(samples.ok()) << samples.status();
+    if (!samples.ok()) return -1.0;
+    return scrape::FindSample(*samples, "lossd_rpc_total",
+                              {{"method", "Describe"}, {"code", code}})
+        .value_or(0.0);
+  };
+  std::unique_ptr<Client> uploader = MakeClient(4, "");
+  const std::string logits = RandomBytes(9 * 2001 * 2, 71);
+  absl::StatusOr<TensorInfo> stored = uploader->Upload(
+      DType::kBFloat16, {9, 2001}, logits.data(), logits.size());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  absl::StatusOr<DownloadedTensor> got = uploader->Download(stored->handle);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::string(got->data.begin(), got->data.end()), logits);
+  EXPECT_EQ(describes("OK"), 0);
+
+  // Another client has never seen the handle: one Describe, then none.
+  std::unique_ptr<Client> other = MakeClient(3, "");
+  for (int i = 0; i < 2; ++i) {
+    got = other->Download(stored->handle, DType::kFloat32);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->data.size(), logits.size() * 2);
+    EXPECT_EQ(describes("OK"), 1);
+  }
+
+  ASSERT_TRUE(uploader->Release(stored->handle).ok());
+  EXPECT_EQ(uploader->Download(stored->handle).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(describes("NOT_FOUND"), 1);
+  // A client that still remembers the shape gets NOT_FOUND from the ranges.
+  EXPECT_EQ(other->Download(stored->handle).status().code(),
+            absl::StatusCode::kNotFound);
+  ExpectStore(0, 0);
 }
 
 // Large downloads come as parallel ranges; converted or not, into a vector or
