@@ -122,7 +122,9 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     server->quotas_ = std::make_shared<TenantQuotas>(limits);
   }
   auto device =
-      CreateDevice(config.device, config.threads, config.device_reserve);
+      config.device_factory
+          ? config.device_factory()
+          : CreateDevice(config.device, config.threads, config.device_reserve);
   if (!device.ok()) return device.status();
   server->device_ = std::move(*device);
 

@@ -45,6 +45,9 @@ struct ServerConfig {
   // unusable (a sticky CUDA error); main ends the process there. Unset, the
   // server only logs and stays NOT_SERVING (tests).
   std::function<void(const absl::Status&)> on_fatal_device_error;
+  // Builds the device instead of `device` when set (tests: a device that
+  // fails in ways the real ones cannot be made to on demand).
+  std::function<absl::StatusOr<std::unique_ptr<Device>>()> device_factory;
   // Plain-HTTP /metrics on host:metrics_port; 0 = pick a free one, -1 = off
   // (the default here, so that in-process servers do not collide; the
   // binary's --metrics_port defaults to 9090).
