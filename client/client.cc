@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -749,6 +750,9 @@ absl::StatusOr<bool> Client::DownloadInRanges(
 
   absl::Mutex mu;
   TensorInfo first_header;
+  // A server older than ranged Download ignores offset and length and
+  // announces the whole tensor: then fetch it as one stream instead.
+  std::atomic<bool> no_ranges{false};
   const std::vector<absl::Status> results = RunParallel(
       streams, options_, total, progress,
       [&](int i, grpc::ClientContext* context,
@@ -773,11 +777,15 @@ absl::StatusOr<bool> Client::DownloadInRanges(
         return StreamDownload(
             stub.get(), context, request,
             [&](const TensorInfo& header) {
+              if (header.bytes == total) {
+                no_ranges = true;
+                return absl::FailedPreconditionError(
+                    "the server has no ranged Download");
+              }
               if (header.bytes != length) {
                 return absl::DataLossError(absl::StrCat(
                     "asked for bytes [", offset, ", ", offset + length,
-                    "), the server announced ", header.bytes,
-                    " (a server without ranged Download?)"));
+                    "), the server announced ", header.bytes));
               }
               if (i == 0) {
                 absl::MutexLock lock(&mu);
@@ -794,6 +802,10 @@ absl::StatusOr<bool> Client::DownloadInRanges(
             },
             nullptr);
       });
+  if (no_ranges) {
+    if (vector != nullptr) vector->clear();
+    return false;
+  }
   const absl::Status* first_error = nullptr;
   for (const absl::Status& status : results) {
     if (status.ok()) continue;

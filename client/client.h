@@ -240,8 +240,8 @@ class Client {
   // options().upload_streams byte ranges in parallel over the extra
   // connections of striped uploads (its size from the handle's Upload or
   // Describe by this client, else from a Describe first; a Backward racing
-  // the ranges may leave them with different factors). Errors as
-  // DownloadStream.
+  // the ranges may leave them with different factors; a server from before
+  // ranged Download gets one stream instead). Errors as DownloadStream.
   absl::StatusOr<DownloadedTensor> Download(
       const std::string& handle, DType as_dtype = DType::kInvalid,
       const ProgressCallback& progress = nullptr);

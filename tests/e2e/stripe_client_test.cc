@@ -1,5 +1,6 @@
 // lossd::Client's striped Upload (issue 4) against an in-process server:
 // uneven splits, empty stripes, progress, the budget, concurrent uploads.
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -10,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/scrape.h"
 #include "tests/e2e/test_server.h"
@@ -192,6 +195,78 @@ TEST_F(StripeTest, RangedDownloadsDescribeOnlyUnknownHandles) {
   EXPECT_EQ(other->Download(stored->handle).status().code(),
             absl::StatusCode::kNotFound);
   ExpectStore(0, 0);
+}
+
+// A lossd from before ranged Download: it ignores offset and length and sends
+// the whole tensor (as Describe says it is) on every Download.
+class OldDownloadService final : public v1::Lossd::Service {
+ public:
+  explicit OldDownloadService(std::string bytes) : bytes_(std::move(bytes)) {}
+  grpc::Status Describe(grpc::ServerContext* /*context*/,
+                        const v1::DescribeRequest* request,
+                        v1::TensorInfo* response) override {
+    *response = Info(request->handle());
+    return grpc::Status::OK;
+  }
+  grpc::Status Download(
+      grpc::ServerContext* /*context*/, const v1::DownloadRequest* request,
+      grpc::ServerWriter<v1::DownloadResponse>* writer) override {
+    ++downloads_;
+    v1::DownloadResponse header;
+    *header.mutable_header() = Info(request->handle());
+    if (!writer->Write(header)) return grpc::Status::CANCELLED;
+    for (std::size_t at = 0; at < bytes_.size(); at += 4096) {
+      v1::DownloadResponse chunk;
+      chunk.set_chunk(bytes_.substr(at, 4096));
+      if (!writer->Write(chunk)) return grpc::Status::CANCELLED;
+    }
+    return grpc::Status::OK;
+  }
+  int downloads() const { return downloads_; }
+
+ private:
+  v1::TensorInfo Info(const std::string& handle) const {
+    v1::TensorInfo info;
+    info.set_handle(handle);
+    info.set_dtype(v1::DTYPE_BFLOAT16);
+    info.add_shape(static_cast<int64_t>(bytes_.size() / 2));
+    info.set_bytes(static_cast<int64_t>(bytes_.size()));
+    return info;
+  }
+  const std::string bytes_;
+  std::atomic<int> downloads_{0};
+};
+
+// Against such a server the client falls back to one stream and gets the
+// tensor right (a newer client during a rolling upgrade).
+TEST(StripeCompatTest, RangedDownloadFallsBackOnAnOldServer) {
+  const std::string bytes = RandomBytes(3 * 50000 * 2, 81);
+  OldDownloadService service(bytes);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.upload_streams = 3;
+  options.stripe_min_bytes = 1;
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect(absl::StrCat("127.0.0.1:", port), options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<DownloadedTensor> got = (*client)->Download("old");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::string(got->data.begin(), got->data.end()), bytes);
+  EXPECT_EQ(got->info.bytes, static_cast<int64_t>(bytes.size()));
+  std::vector<uint8_t> buffer(bytes.size());
+  absl::StatusOr<TensorInfo> into = (*client)->DownloadInto(
+      "old", DType::kInvalid, buffer.data(), buffer.size());
+  ASSERT_TRUE(into.ok()) << into.status();
+  EXPECT_EQ(std::string(buffer.begin(), buffer.end()), bytes);
+  // Each attempt: up to 3 ranged tries (cancelled), then one whole stream.
+  EXPECT_GE(service.downloads(), 4);
+  server->Shutdown();
 }
 
 // Large downloads come as parallel ranges; converted or not, into a vector or
