@@ -3,7 +3,9 @@
 #ifndef LOSSD_TESTS_E2E_BYTES_H_
 #define LOSSD_TESTS_E2E_BYTES_H_
 
+#include <cstdint>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,14 @@ std::vector<T> FromBytes(const std::string& bytes) {
   std::vector<T> values(bytes.size() / sizeof(T));
   std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
   return values;
+}
+
+// `size` pseudo-random bytes from `seed` (the same bytes for the same seed).
+inline std::string RandomBytes(size_t size, uint32_t seed) {
+  std::mt19937 random(seed);
+  std::string bytes(size, '\0');
+  for (char& c : bytes) c = static_cast<char>(random() & 0xff);
+  return bytes;
 }
 
 }  // namespace e2e_test

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 #include "tests/e2e/scrape.h"
 #include "tests/e2e/test_server.h"
 
@@ -23,12 +24,7 @@ namespace {
 
 constexpr int64_t kBudget = 64 << 20;
 
-std::string RandomBytes(size_t size, uint32_t seed) {
-  std::mt19937 random(seed);
-  std::string bytes(size, '\0');
-  for (char& c : bytes) c = static_cast<char>(random() & 0xff);
-  return bytes;
-}
+using e2e_test::RandomBytes;
 
 class StripeTest : public ::testing::Test {
  protected:

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/e2e/bytes.h"
 #include "tests/e2e/test_server.h"
 
 namespace lossd {
@@ -27,12 +28,7 @@ using ::grpc::StatusCode;
 
 constexpr int64_t kBudget = 64 << 20;
 
-std::string RandomBytes(size_t size, uint32_t seed) {
-  std::mt19937 random(seed);
-  std::string bytes(size, '\0');
-  for (char& c : bytes) c = static_cast<char>(random() & 0xff);
-  return bytes;
-}
+using e2e_test::RandomBytes;
 
 // Elements [first, end) of stripe `index` of `count`, as the proto defines.
 std::pair<int64_t, int64_t> StripeRange(int64_t elements, int index,
