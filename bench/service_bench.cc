@@ -83,51 +83,9 @@ void Check(const grpc::Status& status, const char* what) {
     Die(absl::StrFormat("%s: %s", what, status.error_message()));
 }
 
-// Raw TCP over loopback: one connection, `chunk` writes of `data`.
-double RawTcpSeconds(const std::string& data, size_t chunk) {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener, 1) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) !=
-          0) {
-    Die("raw tcp: cannot listen");
-  }
-  std::thread receiver([listener, total = data.size(), chunk] {
-    const int connection = accept(listener, nullptr, nullptr);
-    std::vector<char> buffer(chunk);
-    size_t received = 0;
-    while (received < total) {
-      const ssize_t n = read(connection, buffer.data(), buffer.size());
-      if (n <= 0) break;
-      received += static_cast<size_t>(n);
-    }
-    close(connection);
-  });
-  const int sender = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(sender, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-    Die("raw tcp: cannot connect");
-  }
-  const auto start = Clock::now();
-  for (size_t at = 0; at < data.size();) {
-    const ssize_t n =
-        write(sender, data.data() + at, std::min(chunk, data.size() - at));
-    if (n <= 0) Die("raw tcp: write failed");
-    at += static_cast<size_t>(n);
-  }
-  shutdown(sender, SHUT_WR);
-  receiver.join();
-  const double seconds = Seconds(start);
-  close(sender);
-  close(listener);
-  return seconds;
-}
-
 // Raw TCP over loopback, `connections` connections at once, each carrying its
-// share of `data` (the stripes of a striped upload) from its own thread.
+// share of `data` (the stripes of a striped upload) from its own thread, in
+// `chunk` writes; 1 connection is the one-stream baseline.
 double RawTcpStripedSeconds(const std::string& data, size_t chunk,
                             int connections) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
@@ -697,7 +655,7 @@ int main(int argc, char** argv) {
   std::vector<double> copying_k_times;
   std::string handle;
   for (int i = 0; i < upload_repeats; ++i) {
-    tcp_times.push_back(RawTcpSeconds(logits, chunk));
+    tcp_times.push_back(RawTcpStripedSeconds(logits, chunk, 1));
     double seconds = 0;
     RawUpload(discard_channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits, chunk,
               &seconds);

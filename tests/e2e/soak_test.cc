@@ -224,8 +224,8 @@ class SoakClient {
     return candidates[Uniform(0, static_cast<int>(candidates.size()) - 1)];
   }
 
-  void Upload() {
-    if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
+  // Logits of a random float dtype and shape (not uploaded yet).
+  Owned RandomTensor() {
     static constexpr pb::DType kTypes[] = {
         pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16, pb::DTYPE_FLOAT16};
     Owned tensor;
@@ -233,6 +233,12 @@ class SoakClient {
     tensor.rows = Uniform(1, 64);
     tensor.vocab = Uniform(1, 512);
     tensor.bytes = RandomLogits(tensor.dtype, tensor.rows * tensor.vocab);
+    return tensor;
+  }
+
+  void Upload() {
+    if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
+    Owned tensor = RandomTensor();
     const bool cancel = Chance(15);
     grpc::ClientContext context;
     bool with_deadline = false;
@@ -285,13 +291,7 @@ class SoakClient {
   // attach), and nothing is stored.
   void StripedUpload() {
     if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
-    static constexpr pb::DType kTypes[] = {
-        pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16, pb::DTYPE_FLOAT16};
-    Owned tensor;
-    tensor.dtype = kTypes[Uniform(0, 2)];
-    tensor.rows = Uniform(1, 64);
-    tensor.vocab = Uniform(1, 512);
-    tensor.bytes = RandomLogits(tensor.dtype, tensor.rows * tensor.vocab);
+    Owned tensor = RandomTensor();
     const int count = Uniform(2, 4);
     const int cancelled = Chance(15) ? Uniform(0, count - 1) : -1;
     const int64_t elements = tensor.rows * tensor.vocab;
