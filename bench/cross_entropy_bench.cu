@@ -1,7 +1,7 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
 // device-to-device copy bandwidth, then each configuration as a ratio to it.
 // Usage: cross_entropy_bench [--sweep | --sweep=v6 | --sweep=v7 | --sweep=v8]
-//                            [--profile] [--forward | --gradient]
+//                            [--profile] [--forward | --gradient] [--bf16]
 //                            [--out=RESULTS.md]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,24 @@ __global__ void ReadAll(const uint4* in, size_t n, unsigned* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
 
+// L2 reference: `reps` passes over `n` vectors that stay in L2, read with
+// __ldcg (past L1, which would hold a block's share on the later passes).
+__global__ void ReadL2(const uint4* in, size_t n, int reps, unsigned* out) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  unsigned acc = 0;
+  for (int r = 0; r < reps; ++r) {
+    size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+      const uint4 a = __ldcg(in + i), b = __ldcg(in + i + stride),
+                  c = __ldcg(in + i + 2 * stride),
+                  d = __ldcg(in + i + 3 * stride);
+      acc += a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+      acc += c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+  }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
 __global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab,
                             uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -99,6 +118,7 @@ int main(int argc, char** argv) {
   bool profile = false;        // one small config, for ncu
   bool forward = false;        // forward-only configurations only
   bool gradient_only = false;  // forward+gradient configurations only
+  bool bf16_only = false;      // bf16 configurations only
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
@@ -109,6 +129,7 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
     if (std::strcmp(argv[i], "--forward") == 0) forward = true;
+    if (std::strcmp(argv[i], "--bf16") == 0) bf16_only = true;
   }
   const int kWarmup = 3;
   const int kRuns = profile ? 2 : 25;
@@ -155,18 +176,36 @@ int main(int argc, char** argv) {
     if (i >= kWarmup) times.push_back(ms);
   }
   const double read_gbs = 1.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
+  // L2 read bandwidth: 16 MiB read 64 times (reported: the ceiling of
+  // schedules that re-read rows from L2).
+  times.clear();
+  constexpr size_t kL2Bytes = size_t{16} << 20;
+  constexpr int kL2Reps = 64;
+  for (int i = 0; i < kWarmup + kRuns; ++i) {
+    CHECK_CUDA(cudaEventRecord(t0, stream));
+    ReadL2<<<read_grid, 256, 0, stream>>>(static_cast<const uint4*>(a),
+                                          kL2Bytes / 16, kL2Reps,
+                                          static_cast<unsigned*>(b));
+    CHECK_CUDA(cudaEventRecord(t1, stream));
+    CHECK_CUDA(cudaEventSynchronize(t1));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    if (i >= kWarmup) times.push_back(ms);
+  }
+  const double l2_gbs = 1.0 * kL2Bytes * kL2Reps / (Median(times) * 1e-3) / 1e9;
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   std::printf(
       "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d); "
-      "read-only %.0f GB/s (%.1f%% of copy)\n",
+      "read-only %.0f GB/s (%.1f%% of copy); L2-resident read %.0f GB/s\n",
       prop.name, prop.multiProcessorCount, copy_gbs, kRuns, read_gbs,
-      100.0 * read_gbs / copy_gbs);
+      100.0 * read_gbs / copy_gbs, l2_gbs);
 
   using lossd::DType;
   using lossd::GradientMode;
   std::vector<Config> configs;
   for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    if (bf16_only && d != DType::kBFloat16) continue;
     if (profile) {
       if (d == DType::kBFloat16) {
         configs.push_back({4096, 131072, d, GradientMode::kInPlace});
@@ -179,6 +218,9 @@ int main(int argc, char** argv) {
     configs.push_back({16384, 131072, d, GradientMode::kInPlace});
     configs.push_back({16384, 131072, d, GradientMode::kNone});
     configs.push_back({8192, 128256, d, GradientMode::kNone});
+    if (sweep8) {
+      configs.push_back({16384, 131072, d, GradientMode::kOutOfPlace});
+    }
   }
   if (forward || gradient_only) {
     configs.erase(std::remove_if(configs.begin(), configs.end(),
@@ -198,6 +240,10 @@ int main(int argc, char** argv) {
     lossd::CrossEntropyCudaResult* result;
     CHECK_CUDA(cudaMalloc(&pristine, bytes));
     CHECK_CUDA(cudaMalloc(&work, bytes));
+    void* grad = nullptr;
+    if (c.mode == GradientMode::kOutOfPlace) {
+      CHECK_CUDA(cudaMalloc(&grad, bytes));
+    }
     CHECK_CUDA(cudaMalloc(&targets, c.rows * 8));
     const size_t ws_bytes = lossd::CrossEntropyCudaWorkspaceBytes(c.rows);
     CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
@@ -221,7 +267,7 @@ int main(int argc, char** argv) {
     args.targets = targets;
     args.targets_dtype = DType::kInt64;
     args.mode = c.mode;
-    args.gradient = c.mode == GradientMode::kInPlace ? work : nullptr;
+    args.gradient = c.mode == GradientMode::kInPlace ? work : grad;
     // (name, config): auto first, then the sweep's v5 slice sizes and
     // occupancy caps and v4 for comparison.
     std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
@@ -239,20 +285,23 @@ int main(int argc, char** argv) {
       }
     }
     if (sweep8 && c.mode != GradientMode::kNone) {
-      for (int slice : {32, 64}) {
-        for (int group : {2, 4, 8}) {
-          for (int ahead : {1, 2}) {
-            lossd::CrossEntropyCudaConfig v8;
-            v8.version = 8;
-            v8.slice_kib = slice;
-            v8.group_mib = group;
-            v8.stages = ahead;
-            variants.push_back({"v8 s" + std::to_string(slice) + " g" +
-                                    std::to_string(group) + " a" +
-                                    std::to_string(ahead),
-                                v8});
-          }
-        }
+      lossd::CrossEntropyCudaConfig v6;
+      v6.version = 6;
+      variants.push_back({"v6", v6});
+      // (piece KiB, group MiB, lookahead, cache_hints)
+      for (const auto& [slice, group, ahead, hints] :
+           std::vector<std::tuple<int, int, int, int>>{
+               {64, 4, 2, 1}, {64, 4, 2, 2}, {64, 8, 1, 2}, {64, 2, 4, 2}}) {
+        lossd::CrossEntropyCudaConfig v8;
+        v8.version = 8;
+        v8.slice_kib = slice;
+        v8.group_mib = group;
+        v8.stages = ahead;
+        v8.cache_hints = hints;
+        variants.push_back(
+            {"v8 s" + std::to_string(slice) + " g" + std::to_string(group) +
+                 " a" + std::to_string(ahead) + (hints == 1 ? " no hints" : ""),
+             v8});
       }
     }
     if (sweep7 && c.mode == GradientMode::kNone) {
@@ -327,7 +376,9 @@ int main(int argc, char** argv) {
       std::snprintf(line, sizeof(line),
                     "| %lld x %lld | %s | %s | %s | %.3f | %.0f | %.1f%% |\n",
                     (long long)c.rows, (long long)c.vocab, Name(c.dtype),
-                    c.mode == GradientMode::kNone ? "forward" : "fwd+grad",
+                    c.mode == GradientMode::kNone      ? "forward"
+                    : c.mode == GradientMode::kInPlace ? "fwd+grad"
+                                                       : "fwd+grad (out)",
                     vname, ms, gbs, 100.0 * gbs / copy_gbs);
       std::printf("%s", line);
       if (is_auto) table += line;
@@ -338,6 +389,7 @@ int main(int argc, char** argv) {
     }
     CHECK_CUDA(cudaFree(pristine));
     CHECK_CUDA(cudaFree(work));
+    CHECK_CUDA(cudaFree(grad));
     CHECK_CUDA(cudaFree(targets));
     CHECK_CUDA(cudaFree(ws));
     CHECK_CUDA(cudaFree(result));
@@ -360,9 +412,10 @@ int main(int argc, char** argv) {
         "read + one write of the logits (forward-only: one read).\n\n"
         "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s**; for "
         "reference, a read-only pass over the same 4 GiB: %.0f GB/s (%.1f%% "
-        "of the copy)\n\n%s",
+        "of the copy); a read of 16 MiB that stays in L2 (64 passes): %.0f "
+        "GB/s\n\n%s",
         date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
-        read_gbs, 100.0 * read_gbs / copy_gbs, table.c_str());
+        read_gbs, 100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
     std::fclose(f);
   }
   return 0;

@@ -1154,14 +1154,52 @@ __device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
   return fmaxf(__low2float(m), __high2float(m));
 }
 
+// L2 eviction priorities (v8, unless cache_hints = 1): a policy for every line
+// an access touches, and vector loads and streaming stores that carry one.
+__device__ __forceinline__ unsigned long long L2EvictLast() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ unsigned long long L2EvictFirst() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint4 LoadWithPolicy(const uint4* a,
+                                                unsigned long long pol) {
+  uint4 v;
+  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(a), "l"(pol));
+  return v;
+}
+__device__ __forceinline__ uint4 LoadL2WithPolicy(const uint4* a,
+                                                  unsigned long long pol) {
+  uint4 v;
+  asm("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(a), "l"(pol));
+  return v;
+}
+__device__ __forceinline__ void StoreStreamWithPolicy(uint4* a, uint4 v,
+                                                      unsigned long long pol) {
+  asm volatile(
+      "st.global.cs.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(a),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol)
+      : "memory");
+}
+
 // This thread's statistics of a slice of `n` elements (a multiple of the
 // vector width) at `s` (shared or global memory), columns from `col0`: online
 // max and sum of 2^(z*log2e - m_l2) over batches of kU vectors, the first
 // argmax found afterwards in the batch that set the max. kPrefetch (global
 // memory): the next batch's loads are issued before this one's arithmetic.
-template <typename T, int kBlock, bool kPrefetch = false>
+// kHint: global loads carry the L2 eviction policy `policy`.
+template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
-                                            int tid) {
+                                            int tid,
+                                            unsigned long long policy = 0) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   const uint4* sv = reinterpret_cast<const uint4*>(s);
@@ -1178,15 +1216,18 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
     for (int j = 0; j < kVec; ++j) f[j] = -INFINITY;
     Tr::Pack(f, &ninf);
   }
+  const auto get = [&](const uint4* a) {
+    return kHint ? LoadWithPolicy(a, policy) : *a;
+  };
   const auto load = [&](int q0, uint4(&v)[kU]) {
     if (q0 + (kU - 1) * kBlock < nvec) {  // a whole batch (the usual case)
 #pragma unroll
-      for (int u = 0; u < kU; ++u) v[u] = sv[q0 + u * kBlock];
+      for (int u = 0; u < kU; ++u) v[u] = get(sv + q0 + u * kBlock);
     } else {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int q = q0 + u * kBlock;
-        v[u] = q < nvec ? sv[q] : ninf;
+        v[u] = q < nvec ? get(sv + q) : ninf;
       }
     }
   };
@@ -1634,6 +1675,10 @@ cudaError_t LaunchPieces(const Params& p, int per_row, bool prefetch,
 // No deadlock with every block resident: a block waits only in a gradient
 // item, for statistics items taken earlier by blocks that never wait in them.
 // Plain options only (z-loss, grad_scale), like v5 to v7.
+// kHints: the statistics loads mark their lines evict-last in L2, the
+// gradient's re-reads and stores evict-first, so that the groups waiting for
+// their gradient outlive the lines already written (bench/NOTES.md "v8":
+// bf16 72-73% -> 77-78% of copy in one run; fewer re-reads miss L2).
 
 __device__ __forceinline__ int LoadAcquire(const int* ptr) {
   int v;
@@ -1644,7 +1689,7 @@ __device__ __forceinline__ int LoadAcquire(const int* ptr) {
   return v;
 }
 
-template <typename T>
+template <typename T, bool kHints>
 __global__ void __launch_bounds__(kThreads, 4)
     L2PieceKernel(Params p, int per_row, int group_rows, int lookahead) {
   using Tr = Traits<T>;
@@ -1663,6 +1708,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   const long long groups = (p.rows + group_rows - 1) / group_rows;
   const long long per_slot = static_cast<long long>(group_rows) * per_row;
   const long long total = (lookahead + 2 * groups) * per_slot;
+  const unsigned long long keep = kHints ? L2EvictLast() : 0;
+  const unsigned long long drop = kHints ? L2EvictFirst() : 0;
 #pragma unroll 1
   for (int turn = 0;; turn ^= 1) {
     if (tid == 0)
@@ -1686,7 +1733,8 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int n = max(0, min(p.chunk, p.vocab - start));
     const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
     if (stats) {
-      Stats st = SliceStats<T, kThreads, true>(src, n, start, tid);
+      Stats st =
+          SliceStats<T, kThreads, true, kHints>(src, n, start, tid, keep);
       st = BlockMergeStats<kThreads>(st, scratch);
       if (tid == 0) {
         pieces[row * kMaxPieces + piece] = st;
@@ -1735,7 +1783,13 @@ __global__ void __launch_bounds__(kThreads, 4)
       uint4 zv;
       Tr::Pack(zero, &zv);
 #pragma unroll 4
-      for (int q = tid; q < nvec; q += kThreads) __stcs(out + q, zv);
+      for (int q = tid; q < nvec; q += kThreads) {
+        if (kHints) {
+          StoreStreamWithPolicy(out + q, zv, drop);
+        } else {
+          __stcs(out + q, zv);
+        }
+      }
     } else {
       constexpr int kB = 4;
 #pragma unroll 1
@@ -1744,7 +1798,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
         for (int b = 0; b < kB; ++b) {
           const int q = q0 + b * kThreads;
-          if (q < nvec) v[b] = __ldcg(sv + q);
+          if (q < nvec) {
+            v[b] = kHints ? LoadL2WithPolicy(sv + q, drop) : __ldcg(sv + q);
+          }
         }
 #pragma unroll
         for (int b = 0; b < kB; ++b) {
@@ -1758,7 +1814,11 @@ __global__ void __launch_bounds__(kThreads, 4)
           }
           uint4 o4;
           Tr::Pack(gr, &o4);
-          __stcs(out + q, o4);
+          if (kHints) {
+            StoreStreamWithPolicy(out + q, o4, drop);
+          } else {
+            __stcs(out + q, o4);
+          }
         }
       }
       // The target column, computed without cancellation, overwrites what
@@ -1771,10 +1831,29 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
 }
 
+// v7's and v8's split of a row of `vocab` elements (`row_bytes` bytes) into
+// at most kMaxPieces pieces of about `slice_kib` KiB (`default_kib` when 0),
+// each a multiple of `vec` elements; the last piece may be shorter.
+struct RowPieces {
+  int chunk;   // elements a piece
+  int pieces;  // pieces a row
+};
+RowPieces SplitRow(long long vocab, long long row_bytes, int vec, int slice_kib,
+                   int default_kib) {
+  const long long slice =
+      static_cast<long long>(slice_kib > 0 ? slice_kib : default_kib) * 1024;
+  const long long per_row = std::min<long long>(
+      kMaxPieces, std::max<long long>(1, (row_bytes + slice - 1) / slice));
+  const long long chunk =
+      ((vocab + per_row - 1) / per_row + vec - 1) / vec * vec;
+  return {static_cast<int>(chunk),
+          static_cast<int>((vocab + chunk - 1) / chunk)};
+}
+
 // v8 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row,
 // groups of `group_rows` rows, statistics `lookahead` groups ahead of the
 // gradient, a persistent grid of every block that fits.
-template <typename T>
+template <typename T, bool kHints>
 cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
                            int lookahead, cudaStream_t stream) {
   int device = 0, sms = 0, per_sm = 0;
@@ -1783,12 +1862,12 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, L2PieceKernel<T>,
-                                                      kThreads, 0);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, L2PieceKernel<T, kHints>, kThreads, 0);
   }
   if (e != cudaSuccess) return e;
   if (per_sm <= 0) return cudaErrorInvalidConfiguration;
-  L2PieceKernel<T>
+  L2PieceKernel<T, kHints>
       <<<static_cast<unsigned>(sms * per_sm), kThreads, 0, stream>>>(
           p, per_row, group_rows, lookahead);
   return cudaGetLastError();
@@ -1966,46 +2045,38 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       (config.version == 7 || (config.version == 0 && row_bytes >= 32 * 1024));
   // v8 (bench/NOTES.md): in-place forward+gradient of 2-byte logits on rows
   // of 32 KiB and more, 64 KiB pieces, 4 MiB groups, statistics two groups
-  // ahead (bf16 72-77% of copy against v6's 68-73%; fp32 stays on v6,
-  // 78-87%; out of place, the separate gradient's lines evict the group from
-  // L2: 3.05 ms against v6's 2.79 ms at bf16 16384 x 131072).
+  // ahead, L2 hints (bf16 73-78% of copy against v6's 72-76% in the same run;
+  // fp32 stays on v6, 78-87% against v8's 51-65%; out of place v8 measured
+  // 77.0% against v6's 76.2%, within run-to-run noise, and stays on v6).
   const bool v8 =
       !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
       p.grad != nullptr && p.vocab % vec == 0 &&
       (config.version == 8 || (config.version == 0 && esize == 2 &&
                                p.grad == p.logits && row_bytes >= 32 * 1024));
   if (v8) {
-    const long long slice =
-        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 64) *
-        1024;
-    const long long per_row = std::min<long long>(
-        kMaxPieces, std::max<long long>(1, (row_bytes + slice - 1) / slice));
-    const long long chunk =
-        ((p.vocab + per_row - 1) / per_row + vec - 1) / vec * vec;
-    const long long pieces = (p.vocab + chunk - 1) / chunk;
+    const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
+                                  /*default_kib=*/64);
     const long long group_bytes =
         static_cast<long long>(config.group_mib > 0 ? config.group_mib : 4)
         << 20;
     const long long group_rows = std::min<long long>(
         std::max<long long>(1, group_bytes / row_bytes), p.rows);
-    p.chunk = static_cast<int>(chunk);
-    return LaunchL2Pieces<T>(p, static_cast<int>(pieces),
-                             static_cast<int>(group_rows),
-                             config.stages > 0 ? config.stages : 2, stream);
+    p.chunk = rp.chunk;
+    const int lookahead = config.stages > 0 ? config.stages : 2;
+    return config.cache_hints != 1
+               ? LaunchL2Pieces<T, true>(p, rp.pieces,
+                                         static_cast<int>(group_rows),
+                                         lookahead, stream)
+               : LaunchL2Pieces<T, false>(p, rp.pieces,
+                                          static_cast<int>(group_rows),
+                                          lookahead, stream);
   }
   if (v7) {
-    const long long slice =
-        static_cast<long long>(config.slice_kib > 0 ? config.slice_kib : 256) *
-        1024;
-    const long long per_row = std::min<long long>(
-        kMaxPieces, std::max<long long>(1, (row_bytes + slice - 1) / slice));
-    const long long chunk =
-        ((p.vocab + per_row - 1) / per_row + vec - 1) / vec * vec;
-    const long long pieces = (p.vocab + chunk - 1) / chunk;
-    if (p.rows * pieces <= INT_MAX) {
-      p.chunk = static_cast<int>(chunk);
-      return LaunchPieces<T>(p, static_cast<int>(pieces), config.stages != 1,
-                             stream);
+    const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
+                                  /*default_kib=*/256);
+    if (p.rows * rp.pieces <= INT_MAX) {
+      p.chunk = rp.chunk;
+      return LaunchPieces<T>(p, rp.pieces, config.stages != 1, stream);
     }
   }
   if (v6) {

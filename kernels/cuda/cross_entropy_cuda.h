@@ -38,7 +38,9 @@ constexpr int kCrossEntropyBadTarget = 1;
 // multiple of 8) runs v7's row pieces in one persistent kernel, the statistics
 // of a group of rows (group_mib, default 4) `stages` groups (default 2) before
 // the gradient of that group, which re-reads its rows from L2; slice_kib sets
-// the piece (default 64).
+// the piece (default 64); the statistics loads keep their lines in L2 with an
+// evict-last priority, the gradient's re-reads and stores evict-first
+// (cache_hints 1 turns this off).
 // version 7 (the default for forward-only with the plain options on 16-byte
 // aligned rows of 32 KiB and more, V a multiple of 16 bytes) splits every row
 // into pieces of slice_kib (default 256; larger where a row would pass 16
@@ -71,9 +73,12 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
-  int group_mib = 0;  // v8: MiB of rows a group (0 = 4)
-  int stages = 0;     // v6: shared-memory stages (0 = as many as fit); v7
-                      // batches in flight
+  int group_mib = 0;    // v8: MiB of rows a group (0 = 4)
+  int stages = 0;       // v6: shared-memory stages (0 = as many as fit); v7
+                        // batches in flight
+  int cache_hints = 0;  // v8: 0 or 2 = L2 eviction priorities (statistics
+                        // loads evict-last, the gradient's re-reads and
+                        // stores evict-first); 1 = none
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

@@ -812,6 +812,7 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
         c.config.slice_kib = slice;
         c.config.group_mib = group;
         c.config.stages = slice == 64 ? 2 : 0;  // groups of lookahead
+        c.config.cache_hints = slice == 64 ? 2 : 1;
         c.ignore_fraction = 0.3;
         c.options.z_loss_scale = 1e-3f;
         c.options.grad_scale = 0.5f;
@@ -824,6 +825,7 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
     d.logits = Logits::kTargetDominant;
     d.config.version = 8;
     d.config.group_mib = 2;
+    d.config.cache_hints = dtype == DType::kBFloat16 ? 2 : 1;
     CheckCase(d, seed++);
   }
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
@@ -837,6 +839,22 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
     Case one = Make("v8 one row", 1, 32000, dtype);
     one.config.version = 8;
     CheckCase(one, seed++);
+  }
+}
+
+// Small v8 cases for compute-sanitizer (scripts/gpu-run): 2 pieces a row,
+// groups of 4 rows, with and without L2 hints, ignored rows, out of place.
+TEST_F(CudaCrossEntropyTest, L2PieceKernelSmall) {
+  uint32_t seed = 1250;
+  for (int hints : {1, 2}) {
+    Case c = Make("v8 small", 96, 8192, DType::kBFloat16);
+    c.config.version = 8;
+    c.config.slice_kib = 8;
+    c.config.group_mib = 1;
+    c.config.cache_hints = hints;
+    c.ignore_fraction = 0.2;
+    c.mode = hints == 2 ? GradientMode::kInPlace : GradientMode::kOutOfPlace;
+    CheckCase(c, seed++);
   }
 }
 
