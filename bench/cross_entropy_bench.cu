@@ -1,6 +1,6 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
 // device-to-device copy bandwidth, then each configuration as a ratio to it.
-// Usage: cross_entropy_bench [--sweep | --sweep=v6 | --sweep=v7 | --sweep=v8]
+// Usage: cross_entropy_bench [--sweep | --sweep=v6 | ... | --sweep=v9]
 //                            [--profile] [--forward | --gradient] [--bf16]
 //                            [--out=RESULTS.md]
 #include <cuda_bf16.h>
@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
   bool sweep6 = false;         // v6 slice and stage variants only
   bool sweep7 = false;         // v7 piece sizes and v5, forward-only
   bool sweep8 = false;         // v8 piece and group sizes, forward+gradient
+  bool sweep9 = false;         // v9 piece sizes against v6 and v8
   bool profile = false;        // one small config, for ncu
   bool forward = false;        // forward-only configurations only
   bool gradient_only = false;  // forward+gradient configurations only
@@ -125,6 +126,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
     if (std::strcmp(argv[i], "--sweep=v7") == 0) sweep7 = true;
     if (std::strcmp(argv[i], "--sweep=v8") == 0) sweep8 = true;
+    if (std::strcmp(argv[i], "--sweep=v9") == 0) sweep9 = true;
     if (std::strcmp(argv[i], "--gradient") == 0) gradient_only = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
@@ -218,7 +220,7 @@ int main(int argc, char** argv) {
     configs.push_back({16384, 131072, d, GradientMode::kInPlace});
     configs.push_back({16384, 131072, d, GradientMode::kNone});
     configs.push_back({8192, 128256, d, GradientMode::kNone});
-    if (sweep8) {
+    if (sweep8 || sweep9) {
       configs.push_back({16384, 131072, d, GradientMode::kOutOfPlace});
     }
   }
@@ -302,6 +304,24 @@ int main(int argc, char** argv) {
             {"v8 s" + std::to_string(slice) + " g" + std::to_string(group) +
                  " a" + std::to_string(ahead) + (hints == 1 ? " no hints" : ""),
              v8});
+      }
+    }
+    if (sweep9 && c.mode != GradientMode::kNone) {
+      lossd::CrossEntropyCudaConfig v6;
+      v6.version = 6;
+      variants.push_back({"v6", v6});
+      lossd::CrossEntropyCudaConfig v8;
+      v8.version = 8;
+      variants.push_back({"v8", v8});
+      // (piece KiB, blocks a SM: 4 = the 64-register build, 2 = 96)
+      for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
+               {48, 4}, {54, 4}, {40, 4}, {64, 2}}) {
+        lossd::CrossEntropyCudaConfig v9;
+        v9.version = 9;
+        v9.slice_kib = slice;
+        v9.ctas_per_sm = ctas;
+        variants.push_back(
+            {"v9 s" + std::to_string(slice) + " x" + std::to_string(ctas), v9});
       }
     }
     if (sweep7 && c.mode == GradientMode::kNone) {

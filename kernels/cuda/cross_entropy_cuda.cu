@@ -1195,11 +1195,14 @@ __device__ __forceinline__ void StoreStreamWithPolicy(uint4* a, uint4 v,
 // max and sum of 2^(z*log2e - m_l2) over batches of kU vectors, the first
 // argmax found afterwards in the batch that set the max. kPrefetch (global
 // memory): the next batch's loads are issued before this one's arithmetic.
-// kHint: global loads carry the L2 eviction policy `policy`.
+// kHint: global loads carry the L2 eviction policy `policy`. `keep` (not
+// null): every vector read is also stored there, at its index (v9 keeps its
+// piece in shared memory), and the p_y -> 1 pass below reads it from there.
 template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
                                             int tid,
-                                            unsigned long long policy = 0) {
+                                            unsigned long long policy = 0,
+                                            uint4* keep = nullptr) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   const uint4* sv = reinterpret_cast<const uint4*>(s);
@@ -1242,6 +1245,13 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       if (q0 + kU * kBlock < nvec) load(q0 + kU * kBlock, ahead);
     } else {
       load(q0, v);
+    }
+    if (keep != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int q = q0 + u * kBlock;
+        if (q < nvec) keep[q] = v[u];
+      }
     }
     const float bm = BatchMax<T>(v);
     if (bm > m) {
@@ -1298,7 +1308,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       float t = 0.0f;
 #pragma unroll 1
       for (int q = tid; q < nvec; q += kBlock) {
-        const uint4 v = sv[q];
+        const uint4 v = keep != nullptr ? keep[q] : sv[q];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           const float e = Exp2(fmaf(Tr::Get(v, j), kLog2e, -m_l2));
@@ -1873,6 +1883,152 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
   return cudaGetLastError();
 }
 
+// ---- v9: forward+gradient on row pieces kept in shared memory -----------
+
+// v7's independent row pieces, each kept in shared memory until its row's
+// statistics are known: a persistent block takes one piece at a time from a
+// global counter (pieces in row order), reads it once from DRAM into
+// registers and shared memory while computing its statistics, publishes them
+// (release count per row), waits for the row's other pieces (acquire; one
+// warp merges them in a fixed order, every piece of a row getting the same
+// bits) and writes the gradient from shared memory. One read and one write
+// of the logits, through L2 once (v8 re-reads through L2, bench/NOTES.md).
+// No deadlock while at least `per_row` blocks are resident (checked at
+// launch): a block publishes its piece before it waits, items are taken in
+// order, so only the row being handed out can be incomplete, and it holds at
+// most per_row - 1 waiting blocks; every other block finishes and takes the
+// rest. Plain options only (z-loss, grad_scale), like v5 to v8.
+// The next item is taken at the top of the loop, not during the gradient:
+// taken earlier, a row's pieces start further apart and their blocks wait
+// longer (measured: bf16 4096 x 262144 82% -> 71%); before the wait it could
+// deadlock (a block holding an unpublished piece of the row it waits for).
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    SmemPieceKernel(Params p, int per_row) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  extern __shared__ uint4 kept[];
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ long long item_s;
+  __shared__ float4 coef;  // lse_l2, a, b and dz_y of the item's row
+  const WorkspaceHeader hdr = *p.header;
+  if (hdr.error) return;  // uniform: nothing is written
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  Stats* const pieces = static_cast<Stats*>(p.pieces);
+  const long long total = p.rows * per_row;
+#pragma unroll 1
+  for (;;) {
+    if (tid == 0) {
+      item_s = static_cast<long long>(atomicAdd(&p.header->next_item, 1ull));
+    }
+    __syncthreads();
+    const long long k = item_s;
+    if (k >= total) break;
+    const long long row = k / per_row;
+    const int piece = static_cast<int>(k - row * per_row);
+    const int start = piece * p.chunk;
+    const int n = max(0, min(p.chunk, p.vocab - start));
+    const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
+    Stats st = SliceStats<T, kThreads, true>(src, n, start, tid, 0, kept);
+    st = BlockMergeStats<kThreads>(st, scratch);  // (kept is complete)
+    const long long y = LoadTarget(p, row);
+    const bool valid = y != p.ignore_index;
+    const int yl = static_cast<int>(y - start);
+    if (warp == 0) {
+      if (lane == 0) {
+        pieces[row * kMaxPieces + piece] = st;
+        if (valid && yl >= 0 && yl < n) p.row_zy[row] = Tr::Load(src + yl);
+        __threadfence();
+        atomicAdd(p.row_done + row, 1);
+      }
+      // Every lane acquires the row's count itself before it reads what the
+      // row's other pieces wrote.
+      while (LoadAcquire(p.row_done + row) < per_row) __nanosleep(32);
+      Stats ps = EmptyStats();
+      if (lane < per_row) {
+        const Stats* from = pieces + row * kMaxPieces + lane;
+        ps.m = __ldcg(&from->m);
+        ps.t = __ldcg(&from->t);
+        ps.sum_wz = __ldcg(&from->sum_wz);
+        ps.arg = __ldcg(&from->arg);
+      }
+      const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
+      const Stats rs = WarpMergeStats(ps);
+      const RowMath rm = MakeRowMath(p, hdr, rs, valid, zy, 1.0f);
+      const bool owner = valid ? (yl >= 0 && yl < n) : piece == 0;
+      if (lane == 0) {
+        if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
+        coef = make_float4(rm.lse_l2, rm.a, rm.b, rm.gy);
+      }
+    }
+    __syncthreads();
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.grad) +
+                                          row * p.stride + start);
+    const int nvec = n / kVec;
+    if (!valid) {
+      const float zero[kVec] = {};
+      uint4 zv;
+      Tr::Pack(zero, &zv);
+#pragma unroll 4
+      for (int q = tid; q < nvec; q += kThreads) __stcs(out + q, zv);
+    } else {
+      const float4 c = coef;
+#pragma unroll 4
+      for (int q = tid; q < nvec; q += kThreads) {
+        const uint4 v = kept[q];
+        float gr[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          gr[j] = fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -c.x)), c.y, c.z);
+        }
+        uint4 o4;
+        Tr::Pack(gr, &o4);
+        __stcs(out + q, o4);
+      }
+      // The target column, computed without cancellation, overwrites what
+      // the same thread stored there (program order).
+      if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
+        Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl, c.w);
+      }
+    }
+    __syncthreads();  // kept, coef and item_s are rewritten by the next item
+  }
+}
+
+// v9 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row, a
+// persistent grid of every block that fits with a piece of shared memory.
+// cudaErrorInvalidConfiguration when fewer than per_row blocks would be
+// resident (the caller then takes another path).
+template <typename T, int kMinBlocks>
+cudaError_t LaunchSmemPieces(const Params& p, int per_row,
+                             cudaStream_t stream) {
+  const auto kernel = SmemPieceKernel<T, kMinBlocks>;
+  const int smem =
+      static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (e == cudaSuccess) {
+    e = cudaFuncSetAttribute(kernel,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                      smem);
+  }
+  if (e != cudaSuccess) return e;
+  if (per_sm <= 0 || sms * per_sm < per_row) {
+    return cudaErrorInvalidConfiguration;
+  }
+  kernel<<<static_cast<unsigned>(sms * per_sm), kThreads, smem, stream>>>(
+      p, per_row);
+  return cudaGetLastError();
+}
+
 // ---- generic path: one block per row, any alignment ----------------------
 
 // Logits [N, V]; grid = N blocks. Reads the row three times (the later reads
@@ -2053,6 +2209,27 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       p.grad != nullptr && p.vocab % vec == 0 &&
       (config.version == 8 || (config.version == 0 && esize == 2 &&
                                p.grad == p.logits && row_bytes >= 32 * 1024));
+  // v9 (bench/NOTES.md): forward+gradient on row pieces kept in shared
+  // memory, 48 KiB pieces: the default for 2-byte logits on rows of 32 KiB
+  // and more, in place or not (bf16 80-82% of copy against v8's 77% and v6's
+  // 71-76% in one run), and for fp32 rows past 512 KiB (85% against v6's 77%;
+  // shorter fp32 rows stay on v6, 83-88%).
+  const bool v9 =
+      !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
+      p.grad != nullptr && p.vocab % vec == 0 &&
+      (config.version == 9 ||
+       (config.version == 0 &&
+        (esize == 2 ? row_bytes >= 32 * 1024 : row_bytes > 512 * 1024)));
+  if (v9) {
+    const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
+                                  /*default_kib=*/48);
+    p.chunk = rp.chunk;
+    const cudaError_t e = config.ctas_per_sm == 2
+                              ? LaunchSmemPieces<T, 2>(p, rp.pieces, stream)
+                              : LaunchSmemPieces<T, 4>(p, rp.pieces, stream);
+    if (e != cudaErrorInvalidConfiguration) return e;
+    cudaGetLastError();
+  }
   if (v8) {
     const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
                                   /*default_kib=*/64);

@@ -33,40 +33,53 @@ struct CrossEntropyCudaResult {
 constexpr int kCrossEntropyBadTarget = 1;
 
 // Tuning override for benchmarks and tests; 0 fields mean "choose".
-// version 8 (the default for in-place forward+gradient of bf16/fp16 logits
-// with the plain options on 16-byte aligned rows of 32 KiB and more, V a
-// multiple of 8) runs v7's row pieces in one persistent kernel, the statistics
-// of a group of rows (group_mib, default 4) `stages` groups (default 2) before
-// the gradient of that group, which re-reads its rows from L2; slice_kib sets
-// the piece (default 64); the statistics loads keep their lines in L2 with an
-// evict-last priority, the gradient's re-reads and stores evict-first
-// (cache_hints 1 turns this off).
+//
+// version 9 (the default for forward+gradient with the plain options on 16-byte
+// aligned rows, V a multiple of 16 bytes: bf16/fp16 rows of 32 KiB and more,
+// fp32 rows past 512 KiB) splits every row into pieces of about slice_kib
+// (default 48; larger where a row would pass 16 pieces), each kept in the
+// shared memory of the persistent block that read it until its row's statistics
+// are merged, then written as gradient from there; ctas_per_sm 2 picks the
+// 96-register build (default: the 64-register one, 4 blocks a SM where shared
+// memory allows).
+//
+// version 8 (the fallback where v9 cannot keep per_row blocks resident) runs
+// v7's row pieces in one persistent kernel, the statistics of a group of rows
+// (group_mib, default 4) `stages` groups (default 2) before the gradient of
+// that group, which re-reads its rows from L2; slice_kib sets the piece
+// (default 64); the statistics loads keep their lines in L2 with an evict-last
+// priority, the gradient's re-reads and stores evict-first (cache_hints 1 turns
+// this off).
+//
 // version 7 (the default for forward-only with the plain options on 16-byte
 // aligned rows of 32 KiB and more, V a multiple of 16 bytes) splits every row
 // into pieces of slice_kib (default 256; larger where a row would pass 16
 // pieces) on independent blocks and merges each row's piece statistics in a
 // second kernel; stages 1 keeps one batch of loads in flight a thread, 0 or 2
 // two.
-// version 6 (the default for fp32 forward+gradient with the plain options --
-// no softcap, class weights or label smoothing -- on 16-byte aligned rows of 32
-// KiB and more, V a multiple of 16 bytes) streams each block's row slice into
-// shared memory with bulk copies, in persistent clusters with an mbarrier
-// exchange: slice_kib (default 32, or 64 past 16 slices a row) sets the slice
-// and so the cluster size (<= 16), ctas_per_sm 2 the 256-thread build for two
-// blocks a SM (default with 32 KiB slices), otherwise one 512-thread block,
-// stages the shared-memory buffers (0 = as many as fit, >= 2).
-// version 5 (the default for forward+gradient rows past 160 KiB that v6
-// cannot take, and forward-only rows that v7 cannot) streams each
-// block's row slice twice, the second read from L2, in persistent clusters;
-// version 4 keeps the slice in registers, a cluster per row. v5: slice_kib
-// (32, 64, 128...; default 128) sets each block's slice and so the cluster
-// size ceil(row bytes / slice), raised where it would pass 16; ctas_per_sm 4
-// picks the build for 4 blocks a SM (64 registers, spills), 0 or 3 the one
-// for 3, others cap resident blocks through shared memory.
+//
+// version 6 (the default for fp32 forward+gradient with the plain options -- no
+// softcap, class weights or label smoothing -- on 16-byte aligned rows of 32 to
+// 512 KiB, V a multiple of 16 bytes) streams each block's row slice into shared
+// memory with bulk copies, in persistent clusters with an mbarrier exchange:
+// slice_kib (default 32, or 64 past 16 slices a row) sets the slice and so the
+// cluster size (<= 16), ctas_per_sm 2 the 256-thread build for two blocks a SM
+// (default with 32 KiB slices), otherwise one 512-thread block, stages the
+// shared-memory buffers (0 = as many as fit, >= 2).
+//
+// version 5 (the default for forward+gradient rows past 160 KiB that v6 cannot
+// take, and forward-only rows that v7 cannot) streams each block's row slice
+// twice, the second read from L2, in persistent clusters; version 4 keeps the
+// slice in registers, a cluster per row. v5: slice_kib (32, 64, 128...; default
+// 128) sets each block's slice and so the cluster size ceil(row bytes / slice),
+// raised where it would pass 16; ctas_per_sm 4 picks the build for 4 blocks a
+// SM (64 registers, spills), 0 or 3 the one for 3, others cap resident blocks
+// through shared memory.
+//
 // v4: vectors_per_thread (1, 2, 4, 8 or 16) sets the slice kept in registers
-// (vectors_per_thread * 256 threads * 16 bytes); the cluster size
-// ceil(vocab / slice) must come out <= 16. generic = true forces the simple
-// one-block-per-row path (no clusters, rows re-read from L2).
+// (vectors_per_thread * 256 threads * 16 bytes); the cluster size ceil(vocab /
+// slice) must come out <= 16. generic = true forces the simple one-block-per-
+// row path (no clusters, rows re-read from L2).
 struct CrossEntropyCudaConfig {
   int vectors_per_thread = 0;
   bool generic = false;

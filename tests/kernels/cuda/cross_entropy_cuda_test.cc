@@ -842,6 +842,60 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
   }
 }
 
+// v9 (forward+gradient on row pieces kept in shared memory): pieces of 8 to
+// 96 KiB (one to 13 a row), both builds, in place and out of place, ignored
+// rows, z-loss, grad_scale, p_y -> 1, NaN and infinite logits, one row.
+TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
+  uint32_t seed = 1300;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int slice : {8, 48, 96}) {
+      Case c = Make(absl::StrCat("v9 slice=", slice), 300, 100000, dtype);
+      c.pad = dtype == DType::kFloat32 ? 4 : 8;  // 16-byte rows
+      c.config.version = 9;
+      c.config.slice_kib = slice;
+      c.config.ctas_per_sm = slice == 96 ? 2 : 4;
+      c.ignore_fraction = 0.3;
+      c.options.z_loss_scale = 1e-3f;
+      c.options.grad_scale = 0.5f;
+      c.mode = slice == 48 ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+      CheckCase(c, seed++);
+    }
+    Case d = Make("v9 p_y -> 1", 300, 131072, dtype);
+    d.logits = Logits::kTargetDominant;
+    d.config.version = 9;
+    CheckCase(d, seed++);
+  }
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Case big = Make("v9 262144", 40, 262144, dtype);
+    big.config.version = 9;
+    CheckCase(big, seed++);
+    Case nf = Make("v9 NaN and inf logits", 64, 8192, dtype);
+    nf.logits = Logits::kNonFinite;
+    nf.config.version = 9;
+    nf.config.slice_kib = 8;
+    nf.exact_argmax = false;  // NaN rows: the first max is not defined
+    CheckCase(nf, seed++);
+    Case one = Make("v9 one row", 1, 32000, dtype);
+    one.config.version = 9;
+    CheckCase(one, seed++);
+  }
+}
+
+// Small v9 cases for compute-sanitizer (scripts/gpu-run): 2 pieces a row,
+// ignored rows, both modes.
+TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
+  uint32_t seed = 1350;
+  for (GradientMode mode :
+       {GradientMode::kInPlace, GradientMode::kOutOfPlace}) {
+    Case c = Make("v9 small", 96, 8192, DType::kBFloat16);
+    c.config.version = 9;
+    c.config.slice_kib = 8;
+    c.ignore_fraction = 0.2;
+    c.mode = mode;
+    CheckCase(c, seed++);
+  }
+}
+
 // Small v8 cases for compute-sanitizer (scripts/gpu-run): 2 pieces a row,
 // groups of 4 rows, with and without L2 hints, ignored rows, out of place.
 TEST_F(CudaCrossEntropyTest, L2PieceKernelSmall) {
