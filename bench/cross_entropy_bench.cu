@@ -313,9 +313,9 @@ int main(int argc, char** argv) {
       lossd::CrossEntropyCudaConfig v8;
       v8.version = 8;
       variants.push_back({"v8", v8});
-      // (piece KiB, blocks a SM: 4 = the 64-register build, 2 = 96)
+      // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads)
       for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
-               {48, 4}, {54, 4}, {40, 4}, {64, 2}}) {
+               {48, 4}, {54, 4}, {40, 4}, {96, 2}, {110, 2}}) {
         lossd::CrossEntropyCudaConfig v9;
         v9.version = 9;
         v9.slice_kib = slice;

@@ -1902,13 +1902,13 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
 // taken earlier, a row's pieces start further apart and their blocks wait
 // longer (measured: bf16 4096 x 262144 82% -> 71%); before the wait it could
 // deadlock (a block holding an unpublished piece of the row it waits for).
-template <typename T, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <typename T, int kBlock, int kMinBlocks>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
     SmemPieceKernel(Params p, int per_row) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   extern __shared__ uint4 kept[];
-  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ Stats scratch[kBlock / 32 + 1];
   __shared__ long long item_s;
   __shared__ float4 coef;  // lse_l2, a, b and dz_y of the item's row
   const WorkspaceHeader hdr = *p.header;
@@ -1931,8 +1931,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int start = piece * p.chunk;
     const int n = max(0, min(p.chunk, p.vocab - start));
     const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
-    Stats st = SliceStats<T, kThreads, true>(src, n, start, tid, 0, kept);
-    st = BlockMergeStats<kThreads>(st, scratch);  // (kept is complete)
+    Stats st = SliceStats<T, kBlock, true>(src, n, start, tid, 0, kept);
+    st = BlockMergeStats<kBlock>(st, scratch);  // (kept is complete)
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
     const int yl = static_cast<int>(y - start);
@@ -1972,11 +1972,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       uint4 zv;
       Tr::Pack(zero, &zv);
 #pragma unroll 4
-      for (int q = tid; q < nvec; q += kThreads) __stcs(out + q, zv);
+      for (int q = tid; q < nvec; q += kBlock) __stcs(out + q, zv);
     } else {
       const float4 c = coef;
 #pragma unroll 4
-      for (int q = tid; q < nvec; q += kThreads) {
+      for (int q = tid; q < nvec; q += kBlock) {
         const uint4 v = kept[q];
         float gr[kVec];
 #pragma unroll
@@ -1989,7 +1989,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
-      if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
+      if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
         Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl, c.w);
       }
     }
@@ -1999,32 +1999,42 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 // v9 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row, a
 // persistent grid of every block that fits with a piece of shared memory.
-// cudaErrorInvalidConfiguration when fewer than per_row blocks would be
-// resident (the caller then takes another path).
-template <typename T, int kMinBlocks>
+// cudaErrorInvalidConfiguration when a piece does not fit a block's shared
+// memory or fewer than per_row blocks would be resident (the caller then
+// takes another path).
+template <typename T, int kBlock, int kMinBlocks>
 cudaError_t LaunchSmemPieces(const Params& p, int per_row,
                              cudaStream_t stream) {
-  const auto kernel = SmemPieceKernel<T, kMinBlocks>;
+  const auto kernel = SmemPieceKernel<T, kBlock, kMinBlocks>;
   const int smem =
       static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
-  int device = 0, sms = 0, per_sm = 0;
+  int device = 0, sms = 0, per_sm = 0, smem_max = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) {
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (e == cudaSuccess) {
-    e = cudaFuncSetAttribute(kernel,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = cudaDeviceGetAttribute(&smem_max,
+                               cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
+  if (e != cudaSuccess) return e;
+  // A piece past the shared memory of a block (rows past 16 such pieces):
+  // another path takes the row.
+  if (smem >
+      smem_max - static_cast<int>(sizeof(Stats) * (kBlock / 32 + 1)) - 64) {
+    return cudaErrorInvalidConfiguration;
+  }
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem);
   if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock,
                                                       smem);
   }
   if (e != cudaSuccess) return e;
   if (per_sm <= 0 || sms * per_sm < per_row) {
     return cudaErrorInvalidConfiguration;
   }
-  kernel<<<static_cast<unsigned>(sms * per_sm), kThreads, smem, stream>>>(
+  kernel<<<static_cast<unsigned>(sms * per_sm), kBlock, smem, stream>>>(
       p, per_row);
   return cudaGetLastError();
 }
@@ -2224,9 +2234,11 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
     const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
                                   /*default_kib=*/48);
     p.chunk = rp.chunk;
-    const cudaError_t e = config.ctas_per_sm == 2
-                              ? LaunchSmemPieces<T, 2>(p, rp.pieces, stream)
-                              : LaunchSmemPieces<T, 4>(p, rp.pieces, stream);
+    // ctas_per_sm 2: 512-thread blocks, two a SM (pieces up to ~110 KiB).
+    const cudaError_t e =
+        config.ctas_per_sm == 2
+            ? LaunchSmemPieces<T, 512, 2>(p, rp.pieces, stream)
+            : LaunchSmemPieces<T, kThreads, 4>(p, rp.pieces, stream);
     if (e != cudaErrorInvalidConfiguration) return e;
     cudaGetLastError();
   }

@@ -39,9 +39,10 @@ constexpr int kCrossEntropyBadTarget = 1;
 // fp32 rows past 512 KiB) splits every row into pieces of about slice_kib
 // (default 48; larger where a row would pass 16 pieces), each kept in the
 // shared memory of the persistent block that read it until its row's statistics
-// are merged, then written as gradient from there; ctas_per_sm 2 picks the
-// 96-register build (default: the 64-register one, 4 blocks a SM where shared
-// memory allows).
+// are merged, then written as gradient from there; ctas_per_sm 2 picks
+// 512-thread blocks, two a SM (default: 256 threads, four a SM where shared
+// memory allows); rows whose pieces pass a block's shared memory take
+// another path.
 //
 // version 8 (the fallback where v9 cannot keep per_row blocks resident) runs
 // v7's row pieces in one persistent kernel, the statistics of a group of rows

@@ -843,8 +843,9 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
 }
 
 // v9 (forward+gradient on row pieces kept in shared memory): pieces of 8 to
-// 96 KiB (one to 13 a row), both builds, in place and out of place, ignored
-// rows, z-loss, grad_scale, p_y -> 1, NaN and infinite logits, one row.
+// 96 KiB (one to 13 a row), both block sizes, in
+// place and out of place, ignored rows, z-loss, grad_scale, p_y -> 1, NaN and
+// infinite logits, one row.
 TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
   uint32_t seed = 1300;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -879,10 +880,14 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
     one.config.version = 9;
     CheckCase(one, seed++);
   }
+  // Rows whose 16 pieces pass a block's shared memory (fp32, 4.4 MB rows):
+  // the automatic choice falls back to another path, same results.
+  Case wide = Make("v9 pieces past shared memory", 3, 1100000, DType::kFloat32);
+  CheckCase(wide, seed++);
 }
 
 // Small v9 cases for compute-sanitizer (scripts/gpu-run): 2 pieces a row,
-// ignored rows, both modes.
+// ignored rows, both modes, both block sizes.
 TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
   uint32_t seed = 1350;
   for (GradientMode mode :
@@ -890,6 +895,8 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
     Case c = Make("v9 small", 96, 8192, DType::kBFloat16);
     c.config.version = 9;
     c.config.slice_kib = 8;
+    // Out of place: the 512-thread build.
+    c.config.ctas_per_sm = mode == GradientMode::kOutOfPlace ? 2 : 0;
     c.ignore_fraction = 0.2;
     c.mode = mode;
     CheckCase(c, seed++);
