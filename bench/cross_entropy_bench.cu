@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <string>
@@ -26,7 +27,7 @@ namespace {
     if (e_ != cudaSuccess) {                                            \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
                    cudaGetErrorString(e_));                             \
-      return 1;                                                         \
+      std::exit(1);                                                     \
     }                                                                   \
   } while (0)
 
@@ -151,50 +152,53 @@ int main(int argc, char** argv) {
   FillRandom<float>
       <<<4096, 256, 0, stream>>>(static_cast<float*>(a), copy_bytes / 4, 1);
   std::vector<float> times;
-  for (int i = 0; i < kWarmup + kRuns; ++i) {
-    CHECK_CUDA(cudaEventRecord(t0, stream));
+  // Median ms of kRuns timed calls of `enqueue` (CUDA events) after kWarmup;
+  // `prepare` runs before each call, untimed. -1 when `enqueue` fails (returns
+  // false).
+  const auto median_ms = [&](const auto& prepare,
+                             const auto& enqueue) -> double {
+    times.clear();
+    for (int i = 0; i < kWarmup + kRuns; ++i) {
+      prepare();
+      CHECK_CUDA(cudaEventRecord(t0, stream));
+      const bool ok = enqueue();
+      CHECK_CUDA(cudaEventRecord(t1, stream));
+      if (!ok) return -1.0;
+      CHECK_CUDA(cudaEventSynchronize(t1));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+      if (i >= kWarmup) times.push_back(ms);
+    }
+    return Median(times);
+  };
+  const auto nothing = [] {};
+  const double copy_ms = median_ms(nothing, [&] {
     CHECK_CUDA(
         cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream));
-    CHECK_CUDA(cudaEventRecord(t1, stream));
-    CHECK_CUDA(cudaEventSynchronize(t1));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-    if (i >= kWarmup) times.push_back(ms);
-  }
-  const double copy_gbs = 2.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
+    return true;
+  });
+  const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
   // Read-only bandwidth, for the forward-only rows (reported, not the ratio's
   // denominator).
-  times.clear();
   const unsigned read_grid = 8 * prop.multiProcessorCount;
-  for (int i = 0; i < kWarmup + kRuns; ++i) {
-    CHECK_CUDA(cudaEventRecord(t0, stream));
+  const double read_ms = median_ms(nothing, [&] {
     ReadAll<<<read_grid, 256, 0, stream>>>(static_cast<const uint4*>(a),
                                            copy_bytes / 16,
                                            static_cast<unsigned*>(b));
-    CHECK_CUDA(cudaEventRecord(t1, stream));
-    CHECK_CUDA(cudaEventSynchronize(t1));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-    if (i >= kWarmup) times.push_back(ms);
-  }
-  const double read_gbs = 1.0 * copy_bytes / (Median(times) * 1e-3) / 1e9;
+    return true;
+  });
+  const double read_gbs = 1.0 * copy_bytes / (read_ms * 1e-3) / 1e9;
   // L2 read bandwidth: 16 MiB read 64 times (reported: the ceiling of
   // schedules that re-read rows from L2).
-  times.clear();
   constexpr size_t kL2Bytes = size_t{16} << 20;
   constexpr int kL2Reps = 64;
-  for (int i = 0; i < kWarmup + kRuns; ++i) {
-    CHECK_CUDA(cudaEventRecord(t0, stream));
+  const double l2_ms = median_ms(nothing, [&] {
     ReadL2<<<read_grid, 256, 0, stream>>>(static_cast<const uint4*>(a),
                                           kL2Bytes / 16, kL2Reps,
                                           static_cast<unsigned*>(b));
-    CHECK_CUDA(cudaEventRecord(t1, stream));
-    CHECK_CUDA(cudaEventSynchronize(t1));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-    if (i >= kWarmup) times.push_back(ms);
-  }
-  const double l2_gbs = 1.0 * kL2Bytes * kL2Reps / (Median(times) * 1e-3) / 1e9;
+    return true;
+  });
+  const double l2_gbs = 1.0 * kL2Bytes * kL2Reps / (l2_ms * 1e-3) / 1e9;
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   std::printf(
@@ -359,25 +363,21 @@ int main(int argc, char** argv) {
     }
     for (const auto& [vname_str, cfg] : variants) {
       const bool is_auto = vname_str == "auto";
-      times.clear();
-      bool ok = true;
-      for (int i = 0; i < kWarmup + kRuns && ok; ++i) {
-        CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
-                                   cudaMemcpyDeviceToDevice, stream));
-        CHECK_CUDA(cudaEventRecord(t0, stream));
-        const cudaError_t e = lossd::CrossEntropyCudaLaunch(
-            args, result, ws, ws_bytes, stream, &cfg);
-        CHECK_CUDA(cudaEventRecord(t1, stream));
-        if (e != cudaSuccess) {
-          cudaGetLastError();
-          ok = false;
-          break;
-        }
-        CHECK_CUDA(cudaEventSynchronize(t1));
-        float ms;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-        if (i >= kWarmup) times.push_back(ms);
-      }
+      // A fresh copy of the logits before every run, not timed.
+      const double ms = median_ms(
+          [&] {
+            CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
+                                       cudaMemcpyDeviceToDevice, stream));
+          },
+          [&] {
+            if (lossd::CrossEntropyCudaLaunch(args, result, ws, ws_bytes,
+                                              stream, &cfg) == cudaSuccess) {
+              return true;
+            }
+            cudaGetLastError();
+            return false;
+          });
+      const bool ok = ms >= 0;
       const char* vname = vname_str.c_str();
       if (!ok) {
         std::printf("%6lld x %-6lld %s %-8s %-8s  (not launchable)\n",
@@ -388,7 +388,6 @@ int main(int argc, char** argv) {
       lossd::CrossEntropyCudaResult host;
       CHECK_CUDA(
           cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost));
-      const double ms = Median(times);
       const double moved =
           static_cast<double>(bytes) * (c.mode == GradientMode::kNone ? 1 : 2);
       const double gbs = moved / (ms * 1e-3) / 1e9;

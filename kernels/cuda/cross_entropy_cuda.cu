@@ -1174,14 +1174,6 @@ __device__ __forceinline__ uint4 LoadWithPolicy(const uint4* a,
       : "l"(a), "l"(pol));
   return v;
 }
-__device__ __forceinline__ uint4 LoadL2WithPolicy(const uint4* a,
-                                                  unsigned long long pol) {
-  uint4 v;
-  asm("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(a), "l"(pol));
-  return v;
-}
 __device__ __forceinline__ void StoreStreamWithPolicy(uint4* a, uint4 v,
                                                       unsigned long long pol) {
   asm volatile(
@@ -1339,6 +1331,20 @@ __device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
     uint4 o;
     Tr::Pack(gr, &o);
     __stcs(reinterpret_cast<uint4*>(out) + q, o);
+  }
+}
+
+// Zeros for this thread's share of an ignored row's slice (nvec vectors at
+// `out`) with streaming stores: the formula would give NaN for non-finite
+// logits.
+template <typename T, int kBlock>
+__device__ __forceinline__ void ZeroSlice(T* out, int nvec, int tid) {
+  const float zero[Traits<T>::kVec] = {};
+  uint4 zv;
+  Traits<T>::Pack(zero, &zv);
+#pragma unroll 4
+  for (int q = tid; q < nvec; q += kBlock) {
+    __stcs(reinterpret_cast<uint4*>(out) + q, zv);
   }
 }
 
@@ -1504,12 +1510,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       const uint4* sv = reinterpret_cast<const uint4*>(sl);
       const int nvec = n / kVec;
       if (!valid) {
-        const float zero[kVec] = {};
-        uint4 zv;
-        Tr::Pack(zero, &zv);
-#pragma unroll 4
-        for (int q = tid; q < nvec; q += kBlock)
-          __stcs(reinterpret_cast<uint4*>(out) + q, zv);
+        ZeroSlice<T, kBlock>(out, nvec, tid);
       } else {
         GradientSlice<T, kBlock>(sv, out, nvec, tid, rm);
         // The target column, computed without cancellation, overwrites what
@@ -1699,6 +1700,25 @@ __device__ __forceinline__ int LoadAcquire(const int* ptr) {
   return v;
 }
 
+// v8, v9: one warp waits until all `per_row` pieces of `row` have published
+// their statistics (every lane acquires the count itself before it reads
+// them), then merges them in a fixed order: every piece of a row gets the
+// same bits.
+__device__ __forceinline__ Stats MergeRowPieces(const Params& p, long long row,
+                                                int per_row, int lane) {
+  while (LoadAcquire(p.row_done + row) < per_row) __nanosleep(32);
+  Stats ps = EmptyStats();
+  if (lane < per_row) {
+    const Stats* from =
+        static_cast<const Stats*>(p.pieces) + row * kMaxPieces + lane;
+    ps.m = __ldcg(&from->m);
+    ps.t = __ldcg(&from->t);
+    ps.sum_wz = __ldcg(&from->sum_wz);
+    ps.arg = __ldcg(&from->arg);
+  }
+  return WarpMergeStats(ps);
+}
+
 template <typename T, bool kHints>
 __global__ void __launch_bounds__(kThreads, 4)
     L2PieceKernel(Params p, int per_row, int group_rows, int lookahead) {
@@ -1758,18 +1778,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       continue;
     }
     if (warp == 0) {
-      // Every lane acquires the row's count itself before it reads what the
-      // statistics items wrote.
-      while (LoadAcquire(p.row_done + row) < per_row) __nanosleep(64);
-      Stats ps = EmptyStats();
-      if (lane < per_row) {
-        const Stats* from = pieces + row * kMaxPieces + lane;
-        ps.m = __ldcg(&from->m);
-        ps.t = __ldcg(&from->t);
-        ps.sum_wz = __ldcg(&from->sum_wz);
-        ps.arg = __ldcg(&from->arg);
-      }
-      const Stats st = WarpMergeStats(ps);
+      const Stats st = MergeRowPieces(p, row, per_row, lane);
       const long long y = LoadTarget(p, row);
       const bool valid = y != p.ignore_index;
       const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
@@ -1809,7 +1818,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int b = 0; b < kB; ++b) {
           const int q = q0 + b * kThreads;
           if (q < nvec) {
-            v[b] = kHints ? LoadL2WithPolicy(sv + q, drop) : __ldcg(sv + q);
+            v[b] = kHints ? LoadWithPolicy(sv + q, drop) : __ldcg(sv + q);
           }
         }
 #pragma unroll
@@ -1910,7 +1919,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   extern __shared__ uint4 kept[];
   __shared__ Stats scratch[kBlock / 32 + 1];
   __shared__ long long item_s;
-  __shared__ float4 coef;  // lse_l2, a, b and dz_y of the item's row
+  __shared__ RowMath rowmath;  // of the item's row
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: nothing is written
   const int tid = threadIdx.x;
@@ -1943,57 +1952,30 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         __threadfence();
         atomicAdd(p.row_done + row, 1);
       }
-      // Every lane acquires the row's count itself before it reads what the
-      // row's other pieces wrote.
-      while (LoadAcquire(p.row_done + row) < per_row) __nanosleep(32);
-      Stats ps = EmptyStats();
-      if (lane < per_row) {
-        const Stats* from = pieces + row * kMaxPieces + lane;
-        ps.m = __ldcg(&from->m);
-        ps.t = __ldcg(&from->t);
-        ps.sum_wz = __ldcg(&from->sum_wz);
-        ps.arg = __ldcg(&from->arg);
-      }
+      const Stats rs = MergeRowPieces(p, row, per_row, lane);
       const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
-      const Stats rs = WarpMergeStats(ps);
       const RowMath rm = MakeRowMath(p, hdr, rs, valid, zy, 1.0f);
       const bool owner = valid ? (yl >= 0 && yl < n) : piece == 0;
       if (lane == 0) {
         if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
-        coef = make_float4(rm.lse_l2, rm.a, rm.b, rm.gy);
+        rowmath = rm;
       }
     }
     __syncthreads();
-    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.grad) +
-                                          row * p.stride + start);
+    T* const out = static_cast<T*>(p.grad) + row * p.stride + start;
     const int nvec = n / kVec;
     if (!valid) {
-      const float zero[kVec] = {};
-      uint4 zv;
-      Tr::Pack(zero, &zv);
-#pragma unroll 4
-      for (int q = tid; q < nvec; q += kBlock) __stcs(out + q, zv);
+      ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
-      const float4 c = coef;
-#pragma unroll 4
-      for (int q = tid; q < nvec; q += kBlock) {
-        const uint4 v = kept[q];
-        float gr[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          gr[j] = fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -c.x)), c.y, c.z);
-        }
-        uint4 o4;
-        Tr::Pack(gr, &o4);
-        __stcs(out + q, o4);
-      }
+      const RowMath rm = rowmath;
+      GradientSlice<T, kBlock>(kept, out, nvec, tid, rm);
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
-        Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl, c.w);
+        Tr::Store(out + yl, rm.gy);
       }
     }
-    __syncthreads();  // kept, coef and item_s are rewritten by the next item
+    __syncthreads();  // kept, rowmath and item_s are rewritten by the next item
   }
 }
 

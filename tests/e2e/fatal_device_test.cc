@@ -82,12 +82,8 @@ TEST(FatalDeviceTest, UnusableDeviceTurnsReadinessOffAndRunsThePolicy) {
   config.device_factory = []() -> absl::StatusOr<std::unique_ptr<Device>> {
     return std::unique_ptr<Device>(new BreakingDevice());
   };
-  absl::Mutex mu;
-  std::vector<absl::Status> fatal;
-  config.on_fatal_device_error = [&](const absl::Status& status) {
-    absl::MutexLock lock(&mu);
-    fatal.push_back(status);
-  };
+  e2e_test::FatalRecorder fatal;
+  config.on_fatal_device_error = fatal.Policy();
   absl::StatusOr<std::unique_ptr<LossdServer>> server =
       LossdServer::Start(config);
   ASSERT_TRUE(server.ok()) << server.status();
@@ -110,11 +106,9 @@ TEST(FatalDeviceTest, UnusableDeviceTurnsReadinessOffAndRunsThePolicy) {
     EXPECT_NE(forward.status().message().find("sticky"), std::string::npos)
         << forward.status();
   }
-  {
-    absl::MutexLock lock(&mu);
-    ASSERT_EQ(fatal.size(), 1u);
-    EXPECT_EQ(fatal[0].code(), absl::StatusCode::kInternal);
-  }
+  const std::vector<absl::Status> seen = fatal.Seen();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].code(), absl::StatusCode::kInternal);
   // Readiness is off; liveness ("") and the metadata RPCs still answer, so
   // an orchestrator sees why before the process policy ends it.
   EXPECT_EQ((*client)->Health(kLossdService).value_or(true), false);

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "server/cuda_device.h"
@@ -26,12 +25,8 @@ TEST(GpuFatalTest, StickyErrorTurnsReadinessOffAndRunsThePolicy) {
   }
   ServerConfig config =
       e2e_test::LoopbackConfig("cuda", 64 << 20, absl::Seconds(5));
-  absl::Mutex mu;
-  std::vector<absl::Status> fatal;
-  config.on_fatal_device_error = [&](const absl::Status& status) {
-    absl::MutexLock lock(&mu);
-    fatal.push_back(status);
-  };
+  e2e_test::FatalRecorder fatal;
+  config.on_fatal_device_error = fatal.Policy();
   absl::StatusOr<std::unique_ptr<LossdServer>> server =
       LossdServer::Start(config);
   ASSERT_TRUE(server.ok()) << server.status();
@@ -53,10 +48,7 @@ TEST(GpuFatalTest, StickyErrorTurnsReadinessOffAndRunsThePolicy) {
   absl::StatusOr<ForwardResult> healthy =
       (*client)->Forward(stored->handle, inline_targets);
   ASSERT_TRUE(healthy.ok()) << healthy.status();
-  {
-    absl::MutexLock lock(&mu);
-    EXPECT_TRUE(fatal.empty());
-  }
+  EXPECT_TRUE(fatal.Seen().empty());
 
   // 700 is cudaErrorIllegalAddress; 719 (cudaErrorLaunchFailure) is the
   // same fault as older drivers report it.
@@ -71,12 +63,10 @@ TEST(GpuFatalTest, StickyErrorTurnsReadinessOffAndRunsThePolicy) {
     EXPECT_NE(forward.status().message().find("sticky"), std::string::npos)
         << forward.status();
   }
-  {
-    absl::MutexLock lock(&mu);
-    ASSERT_EQ(fatal.size(), 1u);  // reported once, whatever meets it later
-    EXPECT_EQ(fatal[0].code(), absl::StatusCode::kInternal);
-    EXPECT_NE(fatal[0].message().find("sticky"), std::string::npos) << fatal[0];
-  }
+  const std::vector<absl::Status> seen = fatal.Seen();
+  ASSERT_EQ(seen.size(), 1u);  // reported once, whatever meets it later
+  EXPECT_EQ(seen[0].code(), absl::StatusCode::kInternal);
+  EXPECT_NE(seen[0].message().find("sticky"), std::string::npos) << seen[0];
   EXPECT_EQ((*client)->Health(kLossdService).value_or(true), false);
   EXPECT_EQ((*client)->Health("").value_or(false), true);
   absl::StatusOr<TensorInfo> described = (*client)->Describe(stored->handle);

@@ -4,9 +4,13 @@
 #define LOSSD_TESTS_E2E_TEST_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "server/server.h"
@@ -36,6 +40,26 @@ inline std::shared_ptr<grpc::Channel> LargeMessageChannel(
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
                                    args);
 }
+
+// What a server's fatal-device policy (ServerConfig::on_fatal_device_error)
+// was called with, in order; outlives the server it is installed in.
+class FatalRecorder {
+ public:
+  std::function<void(const absl::Status&)> Policy() {
+    return [this](const absl::Status& status) {
+      absl::MutexLock lock(&mu_);
+      seen_.push_back(status);
+    };
+  }
+  std::vector<absl::Status> Seen() const {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<absl::Status> seen_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace e2e_test
 }  // namespace lossd
