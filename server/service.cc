@@ -1511,6 +1511,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     if (rows == 0) return absl::OkStatus();
 
     Device* device = service_->store()->device();
+    const absl::Time copy_start = absl::Now();
     // Targets are small and read on the host too (the weight sum): gathered.
     host_targets_.resize(targets.size);
     char* gathered = host_targets_.data();
@@ -1541,6 +1542,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
           return status;
         }));
     RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
+    copy_seconds_ += absl::ToDoubleSeconds(absl::Now() - copy_start);
 
     CrossEntropyArgs args;
     args.rows = rows;
@@ -1562,9 +1564,10 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     CrossEntropyResult result;
     const absl::Time start = absl::Now();
     RETURN_IF_ERROR(device->CrossEntropy(args, &result));
+    const double kernel_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    kernel_seconds_ += kernel_seconds;
     if (metrics != nullptr) {
-      metrics->ObserveKernel(device->name(), "cross_entropy",
-                             absl::ToDoubleSeconds(absl::Now() - start));
+      metrics->ObserveKernel(device->name(), "cross_entropy", kernel_seconds);
     }
 
     loss_sum_ += result.loss;
@@ -1615,6 +1618,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     response.set_correct_tokens(correct_tokens_);
     response.set_nonfinite_rows(nonfinite_rows_);
     response.set_denominator(denominator);
+    response.set_copy_seconds(copy_seconds_);
+    response.set_kernel_seconds(kernel_seconds_);
     return SerializeResponse(response, response_);
   }
 
@@ -1645,6 +1650,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   std::string host_targets_ ABSL_GUARDED_BY(mu_);
   int64_t blocks_ ABSL_GUARDED_BY(mu_) = 0;
   double loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
+  double copy_seconds_ ABSL_GUARDED_BY(mu_) = 0.0;    // summed over blocks
+  double kernel_seconds_ ABSL_GUARDED_BY(mu_) = 0.0;  // summed over blocks
   double z_loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
   double weight_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
   int64_t rows_ ABSL_GUARDED_BY(mu_) = 0;

@@ -789,6 +789,10 @@ TEST_F(RpcTest, EvaluateEqualsForwardWithoutGradient) {
   EXPECT_EQ(response.rows(), 100);
   EXPECT_EQ(response.valid_tokens(), expected.valid_tokens);
   EXPECT_EQ(response.correct_tokens(), expected.correct_tokens);
+  // Server-side time: every block ran the kernel; copies take no less than 0.
+  EXPECT_GT(response.kernel_seconds(), 0.0);
+  EXPECT_GE(response.copy_seconds(), 0.0);
+  EXPECT_LT(response.copy_seconds() + response.kernel_seconds(), 60.0);
   EXPECT_EQ(Info().tensors(), 1);  // nothing retained
   EXPECT_EQ(Info().used_bytes(), 64 * 4);
 }
