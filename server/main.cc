@@ -2,7 +2,6 @@
 // SIGTERM/SIGINT, then drains and exits 0.
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -27,16 +26,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lossd: %s\n", config.status().ToString().c_str());
     return 2;
   }
-  // Process policy for an unusable device (sticky CUDA error): the server
-  // has already logged and turned readiness off; exit without running
-  // destructors, which would touch the broken CUDA context.
-  config->on_fatal_device_error = [](const absl::Status& /*status*/) {
-    std::fprintf(stderr,
-                 "lossd: exiting (status 3) after a fatal device "
-                 "error\n");
-    std::fflush(stderr);
-    std::_Exit(3);
-  };
+  // Process policy for an unusable device (sticky CUDA error): exit at once
+  // with status 3.
+  config->on_fatal_device_error = lossd::ExitAfterFatalDeviceError;
   absl::StatusOr<std::unique_ptr<lossd::LossdServer>> server =
       lossd::LossdServer::Start(*config);
   if (!server.ok()) {

@@ -2,6 +2,7 @@
 #include "server/server.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <utility>
 
@@ -308,6 +309,14 @@ LossdServer::~LossdServer() {
   if (server_ != nullptr) Drain();
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
+}
+
+void ExitAfterFatalDeviceError(const absl::Status& status) {
+  std::fprintf(stderr,
+               "lossd: exiting (status %d) after a fatal device error: %s\n",
+               kFatalDeviceExitCode, std::string(status.message()).c_str());
+  std::fflush(stderr);
+  std::_Exit(kFatalDeviceExitCode);
 }
 
 }  // namespace lossd

@@ -42,8 +42,8 @@ struct ServerConfig {
   // start minus this); ignored when memory_budget is set.
   int64_t device_reserve = int64_t{2} << 30;
   // Called after readiness went NOT_SERVING because the device became
-  // unusable (a sticky CUDA error); main ends the process there. Unset, the
-  // server only logs and stays NOT_SERVING (tests).
+  // unusable (a sticky CUDA error); main installs ExitAfterFatalDeviceError.
+  // Unset, the server only logs and stays NOT_SERVING (tests).
   std::function<void(const absl::Status&)> on_fatal_device_error;
   // Builds the device instead of `device` when set (tests: a device that
   // fails in ways the real ones cannot be made to on demand).
@@ -142,6 +142,13 @@ class LossdServer {
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
   bool drain_result_ ABSL_GUARDED_BY(drain_mu_) = false;
 };
+
+// The process policy lossd's main installs as on_fatal_device_error: logs
+// that the process exits, then ends it at once with kFatalDeviceExitCode
+// (_Exit: no destructors, which would touch the broken CUDA context). The
+// server has already logged the error and turned readiness off.
+constexpr int kFatalDeviceExitCode = 3;
+[[noreturn]] void ExitAfterFatalDeviceError(const absl::Status& status);
 
 }  // namespace lossd
 

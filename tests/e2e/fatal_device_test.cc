@@ -4,6 +4,7 @@
 // the other RPCs keep answering until the process policy ends it. The CPU
 // device cannot fail like that on demand, so a device over it does (the
 // real one's sticky-error report is CudaDevice::Check).
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -116,6 +117,46 @@ TEST(FatalDeviceTest, UnusableDeviceTurnsReadinessOffAndRunsThePolicy) {
   absl::StatusOr<TensorInfo> described = (*client)->Describe(stored->handle);
   EXPECT_TRUE(described.ok()) << described.status();
   (*server)->Drain();
+}
+
+// Serves on the breaking device with lossd's own fatal policy and sends one
+// Forward: the policy ends the process while the request is open. Exit codes
+// 10-13 say which step failed or that the process outlived the error.
+[[noreturn]] void ForwardOnBreakingDeviceWithTheBinarysPolicy() {
+  ServerConfig config =
+      e2e_test::LoopbackConfig("cpu", 16 << 20, absl::Seconds(5));
+  config.device_factory = []() -> absl::StatusOr<std::unique_ptr<Device>> {
+    return std::unique_ptr<Device>(new BreakingDevice());
+  };
+  config.on_fatal_device_error = ExitAfterFatalDeviceError;
+  absl::StatusOr<std::unique_ptr<LossdServer>> server =
+      LossdServer::Start(config);
+  if (!server.ok()) std::_Exit(10);
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect((*server)->address());
+  if (!client.ok()) std::_Exit(11);
+  const std::vector<float> logits(4 * 16, 0.5f);
+  absl::StatusOr<TensorInfo> stored = (*client)->Upload(
+      DType::kFloat32, {4, 16}, logits.data(), logits.size() * 4);
+  if (!stored.ok()) std::_Exit(12);
+  const std::vector<int64_t> targets = {0, 1, 2, 3};
+  (*client)
+      ->Forward(stored->handle, Targets::Inline(DType::kInt64, targets.data(),
+                                                targets.size() * 8))
+      .IgnoreError();
+  std::_Exit(13);
+}
+
+// The policy lossd's main installs: the server's FATAL line, then the
+// policy's own, and the process ends with status 3 while the request that met
+// the error is still open. A death test (its own process: the exit is real).
+TEST(FatalDeviceDeathTest, TheBinarysPolicyExitsWithStatus3) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // gRPC runs threads
+  EXPECT_EXIT(ForwardOnBreakingDeviceWithTheBinarysPolicy(),
+              ::testing::ExitedWithCode(kFatalDeviceExitCode),
+              "FATAL: device breaking is unusable, readiness is NOT_SERVING"
+              "(.|\n)*lossd: exiting \\(status 3\\) after a fatal device "
+              "error");
 }
 
 }  // namespace
