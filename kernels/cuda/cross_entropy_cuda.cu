@@ -2192,10 +2192,9 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       p.grad == nullptr && p.vocab % vec == 0 &&
       (config.version == 7 || (config.version == 0 && row_bytes >= 32 * 1024));
   // v8 (bench/NOTES.md): in-place forward+gradient of 2-byte logits on rows
-  // of 32 KiB and more, 64 KiB pieces, 4 MiB groups, statistics two groups
-  // ahead, L2 hints (bf16 73-78% of copy against v6's 72-76% in the same run;
-  // fp32 stays on v6, 78-87% against v8's 51-65%; out of place v8 measured
-  // 77.0% against v6's 76.2%, within run-to-run noise, and stays on v6).
+  // of 32 KiB and more where v9 (below) cannot launch, 64 KiB pieces, 4 MiB
+  // groups, statistics two groups ahead, L2 hints (bf16 73-78% of copy, bound
+  // by L2 line touches; v9 measures 80-82% on the same shapes).
   const bool v8 =
       !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
       p.grad != nullptr && p.vocab % vec == 0 &&
