@@ -317,15 +317,35 @@ int main(int argc, char** argv) {
       lossd::CrossEntropyCudaConfig v8;
       v8.version = 8;
       variants.push_back({"v8", v8});
-      // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads)
-      for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
-               {48, 4}, {54, 4}, {40, 4}, {96, 2}, {110, 2}}) {
+      // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads, L2
+      // prefetch distance in KiB of logits (0 automatic, -1 none), stages
+      // left out (diagnostic: 1 row wait, 2 gradient math, 4 statistics))
+      for (const auto& [slice, ctas, ahead, ablate] :
+           std::vector<std::tuple<int, int, int, int>>{{48, 4, -1, 0},
+                                                       {48, 4, 0, 0},
+                                                       {48, 4, 512, 0},
+                                                       {48, 4, 1024, 0},
+                                                       {54, 4, 0, 0},
+                                                       {96, 2, 256, 0},
+                                                       {48, 4, 0, 1},
+                                                       {48, 4, 0, 7}}) {
         lossd::CrossEntropyCudaConfig v9;
         v9.version = 9;
         v9.slice_kib = slice;
         v9.ctas_per_sm = ctas;
-        variants.push_back(
-            {"v9 s" + std::to_string(slice) + " x" + std::to_string(ctas), v9});
+        v9.prefetch_kib = ahead;
+        v9.ablate = ablate;
+        std::string name =
+            "v9 s" + std::to_string(slice) + " x" + std::to_string(ctas);
+        if (ahead < 0) name += " no prefetch";
+        if (ahead > 0) name += " pf" + std::to_string(ahead) + "K";
+        if (ablate != 0) {
+          name += " without";
+          if (ablate & 1) name += " row-wait";
+          if (ablate & 2) name += " grad-math";
+          if (ablate & 4) name += " stats";
+        }
+        variants.push_back({name, v9});
       }
     }
     if (sweep7 && c.mode == GradientMode::kNone) {

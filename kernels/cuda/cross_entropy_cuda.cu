@@ -51,7 +51,7 @@ struct Params {
   float* row_loss;
   float* row_zloss;
   int* row_flags;
-  void* pieces;   // v7, v8: kMaxPieces Stats a row
+  void* pieces;   // v7, v8: kMaxPieces Stats a row; v9: a PieceSlot an item
   int* row_done;  // v8: pieces a row whose statistics are written
   float* row_zy;  // v8: the target logit of a row
   long long rows;
@@ -981,6 +981,10 @@ __device__ __forceinline__ void MbarExpectTx(unsigned long long* bar,
                "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ void MbarArrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar))
+               : "memory");
+}
 // How long a waiting thread may sleep in try_wait before it looks again: a
 // waiting warp then takes no issue slots from the SM's other block.
 constexpr unsigned kSuspendNs = 1000000;
@@ -1439,9 +1443,17 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       BulkLoad(dst + off, src + off, min(kPiece, slice_bytes - off), bar);
     }
   };
-  // Thread 0 only: expect row i's partials from every peer.
+  // Thread 0 only: expect row i's partials from every peer. A block alone in
+  // its cluster stores its partial with a plain store and reads it back in
+  // the same thread (lane 0 of warp 0): the phase needs no transaction (the
+  // sanitizer refuses st.async within a one-block cluster).
   const auto arm = [&](int i) {
-    if (i < nrows) MbarExpectTx(&inbar[i % kInbox], inbox_bytes);
+    if (i >= nrows) return;
+    if (csize == 1) {
+      MbarArrive(&inbar[i % kInbox]);
+    } else {
+      MbarExpectTx(&inbar[i % kInbox], inbox_bytes);
+    }
   };
   const bool forward_only = p.grad == nullptr;
   // Statistics of local row i (target y, stage r): block-merged and sent to
@@ -1455,7 +1467,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     *zy = mine ? Tr::Load(sl + (y - start)) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
     if (forward_only && tid == 0) issue(i + stages, r);
-    if (tid < csize) {
+    if (csize == 1) {
+      if (tid == 0) inbox[i % kInbox][0] = st;
+    } else if (tid < csize) {
       StAsyncStats(&inbox[i % kInbox][rank], tid, st, &inbar[i % kInbox]);
     }
   };
@@ -1608,7 +1622,10 @@ cudaError_t LaunchTma(const Params& p, int csize, int ctas_per_sm, int stages,
 // outputs. No cluster, no exchange, no barrier between blocks: a block's
 // reductions overlap the other resident blocks' loads. One read of the logits.
 // Plain options only (z-loss), like v5 and v6.
-constexpr int kMaxPieces = 16;  // per-row statistics slots in the workspace
+// Per-row statistics slots in the workspace (at most a warp: one warp merges
+// them). 32 since session 5: v9 splits fp32 1 MiB rows into 22 pieces of 48
+// KiB, four blocks a SM (at 16, 64 KiB pieces fit three: 83% against 89-91%).
+constexpr int kMaxPieces = 32;
 
 template <typename T, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 4)
@@ -1894,26 +1911,89 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
 
 // ---- v9: forward+gradient on row pieces kept in shared memory -----------
 
+// Asks the TMA unit to bring `bytes` (a multiple of 16) at `src` (16-byte
+// aligned) into L2; nothing waits for it.
+__device__ __forceinline__ void BulkPrefetchL2(const void* src,
+                                               unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src),
+               "r"(bytes)
+               : "memory");
+}
+// v9's piece slot: a piece's statistics and the row's target logit if the
+// piece holds it, published with one 16-byte atomic (no fence, no count):
+// `tag` = the piece's argmax + 1, never 0, so a zeroed slot is empty, and
+// a waiter reads everything it needs in the one access that finds it full.
+struct alignas(16) PieceSlot {
+  float m;
+  float t;
+  float zy;
+  unsigned tag;
+};
+__device__ __forceinline__ void PublishSlot(PieceSlot* slot, const Stats& st,
+                                            float zy) {
+  asm volatile(
+      "{\n.reg .b128 d, b;\n.reg .b64 lo, hi;\n"
+      "mov.b64 lo, {%1, %2};\nmov.b64 hi, {%3, %4};\n"
+      "mov.b128 b, {lo, hi};\n"
+      "atom.relaxed.gpu.global.exch.b128 d, [%0], b;\n}\n" ::"l"(slot),
+      "r"(__float_as_uint(st.m)), "r"(__float_as_uint(st.t)),
+      "r"(__float_as_uint(zy)), "r"(static_cast<unsigned>(st.arg) + 1u)
+      : "memory");
+}
+// The slot's 16 bytes read atomically (a compare-and-swap of zero with zero
+// leaves the slot unchanged and returns it whole).
+__device__ __forceinline__ PieceSlot ReadSlot(PieceSlot* slot) {
+  unsigned a, b, c, d;
+  asm volatile(
+      "{\n.reg .b128 r, z;\n.reg .b64 lo, hi;\n"
+      "mov.b128 z, {0, 0};\n"
+      "atom.relaxed.gpu.global.cas.b128 r, [%4], z, z;\n"
+      "mov.b128 {lo, hi}, r;\n"
+      "mov.b64 {%0, %1}, lo;\nmov.b64 {%2, %3}, hi;\n}\n"
+      : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+      : "l"(slot)
+      : "memory");
+  return {__uint_as_float(a), __uint_as_float(b), __uint_as_float(c), d};
+}
+
+// `ablate` (diagnostic, bench only; results are wrong): stages left out to
+// measure what each costs (bench/NOTES.md "v9, session 5").
+constexpr int kAblateRowWait = 1;   // each piece is its own row: no publish,
+                                    // no wait for the row's other pieces
+constexpr int kAblateGradient = 2;  // the piece is stored back unchanged
+constexpr int kAblateStats = 4;     // the piece is read without statistics
+
 // v7's independent row pieces, each kept in shared memory until its row's
 // statistics are known: a persistent block takes one piece at a time from a
 // global counter (pieces in row order), reads it once from DRAM into
 // registers and shared memory while computing its statistics, publishes them
-// (release count per row), waits for the row's other pieces (acquire; one
-// warp merges them in a fixed order, every piece of a row getting the same
-// bits) and writes the gradient from shared memory. One read and one write
-// of the logits, through L2 once (v8 re-reads through L2, bench/NOTES.md).
+// into the piece's slot with one 16-byte atomic (PieceSlot), waits for the
+// row's other slots (one warp polls them all, each lane reading a whole slot
+// in one atomic access, and merges them in a fixed order, every piece of a
+// row getting the same bits) and writes the gradient from shared memory. One
+// read and one write of the logits, through L2 once (v8 re-reads through L2,
+// bench/NOTES.md). Plain options only (z-loss, grad_scale), like v5 to v8.
+//
+// What a piece waits for is the slowest piece of its row (bench/NOTES.md "v9,
+// session 5": the wait costs 3-10 points of copy bandwidth), so the chain is
+// kept short: one round trip to L2 finds a full slot with everything in it
+// (session 4 had a count per row behind a fence, then the slots, then the
+// target logit: three), and when a block takes item k, its last warp has the
+// TMA unit prefetch item k + `ahead`'s piece into L2, so that whoever takes
+// that piece reads it from L2 and the pieces of a row finish closer together.
+//
 // No deadlock while at least `per_row` blocks are resident (checked at
 // launch): a block publishes its piece before it waits, items are taken in
 // order, so only the row being handed out can be incomplete, and it holds at
 // most per_row - 1 waiting blocks; every other block finishes and takes the
-// rest. Plain options only (z-loss, grad_scale), like v5 to v8.
-// The next item is taken at the top of the loop, not during the gradient:
-// taken earlier, a row's pieces start further apart and their blocks wait
-// longer (measured: bf16 4096 x 262144 82% -> 71%); before the wait it could
-// deadlock (a block holding an unpublished piece of the row it waits for).
+// rest. The next item is taken at the top of the loop, not during the
+// gradient: taken earlier, a row's pieces start further apart and their
+// blocks wait longer (measured: bf16 4096 x 262144 82% -> 71%); before the
+// wait it could deadlock (a block holding an unpublished piece of the row it
+// waits for).
 template <typename T, int kBlock, int kMinBlocks>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
-    SmemPieceKernel(Params p, int per_row) {
+    SmemPieceKernel(Params p, int per_row, long long ahead, int ablate) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   extern __shared__ uint4 kept[];
@@ -1925,7 +2005,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  Stats* const pieces = static_cast<Stats*>(p.pieces);
+  PieceSlot* const slots = static_cast<PieceSlot*>(p.pieces);  // by item
   const long long total = p.rows * per_row;
 #pragma unroll 1
   for (;;) {
@@ -1935,25 +2015,69 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     __syncthreads();
     const long long k = item_s;
     if (k >= total) break;
+    if (ahead > 0 && tid == kBlock - 32 && k + ahead < total) {
+      // (the last warp: off warp 0's publish and merge)
+      const long long rn = (k + ahead) / per_row;
+      const int sn = static_cast<int>(k + ahead - rn * per_row) * p.chunk;
+      const int nn = max(0, min(p.chunk, p.vocab - sn));
+      if (nn > 0) {
+        BulkPrefetchL2(static_cast<const T*>(p.logits) + rn * p.stride + sn,
+                       static_cast<unsigned>(nn * sizeof(T)));
+      }
+    }
     const long long row = k / per_row;
     const int piece = static_cast<int>(k - row * per_row);
     const int start = piece * p.chunk;
     const int n = max(0, min(p.chunk, p.vocab - start));
     const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
-    Stats st = SliceStats<T, kBlock, true>(src, n, start, tid, 0, kept);
+    Stats st;
+    if (ablate & kAblateStats) {
+      const uint4* sv = reinterpret_cast<const uint4*>(src);
+#pragma unroll 4
+      for (int q = tid; q < n / kVec; q += kBlock) kept[q] = sv[q];
+      st = EmptyStats();
+      st.m = 0.0f;
+      st.t = 0.0f;
+    } else {
+      st = SliceStats<T, kBlock, true>(src, n, start, tid, 0, kept);
+    }
     st = BlockMergeStats<kBlock>(st, scratch);  // (kept is complete)
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
     const int yl = static_cast<int>(y - start);
     if (warp == 0) {
-      if (lane == 0) {
-        pieces[row * kMaxPieces + piece] = st;
-        if (valid && yl >= 0 && yl < n) p.row_zy[row] = Tr::Load(src + yl);
-        __threadfence();
-        atomicAdd(p.row_done + row, 1);
+      const bool alone = ablate & kAblateRowWait;
+      PieceSlot* const row_slots = slots + (k - piece);
+      if (lane == 0 && !alone) {
+        PublishSlot(row_slots + piece, st,
+                    valid && yl >= 0 && yl < n ? Tr::Load(src + yl) : 0.0f);
       }
-      const Stats rs = MergeRowPieces(p, row, per_row, lane);
-      const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
+      // Every lane polls its piece's slot until the row's are all full, then
+      // the warp merges them in a fixed order.
+      Stats ps = EmptyStats();
+      float zy_lane = 0.0f;
+      if (!alone) {
+        bool full = lane >= per_row;
+        while (!__all_sync(0xffffffffu, full)) {
+          if (!full) {
+            const PieceSlot v = ReadSlot(row_slots + lane);
+            full = v.tag != 0;
+            if (full) {
+              ps.m = v.m;
+              ps.t = v.t;
+              ps.arg = static_cast<int>(v.tag - 1u);
+              zy_lane = v.zy;
+            } else {
+              __nanosleep(32);
+            }
+          }
+        }
+      }
+      const Stats rs = alone ? st : WarpMergeStats(ps);
+      const float zy =
+          valid && !alone
+              ? __shfl_sync(0xffffffffu, zy_lane, static_cast<int>(y / p.chunk))
+              : 0.0f;
       const RowMath rm = MakeRowMath(p, hdr, rs, valid, zy, 1.0f);
       const bool owner = valid ? (yl >= 0 && yl < n) : piece == 0;
       if (lane == 0) {
@@ -1964,7 +2088,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     __syncthreads();
     T* const out = static_cast<T*>(p.grad) + row * p.stride + start;
     const int nvec = n / kVec;
-    if (!valid) {
+    if (ablate & kAblateGradient) {
+#pragma unroll 4
+      for (int q = tid; q < nvec; q += kBlock) {
+        __stcs(reinterpret_cast<uint4*>(out) + q, kept[q]);
+      }
+    } else if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
       const RowMath rm = rowmath;
@@ -1980,13 +2109,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 }
 
 // v9 launch: `per_row` (<= kMaxPieces) pieces of p.chunk elements a row, a
-// persistent grid of every block that fits with a piece of shared memory.
+// persistent grid of every block that fits with a piece of shared memory;
+// each taken item prefetches the piece `ahead_kib` KiB of logits ahead into
+// L2 (< 0: none; 0: 256 KiB where four blocks fit a SM, else none).
 // cudaErrorInvalidConfiguration when a piece does not fit a block's shared
 // memory or fewer than per_row blocks would be resident (the caller then
 // takes another path).
 template <typename T, int kBlock, int kMinBlocks>
-cudaError_t LaunchSmemPieces(const Params& p, int per_row,
-                             cudaStream_t stream) {
+cudaError_t LaunchSmemPieces(const Params& p, int per_row, int ahead_kib,
+                             int ablate, cudaStream_t stream) {
   const auto kernel = SmemPieceKernel<T, kBlock, kMinBlocks>;
   const int smem =
       static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
@@ -2000,7 +2131,7 @@ cudaError_t LaunchSmemPieces(const Params& p, int per_row,
                                cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
   if (e != cudaSuccess) return e;
-  // A piece past the shared memory of a block (rows past 16 such pieces):
+  // A piece past the shared memory of a block (rows past 32 such pieces):
   // another path takes the row.
   if (smem >
       smem_max - static_cast<int>(sizeof(Stats) * (kBlock / 32 + 1)) - 64) {
@@ -2016,8 +2147,20 @@ cudaError_t LaunchSmemPieces(const Params& p, int per_row,
   if (per_sm <= 0 || sms * per_sm < per_row) {
     return cudaErrorInvalidConfiguration;
   }
-  kernel<<<static_cast<unsigned>(sms * per_sm), kBlock, smem, stream>>>(
-      p, per_row);
+  const long long grid = static_cast<long long>(sms) * per_sm;
+  // The prefetch (bench/NOTES.md "v9, session 5"): 256-512 KiB ahead, bf16
+  // 82-83% -> 88-90% of copy at V >= 128k, fp32 +1-2 points; farther
+  // measures worse (L2 holds the prefetched pieces longer), and with three
+  // blocks of 64 KiB pieces a SM (fp32 1 MiB rows) any distance loses
+  // (83% -> 72-73%).
+  if (ahead_kib == 0) ahead_kib = per_sm >= 4 ? 256 : -1;
+  // Empty piece slots (the kernel publishes into them by item).
+  e = cudaMemsetAsync(p.pieces, 0, sizeof(PieceSlot) * p.rows * per_row,
+                      stream);
+  if (e != cudaSuccess) return e;
+  kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(
+      p, per_row, ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / smem) : 0,
+      ablate);
   return cudaGetLastError();
 }
 
@@ -2201,16 +2344,17 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
       (config.version == 8 || (config.version == 0 && esize == 2 &&
                                p.grad == p.logits && row_bytes >= 32 * 1024));
   // v9 (bench/NOTES.md): forward+gradient on row pieces kept in shared
-  // memory, 48 KiB pieces: the default for 2-byte logits on rows of 32 KiB
-  // and more, in place or not (bf16 80-82% of copy against v8's 77% and v6's
-  // 71-76% in one run), and for fp32 rows past 512 KiB (85% against v6's 77%;
-  // shorter fp32 rows stay on v6, 83-88%).
+  // memory, 48 KiB pieces, L2 prefetch: the default for 2-byte logits on rows
+  // of 32 KiB and more, in place or not (bf16 88-90% of copy at V >= 128k
+  // against v8's 77% and v6's 71-76%; 80% at V = 32000 against v6's 72%), and
+  // for fp32 rows of 256 KiB and more (89-91% at 128k against v6's 83-86%;
+  // 83% at 1 MiB rows against v6's 77%). Shorter fp32 rows stay on v6 (87% at
+  // V = 32000 against v9's 85-86%; rows between 125 and 500 KiB unmeasured).
   const bool v9 =
       !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
       p.grad != nullptr && p.vocab % vec == 0 &&
       (config.version == 9 ||
-       (config.version == 0 &&
-        (esize == 2 ? row_bytes >= 32 * 1024 : row_bytes > 512 * 1024)));
+       (config.version == 0 && row_bytes >= (esize == 2 ? 32 : 256) * 1024));
   if (v9) {
     const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
                                   /*default_kib=*/48);
@@ -2218,8 +2362,10 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
     // ctas_per_sm 2: 512-thread blocks, two a SM (pieces up to ~110 KiB).
     const cudaError_t e =
         config.ctas_per_sm == 2
-            ? LaunchSmemPieces<T, 512, 2>(p, rp.pieces, stream)
-            : LaunchSmemPieces<T, kThreads, 4>(p, rp.pieces, stream);
+            ? LaunchSmemPieces<T, 512, 2>(p, rp.pieces, config.prefetch_kib,
+                                          config.ablate, stream)
+            : LaunchSmemPieces<T, kThreads, 4>(
+                  p, rp.pieces, config.prefetch_kib, config.ablate, stream);
     if (e != cudaErrorInvalidConfiguration) return e;
     cudaGetLastError();
   }

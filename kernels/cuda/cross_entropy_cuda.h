@@ -87,12 +87,17 @@ struct CrossEntropyCudaConfig {
   int version = 0;
   int slice_kib = 0;
   int ctas_per_sm = 0;
-  int group_mib = 0;    // v8: MiB of rows a group (0 = 4)
-  int stages = 0;       // v6: shared-memory stages (0 = as many as fit); v7
-                        // batches in flight
-  int cache_hints = 0;  // v8: 0 or 2 = L2 eviction priorities (statistics
-                        // loads evict-last, the gradient's re-reads and
-                        // stores evict-first); 1 = none
+  int group_mib = 0;     // v8: MiB of rows a group (0 = 4)
+  int stages = 0;        // v6: shared-memory stages (0 = as many as fit); v7
+                         // batches in flight
+  int cache_hints = 0;   // v8: 0 or 2 = L2 eviction priorities (statistics
+                         // loads evict-last, the gradient's re-reads and
+                         // stores evict-first); 1 = none
+  int prefetch_kib = 0;  // v9: each item prefetches the piece this many KiB
+                         // of logits ahead into L2 (0 = automatic, < 0 none)
+  int ablate = 0;  // v9, diagnostic (bench only, results wrong): stages left
+                   // out (1 the row wait, 2 the gradient math, 4 the
+                   // statistics), to measure what each costs
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

@@ -843,9 +843,9 @@ TEST_F(CudaCrossEntropyTest, L2PieceKernelConfigs) {
 }
 
 // v9 (forward+gradient on row pieces kept in shared memory): pieces of 8 to
-// 96 KiB (one to 13 a row), both block sizes, in
-// place and out of place, ignored rows, z-loss, grad_scale, p_y -> 1, NaN and
-// infinite logits, one row.
+// 96 KiB (one to 13 a row), both block sizes, in place and out of place, with
+// and without the L2 prefetch (the default's and a short one), ignored
+// rows, z-loss, grad_scale, p_y -> 1, NaN and infinite logits, one row.
 TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
   uint32_t seed = 1300;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -859,6 +859,7 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
       c.options.z_loss_scale = 1e-3f;
       c.options.grad_scale = 0.5f;
       c.mode = slice == 48 ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+      c.config.prefetch_kib = slice == 96 ? -1 : slice == 8 ? 64 : 0;
       CheckCase(c, seed++);
     }
     Case d = Make("v9 p_y -> 1", 300, 131072, dtype);
@@ -880,14 +881,14 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
     one.config.version = 9;
     CheckCase(one, seed++);
   }
-  // Rows whose 16 pieces pass a block's shared memory (fp32, 4.4 MB rows):
+  // Rows whose 32 pieces pass a block's shared memory (fp32, 8 MB rows):
   // the automatic choice falls back to another path, same results.
-  Case wide = Make("v9 pieces past shared memory", 3, 1100000, DType::kFloat32);
+  Case wide = Make("v9 pieces past shared memory", 3, 2000000, DType::kFloat32);
   CheckCase(wide, seed++);
 }
 
 // Small v9 cases for compute-sanitizer (scripts/gpu-run): 2 pieces a row,
-// ignored rows, both modes, both block sizes.
+// ignored rows, both modes, both block sizes, the L2 prefetch in place.
 TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
   uint32_t seed = 1350;
   for (GradientMode mode :
@@ -897,6 +898,7 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
     c.config.slice_kib = 8;
     // Out of place: the 512-thread build.
     c.config.ctas_per_sm = mode == GradientMode::kOutOfPlace ? 2 : 0;
+    c.config.prefetch_kib = mode == GradientMode::kInPlace ? 256 : -1;
     c.ignore_fraction = 0.2;
     c.mode = mode;
     CheckCase(c, seed++);
