@@ -319,14 +319,15 @@ int main(int argc, char** argv) {
       variants.push_back({"v8", v8});
       // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads, L2
       // prefetch distance in KiB of logits (0 automatic, -1 none), stages
-      // left out (diagnostic: 1 row wait, 2 gradient math, 4 statistics))
+      // left out (diagnostic: 1 row wait, 2 gradient math, 4 statistics, 8
+      // the sleep between slot polls))
       for (const auto& [slice, ctas, ahead, ablate] :
            std::vector<std::tuple<int, int, int, int>>{{48, 4, -1, 0},
                                                        {48, 4, 0, 0},
+                                                       {48, 4, 384, 0},
                                                        {48, 4, 512, 0},
-                                                       {48, 4, 1024, 0},
-                                                       {54, 4, 0, 0},
-                                                       {96, 2, 256, 0},
+                                                       {48, 4, 0, 8},
+                                                       {48, 4, 384, 8},
                                                        {48, 4, 0, 1},
                                                        {48, 4, 0, 7}}) {
         lossd::CrossEntropyCudaConfig v9;
@@ -344,6 +345,7 @@ int main(int argc, char** argv) {
           if (ablate & 1) name += " row-wait";
           if (ablate & 2) name += " grad-math";
           if (ablate & 4) name += " stats";
+          if (ablate & 8) name += " poll-sleep";
         }
         variants.push_back({name, v9});
       }

@@ -1958,10 +1958,12 @@ __device__ __forceinline__ PieceSlot ReadSlot(PieceSlot* slot) {
 
 // `ablate` (diagnostic, bench only; results are wrong): stages left out to
 // measure what each costs (bench/NOTES.md "v9, session 5").
-constexpr int kAblateRowWait = 1;   // each piece is its own row: no publish,
-                                    // no wait for the row's other pieces
-constexpr int kAblateGradient = 2;  // the piece is stored back unchanged
-constexpr int kAblateStats = 4;     // the piece is read without statistics
+constexpr int kAblateRowWait = 1;    // each piece is its own row: no publish,
+                                     // no wait for the row's other pieces
+constexpr int kAblateGradient = 2;   // the piece is stored back unchanged
+constexpr int kAblateStats = 4;      // the piece is read without statistics
+constexpr int kAblatePollSleep = 8;  // the slot poll does not sleep between
+                                     // reads
 
 // v7's independent row pieces, each kept in shared memory until its row's
 // statistics are known: a persistent block takes one piece at a time from a
@@ -2067,7 +2069,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
               ps.t = v.t;
               ps.arg = static_cast<int>(v.tag - 1u);
               zy_lane = v.zy;
-            } else {
+            } else if (!(ablate & kAblatePollSleep)) {
               __nanosleep(32);
             }
           }

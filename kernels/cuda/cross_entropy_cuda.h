@@ -97,7 +97,8 @@ struct CrossEntropyCudaConfig {
                          // of logits ahead into L2 (0 = automatic, < 0 none)
   int ablate = 0;  // v9, diagnostic (bench only, results wrong): stages left
                    // out (1 the row wait, 2 the gradient math, 4 the
-                   // statistics), to measure what each costs
+                   // statistics, 8 the sleep between slot polls), to
+                   // measure what each costs
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows
