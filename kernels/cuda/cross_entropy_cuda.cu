@@ -1542,6 +1542,27 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   }
 }
 
+// Makes `cfg` launch `kernel` in clusters of `csize` blocks along x, with
+// `attr` (which must outlive the launch) as its one attribute; clusters past
+// 8 blocks (the portable size) are allowed first.
+template <typename... KernelArgs>
+cudaError_t SetClusterLaunch(void (*kernel)(KernelArgs...), int csize,
+                             cudaLaunchAttribute* attr,
+                             cudaLaunchConfig_t* cfg) {
+  if (csize > 8) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = csize;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  return cudaSuccess;
+}
+
 // Launches `kernel` with `cfg` (block, shared memory and stream set) in
 // clusters of `csize` blocks on a persistent grid: as many clusters as can be
 // resident at once, at most one a row.
@@ -1549,18 +1570,9 @@ template <typename... KernelArgs, typename... Args>
 cudaError_t LaunchPersistentClusters(void (*kernel)(KernelArgs...),
                                      cudaLaunchConfig_t cfg, int csize,
                                      long long rows, Args... args) {
-  if (csize > 8) {
-    const cudaError_t e = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaError_t set = SetClusterLaunch(kernel, csize, &attr, &cfg);
+  if (set != cudaSuccess) return set;
   cfg.gridDim = dim3(static_cast<unsigned>(csize));
   int clusters = 0;
   const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
@@ -2233,22 +2245,13 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
 template <typename T, int VPT, bool kGeneral>
 cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
   auto kernel = ClusterKernel<T, VPT, kGeneral>;
-  if (csize > 8) {
-    const cudaError_t e = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaError_t e = SetClusterLaunch(kernel, csize, &attr, &cfg);
+  if (e != cudaSuccess) return e;
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
