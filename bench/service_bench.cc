@@ -553,6 +553,48 @@ double KernelSeconds(const std::string& logits, const std::string& targets,
   return Median(times);
 }
 
+// The device's host-to-device copy rate from pinned memory, the reference for
+// the server's copy times: `total` bytes in `piece` pieces from two pinned
+// buffers, one stream, as the device's uploads move them (without the gather
+// into the pinned buffers). Median of `repeats`.
+double PinnedCopyGBs(size_t piece, size_t total, int repeats) {
+  void* host[2] = {nullptr, nullptr};
+  void* device = nullptr;
+  if (cudaHostAlloc(&host[0], piece, cudaHostAllocDefault) != cudaSuccess ||
+      cudaHostAlloc(&host[1], piece, cudaHostAllocDefault) != cudaSuccess ||
+      cudaMalloc(&device, total) != cudaSuccess) {
+    Die("cannot allocate the pinned copy reference");
+  }
+  std::memset(host[0], 1, piece);
+  std::memset(host[1], 2, piece);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  cudaEvent_t begin, end;
+  cudaEventCreate(&begin);
+  cudaEventCreate(&end);
+  std::vector<double> rates;
+  for (int i = 0; i < repeats + 1; ++i) {
+    cudaEventRecord(begin, stream);
+    for (size_t offset = 0, k = 0; offset < total; offset += piece, ++k) {
+      cudaMemcpyAsync(static_cast<char*>(device) + offset, host[k % 2],
+                      std::min(piece, total - offset), cudaMemcpyHostToDevice,
+                      stream);
+    }
+    cudaEventRecord(end, stream);
+    cudaEventSynchronize(end);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin, end);
+    if (i >= 1) rates.push_back(total / (ms * 1e-3) / 1e9);
+  }
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  cudaStreamDestroy(stream);
+  cudaFree(device);
+  cudaFreeHost(host[0]);
+  cudaFreeHost(host[1]);
+  return Median(rates);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -852,7 +894,14 @@ int main(int argc, char** argv) {
         seconds, bytes / seconds / 1e9));
   }
 
-  // Evaluate: the same logits streamed in row blocks.
+  // Evaluate: the same logits streamed in row blocks, after the reference for
+  // its copies.
+  if (config.device == "cuda") {
+    line(absl::StrFormat(
+        "| Reference: host-to-device copy from pinned memory, 4 MiB pieces, "
+        "one stream (1 GiB, median of 5) | %.2f GB/s | |",
+        PinnedCopyGBs(size_t{4} << 20, size_t{1} << 30, 5)));
+  }
   for (absl::string_view size :
        absl::StrSplit(absl::GetFlag(FLAGS_eval_block_bytes), ',')) {
     int64_t block_bytes = 0;
