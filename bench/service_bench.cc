@@ -40,6 +40,8 @@ ABSL_FLAG(int64_t, rows, 16384, "rows of the logits");
 ABSL_FLAG(int64_t, vocab, 131072, "vocabulary");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "upload/download chunk");
 ABSL_FLAG(int, repeats, 10, "timed runs per measurement");
+ABSL_FLAG(int64_t, staging_bytes, 4 << 20,
+          "lossd's pinned staging buffer (ServerConfig::staging_bytes)");
 ABSL_FLAG(bool, upload_only, false,
           "stop after the upload measurements (to study them alone)");
 ABSL_FLAG(int, upload_repeats, 3,
@@ -630,6 +632,7 @@ int main(int argc, char** argv) {
   config.port = 0;
   config.device = cuda ? "cuda" : "cpu";
   if (absl::GetFlag(FLAGS_metrics)) config.metrics_port = 0;
+  config.staging_bytes = absl::GetFlag(FLAGS_staging_bytes);
   absl::StatusOr<std::unique_ptr<lossd::LossdServer>> server =
       lossd::LossdServer::Start(config);
   if (!server.ok()) Die(server.status().ToString());
@@ -677,8 +680,11 @@ int main(int argc, char** argv) {
     report += text + "\n";
   };
   line(absl::StrFormat(
-      "## service_bench: [%d, %d] bf16 (%.2f GB), chunk %d B, device %s", rows,
-      vocab, gigabytes, chunk, config.device));
+      "## service_bench: [%d, %d] bf16 (%.2f GB), chunk %d B, device %s%s",
+      rows, vocab, gigabytes, chunk, config.device,
+      config.staging_bytes == (int64_t{4} << 20)
+          ? ""
+          : absl::StrFormat(", staging %d B", config.staging_bytes)));
   line("");
   line("| measurement | result | target |");
   line("|---|---|---|");

@@ -21,6 +21,9 @@ ABSL_FLAG(absl::Duration, ttl, absl::Hours(1),
 ABSL_FLAG(std::string, device_reserve, "2G",
           "cuda: device memory kept out of the automatic --memory_budget "
           "(the budget is the free memory at start minus this)");
+ABSL_FLAG(std::string, staging_bytes, "4M",
+          "cuda: bytes of one pinned staging buffer (64K to 256M); "
+          "transfers move through two a transfer in pieces of this size");
 ABSL_FLAG(std::string, chunk_bytes, "1M", "default Download chunk size");
 ABSL_FLAG(int, threads, 0, "compute threads of the cpu device; 0 = all cores");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(30),
@@ -119,6 +122,15 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
         absl::StrCat("--device_reserve: ", reserve.status().message()));
   }
   config.device_reserve = *reserve;
+  absl::StatusOr<int64_t> staging =
+      ParseByteSize(absl::GetFlag(FLAGS_staging_bytes));
+  if (!staging.ok() || *staging < (int64_t{64} << 10) ||
+      *staging > (int64_t{256} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--staging_bytes: '", absl::GetFlag(FLAGS_staging_bytes),
+                     "' is not a byte count from 64K to 256M"));
+  }
+  config.staging_bytes = *staging;
   config.ttl = absl::GetFlag(FLAGS_ttl);
   absl::StatusOr<int64_t> chunk =
       ParseByteSize(absl::GetFlag(FLAGS_chunk_bytes));

@@ -17,6 +17,7 @@ ABSL_DECLARE_FLAG(std::string, host);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, memory_budget);
 ABSL_DECLARE_FLAG(std::string, device_reserve);
+ABSL_DECLARE_FLAG(std::string, staging_bytes);
 ABSL_DECLARE_FLAG(absl::Duration, ttl);
 ABSL_DECLARE_FLAG(std::string, chunk_bytes);
 ABSL_DECLARE_FLAG(int, threads);

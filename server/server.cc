@@ -48,7 +48,8 @@ absl::Status WritePortFile(const std::string& path, int port) {
 
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& name,
                                                      int threads,
-                                                     int64_t device_reserve) {
+                                                     int64_t device_reserve,
+                                                     int64_t staging_bytes) {
   if (name == "cpu") return std::unique_ptr<Device>(new CpuDevice(threads));
   const bool cuda = name == "cuda" || absl::StartsWith(name, "cuda:");
   if (name != "auto" && !cuda) {
@@ -58,6 +59,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& name,
 #ifdef LOSSD_HAVE_CUDA
   CudaDeviceOptions options;
   options.reserve_bytes = device_reserve;
+  options.staging_bytes = static_cast<size_t>(staging_bytes);
   if (absl::StartsWith(name, "cuda:") &&
       !absl::SimpleAtoi(name.substr(5), &options.ordinal)) {
     return absl::InvalidArgumentError(
@@ -71,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const std::string& name,
   }
 #else
   (void)device_reserve;
+  (void)staging_bytes;
   if (cuda) {
     return absl::UnimplementedError(
         "this lossd was built without CUDA (LOSSD_CUDA=OFF); use --device=cpu");
@@ -122,10 +125,10 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
       limits.max_in_flight > 0) {
     server->quotas_ = std::make_shared<TenantQuotas>(limits);
   }
-  auto device =
-      config.device_factory
-          ? config.device_factory()
-          : CreateDevice(config.device, config.threads, config.device_reserve);
+  auto device = config.device_factory
+                    ? config.device_factory()
+                    : CreateDevice(config.device, config.threads,
+                                   config.device_reserve, config.staging_bytes);
   if (!device.ok()) return device.status();
   server->device_ = std::move(*device);
 

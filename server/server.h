@@ -41,6 +41,9 @@ struct ServerConfig {
   // CUDA: device memory kept out of the automatic budget (free memory at
   // start minus this); ignored when memory_budget is set.
   int64_t device_reserve = int64_t{2} << 30;
+  // CUDA: bytes of one pinned staging buffer; uploads, Evaluate blocks and
+  // downloads move through two of them in pieces of this size.
+  int64_t staging_bytes = int64_t{4} << 20;
   // Called after readiness went NOT_SERVING because the device became
   // unusable (a sticky CUDA error); main installs ExitAfterFatalDeviceError.
   // Unset, the server only logs and stays NOT_SERVING (tests).
@@ -72,10 +75,12 @@ struct ServerConfig {
 // when no such GPU is visible, UNIMPLEMENTED in a build without CUDA); "auto"
 // (CUDA device 0 when built with CUDA and a GPU is visible, else the CPU).
 // INVALID_ARGUMENT for an unknown name. `threads` is for the CPU device,
-// `device_reserve` for the CUDA device's default budget.
+// `device_reserve` for the CUDA device's default budget, `staging_bytes` its
+// pinned staging buffers.
 absl::StatusOr<std::unique_ptr<Device>> CreateDevice(
     const std::string& name, int threads,
-    int64_t device_reserve = int64_t{2} << 30);
+    int64_t device_reserve = int64_t{2} << 30,
+    int64_t staging_bytes = int64_t{4} << 20);
 
 // One serving lossd instance. Thread-safe.
 class LossdServer {

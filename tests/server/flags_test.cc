@@ -1,6 +1,9 @@
-// ParseByteSize: the --memory_budget and --chunk_bytes syntax.
+// ParseByteSize: the --memory_budget and --chunk_bytes syntax; ConfigFromFlags
+// for --staging_bytes.
 #include "server/flags.h"
 
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "gtest/gtest.h"
 
 namespace lossd {
@@ -24,6 +27,28 @@ TEST(ParseByteSizeTest, RejectsGarbageAndOverflow) {
     EXPECT_EQ(ParseByteSize(text).status().code(),
               absl::StatusCode::kInvalidArgument)
         << text;
+  }
+}
+
+TEST(ConfigFromFlagsTest, StagingBytesIsParsedAndBounded) {
+  absl::FlagSaver saver;  // restores every flag at the end
+  absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->staging_bytes, int64_t{4} << 20);
+  absl::SetFlag(&FLAGS_staging_bytes, "1M");
+  config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->staging_bytes, int64_t{1} << 20);
+  absl::SetFlag(&FLAGS_staging_bytes, "64K");
+  EXPECT_EQ(ConfigFromFlags()->staging_bytes, int64_t{64} << 10);
+  for (const char* bad : {"0", "auto", "32K", "257M", "1G", "x", "-4M"}) {
+    absl::SetFlag(&FLAGS_staging_bytes, bad);
+    config = ConfigFromFlags();
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+    EXPECT_NE(config.status().message().find("--staging_bytes"),
+              std::string::npos)
+        << config.status();
   }
 }
 
