@@ -4,6 +4,7 @@
 #include "client/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +24,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/data_connection.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
 #include "lossd/v1/lossd.grpc.pb.h"
@@ -38,6 +40,7 @@ struct Client::Channel {
   std::unique_ptr<health::Health::Stub> health;
   // What made `channel`, for the extra connections of striped uploads.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  bool tls = false;
   grpc::ChannelArguments args;
 
   // Connection `index` (>= 1) of a striped upload to `target`, made on first
@@ -62,6 +65,9 @@ struct Client::Channel {
   absl::Mutex mu;
   std::vector<std::shared_ptr<grpc::Channel>> stripe_channels
       ABSL_GUARDED_BY(mu);
+  // The server's data port as learnt from GetServerInfo; 0 = none, or not
+  // reachable from here. Unset until the first large upload asks.
+  std::optional<int> data_port ABSL_GUARDED_BY(mu);
 
   // The dtype and shape of handles this client uploaded or described (they
   // never change on the server), so that a ranged Download needs no Describe
@@ -102,6 +108,9 @@ namespace {
 
 // Room left in a message for everything but the payload bytes.
 constexpr std::size_t kMessageOverheadBytes = 4096;
+// How long a data connection may take to connect before the upload goes over
+// gRPC instead.
+constexpr absl::Duration kDataConnectTimeout = absl::Seconds(5);
 
 // The single grpc::Status -> absl::Status conversion. Both use the canonical
 // code numbering (google.rpc.Code), so the value carries over unchanged.
@@ -143,13 +152,16 @@ absl::StatusOr<std::string> ReadPemFile(const char* what,
   return contents.str();
 }
 
+// Whether the options ask for TLS.
+bool UsesTls(const ClientOptions& options) {
+  return options.tls || !options.tls_ca_file.empty() ||
+         !options.tls_cert_file.empty() || !options.tls_key_file.empty();
+}
+
 // Plaintext, or TLS from the PEM files the options name.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     const ClientOptions& options, grpc::ChannelArguments* args) {
-  const bool tls = options.tls || !options.tls_ca_file.empty() ||
-                   !options.tls_cert_file.empty() ||
-                   !options.tls_key_file.empty();
-  if (!tls) return grpc::InsecureChannelCredentials();
+  if (!UsesTls(options)) return grpc::InsecureChannelCredentials();
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError(
         "tls_cert_file and tls_key_file go together (mutual TLS needs both)");
@@ -295,6 +307,7 @@ ServerInfo FromProto(const v1::ServerInfo& proto) {
   info.free_bytes = proto.free_bytes();
   info.tensors = proto.tensors();
   info.version = proto.version();
+  info.data_port = proto.data_port();
   return info;
 }
 
@@ -575,6 +588,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   auto channel = std::make_unique<Channel>();
   channel->channel = grpc::CreateCustomChannel(target, credentials, args);
   channel->credentials = credentials;
+  channel->tls = UsesTls(options);
   channel->args = args;
   channel->lossd = v1::Lossd::NewStub(channel->channel);
   channel->health = health::Health::NewStub(channel->channel);
@@ -595,6 +609,12 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   }
   if (data == nullptr && bytes > 0) {
     return absl::InvalidArgumentError("null data");
+  }
+  if (options_.data_connection && bytes >= options_.stripe_min_bytes &&
+      bytes > 0) {
+    std::optional<absl::StatusOr<TensorInfo>> uploaded =
+        UploadOverDataConnection(dtype, shape, data, bytes, label, progress);
+    if (uploaded.has_value()) return *std::move(uploaded);
   }
   if (options_.upload_streams > 1 && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
@@ -621,6 +641,69 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   TensorInfo uploaded = FromProto(info);
   channel_->Remember(uploaded);
   return uploaded;
+}
+
+std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
+    DType dtype, absl::Span<const int64_t> shape, const void* data,
+    std::size_t bytes, const std::string& label,
+    const ProgressCallback& progress) {
+  if (channel_->tls) return std::nullopt;
+  const std::optional<std::string> host = TargetHost(target_);
+  if (!host.has_value()) return std::nullopt;
+  std::optional<int> port;
+  {
+    absl::MutexLock lock(&channel_->mu);
+    port = channel_->data_port;
+  }
+  if (!port.has_value()) {
+    absl::StatusOr<ServerInfo> info = GetServerInfo();
+    if (!info.ok()) return absl::StatusOr<TensorInfo>(info.status());
+    port = info->data_port;
+    absl::MutexLock lock(&channel_->mu);
+    channel_->data_port = port;
+  }
+  if (*port == 0) return std::nullopt;
+  absl::StatusOr<int> fd = ConnectDataPort(*host, *port, kDataConnectTimeout);
+  if (!fd.ok()) {
+    // A port the server offers that cannot be reached from here (a firewall,
+    // a Service without it): gRPC it is, from now on.
+    absl::MutexLock lock(&channel_->mu);
+    channel_->data_port = 0;
+    return std::nullopt;
+  }
+  absl::StatusOr<std::string> token = RandomDataToken();
+  if (!token.ok()) {
+    close(*fd);
+    return absl::StatusOr<TensorInfo>(token.status());
+  }
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::UploadRequest request;
+  v1::TensorHeader* header = request.mutable_header();
+  header->set_dtype(static_cast<v1::DType>(dtype));
+  header->mutable_shape()->Add(shape.begin(), shape.end());
+  header->set_label(label);
+  header->set_data_token(*token);
+  v1::UploadResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
+      channel_->lossd->Upload(&context, &response);
+  absl::Status sent = absl::OkStatus();
+  if (writer->Write(request) && writer->WritesDone()) {
+    int64_t done = 0;
+    sent = SendOverDataConnection(
+        *fd, *token, static_cast<const char*>(data), bytes, [&](std::size_t n) {
+          done += static_cast<int64_t>(n);
+          if (progress) progress(done, static_cast<int64_t>(bytes));
+        });
+  }
+  // The RPC's status says why a transfer failed (the server ends both).
+  const grpc::Status finished = writer->Finish();
+  close(*fd);
+  if (!finished.ok()) return absl::StatusOr<TensorInfo>(ToAbsl(finished));
+  if (!sent.ok()) return absl::StatusOr<TensorInfo>(sent);
+  TensorInfo uploaded = FromProto(response.tensor());
+  channel_->Remember(uploaded);
+  return absl::StatusOr<TensorInfo>(std::move(uploaded));
 }
 
 absl::StatusOr<TensorInfo> Client::UploadStriped(

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,13 @@ struct ClientOptions {
   // Overrides the name the server certificate is checked against (tests,
   // or addresses the certificate does not list); empty = the target's host.
   std::string tls_server_name;
+  // Data connection: a tensor of at least stripe_min_bytes bytes goes over
+  // one plain TCP connection to the server's data port (ServerInfo.data_port),
+  // straight into the server's pinned memory with no gRPC in between, when
+  // the server offers one and the channel has no TLS (the data connection has
+  // none of its own). Otherwise, or when that port cannot be reached (this
+  // Client then stops trying), the tensor is striped as below.
+  bool data_connection = true;
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
   // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP
   // connection, because one gRPC stream is capped below what the network
@@ -79,6 +87,7 @@ struct ServerInfo {
   int64_t free_bytes = 0;
   int64_t tensors = 0;
   std::string version;
+  int data_port = 0;  // the data-connection port; 0 = none
 };
 
 struct ListResult {
@@ -323,6 +332,14 @@ class Client {
                                         void* buffer, std::size_t capacity,
                                         TensorInfo* info,
                                         const ProgressCallback& progress);
+
+  // Upload over a data connection. nullopt when this server or channel
+  // cannot take one (no data port, TLS, unreachable): the caller then
+  // uploads over gRPC.
+  std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
+      DType dtype, absl::Span<const int64_t> shape, const void* data,
+      std::size_t bytes, const std::string& label,
+      const ProgressCallback& progress);
 
   // Upload as `stripes` parallel streams (stripes >= 2).
   absl::StatusOr<TensorInfo> UploadStriped(DType dtype,

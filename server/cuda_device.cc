@@ -310,35 +310,38 @@ absl::Status CudaDevice::CopyFromHost(void* buffer, size_t offset,
   return FinishWrites(buffer);
 }
 
+absl::StatusOr<CudaDevice::Upload*> CudaDevice::FindOrStartUpload(
+    void* buffer) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = uploads_.find(buffer);
+    if (it != uploads_.end()) return it->second.get();
+  }
+  // Only this thread uploads into `buffer`: no one else can insert it.
+  auto fresh = std::make_unique<Upload>();
+  ASSIGN_OR_RETURN(fresh->stream, AcquireStream());
+  for (Staging& staging : fresh->staging) {
+    absl::StatusOr<Staging> acquired = AcquireStaging();
+    if (!acquired.ok()) {
+      ReleaseStream(fresh->stream);
+      for (Staging& held : fresh->staging) {
+        if (held.host != nullptr) ReleaseStaging(held);
+      }
+      return acquired.status();
+    }
+    staging = *acquired;
+  }
+  Upload* const upload = fresh.get();
+  absl::MutexLock lock(&mu_);
+  uploads_[buffer] = std::move(fresh);
+  return upload;
+}
+
 absl::Status CudaDevice::CopyFromHostAsync(void* buffer, size_t offset,
                                            const void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  Upload* upload = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = uploads_.find(buffer);
-    if (it != uploads_.end()) upload = it->second.get();
-  }
-  if (upload == nullptr) {
-    // Only this thread uploads into `buffer`: no one else can insert it.
-    auto fresh = std::make_unique<Upload>();
-    ASSIGN_OR_RETURN(fresh->stream, AcquireStream());
-    for (Staging& staging : fresh->staging) {
-      absl::StatusOr<Staging> acquired = AcquireStaging();
-      if (!acquired.ok()) {
-        ReleaseStream(fresh->stream);
-        for (Staging& held : fresh->staging) {
-          if (held.host != nullptr) ReleaseStaging(held);
-        }
-        return acquired.status();
-      }
-      staging = *acquired;
-    }
-    upload = fresh.get();
-    absl::MutexLock lock(&mu_);
-    uploads_[buffer] = std::move(fresh);
-  }
+  ASSIGN_OR_RETURN(Upload* const upload, FindOrStartUpload(buffer));
   if (!upload->error.ok()) return upload->error;
   const char* from = static_cast<const char*>(host);
   char* to = static_cast<char*>(buffer) + offset;
@@ -371,6 +374,50 @@ absl::Status CudaDevice::CopyFromHostAsync(void* buffer, size_t offset,
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Device::HostWindow> CudaDevice::BeginHostWrite(
+    void* buffer, size_t offset, size_t max_bytes) {
+  if (max_bytes == 0) {
+    return absl::InvalidArgumentError("an empty host window");
+  }
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(Upload* const upload, FindOrStartUpload(buffer));
+  if (!upload->error.ok()) return upload->error;
+  // What CopyFromHostAsync gathered goes on its own.
+  RETURN_IF_ERROR(FlushUpload(upload));
+  Staging& staging = upload->staging[upload->next];
+  // The copy of two windows ago; the previous one keeps running.
+  const absl::Status status =
+      Check(cudaEventSynchronize(staging.done), "upload wait");
+  if (!status.ok()) {
+    upload->error = status;
+    return status;
+  }
+  upload->filled_to = static_cast<char*>(buffer) + offset;
+  return HostWindow{staging.host, std::min(max_bytes, options_.staging_bytes)};
+}
+
+absl::Status CudaDevice::CommitHostWrite(void* buffer, size_t bytes) {
+  Upload* upload = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = uploads_.find(buffer);
+    if (it != uploads_.end()) upload = it->second.get();
+  }
+  if (upload == nullptr || upload->filled_to == nullptr) {
+    return absl::FailedPreconditionError("no host window is open");
+  }
+  if (bytes > options_.staging_bytes) {
+    return absl::InvalidArgumentError("more bytes than the host window");
+  }
+  if (bytes == 0) {
+    upload->filled_to = nullptr;
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  upload->filled = bytes;
+  return FlushUpload(upload);
 }
 
 absl::Status CudaDevice::FlushUpload(Upload* upload) {

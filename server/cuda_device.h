@@ -78,6 +78,11 @@ class CudaDevice final : public Device {
   // (gRPC hands a message over in ~16 KiB slices) cost no copy each.
   absl::Status CopyFromHostAsync(void* buffer, size_t offset, const void* host,
                                  size_t bytes) override;
+  // The window is the upload's next pinned staging buffer (after the wait
+  // for its previous copy), up to staging_bytes.
+  absl::StatusOr<HostWindow> BeginHostWrite(void* buffer, size_t offset,
+                                            size_t max_bytes) override;
+  absl::Status CommitHostWrite(void* buffer, size_t bytes) override;
   absl::Status FinishWrites(void* buffer) override;
   // Scales and converts on the device into scratch memory, then copies to the
   // host through pinned memory.
@@ -118,6 +123,10 @@ class CudaDevice final : public Device {
   void ReleaseStream(cudaStream_t stream) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Staging> AcquireStaging() ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseStaging(Staging staging) ABSL_LOCKS_EXCLUDED(mu_);
+  // The upload into `buffer`, started (stream and two staging buffers) when
+  // there is none. Only the thread that writes into `buffer` calls it.
+  absl::StatusOr<Upload*> FindOrStartUpload(void* buffer)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Device memory ordered on `stream`, trimming the pool once when full.
   absl::Status AllocateOn(void** pointer, size_t bytes, cudaStream_t stream);
   // Enqueues the device copy of the bytes gathered in the current staging

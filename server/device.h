@@ -78,6 +78,28 @@ class Device {
     return CopyFromHost(buffer, offset, host, bytes);
   }
 
+  // Host memory the caller fills itself (from a socket, say) for the write
+  // pipeline of CopyFromHostAsync into `buffer`, which saves the copy into
+  // staging: BeginHostWrite lends a host window of `bytes` (1 to
+  // `max_bytes`) for `buffer + offset`, and CommitHostWrite(buffer, n) hands
+  // its first n bytes to the device (as CopyFromHostAsync would; n may be 0).
+  // One window per buffer at a time, from one thread; FinishWrites as above.
+  // On a host-accessible device the window is the destination itself.
+  struct HostWindow {
+    void* host = nullptr;
+    size_t bytes = 0;
+  };
+  virtual absl::StatusOr<HostWindow> BeginHostWrite(void* buffer, size_t offset,
+                                                    size_t max_bytes) {
+    if (!host_accessible()) {
+      return absl::UnimplementedError("this device has no host windows");
+    }
+    return HostWindow{static_cast<char*>(buffer) + offset, max_bytes};
+  }
+  virtual absl::Status CommitHostWrite(void* /*buffer*/, size_t /*bytes*/) {
+    return absl::OkStatus();
+  }
+
   // Waits for every CopyFromHostAsync into `buffer`. OK when there were none;
   // otherwise the first copy error. Free(buffer) waits by itself.
   virtual absl::Status FinishWrites(void* /*buffer*/) {

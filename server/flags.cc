@@ -62,6 +62,14 @@ ABSL_FLAG(int64_t, tenant_max_tensors, 0,
 ABSL_FLAG(int64_t, tenant_max_inflight, 0,
           "per-tenant quota of lossd RPCs running at once; 0 = none");
 
+ABSL_FLAG(int, data_port, 50052,
+          "plain TCP port of upload data connections (an Upload's bytes "
+          "straight into pinned memory, no gRPC in between; lossd::Client "
+          "uses it for large tensors); 0 picks a free one, -1 = off; off "
+          "when the main port uses TLS");
+ABSL_FLAG(absl::Duration, data_timeout, absl::Seconds(60),
+          "an upload whose data connection does not come, or sends nothing, "
+          "for this long fails DEADLINE_EXCEEDED");
 ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
           "a striped Upload whose stripes have not all arrived this long "
           "after the first is abandoned (every stripe fails ABORTED)");
@@ -178,6 +186,16 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
       config.tenant_limits.max_in_flight < 0) {
     return absl::InvalidArgumentError(
         "--tenant_max_tensors and --tenant_max_inflight must be >= 0");
+  }
+  config.data_port = absl::GetFlag(FLAGS_data_port);
+  if (config.data_port < -1 || config.data_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data_port=", config.data_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  config.data_timeout = absl::GetFlag(FLAGS_data_timeout);
+  if (config.data_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--data_timeout must be positive");
   }
   config.stripe_timeout = absl::GetFlag(FLAGS_stripe_timeout);
   if (config.stripe_timeout <= absl::ZeroDuration()) {

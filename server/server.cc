@@ -110,6 +110,13 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
         absl::StrCat("health_port ", config.health_port,
                      " is outside [-1, 65535] (-1 = off)"));
   }
+  if (config.data_port < -1 || config.data_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data_port ", config.data_port, " is outside [-1, 65535] (-1 = off)"));
+  }
+  if (config.data_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data_timeout must be > 0");
+  }
   const TenantLimits& limits = config.tenant_limits;
   if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
       limits.max_in_flight < 0) {
@@ -165,6 +172,21 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     const absl::Status status =
         server->metrics_->Serve(config.host, config.metrics_port);
     if (!status.ok()) return status;
+  }
+  if (config.data_port >= 0 && server->authenticator_->tls()) {
+    std::fprintf(stderr,
+                 "lossd: data connections are off: the main port uses TLS and "
+                 "a data connection has none (uploads stay on gRPC)\n");
+  } else if (config.data_port >= 0) {
+    DataPlane::Options data_options;
+    data_options.host = config.host;
+    data_options.port = config.data_port;
+    data_options.timeout = config.data_timeout;
+    absl::StatusOr<std::unique_ptr<DataPlane>> plane = DataPlane::Start(
+        server->device_.get(), server->metrics_.get(), data_options);
+    if (!plane.ok()) return plane.status();
+    server->data_plane_ = std::move(*plane);
+    service_options.data_plane = server->data_plane_.get();
   }
   server->service_ = std::make_unique<LossdService>(
       server->store_.get(), service_options, server->metrics_.get());
@@ -252,6 +274,10 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     std::fprintf(stderr, "lossd: metrics on http://%s:%d/metrics\n",
                  config.host.c_str(), server->metrics_->port());
   }
+  if (server->data_plane_ != nullptr) {
+    std::fprintf(stderr, "lossd: upload data connections on %s:%d\n",
+                 config.host.c_str(), server->data_plane_->port());
+  }
   std::fprintf(stderr,
                "lossd %s: serving on %s (port %d), device %s, memory budget "
                "%lld bytes, ttl %s, instance %s\n",
@@ -282,6 +308,10 @@ void LossdServer::SweepLoop() {
   }
 }
 
+int LossdServer::data_port() const {
+  return data_plane_ == nullptr ? 0 : data_plane_->port();
+}
+
 bool LossdServer::Drain() {
   absl::MutexLock lock(&drain_mu_);
   if (drained_) return drain_result_;
@@ -297,6 +327,8 @@ bool LossdServer::Drain() {
   }
   server_->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   server_->Wait();
+  // Every Upload has ended, so no transfer is running: stop listening.
+  data_plane_.reset();
   if (health_server_ != nullptr) {
     health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
     health_server_->Wait();

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "server/auth.h"
+#include "server/data_plane.h"
 #include "server/device.h"
 #include "server/metrics.h"
 #include "server/quota.h"
@@ -69,6 +70,15 @@ struct ServerConfig {
   // A striped upload whose stripes do not all arrive within this is
   // abandoned (ServiceOptions::stripe_timeout).
   absl::Duration stripe_timeout = absl::Seconds(60);
+  // Data connections (an Upload whose header carries a data_token sends its
+  // bytes over plain TCP to host:data_port, into pinned staging with no gRPC
+  // in between; docs/design.md): 0 = pick a free one, -1 = off (the default
+  // here; the binary's --data_port defaults to 50052). Off, whatever is set,
+  // when the main port uses TLS: the data connection has no TLS of its own.
+  int data_port = -1;
+  // A registered data transfer whose connection does not come, or sends
+  // nothing, for this long fails DEADLINE_EXCEEDED.
+  absl::Duration data_timeout = absl::Seconds(60);
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION
@@ -99,6 +109,10 @@ class LossdServer {
   ~LossdServer();
 
   int port() const { return port_; }
+  // The bound data-connection port; 0 when off.
+  int data_port() const;
+  // Null when data connections are off (or after Drain).
+  const DataPlane* data_plane() const { return data_plane_.get(); }
   // The bound plaintext health port; 0 when off.
   int health_port() const { return health_port_; }
   // Null when no quota is set.
@@ -138,6 +152,8 @@ class LossdServer {
   // Reads store_ when scraped and is used by service_: declared between them
   // so that it goes after the service and before the store.
   std::unique_ptr<Metrics> metrics_;
+  // Used by service_'s uploads; stopped by Drain once no RPC runs.
+  std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;

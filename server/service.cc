@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/status_macros.h"
+#include "server/data_plane.h"
 #include "server/validation.h"
 
 namespace lossd {
@@ -296,9 +297,10 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
 
 class UploadReactor;
 
-// The link between an assembly and one attached stripe's reactor. Shared, so
-// that the first party to claim it is the only one to end the stripe's RPC and
-// nobody touches the reactor after it ended (gRPC deletes it in OnDone).
+// The link between an assembly and one attached stripe's reactor (or between
+// a data transfer and its upload's reactor). Shared, so that the first party
+// to claim it is the only one to end the RPC and nobody touches the reactor
+// after it ended (gRPC deletes it in OnDone).
 struct StripeLink {
   explicit StripeLink(UploadReactor* owner) : reactor(owner) {}
   // The right to end the RPC; false when another party has it.
@@ -494,7 +496,9 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   }
 
   void OnDone() override {
-    // The pending tensor (and its reservation) goes before the drain count.
+    // No connection writes into the pending tensor any more; then it (and
+    // its reservation) goes before the drain count.
+    if (transfer_ != nullptr) transfer_->Cancel();
     pending_.reset();
     {
       absl::MutexLock lock(&mu_);
@@ -517,7 +521,9 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     if (!waiting_) return;  // a reading stripe learns it from its read
     waiting_ = false;
     const absl::Status cause = absl::CancelledError(
-        absl::StrCat("stripe ", stripe_index_, " was cancelled"));
+        transfer_ != nullptr
+            ? std::string("the upload was cancelled")
+            : absl::StrCat("stripe ", stripe_index_, " was cancelled"));
     Abandon(cause);
     End(ToGrpcStatus(cause));
   }
@@ -542,6 +548,31 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     FinishRpc(result);
   }
 
+  // The data connection's outcome, from its thread (or the data plane's
+  // sweeper), by the party that claimed the link: commits the tensor on OK
+  // and ends the RPC.
+  void EndFromTransfer(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    grpc::Status result;
+    {
+      absl::MutexLock lock(&mu_);
+      MarkFinished();
+      waiting_ = false;
+      absl::Status outcome = status;
+      if (outcome.ok() && pending_ == nullptr) {
+        // The stream failed first (Abandon), and could not end the RPC.
+        outcome = abandoned_.ok() ? absl::CancelledError("the upload ended")
+                                  : abandoned_;
+      }
+      if (outcome.ok()) {
+        pending_->MarkFilled();
+        outcome = CommitPending();
+      }
+      pending_.reset();
+      result = ToGrpcStatus(outcome);
+    }
+    FinishRpc(result);
+  }
+
  private:
   // The next message is received into the other buffer while this one's bytes
   // are copied towards the device.
@@ -554,6 +585,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
 
   void Abandon(const absl::Status& cause) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    abandoned_ = cause;
+    if (transfer_ != nullptr) transfer_->Cancel();
     pending_.reset();
     StopStripeWrites();
     if (assembly_ == nullptr) return;
@@ -609,12 +642,32 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
           return absl::InvalidArgumentError("a second header");
         }
         const pb::TensorHeader& header = request.header();
-        if (header.has_stripe()) return StartStripe(header);
+        if (header.has_stripe()) {
+          if (!header.data_token().empty()) {
+            return absl::InvalidArgumentError(
+                "a striped upload cannot use a data connection");
+          }
+          return StartStripe(header);
+        }
         if (admission_.draining()) return DrainingError();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
+        if (!header.data_token().empty()) {
+          DataPlane* const plane = service_->options().data_plane;
+          if (plane == nullptr) {
+            return absl::FailedPreconditionError(
+                "this server offers no data connections (ServerInfo.data_port "
+                "is 0); send the bytes as chunks");
+          }
+          if (header.data_token().size() != kDataTokenBytes) {
+            return absl::InvalidArgumentError(
+                absl::StrFormat("a data_token must be %d bytes, got %d",
+                                kDataTokenBytes, header.data_token().size()));
+          }
+        }
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
                                        admission_.tenant(), spec.dtype,
                                        std::move(spec.shape), header.label()));
+        if (!header.data_token().empty()) return ExpectData(header);
         return absl::OkStatus();
       }
       case pb::UploadRequest::kChunk: {
@@ -626,6 +679,22 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         return absl::InvalidArgumentError(
             "an UploadRequest with neither header nor chunk");
     }
+  }
+
+  // A header with a data_token: registers the transfer of the tensor's bytes
+  // with the data plane, whose outcome ends the RPC (EndFromTransfer).
+  absl::Status ExpectData(const pb::TensorHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto link = std::make_shared<StripeLink>(this);
+    ASSIGN_OR_RETURN(
+        transfer_, service_->options().data_plane->Expect(
+                       header.data_token(), pending_->data(), pending_->bytes(),
+                       [link](const absl::Status& status) {
+                         if (link->Claim())
+                           link->reactor->EndFromTransfer(status);
+                       }));
+    link_ = std::move(link);
+    return absl::OkStatus();
   }
 
   // The header of one stripe of a striped upload: attaches to (or starts) the
@@ -670,6 +739,10 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                            size_t prefix, size_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t length = static_cast<int64_t>(size - prefix);
+    if (transfer_ != nullptr) {
+      return absl::InvalidArgumentError(
+          "a chunk on the stream of an upload over a data connection");
+    }
     if (link_ != nullptr) return AppendStripeChunk(slices, prefix, length);
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("data before the header");
@@ -733,15 +806,40 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   }
 
   absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (transfer_ != nullptr) {
+      return WaitForOthers(absl::CancelledError("the upload was cancelled"));
+    }
     if (link_ != nullptr) return CompleteStripe();
     if (pending_ == nullptr) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
+    return CommitPending();
+  }
+
+  // Publishes the pending tensor and fills the response.
+  absl::Status CommitPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<std::shared_ptr<Tensor>> tensor = pending_->Commit();
     pending_.reset();
     if (!tensor.ok()) return tensor.status();
     committed_ = (*tensor)->handle();
     return Respond((*tensor)->Info());
+  }
+
+  // The stream ended cleanly but the upload is not decided (a stripe waits
+  // for the others, or a data connection's transfer is still running): the
+  // RPC ends later, from whoever decides, or from OnCancel. `cancelled` when
+  // the RPC was cancelled already.
+  absl::Status WaitForOthers(absl::Status cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    waiting_ = true;
+    end_deferred_ = true;
+    // Cancelled before OnCancel could see waiting_: it has run already.
+    if (context_->IsCancelled()) {
+      waiting_ = false;
+      end_deferred_ = false;
+      return cancelled;
+    }
+    return absl::OkStatus();
   }
 
   // This stripe's stream ended cleanly: its bytes are checked and flushed to
@@ -759,16 +857,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     stripe_pending_.reset();
     StripeAssembly::DoneResult done = assembly_->Done(stripe_index_);
     if (done.wait) {
-      waiting_ = true;
-      end_deferred_ = true;
-      // Cancelled before OnCancel could see waiting_: it has run already.
-      if (context_->IsCancelled()) {
-        waiting_ = false;
-        end_deferred_ = false;
-        return absl::CancelledError(
-            absl::StrCat("stripe ", stripe_index_, " was cancelled"));
-      }
-      return absl::OkStatus();
+      return WaitForOthers(absl::CancelledError(
+          absl::StrCat("stripe ", stripe_index_, " was cancelled")));
     }
     if (done.decided) {
       service_->stripes()->Finished(
@@ -808,6 +898,10 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer* const response_;
   std::unique_ptr<PendingTensor> pending_;
   std::string committed_;  // the handle, once published
+  // An upload over a data connection: its transfer (the link_ then ties the
+  // transfer's outcome to this RPC), and why the stream failed, if it did.
+  std::shared_ptr<DataTransfer> transfer_;
+  absl::Status abandoned_;
   Admission admission_;
   // A stripe of a striped upload: its link, assembly and byte range.
   std::shared_ptr<StripeLink> link_;
@@ -1763,6 +1857,9 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   info->set_free_bytes(stats.budget_bytes - stats.used_bytes);
   info->set_tensors(stats.tensors);
   info->set_version(options_.version);
+  if (options_.data_plane != nullptr) {
+    info->set_data_port(options_.data_plane->port());
+  }
 }
 
 // Runs `body` as one admitted (drain, authentication, tenant quota) and

@@ -25,6 +25,8 @@ namespace lossd {
 // canonical codes).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+class DataPlane;
+
 struct ServiceOptions {
   int64_t default_chunk_bytes = 1 << 20;  // Download chunk when not asked
   int64_t max_chunk_bytes = 16 << 20;     // largest Download chunk allowed
@@ -37,6 +39,9 @@ struct ServiceOptions {
   // A striped upload whose stripes have not all arrived this long after the
   // first is abandoned (every stripe fails ABORTED, nothing is kept).
   absl::Duration stripe_timeout = absl::Seconds(60);
+  // Receives the bytes of uploads whose header has a data_token; null = the
+  // server offers no data connections. Must outlive the service's RPCs.
+  DataPlane* data_plane = nullptr;
 };
 
 // The striped uploads in progress (service.cc).

@@ -98,10 +98,12 @@ absl::StatusOr<std::unique_ptr<LossdProcess>> LossdProcess::Start(
     close(inotify);
     return Errno("inotify_add_watch");
   }
-  // Metrics off: tests run in parallel and must not compete for its port.
+  // Metrics off and a free data port: tests run in parallel and must not
+  // compete for fixed ports.
   std::vector<std::string> argv = {binary,         "--host=127.0.0.1",
                                    "--port=0",     "--port_file=" + port_file,
-                                   "--device=cpu", "--metrics_port=-1"};
+                                   "--device=cpu", "--metrics_port=-1",
+                                   "--data_port=0"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   absl::StatusOr<pid_t> pid = Spawn(argv, nullptr);
   if (!pid.ok()) {

@@ -20,7 +20,7 @@ namespace client_test {
 class LossdProcess {
  public:
   // Starts `binary --host=127.0.0.1 --port=0 --port_file=... --device=cpu
-  // --metrics_port=-1` plus `extra_args`, and returns once the server wrote its
+  // --metrics_port=-1 --data_port=0` plus `extra_args`, and returns once the server wrote its
   // port file. DEADLINE_EXCEEDED when that takes longer than `timeout`;
   // INTERNAL when the process cannot start or exits first (its stderr is the
   // test's).

@@ -27,7 +27,7 @@ echo "args: ${args[*]}"
 work="$(mktemp -d)"
 trap 'kill "${pid}" 2>/dev/null || true; rm -rf "${work}"' EXIT
 env -i PATH=/usr/bin:/bin "${env_vars[@]}" "${lossd}" "${args[@]}" \
-  --port_file="${work}/port" --metrics_port=0 >"${work}/log" 2>&1 &
+  --port_file="${work}/port" --metrics_port=0 --data_port=0 >"${work}/log" 2>&1 &
 pid=$!
 # lossd writes the port file once it serves; it exits at once if a flag is rejected.
 for _ in $(seq 200); do

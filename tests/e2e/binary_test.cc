@@ -56,7 +56,7 @@ class LossdProcess {
           "--metrics_port_file=" + metrics_port_file_;
       execl(LOSSD_BINARY, LOSSD_BINARY, "--port=0", "--host=127.0.0.1",
             "--device=cpu", "--memory_budget=64M", "--drain_timeout=20s",
-            port_file_flag.c_str(), "--metrics_port=0",
+            port_file_flag.c_str(), "--metrics_port=0", "--data_port=0",
             metrics_port_file_flag.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }

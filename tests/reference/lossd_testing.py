@@ -54,7 +54,7 @@ class LossdServer:
         port_file = os.path.join(self._tmp, "port")
         command = [self._binary, "--port=0", "--port_file=" + port_file,
                    "--host=127.0.0.1", "--device=" + self._device,
-                   "--metrics_port=-1"] + self._extra_flags
+                   "--metrics_port=-1", "--data_port=0"] + self._extra_flags
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         # lossd writes the port file once it serves; a poll with a deadline (not a fixed sleep)

@@ -1,0 +1,43 @@
+// The client end of a data connection (lossd.v1 Upload with a data_token):
+// the bytes of a large upload over plain TCP to the server's data port,
+// beside the gRPC stream that carries the header and the result.
+#ifndef LOSSD_CLIENT_DATA_CONNECTION_H_
+#define LOSSD_CLIENT_DATA_CONNECTION_H_
+
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace lossd {
+
+// The host part of a gRPC target: "host:port", "dns:///host:port",
+// "ipv4:1.2.3.4:port", "ipv6:[::1]:port" or "[::1]:port" give the host
+// without brackets; nullopt for targets without a TCP host (unix sockets,
+// several addresses, an unknown scheme). Pure.
+std::optional<std::string> TargetHost(absl::string_view target);
+
+// 16 random bytes from the kernel's generator, for TensorHeader.data_token.
+absl::StatusOr<std::string> RandomDataToken();
+
+// A connected TCP socket to host:port, connected within `timeout`; the
+// caller closes it. UNAVAILABLE when it cannot connect in time.
+absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
+                                    absl::Duration timeout);
+
+// Sends the preamble ("LOSSDDC1" + token), then `bytes` bytes of `data`,
+// calling on_sent(n) as pieces go out, then closes the sending side.
+// UNAVAILABLE when the connection fails (the server ended the transfer: its
+// reason is the Upload RPC's status).
+absl::Status SendOverDataConnection(
+    int fd, const std::string& token, const char* data, std::size_t bytes,
+    const std::function<void(std::size_t)>& on_sent);
+
+}  // namespace lossd
+
+#endif  // LOSSD_CLIENT_DATA_CONNECTION_H_

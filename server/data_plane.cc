@@ -1,0 +1,329 @@
+// Data connections (data_plane.h): a listener thread, one thread per
+// connection, and the registry of transfers announced by Upload headers.
+#include "server/data_plane.h"
+
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/status_macros.h"
+#include "server/metrics.h"
+
+namespace lossd {
+
+namespace {
+
+constexpr size_t kMagicBytes = sizeof(kDataConnectionMagic) - 1;
+// How often the listener looks for overdue transfers.
+constexpr int kSweepMillis = 250;
+// How long a connection waits for its token to be registered.
+constexpr absl::Duration kRegistrationWait = absl::Seconds(10);
+
+absl::Status ErrnoStatus(const std::string& what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// Reads exactly `bytes` into `out` (a preamble): false on anything else.
+bool ReadFully(int fd, char* out, size_t bytes) {
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = recv(fd, out + got, bytes - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------- DataTransfer
+
+void DataTransfer::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+  mu_.Await(absl::Condition(
+      +[](bool* writing) { return !*writing; }, &writing_));
+}
+
+bool DataTransfer::Claim(int fd) {
+  absl::MutexLock lock(&mu_);
+  if (claimed_ || cancelled_) return false;
+  claimed_ = true;
+  writing_ = true;
+  fd_ = fd;
+  return true;
+}
+
+absl::Status DataTransfer::Receive(int fd, Metrics* metrics) {
+  int64_t received = 0;
+  absl::Status status;
+  while (received < bytes_ && status.ok()) {
+    absl::StatusOr<Device::HostWindow> window =
+        device_->BeginHostWrite(buffer_, static_cast<size_t>(received),
+                                static_cast<size_t>(bytes_ - received));
+    if (!window.ok()) {
+      status = window.status();
+      break;
+    }
+    char* const to = static_cast<char*>(window->host);
+    size_t got = 0;
+    while (got < window->bytes) {
+      const ssize_t n = recv(fd, to + got, window->bytes - got, MSG_WAITALL);
+      if (n > 0) {
+        got += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      const int64_t total = received + static_cast<int64_t>(got);
+      if (n == 0) {
+        status = absl::InvalidArgumentError(absl::StrFormat(
+            "the data connection ended after %d of the %d bytes the header "
+            "says",
+            total, bytes_));
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        status = absl::DeadlineExceededError(absl::StrFormat(
+            "the data connection stalled after %d of %d bytes", total, bytes_));
+      } else {
+        status = absl::UnavailableError(absl::StrFormat(
+            "the data connection failed after %d of %d bytes: %s", total,
+            bytes_, std::strerror(errno)));
+      }
+      break;
+    }
+    const absl::Status committed = device_->CommitHostWrite(buffer_, got);
+    if (status.ok()) status = committed;
+    received += static_cast<int64_t>(got);
+    if (metrics != nullptr && got > 0) {
+      metrics->AddTransferBytes(TransferDirection::kUpload,
+                                static_cast<int64_t>(got));
+    }
+  }
+  // Every copy is done (or failed) before the buffer is anyone else's.
+  const absl::Status finished = device_->FinishWrites(buffer_);
+  return status.ok() ? finished : status;
+}
+
+void DataTransfer::Finish(const absl::Status& status, bool claimed) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (claimed) {
+      writing_ = false;
+      fd_ = -1;
+    } else {
+      if (claimed_ || cancelled_) return;
+      claimed_ = true;
+    }
+    if (cancelled_) return;
+  }
+  done_(status);
+}
+
+// ---------------------------------------------------------------- DataPlane
+
+absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(Device* device,
+                                                            Metrics* metrics,
+                                                            Options options) {
+  std::unique_ptr<DataPlane> plane(
+      new DataPlane(device, metrics, std::move(options)));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(plane->options_.port);
+  const int resolved = getaddrinfo(
+      plane->options_.host.empty() ? nullptr : plane->options_.host.c_str(),
+      port.c_str(), &hints, &found);
+  if (resolved != 0) {
+    return absl::UnavailableError(absl::StrCat("data port: cannot resolve ",
+                                               plane->options_.host, ": ",
+                                               gai_strerror(resolved)));
+  }
+  const std::string where =
+      absl::StrCat("data port ", plane->options_.host, ":", port);
+  absl::Status status =
+      absl::UnavailableError(absl::StrCat(where, ": no address"));
+  for (addrinfo* at = found; at != nullptr; at = at->ai_next) {
+    const int fd =
+        socket(at->ai_family, at->ai_socktype | SOCK_CLOEXEC, at->ai_protocol);
+    if (fd < 0) {
+      status = ErrnoStatus(where);
+      continue;
+    }
+    const int on = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (bind(fd, at->ai_addr, at->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+      status = ErrnoStatus(where);
+      close(fd);
+      continue;
+    }
+    plane->listen_fd_ = fd;
+    break;
+  }
+  freeaddrinfo(found);
+  if (plane->listen_fd_ < 0) return status;
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  if (getsockname(plane->listen_fd_, reinterpret_cast<sockaddr*>(&bound),
+                  &length) != 0) {
+    return ErrnoStatus(where);
+  }
+  plane->port_ = ntohs(bound.ss_family == AF_INET6
+                           ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                           : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  plane->wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (plane->wake_fd_ < 0) return ErrnoStatus("data port: eventfd");
+  plane->acceptor_ = std::thread(&DataPlane::AcceptLoop, plane.get());
+  return plane;
+}
+
+DataPlane::~DataPlane() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (const auto& [fd, unused] : open_fds_) shutdown(fd, SHUT_RDWR);
+  }
+  if (acceptor_.joinable()) {
+    const uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) {
+      // The listener still ends at its next sweep tick.
+    }
+    acceptor_.join();
+  }
+  Expire(/*all=*/true);
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* connections) { return *connections == 0; }, &connections_));
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
+    const std::string& token, void* buffer, int64_t bytes,
+    DataTransfer::Done done) {
+  if (token.size() != kDataTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a data_token must be %d bytes, got %d",
+                        kDataTokenBytes, token.size()));
+  }
+  auto transfer =
+      std::make_shared<DataTransfer>(device_, buffer, bytes, std::move(done));
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    return absl::UnavailableError("lossd is stopping its data connections");
+  }
+  if (!expected_
+           .try_emplace(token,
+                        Expected{transfer, absl::Now() + options_.timeout})
+           .second) {
+    return absl::InvalidArgumentError(
+        "this data_token is already registered; use a fresh random one for "
+        "every upload");
+  }
+  return transfer;
+}
+
+std::shared_ptr<DataTransfer> DataPlane::Take(const std::string& token,
+                                              absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto registered = [this, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || expected_.contains(token);
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&registered), deadline);
+  auto it = expected_.find(token);
+  if (stopping_ || it == expected_.end()) return nullptr;
+  std::shared_ptr<DataTransfer> transfer = std::move(it->second.transfer);
+  expected_.erase(it);
+  return transfer;
+}
+
+void DataPlane::Expire(bool all) {
+  std::vector<std::shared_ptr<DataTransfer>> overdue;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = expected_.begin(); it != expected_.end();) {
+      if (all || it->second.deadline <= now) {
+        overdue.push_back(std::move(it->second.transfer));
+        expected_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  const absl::Status status =
+      all ? absl::UnavailableError("lossd stopped its data connections")
+          : absl::DeadlineExceededError(
+                absl::StrCat("no data connection came for this upload within ",
+                             absl::FormatDuration(options_.timeout)));
+  for (const std::shared_ptr<DataTransfer>& transfer : overdue) {
+    transfer->Finish(status, /*claimed=*/false);
+  }
+}
+
+void DataPlane::AcceptLoop() {
+  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  for (;;) {
+    const int ready = poll(fds, 2, kSweepMillis);
+    Expire(/*all=*/false);
+    if (ready < 0 && errno != EINTR) return;
+    if (fds[1].revents != 0) return;
+    if (ready <= 0 || (fds[0].revents & POLLIN) == 0) continue;
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_ || connections_ >= options_.max_connections) {
+        close(fd);
+        continue;
+      }
+      ++connections_;
+      open_fds_[fd] = true;
+    }
+    std::thread(&DataPlane::Serve, this, fd).detach();
+  }
+}
+
+void DataPlane::Serve(int fd) {
+  const absl::Duration timeout = std::min(options_.timeout, absl::Hours(24));
+  const timeval limit = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  char preamble[kMagicBytes + kDataTokenBytes];
+  if (ReadFully(fd, preamble, sizeof(preamble)) &&
+      std::memcmp(preamble, kDataConnectionMagic, kMagicBytes) == 0) {
+    const std::string token(preamble + kMagicBytes, kDataTokenBytes);
+    // The header may come a little after the connection.
+    std::shared_ptr<DataTransfer> transfer =
+        Take(token, absl::Now() + std::min(timeout, kRegistrationWait));
+    if (transfer != nullptr && transfer->Claim(fd)) {
+      const absl::Status status = transfer->Receive(fd, metrics_);
+      if (status.ok()) completed_.fetch_add(1);
+      transfer->Finish(status, /*claimed=*/true);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  open_fds_.erase(fd);
+  close(fd);
+  --connections_;
+}
+
+}  // namespace lossd

@@ -1,0 +1,494 @@
+// Data connections (issue 4): an Upload whose bytes come over a plain TCP
+// connection to the data port instead of gRPC chunks, through lossd::Client
+// and driven by hand over loopback, with every way the connection or the
+// stream can go wrong leaving the store as it was.
+#include "client/data_connection.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/server.h"
+#include "tests/e2e/bytes.h"
+#include "tests/e2e/test_server.h"
+
+namespace lossd {
+namespace {
+
+namespace pb = ::lossd::v1;
+using e2e_test::RandomBytes;
+using ::grpc::StatusCode;
+
+constexpr int64_t kBudget = 256 << 20;
+constexpr char kMagic[] = "LOSSDDC1";
+
+class DataConnectionTest : public ::testing::Test {
+ protected:
+  void Start(int data_port = 0, absl::Duration data_timeout = absl::Seconds(30),
+             absl::Duration drain_timeout = absl::Seconds(10),
+             const std::string& device = "cpu") {
+    ServerConfig config =
+        e2e_test::LoopbackConfig(device, kBudget, drain_timeout);
+    config.data_port = data_port;
+    config.data_timeout = data_timeout;
+    absl::StatusOr<std::unique_ptr<LossdServer>> server =
+        LossdServer::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ =
+        pb::Lossd::NewStub(e2e_test::LargeMessageChannel(server_->address()));
+  }
+
+  std::unique_ptr<Client> MakeClient(bool data_connection = true) {
+    ClientOptions options;
+    options.data_connection = data_connection;
+    options.stripe_min_bytes = 1;
+    absl::StatusOr<std::unique_ptr<Client>> client =
+        Client::Connect(server_->address(), options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  }
+
+  // A socket connected to the data port.
+  int ConnectData() {
+    absl::StatusOr<int> fd =
+        ConnectDataPort("127.0.0.1", server_->data_port(), absl::Seconds(5));
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    return fd.ok() ? *fd : -1;
+  }
+
+  void ExpectEmptyStore() {
+    EXPECT_TRUE(server_->store()->AwaitUsedBytes(0, absl::Seconds(10)))
+        << "the store still holds bytes";
+    EXPECT_EQ(server_->store()->Stats().tensors, 0);
+  }
+
+  int64_t Completed() const { return server_->data_plane()->completed(); }
+
+  std::unique_ptr<LossdServer> server_;
+  std::unique_ptr<pb::Lossd::Stub> stub_;
+};
+
+// An Upload stream driven by hand: a header with a data token, then Finish.
+class RawDataUpload {
+ public:
+  RawDataUpload(pb::Lossd::Stub* stub, const std::string& token,
+                std::vector<int64_t> shape,
+                pb::DType dtype = pb::DTYPE_FLOAT32) {
+    writer_ = stub->Upload(&context_, &response_);
+    pb::UploadRequest request;
+    pb::TensorHeader* header = request.mutable_header();
+    header->set_dtype(dtype);
+    for (int64_t dim : shape) header->add_shape(dim);
+    header->set_data_token(token);
+    header_ = request;
+  }
+  grpc::ClientContext* context() { return &context_; }
+  pb::UploadRequest* header() { return &header_; }
+  bool SendHeader(bool writes_done = true) {
+    return writer_->Write(header_) && (!writes_done || writer_->WritesDone());
+  }
+  bool SendChunk(const std::string& bytes) {
+    pb::UploadRequest request;
+    request.set_chunk(bytes);
+    return writer_->Write(request);
+  }
+  grpc::Status Finish() { return writer_->Finish(); }
+  const pb::UploadResponse& response() const { return response_; }
+
+ private:
+  grpc::ClientContext context_;
+  pb::UploadResponse response_;
+  pb::UploadRequest header_;
+  std::unique_ptr<grpc::ClientWriter<pb::UploadRequest>> writer_;
+};
+
+std::string Token(char fill) { return std::string(16, fill); }
+
+std::string Preamble(const std::string& token) {
+  return std::string(kMagic, 8) + token;
+}
+
+bool SendAll(int fd, const std::string& bytes) {
+  size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n =
+        send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Whether the server closed `fd` (recv sees the end) within `timeout`.
+bool ClosedByServer(int fd, absl::Duration timeout) {
+  const timeval limit = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  char byte = 0;
+  const ssize_t n = recv(fd, &byte, 1, 0);
+  return n == 0 || (n < 0 && errno == ECONNRESET);
+}
+
+// lossd::Client takes the data connection for large tensors when the server
+// offers it; the bytes come back unchanged, for sizes around the staging and
+// window boundaries and odd element counts.
+TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
+  Start();
+  ASSERT_GT(server_->data_port(), 0);
+  std::unique_ptr<Client> client = MakeClient();
+  ASSERT_NE(client, nullptr);
+  absl::StatusOr<ServerInfo> info = client->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->data_port, server_->data_port());
+  int64_t expected_completed = 0;
+  for (int64_t elements :
+       {int64_t{1}, int64_t{12345}, int64_t{1} << 20, (int64_t{5} << 20) + 3}) {
+    SCOPED_TRACE(absl::StrCat(elements, " elements"));
+    const std::string bytes =
+        RandomBytes(static_cast<size_t>(elements) * 4, 7 + elements);
+    int64_t last_progress = 0;
+    absl::StatusOr<TensorInfo> uploaded =
+        client->Upload(DType::kFloat32, {elements}, bytes.data(), bytes.size(),
+                       "dc", [&](int64_t done, int64_t total) {
+                         EXPECT_EQ(total, static_cast<int64_t>(bytes.size()));
+                         EXPECT_GT(done, last_progress);
+                         last_progress = done;
+                       });
+    ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+    EXPECT_EQ(last_progress, static_cast<int64_t>(bytes.size()));
+    EXPECT_EQ(uploaded->bytes, static_cast<int64_t>(bytes.size()));
+    EXPECT_EQ(uploaded->label, "dc");
+    EXPECT_EQ(Completed(), ++expected_completed);
+    absl::StatusOr<DownloadedTensor> got = client->Download(uploaded->handle);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == bytes);
+    ASSERT_TRUE(client->Release(uploaded->handle).ok());
+  }
+  // Off in the options: gRPC chunks, the data plane sees nothing.
+  std::unique_ptr<Client> grpc_only = MakeClient(false);
+  const std::string bytes = RandomBytes(4096, 3);
+  absl::StatusOr<TensorInfo> uploaded =
+      grpc_only->Upload(DType::kInt32, {1024}, bytes.data(), bytes.size());
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  EXPECT_EQ(Completed(), expected_completed);
+}
+
+// Several uploads at once, each over its own data connection.
+TEST_F(DataConnectionTest, ConcurrentUploads) {
+  Start();
+  constexpr int kUploads = 6;
+  std::vector<std::string> payloads;
+  for (int i = 0; i < kUploads; ++i) {
+    payloads.push_back(RandomBytes((size_t{3} << 20) + 4 * i, 100 + i));
+  }
+  std::vector<absl::StatusOr<TensorInfo>> results(
+      kUploads, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kUploads; ++i) {
+    threads.emplace_back([&, i] {
+      std::unique_ptr<Client> client = MakeClient();
+      const int64_t elements = static_cast<int64_t>(payloads[i].size() / 4);
+      results[i] = client->Upload(DType::kFloat32, {elements},
+                                  payloads[i].data(), payloads[i].size());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  std::unique_ptr<Client> client = MakeClient();
+  for (int i = 0; i < kUploads; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    absl::StatusOr<DownloadedTensor> got = client->Download(results[i]->handle);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == payloads[i]);
+  }
+  EXPECT_EQ(Completed(), kUploads);
+}
+
+// A server without data connections: the client uploads over gRPC, and a
+// header with a token is FAILED_PRECONDITION.
+TEST_F(DataConnectionTest, ServerWithoutDataPort) {
+  Start(/*data_port=*/-1);
+  EXPECT_EQ(server_->data_port(), 0);
+  std::unique_ptr<Client> client = MakeClient();
+  const std::string bytes = RandomBytes(1 << 20, 5);
+  absl::StatusOr<TensorInfo> uploaded =
+      client->Upload(DType::kFloat32, {1 << 18}, bytes.data(), bytes.size());
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  ASSERT_TRUE(client->Release(uploaded->handle).ok());
+
+  RawDataUpload upload(stub_.get(), Token('a'), {4});
+  upload.SendHeader();
+  const grpc::Status status = upload.Finish();
+  EXPECT_EQ(status.error_code(), StatusCode::FAILED_PRECONDITION)
+      << status.error_message();
+  ExpectEmptyStore();
+}
+
+// The bytes of a hand-driven upload arrive; the RPC returns the tensor.
+TEST_F(DataConnectionTest, RawUploadCompletes) {
+  Start();
+  const std::string bytes = RandomBytes(4 * 1000, 11);
+  RawDataUpload upload(stub_.get(), Token('b'), {10, 100});
+  ASSERT_TRUE(upload.SendHeader());
+  const int fd = ConnectData();
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('b')) + bytes));
+  const grpc::Status status = upload.Finish();
+  close(fd);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(upload.response().tensor().bytes(), 4000);
+  EXPECT_EQ(server_->store()->Stats().tensors, 1);
+}
+
+// The connection may come before the header that registers its token.
+TEST_F(DataConnectionTest, ConnectionBeforeHeader) {
+  Start();
+  const std::string bytes = RandomBytes(4 * 64, 12);
+  const int fd = ConnectData();
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('c')) + bytes));
+  absl::SleepFor(absl::Milliseconds(200));
+  RawDataUpload upload(stub_.get(), Token('c'), {64});
+  ASSERT_TRUE(upload.SendHeader());
+  const grpc::Status status = upload.Finish();
+  close(fd);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(server_->store()->Stats().tensors, 1);
+}
+
+// Every malformed header or stream: the right code, nothing stored.
+TEST_F(DataConnectionTest, BadHeadersAndStreams) {
+  Start();
+  {
+    SCOPED_TRACE("a token of 15 bytes");
+    RawDataUpload upload(stub_.get(), std::string(15, 'd'), {4});
+    upload.SendHeader();
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("16 bytes"), std::string::npos)
+        << status.error_message();
+  }
+  {
+    SCOPED_TRACE("a token with a stripe");
+    RawDataUpload upload(stub_.get(), Token('e'), {4});
+    upload.header()->mutable_header()->mutable_stripe()->set_upload_id("u1");
+    upload.header()->mutable_header()->mutable_stripe()->set_count(2);
+    upload.SendHeader();
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    SCOPED_TRACE("a chunk on the stream");
+    RawDataUpload upload(stub_.get(), Token('f'), {4});
+    upload.SendHeader(/*writes_done=*/false);
+    upload.SendChunk(std::string(16, 'x'));
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("chunk"), std::string::npos)
+        << status.error_message();
+  }
+  {
+    SCOPED_TRACE("a bad shape with a token");
+    RawDataUpload upload(stub_.get(), Token('g'), {0});
+    upload.SendHeader();
+    EXPECT_EQ(upload.Finish().error_code(), StatusCode::INVALID_ARGUMENT);
+  }
+  ExpectEmptyStore();
+}
+
+// A token registered twice: the second upload fails, the first completes.
+TEST_F(DataConnectionTest, DuplicateToken) {
+  Start();
+  RawDataUpload first(stub_.get(), Token('h'), {8});
+  ASSERT_TRUE(first.SendHeader());
+  // The first header is registered once the server reserved its bytes.
+  ASSERT_TRUE(server_->store()->AwaitUsedBytes(32, absl::Seconds(10)));
+  RawDataUpload second(stub_.get(), Token('h'), {8});
+  second.SendHeader();
+  const grpc::Status refused = second.Finish();
+  EXPECT_EQ(refused.error_code(), StatusCode::INVALID_ARGUMENT)
+      << refused.error_message();
+  const int fd = ConnectData();
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('h')) + RandomBytes(32, 1)));
+  const grpc::Status status = first.Finish();
+  close(fd);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(server_->store()->Stats().tensors, 1);
+}
+
+// The connection ends before all bytes: INVALID_ARGUMENT naming the count.
+TEST_F(DataConnectionTest, ShortConnection) {
+  Start();
+  RawDataUpload upload(stub_.get(), Token('i'), {1 << 20});
+  ASSERT_TRUE(upload.SendHeader());
+  const int fd = ConnectData();
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('i')) + RandomBytes(1000, 2)));
+  shutdown(fd, SHUT_WR);
+  const grpc::Status status = upload.Finish();
+  close(fd);
+  EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("after 1000 of"), std::string::npos)
+      << status.error_message();
+  ExpectEmptyStore();
+}
+
+// No connection comes, or it stalls: DEADLINE_EXCEEDED after data_timeout.
+TEST_F(DataConnectionTest, MissingOrStalledConnection) {
+  Start(0, absl::Seconds(1));
+  {
+    SCOPED_TRACE("no connection");
+    RawDataUpload upload(stub_.get(), Token('j'), {4});
+    ASSERT_TRUE(upload.SendHeader());
+    const absl::Time start = absl::Now();
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::DEADLINE_EXCEEDED)
+        << status.error_message();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  }
+  {
+    SCOPED_TRACE("a stalled connection");
+    RawDataUpload upload(stub_.get(), Token('k'), {1024});
+    ASSERT_TRUE(upload.SendHeader());
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('k')) + RandomBytes(100, 3)));
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::DEADLINE_EXCEEDED)
+        << status.error_message();
+    EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
+    close(fd);
+  }
+  ExpectEmptyStore();
+}
+
+// Connections that name no registered token, or do not start with the
+// magic, are closed unread; real uploads go on.
+TEST_F(DataConnectionTest, StrangersAreClosed) {
+  Start(0, absl::Seconds(1));
+  const int unknown = ConnectData();
+  ASSERT_TRUE(SendAll(unknown, Preamble(Token('l')) + "bytes"));
+  const int garbage = ConnectData();
+  ASSERT_TRUE(SendAll(garbage, std::string(24, 'z')));
+  EXPECT_TRUE(ClosedByServer(garbage, absl::Seconds(10)));
+  EXPECT_TRUE(ClosedByServer(unknown, absl::Seconds(20)));
+  close(unknown);
+  close(garbage);
+  std::unique_ptr<Client> client = MakeClient();
+  const std::string bytes = RandomBytes(4096, 4);
+  absl::StatusOr<TensorInfo> uploaded =
+      client->Upload(DType::kFloat32, {1024}, bytes.data(), bytes.size());
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  EXPECT_EQ(Completed(), 1);
+}
+
+// The client cancels while its bytes are in flight: the server closes the
+// connection, the RPC ends CANCELLED and nothing is kept.
+TEST_F(DataConnectionTest, CancelledMidTransfer) {
+  Start();
+  RawDataUpload upload(stub_.get(), Token('m'), {16 << 20});
+  ASSERT_TRUE(upload.SendHeader());
+  const int fd = ConnectData();
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('m')) + RandomBytes(1 << 20, 5)));
+  upload.context()->TryCancel();
+  const grpc::Status status = upload.Finish();
+  EXPECT_EQ(status.error_code(), StatusCode::CANCELLED);
+  EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
+  close(fd);
+  ExpectEmptyStore();
+}
+
+// A server that stops (drains) while an upload waits for its connection ends
+// that RPC and stops listening.
+TEST_F(DataConnectionTest, DrainEndsWaitingUploads) {
+  Start(0, absl::Seconds(30), /*drain_timeout=*/absl::Milliseconds(500));
+  RawDataUpload upload(stub_.get(), Token('n'), {1024});
+  ASSERT_TRUE(upload.SendHeader());
+  ASSERT_TRUE(server_->store()->AwaitUsedBytes(4096, absl::Seconds(10)));
+  std::thread drain([this] { server_->Drain(); });
+  const grpc::Status status = upload.Finish();
+  drain.join();
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(server_->data_plane(), nullptr);
+  ExpectEmptyStore();
+}
+
+// The CUDA device receives into its pinned staging windows (4 MiB by
+// default), one pipeline per upload: uploads of several windows and odd
+// sizes, at once, land intact, and a cancelled one leaves nothing. Skipped
+// without a GPU.
+TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
+  {
+    ServerConfig probe =
+        e2e_test::LoopbackConfig("cuda", kBudget, absl::Seconds(10));
+    absl::StatusOr<std::unique_ptr<LossdServer>> server =
+        LossdServer::Start(probe);
+    if (!server.ok()) GTEST_SKIP() << "no CUDA device: " << server.status();
+  }
+  Start(0, absl::Seconds(30), absl::Seconds(10), "cuda");
+  std::vector<std::string> payloads;
+  for (int64_t bytes : {int64_t{2}, (int64_t{13} << 20) + 6, int64_t{8} << 20,
+                        (int64_t{4} << 20) - 2}) {
+    payloads.push_back(RandomBytes(static_cast<size_t>(bytes), 80 + bytes));
+  }
+  std::vector<absl::StatusOr<TensorInfo>> results(
+      payloads.size(), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    threads.emplace_back([&, i] {
+      std::unique_ptr<Client> client = MakeClient();
+      const int64_t elements = static_cast<int64_t>(payloads[i].size() / 2);
+      results[i] = client->Upload(DType::kBFloat16, {elements},
+                                  payloads[i].data(), payloads[i].size());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  std::unique_ptr<Client> client = MakeClient();
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    absl::StatusOr<DownloadedTensor> got = client->Download(results[i]->handle);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == payloads[i])
+        << "upload " << i;
+    ASSERT_TRUE(client->Release(results[i]->handle).ok());
+  }
+  EXPECT_EQ(Completed(), static_cast<int64_t>(payloads.size()));
+
+  RawDataUpload upload(stub_.get(), Token('o'), {16 << 20});
+  ASSERT_TRUE(upload.SendHeader());
+  const int fd = ConnectData();
+  ASSERT_TRUE(SendAll(fd, Preamble(Token('o')) + RandomBytes(9 << 20, 6)));
+  upload.context()->TryCancel();
+  EXPECT_EQ(upload.Finish().error_code(), StatusCode::CANCELLED);
+  EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
+  close(fd);
+  ExpectEmptyStore();
+}
+
+TEST(TargetHostTest, ParsesTargets) {
+  EXPECT_EQ(TargetHost("127.0.0.1:50051"), "127.0.0.1");
+  EXPECT_EQ(TargetHost("lossd-0.lossd:50051"), "lossd-0.lossd");
+  EXPECT_EQ(TargetHost("dns:///lossd.svc:50051"), "lossd.svc");
+  EXPECT_EQ(TargetHost("dns://8.8.8.8/lossd.svc:50051"), "lossd.svc");
+  EXPECT_EQ(TargetHost("ipv4:10.0.0.1:50051"), "10.0.0.1");
+  EXPECT_EQ(TargetHost("[::1]:50051"), "::1");
+  EXPECT_EQ(TargetHost("ipv6:[::1]:50051"), "::1");
+  EXPECT_EQ(TargetHost("localhost"), "localhost");
+  EXPECT_EQ(TargetHost("unix:/tmp/lossd.sock"), std::nullopt);
+  EXPECT_EQ(TargetHost("ipv4:10.0.0.1:1,10.0.0.2:1"), std::nullopt);
+  EXPECT_EQ(TargetHost("xds:///lossd"), std::nullopt);
+  EXPECT_EQ(TargetHost(""), std::nullopt);
+}
+
+}  // namespace
+}  // namespace lossd
