@@ -27,6 +27,9 @@ namespace {
 constexpr size_t kMagicBytes = sizeof(kDataConnectionMagic) - 1;
 // How often the listener looks for overdue transfers.
 constexpr int kSweepMillis = 250;
+// The most one host window takes (a host-accessible device lends the
+// destination itself): progress reaches the metrics at least this often.
+constexpr int64_t kMaxWindowBytes = int64_t{16} << 20;
 // How long a connection waits for its token to be registered.
 constexpr absl::Duration kRegistrationWait = absl::Seconds(10);
 
@@ -194,7 +197,8 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(Device* device,
   return plane;
 }
 
-DataPlane::~DataPlane() {
+void DataPlane::Stop() {
+  absl::MutexLock stopping(&stop_mu_);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
@@ -215,6 +219,8 @@ DataPlane::~DataPlane() {
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
+  listen_fd_ = -1;
+  wake_fd_ = -1;
 }
 
 absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(

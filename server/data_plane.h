@@ -93,9 +93,11 @@ class DataPlane {
                                                           Options options);
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
-  // Stops listening, fails what is registered and waits for every
-  // connection to end.
-  ~DataPlane();
+  ~DataPlane() { Stop(); }
+
+  // Stops listening, fails what is registered (UNAVAILABLE), ends every
+  // connection and waits for them; later Expects fail. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   int port() const { return port_; }
   // Transfers whose bytes all arrived, since the start.
@@ -134,6 +136,7 @@ class DataPlane {
   Device* const device_;
   Metrics* const metrics_;
   const Options options_;
+  absl::Mutex stop_mu_;  // Stop runs once at a time
   int listen_fd_ = -1;
   int wake_fd_ = -1;  // an eventfd that ends AcceptLoop
   int port_ = 0;

@@ -328,7 +328,7 @@ bool LossdServer::Drain() {
   server_->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   server_->Wait();
   // Every Upload has ended, so no transfer is running: stop listening.
-  data_plane_.reset();
+  if (data_plane_ != nullptr) data_plane_->Stop();
   if (health_server_ != nullptr) {
     health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
     health_server_->Wait();

@@ -111,7 +111,7 @@ class LossdServer {
   int port() const { return port_; }
   // The bound data-connection port; 0 when off.
   int data_port() const;
-  // Null when data connections are off (or after Drain).
+  // Null when data connections are off.
   const DataPlane* data_plane() const { return data_plane_.get(); }
   // The bound plaintext health port; 0 when off.
   int health_port() const { return health_port_; }
@@ -152,7 +152,8 @@ class LossdServer {
   // Reads store_ when scraped and is used by service_: declared between them
   // so that it goes after the service and before the store.
   std::unique_ptr<Metrics> metrics_;
-  // Used by service_'s uploads; stopped by Drain once no RPC runs.
+  // Used by service_'s uploads; stopped by Drain once no RPC runs (and
+  // destroyed after service_).
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;

@@ -419,8 +419,11 @@ TEST_F(DataConnectionTest, DrainEndsWaitingUploads) {
   const grpc::Status status = upload.Finish();
   drain.join();
   EXPECT_FALSE(status.ok());
-  EXPECT_EQ(server_->data_plane(), nullptr);
   ExpectEmptyStore();
+  // Nothing listens on the data port any more.
+  EXPECT_FALSE(
+      ConnectDataPort("127.0.0.1", server_->data_port(), absl::Seconds(2))
+          .ok());
 }
 
 // The CUDA device receives into its pinned staging windows (4 MiB by
