@@ -63,11 +63,18 @@ ABSL_FLAG(std::string, dtype, "",
           "upload/eval: convert the logits to this dtype before sending "
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
+ABSL_FLAG(bool, data_connection, true,
+          "upload: send a tensor of at least --stripe_min_bytes over one "
+          "plain TCP connection to the server's data port, straight into its "
+          "memory, when the server offers one and TLS is off (otherwise, or "
+          "when that port cannot be reached, as parallel streams)");
 ABSL_FLAG(int, upload_streams, 4,
-          "upload: a tensor of at least --stripe_min_bytes goes as this many "
-          "parallel streams over as many connections (1 = one stream)");
+          "upload: a tensor of at least --stripe_min_bytes that does not go "
+          "over a data connection goes as this many parallel streams over as "
+          "many connections (1 = one stream)");
 ABSL_FLAG(int64_t, stripe_min_bytes, int64_t{64} << 20,
-          "upload: smallest tensor sent as parallel streams");
+          "upload: smallest tensor sent over a data connection or as parallel "
+          "streams");
 ABSL_FLAG(std::string, near, "",
           "upload: store the tensor on the instance holding this handle "
           "(a forward's targets and weights must share the logits' instance)");
@@ -205,6 +212,7 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   const int64_t stripe_min = absl::GetFlag(FLAGS_stripe_min_bytes);
   if (stripe_min < 0) return UsageError("--stripe_min_bytes must be >= 0");
   options.client.stripe_min_bytes = static_cast<std::size_t>(stripe_min);
+  options.client.data_connection = absl::GetFlag(FLAGS_data_connection);
   options.client.bearer_token = absl::GetFlag(FLAGS_token);
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty()) {

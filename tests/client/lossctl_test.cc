@@ -270,6 +270,25 @@ TEST_F(LossctlTest, UploadAsBf16AndDownloadRoundTrip) {
   }
 }
 
+// A tensor of at least --stripe_min_bytes goes over the server's data
+// connection (--data_connection, on by default) or, turned off, as gRPC
+// stripes: the bytes arrive unchanged either way.
+TEST_F(LossctlTest, UploadOverDataConnectionOrStripes) {
+  for (const char* flag : {"--data_connection", "--data_connection=false",
+                           "--nodata_connection"}) {
+    SCOPED_TRACE(flag);
+    const std::string handle =
+        UploadHandle({logits_path_, "--stripe_min_bytes=1", flag});
+    ASSERT_FALSE(handle.empty());
+    absl::StatusOr<DownloadedTensor> got = client_->Download(handle);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->data.size(), logits_.size() * sizeof(float));
+    EXPECT_EQ(std::memcmp(got->data.data(), logits_.data(), got->data.size()),
+              0);
+    ASSERT_TRUE(client_->Release(handle).ok());
+  }
+}
+
 TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {
   CommandResult unknown = Lossctl({"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2);

@@ -20,10 +20,10 @@ namespace client_test {
 class LossdProcess {
  public:
   // Starts `binary --host=127.0.0.1 --port=0 --port_file=... --device=cpu
-  // --metrics_port=-1 --data_port=0` plus `extra_args`, and returns once the server wrote its
-  // port file. DEADLINE_EXCEEDED when that takes longer than `timeout`;
-  // INTERNAL when the process cannot start or exits first (its stderr is the
-  // test's).
+  // --metrics_port=-1 --data_port=0` plus `extra_args`, and returns once the
+  // server wrote its port file. DEADLINE_EXCEEDED when that takes longer than
+  // `timeout`; INTERNAL when the process cannot start or exits first (its
+  // stderr is the test's).
   static absl::StatusOr<std::unique_ptr<LossdProcess>> Start(
       const std::string& binary,
       const std::vector<std::string>& extra_args = {},
