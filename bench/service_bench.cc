@@ -725,28 +725,37 @@ int main(int argc, char** argv) {
       ConnectStripes(absl::StrFormat("127.0.0.1:%d", copying.port), streams);
   std::vector<double> tcp_times, discard_times, lossd_times;
   std::vector<double> tcp_k_times, discard_k_times, lossd_k_times;
-  std::vector<double> copying_k_times, data_times;
+  std::vector<double> copying_k_times, data_times, data_k_times;
   // lossd::Client as users get it: a tensor this large goes over its data
-  // connection (straight into pinned staging, no gRPC in between).
-  lossd::ClientOptions client_options;
-  absl::StatusOr<std::unique_ptr<lossd::Client>> client =
-      lossd::Client::Connect((*server)->address(), client_options);
-  if (!client.ok()) Die(client.status().ToString());
+  // connections (straight into pinned staging, no gRPC in between), one
+  // connection or `streams` (lossd::Client's default upload_streams).
+  auto make_client = [&](int connections) {
+    lossd::ClientOptions options;
+    options.upload_streams = connections;
+    absl::StatusOr<std::unique_ptr<lossd::Client>> client =
+        lossd::Client::Connect((*server)->address(), options);
+    if (!client.ok()) Die(client.status().ToString());
+    return *std::move(client);
+  };
+  const std::unique_ptr<lossd::Client> client_1 = make_client(1);
+  const std::unique_ptr<lossd::Client> client_k = make_client(streams);
+  auto data_upload = [&](lossd::Client* client, int connections) {
+    const int64_t completed = (*server)->data_plane()->completed();
+    const auto start = Clock::now();
+    absl::StatusOr<lossd::TensorInfo> uploaded = client->Upload(
+        lossd::DType::kBFloat16, {rows, vocab}, logits.data(), logits.size());
+    const double seconds = Seconds(start);
+    if (!uploaded.ok()) Die(uploaded.status().ToString());
+    if ((*server)->data_plane()->completed() != completed + connections) {
+      Die("lossd::Client did not use its data connections");
+    }
+    release(uploaded->handle);
+    return seconds;
+  };
   std::string handle;
   for (int i = 0; i < upload_repeats; ++i) {
     tcp_times.push_back(RawTcpStripedSeconds(logits, chunk, 1));
-    {
-      const int64_t completed = (*server)->data_plane()->completed();
-      const auto start = Clock::now();
-      absl::StatusOr<lossd::TensorInfo> uploaded = (*client)->Upload(
-          lossd::DType::kBFloat16, {rows, vocab}, logits.data(), logits.size());
-      data_times.push_back(Seconds(start));
-      if (!uploaded.ok()) Die(uploaded.status().ToString());
-      if ((*server)->data_plane()->completed() != completed + 1) {
-        Die("lossd::Client did not use the data connection");
-      }
-      release(uploaded->handle);
-    }
+    data_times.push_back(data_upload(client_1.get(), 1));
     double seconds = 0;
     RawUpload(discard_channel, pb::DTYPE_BFLOAT16, {rows, vocab}, logits, chunk,
               &seconds);
@@ -757,6 +766,7 @@ int main(int argc, char** argv) {
     lossd_times.push_back(seconds);
 
     tcp_k_times.push_back(RawTcpStripedSeconds(logits, chunk, streams));
+    data_k_times.push_back(data_upload(client_k.get(), streams));
     RawStripedUpload(discard_stripe_channels, pb::DTYPE_BFLOAT16, {rows, vocab},
                      2, logits, chunk, &seconds);
     discard_k_times.push_back(seconds);
@@ -782,10 +792,10 @@ int main(int argc, char** argv) {
       "GB/s | |",
       gigabytes, tcp, gigabytes / tcp));
   line(absl::StrFormat(
-      "| Upload to lossd (%s) over its data connection (lossd::Client::Upload: "
-      "header on gRPC, bytes on 1 TCP connection into pinned staging) | %.3f "
-      "s = %.2f GB/s: **%.0f%% of raw TCP**, **%.3fx the raw TCP receiver "
-      "that discards the bytes** | >= 80%%; <= 1.1x |",
+      "| Upload to lossd (%s) over 1 data connection (lossd::Client::Upload, "
+      "upload_streams=1: header on gRPC, bytes on 1 TCP connection into "
+      "pinned staging) | %.3f s = %.2f GB/s: **%.0f%% of raw TCP**, **%.3fx "
+      "the raw TCP receiver that discards the bytes** | >= 80%%; <= 1.1x |",
       config.device, upload_data, gigabytes / upload_data,
       100 * tcp / upload_data, upload_data / tcp));
   line(
@@ -815,6 +825,16 @@ int main(int argc, char** argv) {
       config.device, streams, streams, upload_k, gigabytes / upload_k,
       100 * tcp / upload_k, 100 * tcp_k / upload_k, streams,
       upload_k / discard_k));
+  const double upload_data_k = Median(data_k_times);
+  line(absl::StrFormat(
+      "| Upload to lossd (%s) over %d data connections (lossd::Client::Upload "
+      "with its defaults) | %.3f s = %.2f GB/s: **%.0f%% of raw TCP (1 "
+      "connection)**, %.0f%% of raw TCP (%d connections), **%.3fx the raw TCP "
+      "receivers (%d connections) that discard the bytes** | >= 80%%; <= "
+      "1.1x |",
+      config.device, streams, upload_data_k, gigabytes / upload_data_k,
+      100 * tcp / upload_data_k, 100 * tcp_k / upload_data_k, streams,
+      upload_data_k / tcp_k, streams));
   const double copying_k = Median(copying_k_times);
   line(absl::StrFormat(
       "| Control: %d stripes to a discarding server that first copies each "

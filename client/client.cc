@@ -24,6 +24,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client/data_connection.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/status_macros.h"
@@ -111,6 +112,10 @@ constexpr std::size_t kMessageOverheadBytes = 4096;
 // How long a data connection may take to connect before the upload goes over
 // gRPC instead.
 constexpr absl::Duration kDataConnectTimeout = absl::Seconds(5);
+// A data connection the server stops reading for this long fails the upload.
+constexpr absl::Duration kDataSendTimeout = absl::Seconds(60);
+// How long a failed data connection waits for the RPC to say why.
+constexpr absl::Duration kDataFailureGrace = absl::Seconds(5);
 
 // The single grpc::Status -> absl::Status conversion. Both use the canonical
 // code numbering (google.rpc.Code), so the value carries over unchanged.
@@ -657,23 +662,37 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   }
   if (!port.has_value()) {
     absl::StatusOr<ServerInfo> info = GetServerInfo();
-    if (!info.ok()) return absl::StatusOr<TensorInfo>(info.status());
+    // Not cached: the gRPC path reports what is wrong, the next upload asks
+    // again.
+    if (!info.ok()) return std::nullopt;
     port = info->data_port;
     absl::MutexLock lock(&channel_->mu);
     channel_->data_port = port;
   }
   if (*port == 0) return std::nullopt;
-  absl::StatusOr<int> fd = ConnectDataPort(*host, *port, kDataConnectTimeout);
-  if (!fd.ok()) {
-    // A port the server offers that cannot be reached from here (a firewall,
-    // a Service without it): gRPC it is, from now on.
-    absl::MutexLock lock(&channel_->mu);
-    channel_->data_port = 0;
-    return std::nullopt;
+  // As many connections as a striped upload would take (one TCP stream is
+  // capped below what loopback and fast networks carry).
+  const int connections = std::clamp(options_.upload_streams, 1, 64);
+  std::vector<int> fds;
+  for (int i = 0; i < connections; ++i) {
+    absl::StatusOr<int> fd =
+        ConnectDataPort(*host, *port, kDataConnectTimeout, kDataSendTimeout);
+    if (!fd.ok()) {
+      for (int open : fds) close(open);
+      // A port the server offers that cannot be reached from here (a
+      // firewall, a Service without it): gRPC it is, from now on.
+      absl::MutexLock lock(&channel_->mu);
+      channel_->data_port = 0;
+      return std::nullopt;
+    }
+    fds.push_back(*fd);
   }
+  auto close_all = [&fds] {
+    for (int fd : fds) close(fd);
+  };
   absl::StatusOr<std::string> token = RandomDataToken();
   if (!token.ok()) {
-    close(*fd);
+    close_all();
     return absl::StatusOr<TensorInfo>(token.status());
   }
   grpc::ClientContext context;
@@ -684,23 +703,59 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   header->mutable_shape()->Add(shape.begin(), shape.end());
   header->set_label(label);
   header->set_data_token(*token);
+  header->set_data_connections(connections);
   v1::UploadResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
       channel_->lossd->Upload(&context, &response);
   absl::Status sent = absl::OkStatus();
   if (writer->Write(request) && writer->WritesDone()) {
+    const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
+    const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
+    absl::Mutex mu;
     int64_t done = 0;
-    sent = SendOverDataConnection(
-        *fd, *token, static_cast<const char*>(data), bytes, [&](std::size_t n) {
-          done += static_cast<int64_t>(n);
-          if (progress) progress(done, static_cast<int64_t>(bytes));
-        });
+    std::vector<absl::Status> results(fds.size());
+    std::vector<std::thread> senders;
+    for (int i = 0; i < connections; ++i) {
+      senders.emplace_back([&, i] {
+        const StripeRange range = StripeElements(elements, i, connections);
+        results[static_cast<std::size_t>(i)] = SendOverDataConnection(
+            fds[static_cast<std::size_t>(i)], *token, i,
+            static_cast<const char*>(data) + range.first * element_bytes,
+            static_cast<std::size_t>((range.end - range.first) * element_bytes),
+            [&](std::size_t n) {
+              absl::MutexLock lock(&mu);
+              done += static_cast<int64_t>(n);
+              if (progress) progress(done, static_cast<int64_t>(bytes));
+            });
+      });
+    }
+    for (std::thread& sender : senders) sender.join();
+    for (const absl::Status& result : results) {
+      if (!result.ok() && sent.ok()) sent = result;
+    }
   }
-  // The RPC's status says why a transfer failed (the server ends both).
+  // The RPC's status says why a transfer failed: the server ends the RPC
+  // before it closes the connections. A send that failed without that
+  // (a connection the server never took) gets a short grace, then the RPC is
+  // cancelled rather than left to the server's --data_timeout.
+  absl::Notification finished_rpc;
+  std::thread canceller;
+  if (!sent.ok()) {
+    canceller = std::thread([&] {
+      if (!finished_rpc.WaitForNotificationWithTimeout(kDataFailureGrace)) {
+        context.TryCancel();
+      }
+    });
+  }
   const grpc::Status finished = writer->Finish();
-  close(*fd);
+  finished_rpc.Notify();
+  if (canceller.joinable()) canceller.join();
+  close_all();
+  if (!sent.ok() &&
+      (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
+    return absl::StatusOr<TensorInfo>(sent);
+  }
   if (!finished.ok()) return absl::StatusOr<TensorInfo>(ToAbsl(finished));
-  if (!sent.ok()) return absl::StatusOr<TensorInfo>(sent);
   TensorInfo uploaded = FromProto(response.tensor());
   channel_->Remember(uploaded);
   return absl::StatusOr<TensorInfo>(std::move(uploaded));

@@ -7,9 +7,11 @@
 #include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -93,7 +95,8 @@ absl::StatusOr<std::string> RandomDataToken() {
 }
 
 absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
-                                    absl::Duration timeout) {
+                                    absl::Duration connect_timeout,
+                                    absl::Duration send_timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -107,7 +110,7 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
         absl::StrCat("data connection: cannot resolve ", host, ": ",
                      gai_strerror(resolved)));
   }
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = absl::Now() + connect_timeout;
   absl::Status status = absl::UnavailableError(
       absl::StrCat("data connection: no address for ", host));
   int connected = -1;
@@ -139,6 +142,8 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
     }
     // Blocking from here on: the sender has nothing else to do.
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    const timeval limit = absl::ToTimeval(send_timeout);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
     connected = fd;
   }
   freeaddrinfo(found);
@@ -147,10 +152,14 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
 }
 
 absl::Status SendOverDataConnection(
-    int fd, const std::string& token, const char* data, std::size_t bytes,
-    const std::function<void(std::size_t)>& on_sent) {
+    int fd, const std::string& token, int index, const char* data,
+    std::size_t bytes, const std::function<void(std::size_t)>& on_sent) {
   std::string preamble(kMagic, sizeof(kMagic) - 1);
   preamble += token;
+  for (int shift = 0; shift < 32; shift += 8) {
+    preamble.push_back(
+        static_cast<char>((static_cast<uint32_t>(index) >> shift) & 0xff));
+  }
   if (const absl::Status status = SendAll(fd, preamble.data(), preamble.size());
       !status.ok()) {
     return status;

@@ -25,18 +25,21 @@ std::optional<std::string> TargetHost(absl::string_view target);
 // 16 random bytes from the kernel's generator, for TensorHeader.data_token.
 absl::StatusOr<std::string> RandomDataToken();
 
-// A connected TCP socket to host:port, connected within `timeout`; the
-// caller closes it. UNAVAILABLE when it cannot connect in time.
-absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
-                                    absl::Duration timeout);
+// A TCP socket to host:port, connected within `connect_timeout`, whose
+// sends fail after `send_timeout` without progress; the caller closes it.
+// UNAVAILABLE when it cannot connect in time.
+absl::StatusOr<int> ConnectDataPort(
+    const std::string& host, int port, absl::Duration connect_timeout,
+    absl::Duration send_timeout = absl::Seconds(60));
 
-// Sends the preamble ("LOSSDDC1" + token), then `bytes` bytes of `data`,
-// calling on_sent(n) as pieces go out, then closes the sending side.
-// UNAVAILABLE when the connection fails (the server ended the transfer: its
-// reason is the Upload RPC's status).
+// Sends the preamble ("LOSSDDC1", the token, `index` as 4 bytes
+// little-endian), then `bytes` bytes of `data`, calling on_sent(n) as pieces
+// go out, then closes the sending side. UNAVAILABLE when the connection
+// fails (usually the server ended the transfer: its reason is the Upload
+// RPC's status).
 absl::Status SendOverDataConnection(
-    int fd, const std::string& token, const char* data, std::size_t bytes,
-    const std::function<void(std::size_t)>& on_sent);
+    int fd, const std::string& token, int index, const char* data,
+    std::size_t bytes, const std::function<void(std::size_t)>& on_sent);
 
 }  // namespace lossd
 

@@ -57,30 +57,62 @@ bool ReadFully(int fd, char* out, size_t bytes) {
 
 // ------------------------------------------------------------- DataTransfer
 
+DataTransfer::DataTransfer(Device* device, void* buffer,
+                           std::vector<Range> ranges, Done done)
+    : device_(device),
+      buffer_(static_cast<char*>(buffer)),
+      done_(std::move(done)) {
+  for (const Range& range : ranges) parts_.push_back(Part{range});
+  remaining_ = static_cast<int>(parts_.size());
+}
+
 void DataTransfer::Cancel() {
   absl::MutexLock lock(&mu_);
   cancelled_ = true;
-  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+  for (const Part& part : parts_) {
+    if (part.fd >= 0) shutdown(part.fd, SHUT_RDWR);
+  }
   mu_.Await(absl::Condition(
-      +[](bool* writing) { return !*writing; }, &writing_));
+      +[](int* writing) { return *writing == 0; }, &writing_));
 }
 
-bool DataTransfer::Claim(int fd) {
+bool DataTransfer::Claim(int index, int fd) {
   absl::MutexLock lock(&mu_);
-  if (claimed_ || cancelled_) return false;
-  claimed_ = true;
-  writing_ = true;
-  fd_ = fd;
+  if (index < 0 || index >= parts() || cancelled_ || !failure_.ok() ||
+      parts_[index].claimed) {
+    return false;
+  }
+  Part& part = parts_[index];
+  part.claimed = true;
+  part.writing = true;
+  part.fd = fd;
+  ++writing_;
   return true;
 }
 
-absl::Status DataTransfer::Receive(int fd, Metrics* metrics) {
+bool DataTransfer::AllClaimed() const {
+  absl::MutexLock lock(&mu_);
+  for (const Part& part : parts_) {
+    if (!part.claimed) return false;
+  }
+  return true;
+}
+
+absl::Status DataTransfer::Receive(int index, int fd, Metrics* metrics) {
+  Range range;
+  {
+    absl::MutexLock lock(&mu_);
+    range = parts_[index].range;
+  }
+  // The part's own write pipeline, keyed by its first byte (a part without
+  // bytes never writes: its address may be the next part's).
+  char* const base = buffer_ + range.offset;
   int64_t received = 0;
   absl::Status status;
-  while (received < bytes_ && status.ok()) {
-    absl::StatusOr<Device::HostWindow> window =
-        device_->BeginHostWrite(buffer_, static_cast<size_t>(received),
-                                static_cast<size_t>(bytes_ - received));
+  while (received < range.bytes && status.ok()) {
+    absl::StatusOr<Device::HostWindow> window = device_->BeginHostWrite(
+        base, static_cast<size_t>(received),
+        static_cast<size_t>(std::min(range.bytes - received, kMaxWindowBytes)));
     if (!window.ok()) {
       status = window.status();
       break;
@@ -96,21 +128,21 @@ absl::Status DataTransfer::Receive(int fd, Metrics* metrics) {
       if (n < 0 && errno == EINTR) continue;
       const int64_t total = received + static_cast<int64_t>(got);
       if (n == 0) {
-        status = absl::InvalidArgumentError(absl::StrFormat(
-            "the data connection ended after %d of the %d bytes the header "
-            "says",
-            total, bytes_));
+        status = absl::InvalidArgumentError(
+            absl::StrFormat("data connection %d ended after %d of its %d bytes",
+                            index, total, range.bytes));
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        status = absl::DeadlineExceededError(absl::StrFormat(
-            "the data connection stalled after %d of %d bytes", total, bytes_));
+        status = absl::DeadlineExceededError(
+            absl::StrFormat("data connection %d stalled after %d of %d bytes",
+                            index, total, range.bytes));
       } else {
         status = absl::UnavailableError(absl::StrFormat(
-            "the data connection failed after %d of %d bytes: %s", total,
-            bytes_, std::strerror(errno)));
+            "data connection %d failed after %d of %d bytes: %s", index, total,
+            range.bytes, std::strerror(errno)));
       }
       break;
     }
-    const absl::Status committed = device_->CommitHostWrite(buffer_, got);
+    const absl::Status committed = device_->CommitHostWrite(base, got);
     if (status.ok()) status = committed;
     received += static_cast<int64_t>(got);
     if (metrics != nullptr && got > 0) {
@@ -118,24 +150,51 @@ absl::Status DataTransfer::Receive(int fd, Metrics* metrics) {
                                 static_cast<int64_t>(got));
     }
   }
+  if (range.bytes == 0) return status;
   // Every copy is done (or failed) before the buffer is anyone else's.
-  const absl::Status finished = device_->FinishWrites(buffer_);
+  const absl::Status finished = device_->FinishWrites(base);
   return status.ok() ? finished : status;
 }
 
-void DataTransfer::Finish(const absl::Status& status, bool claimed) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (claimed) {
-      writing_ = false;
-      fd_ = -1;
-    } else {
-      if (claimed_ || cancelled_) return;
-      claimed_ = true;
+void DataTransfer::PartDone(int index, const absl::Status& status) {
+  mu_.Lock();
+  Part& part = parts_[index];
+  part.writing = false;
+  part.fd = -1;
+  --writing_;
+  if (status.ok()) {
+    --remaining_;
+  } else if (failure_.ok()) {
+    failure_ = status;
+    // The other parts stop; the outcome waits for their writes to end.
+    for (const Part& other : parts_) {
+      if (other.fd >= 0) shutdown(other.fd, SHUT_RDWR);
     }
-    if (cancelled_) return;
   }
-  done_(status);
+  DeliverAndUnlock();
+}
+
+void DataTransfer::Fail(const absl::Status& status) {
+  mu_.Lock();
+  if (failure_.ok() && remaining_ > 0) {
+    failure_ = status;
+    for (const Part& part : parts_) {
+      if (part.fd >= 0) shutdown(part.fd, SHUT_RDWR);
+    }
+  }
+  DeliverAndUnlock();
+}
+
+void DataTransfer::DeliverAndUnlock() {
+  const bool decided = !failure_.ok() || remaining_ == 0;
+  if (delivered_ || cancelled_ || writing_ > 0 || !decided) {
+    mu_.Unlock();
+    return;
+  }
+  delivered_ = true;
+  const absl::Status outcome = failure_;
+  mu_.Unlock();
+  done_(outcome);
 }
 
 // ---------------------------------------------------------------- DataPlane
@@ -224,15 +283,20 @@ void DataPlane::Stop() {
 }
 
 absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
-    const std::string& token, void* buffer, int64_t bytes,
-    DataTransfer::Done done) {
+    const std::string& token, void* buffer,
+    std::vector<DataTransfer::Range> ranges, DataTransfer::Done done) {
   if (token.size() != kDataTokenBytes) {
     return absl::InvalidArgumentError(
         absl::StrFormat("a data_token must be %d bytes, got %d",
                         kDataTokenBytes, token.size()));
   }
-  auto transfer =
-      std::make_shared<DataTransfer>(device_, buffer, bytes, std::move(done));
+  if (ranges.empty() || ranges.size() > kMaxDataConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("data connections must be in [1, %d], got %d",
+                        kMaxDataConnections, ranges.size()));
+  }
+  auto transfer = std::make_shared<DataTransfer>(
+      device_, buffer, std::move(ranges), std::move(done));
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     return absl::UnavailableError("lossd is stopping its data connections");
@@ -248,8 +312,9 @@ absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
   return transfer;
 }
 
-std::shared_ptr<DataTransfer> DataPlane::Take(const std::string& token,
-                                              absl::Time deadline) {
+std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
+                                               int index, int fd,
+                                               absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto registered = [this, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || expected_.contains(token);
@@ -257,8 +322,9 @@ std::shared_ptr<DataTransfer> DataPlane::Take(const std::string& token,
   mu_.AwaitWithDeadline(absl::Condition(&registered), deadline);
   auto it = expected_.find(token);
   if (stopping_ || it == expected_.end()) return nullptr;
-  std::shared_ptr<DataTransfer> transfer = std::move(it->second.transfer);
-  expected_.erase(it);
+  std::shared_ptr<DataTransfer> transfer = it->second.transfer;
+  if (!transfer->Claim(index, fd)) return nullptr;
+  if (transfer->AllClaimed()) expected_.erase(it);
   return transfer;
 }
 
@@ -282,7 +348,7 @@ void DataPlane::Expire(bool all) {
                 absl::StrCat("no data connection came for this upload within ",
                              absl::FormatDuration(options_.timeout)));
   for (const std::shared_ptr<DataTransfer>& transfer : overdue) {
-    transfer->Finish(status, /*claimed=*/false);
+    transfer->Fail(status);
   }
 }
 
@@ -313,17 +379,25 @@ void DataPlane::Serve(int fd) {
   const absl::Duration timeout = std::min(options_.timeout, absl::Hours(24));
   const timeval limit = absl::ToTimeval(timeout);
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
-  char preamble[kMagicBytes + kDataTokenBytes];
+  char preamble[kMagicBytes + kDataTokenBytes + 4];
   if (ReadFully(fd, preamble, sizeof(preamble)) &&
       std::memcmp(preamble, kDataConnectionMagic, kMagicBytes) == 0) {
     const std::string token(preamble + kMagicBytes, kDataTokenBytes);
+    const unsigned char* at = reinterpret_cast<const unsigned char*>(
+        preamble + kMagicBytes + kDataTokenBytes);
+    const uint32_t index = at[0] | (at[1] << 8) | (at[2] << 16) |
+                           (static_cast<uint32_t>(at[3]) << 24);
     // The header may come a little after the connection.
     std::shared_ptr<DataTransfer> transfer =
-        Take(token, absl::Now() + std::min(timeout, kRegistrationWait));
-    if (transfer != nullptr && transfer->Claim(fd)) {
-      const absl::Status status = transfer->Receive(fd, metrics_);
+        index < static_cast<uint32_t>(kMaxDataConnections)
+            ? Claim(token, static_cast<int>(index), fd,
+                    absl::Now() + std::min(timeout, kRegistrationWait))
+            : nullptr;
+    if (transfer != nullptr) {
+      const absl::Status status =
+          transfer->Receive(static_cast<int>(index), fd, metrics_);
       if (status.ok()) completed_.fetch_add(1);
-      transfer->Finish(status, /*claimed=*/true);
+      transfer->PartDone(static_cast<int>(index), status);
     }
   }
   absl::MutexLock lock(&mu_);

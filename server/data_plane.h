@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -26,51 +27,72 @@ namespace lossd {
 
 class Metrics;
 
-// The 8 bytes a data connection starts with, before its token.
+// A data connection starts with these 8 bytes, the 16-byte token and its
+// index among the upload's connections (4 bytes, little-endian).
 inline constexpr char kDataConnectionMagic[] = "LOSSDDC1";
 inline constexpr size_t kDataTokenBytes = 16;
+inline constexpr int kMaxDataConnections = 64;  // of one upload
 
-// One expected transfer: `bytes` bytes into the device buffer `buffer`.
-// Shared by the RPC that registered it and the connection that serves it.
+// One expected transfer: a tensor's bytes into the device buffer `buffer`,
+// over `parts` connections, connection i carrying the byte range `ranges[i]`
+// (the elements of stripe i, as in a striped upload). Shared by the RPC that
+// registered it and the connections that serve it.
 class DataTransfer {
  public:
+  struct Range {
+    int64_t offset = 0;
+    int64_t bytes = 0;
+  };
   using Done = std::function<void(const absl::Status&)>;
-  DataTransfer(Device* device, void* buffer, int64_t bytes, Done done)
-      : device_(device),
-        buffer_(buffer),
-        bytes_(bytes),
-        done_(std::move(done)) {}
+  DataTransfer(Device* device, void* buffer, std::vector<Range> ranges,
+               Done done);
   DataTransfer(const DataTransfer&) = delete;
   DataTransfer& operator=(const DataTransfer&) = delete;
 
-  // Stops the transfer: shuts its connection, if any, and returns once no
-  // byte is written into the buffer any more. `done` is not called after
-  // this returns unless it had already started (the caller must tell that
-  // call apart itself, e.g. by who ends the RPC). Any thread; may hold a
-  // lock that `done` takes (`done` runs after the writes).
+  // Stops the transfer: shuts its connections and returns once no byte is
+  // written into the buffer any more. `done` is not called after this
+  // returns unless it had already started (the caller must tell that call
+  // apart itself, e.g. by who ends the RPC). Any thread; may hold a lock
+  // that `done` takes (`done` runs after the writes).
   void Cancel() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   friend class DataPlane;
 
-  // A connection claims the transfer (false: cancelled, claimed or failed).
-  bool Claim(int fd) ABSL_LOCKS_EXCLUDED(mu_);
-  // The claimed connection's bytes, into the device.
-  absl::Status Receive(int fd, Metrics* metrics);
-  // Ends the transfer with `status` and calls `done` unless cancelled. For
-  // a claimed transfer, after its writes; otherwise (a timeout) it claims.
-  void Finish(const absl::Status& status, bool claimed)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  struct Part {
+    Range range;
+    bool claimed = false;
+    bool writing = false;
+    int fd = -1;
+  };
+
+  int parts() const { return static_cast<int>(parts_.size()); }
+  // A connection claims part `index` (false: out of range, cancelled,
+  // failed, or already claimed).
+  bool Claim(int index, int fd) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether every part has its connection.
+  bool AllClaimed() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The claimed part's bytes from `fd`, into the device.
+  absl::Status Receive(int index, int fd, Metrics* metrics);
+  // Part `index` ended with `status` after its writes; the first error fails
+  // the transfer and stops the other parts.
+  void PartDone(int index, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails the transfer (a timeout) unless it is decided already.
+  void Fail(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls `done` once the outcome is known and no part writes any more
+  // (unless cancelled). Releases the lock first.
+  void DeliverAndUnlock() ABSL_UNLOCK_FUNCTION(mu_);
 
   Device* const device_;
-  void* const buffer_;
-  const int64_t bytes_;
+  char* const buffer_;
   const Done done_;
-  absl::Mutex mu_;
-  bool claimed_ ABSL_GUARDED_BY(mu_) = false;
+  mutable absl::Mutex mu_;
+  std::vector<Part> parts_ ABSL_GUARDED_BY(mu_);
+  int writing_ ABSL_GUARDED_BY(mu_) = 0;    // parts receiving now
+  int remaining_ ABSL_GUARDED_BY(mu_) = 0;  // parts not yet received
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  int fd_ ABSL_GUARDED_BY(mu_) = -1;
+  bool delivered_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The listener of data connections and the registry of expected transfers.
@@ -83,7 +105,7 @@ class DataPlane {
     // preamble, or one that sends nothing, fails after this long.
     absl::Duration timeout = absl::Seconds(60);
     // Connections served at once; more are closed at once.
-    int max_connections = 64;
+    int max_connections = 256;
   };
 
   // Listens on host:port. UNAVAILABLE when the address cannot be bound.
@@ -100,18 +122,18 @@ class DataPlane {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   int port() const { return port_; }
-  // Transfers whose bytes all arrived, since the start.
+  // Data connections whose bytes all arrived, since the start.
   int64_t completed() const { return completed_.load(); }
 
-  // Expects a connection with `token` for `bytes` (> 0) bytes into the device
-  // buffer `buffer`; `done` gets the transfer's outcome (from a connection's
-  // thread or the sweeper), once, unless the transfer is cancelled first.
-  // INVALID_ARGUMENT for a token that is not kDataTokenBytes long or is
-  // already registered.
-  absl::StatusOr<std::shared_ptr<DataTransfer>> Expect(const std::string& token,
-                                                       void* buffer,
-                                                       int64_t bytes,
-                                                       DataTransfer::Done done)
+  // Expects `ranges.size()` connections with `token` (connection i for
+  // ranges[i] of the device buffer `buffer`); `done` gets the transfer's
+  // outcome (from a connection's thread or the sweeper), once, unless the
+  // transfer is cancelled first. INVALID_ARGUMENT for a token that is not
+  // kDataTokenBytes long or is already registered, or a count of ranges
+  // outside [1, kMaxDataConnections].
+  absl::StatusOr<std::shared_ptr<DataTransfer>> Expect(
+      const std::string& token, void* buffer,
+      std::vector<DataTransfer::Range> ranges, DataTransfer::Done done)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -124,10 +146,12 @@ class DataPlane {
       : device_(device), metrics_(metrics), options_(std::move(options)) {}
   void AcceptLoop();
   void Serve(int fd);
-  // Removes and returns the transfer of `token`, waiting up to `deadline`
-  // for it to be registered (the header may arrive after the connection).
-  std::shared_ptr<DataTransfer> Take(const std::string& token,
-                                     absl::Time deadline)
+  // Claims part `index` of the transfer of `token` for `fd`, waiting up to
+  // `deadline` for it to be registered (the header may arrive after the
+  // connection); the transfer leaves the registry once every part has its
+  // connection. Null when there is no such transfer or part to claim.
+  std::shared_ptr<DataTransfer> Claim(const std::string& token, int index,
+                                      int fd, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Fails the registered transfers whose connection is overdue (all of them
   // with `all`).

@@ -663,6 +663,15 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                 absl::StrFormat("a data_token must be %d bytes, got %d",
                                 kDataTokenBytes, header.data_token().size()));
           }
+          if (header.data_connections() < 0 ||
+              header.data_connections() > kMaxDataConnections) {
+            return absl::InvalidArgumentError(absl::StrFormat(
+                "data_connections must be in [0, %d], got %d",
+                kMaxDataConnections, header.data_connections()));
+          }
+        } else if (header.data_connections() != 0) {
+          return absl::InvalidArgumentError(
+              "data_connections without a data_token");
         }
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
                                        admission_.tenant(), spec.dtype,
@@ -685,10 +694,20 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // with the data plane, whose outcome ends the RPC (EndFromTransfer).
   absl::Status ExpectData(const pb::TensorHeader& header)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int connections = std::max(1, header.data_connections());
+    int64_t elements = 1;
+    for (int64_t dim : header.shape()) elements *= dim;
+    const int64_t element_bytes = pending_->bytes() / elements;
+    std::vector<DataTransfer::Range> ranges;
+    for (int i = 0; i < connections; ++i) {
+      const ElementRange range = StripeElements(elements, i, connections);
+      ranges.push_back({range.first * element_bytes,
+                        (range.end - range.first) * element_bytes});
+    }
     auto link = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(
         transfer_, service_->options().data_plane->Expect(
-                       header.data_token(), pending_->data(), pending_->bytes(),
+                       header.data_token(), pending_->data(), std::move(ranges),
                        [link](const absl::Status& status) {
                          if (link->Claim())
                            link->reactor->EndFromTransfer(status);

@@ -34,6 +34,7 @@ using ::grpc::StatusCode;
 
 constexpr int64_t kBudget = 256 << 20;
 constexpr char kMagic[] = "LOSSDDC1";
+constexpr int kStreams = 4;  // lossd::Client's default upload_streams
 
 class DataConnectionTest : public ::testing::Test {
  protected:
@@ -52,9 +53,12 @@ class DataConnectionTest : public ::testing::Test {
         pb::Lossd::NewStub(e2e_test::LargeMessageChannel(server_->address()));
   }
 
-  std::unique_ptr<Client> MakeClient(bool data_connection = true) {
+  // lossd::Client with `streams` data connections (or stripes) an upload.
+  std::unique_ptr<Client> MakeClient(bool data_connection = true,
+                                     int streams = kStreams) {
     ClientOptions options;
     options.data_connection = data_connection;
+    options.upload_streams = streams;
     options.stripe_min_bytes = 1;
     absl::StatusOr<std::unique_ptr<Client>> client =
         Client::Connect(server_->address(), options);
@@ -118,8 +122,13 @@ class RawDataUpload {
 
 std::string Token(char fill) { return std::string(16, fill); }
 
-std::string Preamble(const std::string& token) {
-  return std::string(kMagic, 8) + token;
+// The first 28 bytes of data connection `index` of an upload.
+std::string Preamble(const std::string& token, uint32_t index = 0) {
+  std::string preamble = std::string(kMagic, 8) + token;
+  for (int shift = 0; shift < 32; shift += 8) {
+    preamble.push_back(static_cast<char>((index >> shift) & 0xff));
+  }
+  return preamble;
 }
 
 bool SendAll(int fd, const std::string& bytes) {
@@ -171,7 +180,8 @@ TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
     EXPECT_EQ(last_progress, static_cast<int64_t>(bytes.size()));
     EXPECT_EQ(uploaded->bytes, static_cast<int64_t>(bytes.size()));
     EXPECT_EQ(uploaded->label, "dc");
-    EXPECT_EQ(Completed(), ++expected_completed);
+    expected_completed += kStreams;
+    EXPECT_EQ(Completed(), expected_completed);
     absl::StatusOr<DownloadedTensor> got = client->Download(uploaded->handle);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == bytes);
@@ -213,7 +223,7 @@ TEST_F(DataConnectionTest, ConcurrentUploads) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == payloads[i]);
   }
-  EXPECT_EQ(Completed(), kUploads);
+  EXPECT_EQ(Completed(), kUploads * kStreams);
 }
 
 // A server without data connections: the client uploads over gRPC, and a
@@ -250,6 +260,92 @@ TEST_F(DataConnectionTest, RawUploadCompletes) {
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(upload.response().tensor().bytes(), 4000);
   EXPECT_EQ(server_->store()->Stats().tensors, 1);
+}
+
+// Three connections carry the stripes of one tensor (uneven splits), sent
+// interleaved; one connection alone also works. The bytes land in order.
+TEST_F(DataConnectionTest, RawUploadOverSeveralConnections) {
+  Start();
+  for (int count : {1, 3}) {
+    SCOPED_TRACE(absl::StrCat(count, " connections"));
+    const int64_t elements = 1001;
+    const std::string bytes = RandomBytes(elements * 4, 13 + count);
+    const std::string token = Token(static_cast<char>('0' + count));
+    RawDataUpload upload(stub_.get(), token, {elements});
+    upload.header()->mutable_header()->set_data_connections(count);
+    ASSERT_TRUE(upload.SendHeader());
+    std::vector<int> fds;
+    std::vector<std::string> parts;
+    for (int i = 0; i < count; ++i) {
+      fds.push_back(ConnectData());
+      const int64_t first = i * elements / count;
+      const int64_t end = (i + 1) * elements / count;
+      parts.push_back(bytes.substr(first * 4, (end - first) * 4));
+      ASSERT_TRUE(SendAll(fds[i], Preamble(token, i)));
+    }
+    for (size_t at = 0; at < parts[0].size() + 100; at += 100) {
+      for (int i = count - 1; i >= 0; --i) {
+        if (at < parts[i].size()) {
+          ASSERT_TRUE(SendAll(fds[i], parts[i].substr(at, 100)));
+        }
+      }
+    }
+    const grpc::Status status = upload.Finish();
+    for (int fd : fds) close(fd);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    std::unique_ptr<Client> client = MakeClient();
+    absl::StatusOr<DownloadedTensor> got =
+        client->Download(upload.response().tensor().handle());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == bytes);
+  }
+}
+
+// One connection of several fails: the upload fails with its reason, the
+// server closes the others, nothing is kept. A part claimed twice: the second
+// connection is closed unread and the upload goes on.
+TEST_F(DataConnectionTest, OneOfSeveralConnectionsFails) {
+  Start();
+  {
+    SCOPED_TRACE("one connection ends early");
+    RawDataUpload upload(stub_.get(), Token('p'), {4096});
+    upload.header()->mutable_header()->set_data_connections(2);
+    ASSERT_TRUE(upload.SendHeader());
+    const int good = ConnectData();
+    const int bad = ConnectData();
+    ASSERT_TRUE(SendAll(good, Preamble(Token('p'), 0) + RandomBytes(100, 1)));
+    ASSERT_TRUE(SendAll(bad, Preamble(Token('p'), 1) + RandomBytes(10, 2)));
+    shutdown(bad, SHUT_WR);
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("data connection 1 ended after 10"),
+              std::string::npos)
+        << status.error_message();
+    EXPECT_TRUE(ClosedByServer(good, absl::Seconds(10)));
+    close(good);
+    close(bad);
+    ExpectEmptyStore();
+  }
+  {
+    SCOPED_TRACE("a part claimed twice");
+    RawDataUpload upload(stub_.get(), Token('q'), {64});
+    upload.header()->mutable_header()->set_data_connections(2);
+    ASSERT_TRUE(upload.SendHeader());
+    const int first = ConnectData();
+    ASSERT_TRUE(SendAll(first, Preamble(Token('q'), 0)));
+    absl::SleepFor(absl::Milliseconds(100));
+    const int twice = ConnectData();
+    ASSERT_TRUE(SendAll(twice, Preamble(Token('q'), 0)));
+    EXPECT_TRUE(ClosedByServer(twice, absl::Seconds(10)));
+    close(twice);
+    const int second = ConnectData();
+    ASSERT_TRUE(SendAll(first, RandomBytes(128, 3)));
+    ASSERT_TRUE(SendAll(second, Preamble(Token('q'), 1) + RandomBytes(128, 4)));
+    const grpc::Status status = upload.Finish();
+    close(first);
+    close(second);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
 }
 
 // The connection may come before the header that registers its token.
@@ -298,6 +394,20 @@ TEST_F(DataConnectionTest, BadHeadersAndStreams) {
     EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT);
     EXPECT_NE(status.error_message().find("chunk"), std::string::npos)
         << status.error_message();
+  }
+  {
+    SCOPED_TRACE("65 data connections");
+    RawDataUpload upload(stub_.get(), Token('r'), {4});
+    upload.header()->mutable_header()->set_data_connections(65);
+    upload.SendHeader();
+    EXPECT_EQ(upload.Finish().error_code(), StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    SCOPED_TRACE("data connections without a token");
+    RawDataUpload upload(stub_.get(), "", {4});
+    upload.header()->mutable_header()->set_data_connections(2);
+    upload.SendHeader();
+    EXPECT_EQ(upload.Finish().error_code(), StatusCode::INVALID_ARGUMENT);
   }
   {
     SCOPED_TRACE("a bad shape with a token");
@@ -358,6 +468,18 @@ TEST_F(DataConnectionTest, MissingOrStalledConnection) {
     EXPECT_LT(absl::Now() - start, absl::Seconds(20));
   }
   {
+    SCOPED_TRACE("one of two connections never comes");
+    RawDataUpload upload(stub_.get(), Token('s'), {64});
+    upload.header()->mutable_header()->set_data_connections(2);
+    ASSERT_TRUE(upload.SendHeader());
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('s'), 0) + RandomBytes(128, 3)));
+    const grpc::Status status = upload.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::DEADLINE_EXCEEDED)
+        << status.error_message();
+    close(fd);
+  }
+  {
     SCOPED_TRACE("a stalled connection");
     RawDataUpload upload(stub_.get(), Token('k'), {1024});
     ASSERT_TRUE(upload.SendHeader());
@@ -389,7 +511,7 @@ TEST_F(DataConnectionTest, StrangersAreClosed) {
   absl::StatusOr<TensorInfo> uploaded =
       client->Upload(DType::kFloat32, {1024}, bytes.data(), bytes.size());
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
-  EXPECT_EQ(Completed(), 1);
+  EXPECT_EQ(Completed(), kStreams);
 }
 
 // The client cancels while its bytes are in flight: the server closes the
@@ -465,7 +587,7 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
         << "upload " << i;
     ASSERT_TRUE(client->Release(results[i]->handle).ok());
   }
-  EXPECT_EQ(Completed(), static_cast<int64_t>(payloads.size()));
+  EXPECT_EQ(Completed(), static_cast<int64_t>(payloads.size()) * kStreams);
 
   RawDataUpload upload(stub_.get(), Token('o'), {16 << 20});
   ASSERT_TRUE(upload.SendHeader());
