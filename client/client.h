@@ -45,12 +45,13 @@ struct ClientOptions {
   // Overrides the name the server certificate is checked against (tests,
   // or addresses the certificate does not list); empty = the target's host.
   std::string tls_server_name;
-  // Data connection: a tensor of at least stripe_min_bytes bytes goes over
-  // one plain TCP connection to the server's data port (ServerInfo.data_port),
-  // straight into the server's pinned memory with no gRPC in between, when
-  // the server offers one and the channel has no TLS (the data connection has
-  // none of its own). Otherwise, or when that port cannot be reached (this
-  // Client then stops trying), the tensor is striped as below.
+  // Data connections: a tensor of at least stripe_min_bytes bytes goes over
+  // upload_streams plain TCP connections to the server's data port
+  // (ServerInfo.data_port), straight into the server's pinned memory with no
+  // gRPC in between, when the server offers one and the channel has no TLS
+  // (the data connection has none of its own). Otherwise, or when that port
+  // cannot be reached (this Client then stops trying), the tensor is striped
+  // as below.
   bool data_connection = true;
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
   // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP

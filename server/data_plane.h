@@ -104,8 +104,9 @@ class DataPlane {
     // A registered transfer without a connection, a connection without its
     // preamble, or one that sends nothing, fails after this long.
     absl::Duration timeout = absl::Seconds(60);
-    // Connections served at once; more are closed at once.
-    int max_connections = 256;
+    // Connections served at once; more are closed at once. Each holds two
+    // pinned staging buffers on CUDA (8 MiB at the default staging size).
+    int max_connections = 64;
   };
 
   // Listens on host:port. UNAVAILABLE when the address cannot be bound.
