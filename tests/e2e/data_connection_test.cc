@@ -553,12 +553,8 @@ TEST_F(DataConnectionTest, DrainEndsWaitingUploads) {
 // sizes, at once, land intact, and a cancelled one leaves nothing. Skipped
 // without a GPU.
 TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
-  {
-    ServerConfig probe =
-        e2e_test::LoopbackConfig("cuda", kBudget, absl::Seconds(10));
-    absl::StatusOr<std::unique_ptr<LossdServer>> server =
-        LossdServer::Start(probe);
-    if (!server.ok()) GTEST_SKIP() << "no CUDA device: " << server.status();
+  if (const absl::Status cuda = e2e_test::CudaServerAvailable(); !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA device: " << cuda;
   }
   Start(0, absl::Seconds(30), absl::Seconds(10), "cuda");
   std::vector<std::string> payloads;

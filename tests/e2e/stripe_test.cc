@@ -445,12 +445,8 @@ TEST_F(StripeTest, DrainingLetsStartedUploadsFinish) {
 // buffer through its own staging pair; stripes larger than the 4 MiB staging
 // buffers, interleaved, must land intact. Skipped without a GPU.
 TEST_F(StripeTest, CudaStripesLandIntact) {
-  {
-    ServerConfig probe =
-        e2e_test::LoopbackConfig("cuda", kBudget, absl::Seconds(10));
-    absl::StatusOr<std::unique_ptr<LossdServer>> server =
-        LossdServer::Start(probe);
-    if (!server.ok()) GTEST_SKIP() << "no CUDA device: " << server.status();
+  if (const absl::Status cuda = e2e_test::CudaServerAvailable(); !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA device: " << cuda;
   }
   Start(absl::Seconds(30), kBudget, "", "cuda");
   const int count = 3;

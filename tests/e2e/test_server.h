@@ -31,6 +31,14 @@ inline ServerConfig LoopbackConfig(const std::string& device, int64_t budget,
   return config;
 }
 
+// OK when a lossd with the CUDA device starts here; otherwise why not (a
+// test without a GPU skips with it).
+inline absl::Status CudaServerAvailable() {
+  absl::StatusOr<std::unique_ptr<LossdServer>> server = LossdServer::Start(
+      LoopbackConfig("cuda", int64_t{64} << 20, absl::Seconds(10)));
+  return server.status();
+}
+
 // An insecure channel to `address` that sends and receives 64 MiB messages.
 inline std::shared_ptr<grpc::Channel> LargeMessageChannel(
     const std::string& address) {
