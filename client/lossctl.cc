@@ -367,12 +367,12 @@ absl::Status Info(RoutingClient& client) {
     const ServerInfo& info = instance.info;
     std::printf(
         "instance %s\ndevice %s\nversion %s\ntensors %lld\nbudget_bytes "
-        "%lld\nused_bytes %lld\nfree_bytes %lld\n",
+        "%lld\nused_bytes %lld\nfree_bytes %lld\ndata_port %d\n",
         info.instance_id.c_str(), info.device.c_str(), info.version.c_str(),
         static_cast<long long>(info.tensors),
         static_cast<long long>(info.budget_bytes),
         static_cast<long long>(info.used_bytes),
-        static_cast<long long>(info.free_bytes));
+        static_cast<long long>(info.free_bytes), info.data_port);
   }
   return first_error;
 }

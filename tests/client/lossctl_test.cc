@@ -114,6 +114,9 @@ TEST_F(LossctlTest, HealthAndInfo) {
   CommandResult info = Lossctl({"info"});
   EXPECT_EQ(info.exit_code, 0) << info.err;
   EXPECT_THAT(info.out, HasSubstr("device cpu"));
+  // The server picked a free data port (--data_port=0): a real one shows.
+  EXPECT_THAT(info.out, HasSubstr("data_port "));
+  EXPECT_THAT(info.out, ::testing::Not(HasSubstr("data_port 0\n")));
 }
 
 TEST_F(LossctlTest, UploadListEvalRemove) {
