@@ -971,6 +971,31 @@ int main(int argc, char** argv) {
         "GB/s | |",
         seconds, bytes / seconds / 1e9));
   }
+  // The same over data connections, as lossd::Client::Download fetches it
+  // (the scale applied on the device, the bytes sent from pinned memory over
+  // `streams` TCP connections), against raw TCP over as many connections.
+  {
+    std::vector<double> times;
+    int64_t bytes = 0;
+    for (int i = 0; i < upload_repeats; ++i) {
+      const int64_t completed = (*server)->data_plane()->completed();
+      const auto start = Clock::now();
+      absl::StatusOr<lossd::DownloadedTensor> got = client_k->Download(handle);
+      times.push_back(Seconds(start));
+      if (!got.ok()) Die(got.status().ToString());
+      if ((*server)->data_plane()->completed() != completed + streams) {
+        Die("lossd::Client did not download over its data connections");
+      }
+      bytes = static_cast<int64_t>(got->data.size());
+    }
+    const double seconds = Median(times);
+    line(absl::StrFormat(
+        "| Download gradient over %d data connections (lossd::Client::Download "
+        "with its defaults; median of %d) | %.3f s = %.2f GB/s: %.0f%% of raw "
+        "TCP (%d connections, the upload rows') | |",
+        streams, upload_repeats, seconds, bytes / seconds / 1e9,
+        100 * tcp_k / seconds, streams));
+  }
 
   // Evaluate: the same logits streamed in row blocks, after the reference for
   // its copies.
