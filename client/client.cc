@@ -1002,7 +1002,11 @@ absl::StatusOr<bool> Client::DownloadInRanges(
       return true;
     }
   }
-  if (streams < 2) return false;
+  if (streams < 2) {
+    // One stream after all: the caller fills the vector from empty.
+    if (vector != nullptr) vector->clear();
+    return false;
+  }
 
   absl::Mutex mu;
   TensorInfo first_header;
