@@ -971,6 +971,54 @@ int main(int argc, char** argv) {
         "GB/s | |",
         seconds, bytes / seconds / 1e9));
   }
+  // The same as lossd::Client fetches it into a caller's buffer (touched
+  // once before, so that no row pays for page faults): over `streams` data
+  // connections (the scale applied on the device, the bytes sent from host
+  // memory over TCP), and over as many ranged gRPC streams (data connections
+  // off), against raw TCP over as many connections (the upload rows').
+  {
+    std::vector<char> into(logits.size(), 1);
+    const std::unique_ptr<lossd::Client> ranged_client = [&] {
+      lossd::ClientOptions options;
+      options.upload_streams = streams;
+      options.data_connection = false;
+      absl::StatusOr<std::unique_ptr<lossd::Client>> made =
+          lossd::Client::Connect((*server)->address(), options);
+      if (!made.ok()) Die(made.status().ToString());
+      return *std::move(made);
+    }();
+    std::vector<double> data_times, ranged_times;
+    for (int i = 0; i < upload_repeats; ++i) {
+      const int64_t completed = (*server)->data_plane()->completed();
+      auto start = Clock::now();
+      absl::StatusOr<lossd::TensorInfo> got = client_k->DownloadInto(
+          handle, lossd::DType::kInvalid, into.data(), into.size());
+      data_times.push_back(Seconds(start));
+      if (!got.ok()) Die(got.status().ToString());
+      if ((*server)->data_plane()->completed() != completed + streams) {
+        Die("lossd::Client did not download over its data connections");
+      }
+      start = Clock::now();
+      got = ranged_client->DownloadInto(handle, lossd::DType::kInvalid,
+                                        into.data(), into.size());
+      ranged_times.push_back(Seconds(start));
+      if (!got.ok()) Die(got.status().ToString());
+    }
+    const double data_seconds = Median(data_times);
+    const double ranged_seconds = Median(ranged_times);
+    line(absl::StrFormat(
+        "| Download gradient into a buffer, %d data connections "
+        "(lossd::Client::DownloadInto; median of %d) | %.3f s = %.2f GB/s: "
+        "%.0f%% of raw TCP (%d connections, the upload rows') | |",
+        streams, upload_repeats, data_seconds, gigabytes / data_seconds,
+        100 * tcp_k / data_seconds, streams));
+    line(absl::StrFormat(
+        "| Download gradient into a buffer, %d ranged gRPC streams (the same, "
+        "data connections off) | %.3f s = %.2f GB/s: %.0f%% of raw TCP (%d "
+        "connections) | |",
+        streams, ranged_seconds, gigabytes / ranged_seconds,
+        100 * tcp_k / ranged_seconds, streams));
+  }
 
   // Evaluate: the same logits streamed in row blocks, after the reference for
   // its copies.

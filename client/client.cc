@@ -112,8 +112,8 @@ constexpr std::size_t kMessageOverheadBytes = 4096;
 // How long a data connection may take to connect before the upload goes over
 // gRPC instead.
 constexpr absl::Duration kDataConnectTimeout = absl::Seconds(5);
-// A data connection the server stops reading for this long fails the upload.
-constexpr absl::Duration kDataSendTimeout = absl::Seconds(60);
+// A data connection that moves nothing for this long fails its transfer.
+constexpr absl::Duration kDataIoTimeout = absl::Seconds(60);
 // How long a failed data connection waits for the RPC to say why.
 constexpr absl::Duration kDataFailureGrace = absl::Seconds(5);
 
@@ -648,10 +648,7 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   return uploaded;
 }
 
-std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
-    DType dtype, absl::Span<const int64_t> shape, const void* data,
-    std::size_t bytes, const std::string& label,
-    const ProgressCallback& progress) {
+std::optional<std::vector<int>> Client::OpenDataConnections() {
   if (channel_->tls) return std::nullopt;
   const std::optional<std::string> host = TargetHost(target_);
   if (!host.has_value()) return std::nullopt;
@@ -662,7 +659,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   }
   if (!port.has_value()) {
     absl::StatusOr<ServerInfo> info = GetServerInfo();
-    // Not cached: the gRPC path reports what is wrong, the next upload asks
+    // Not cached: the gRPC path reports what is wrong, the next transfer asks
     // again.
     if (!info.ok()) return std::nullopt;
     port = info->data_port;
@@ -670,13 +667,13 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     channel_->data_port = port;
   }
   if (*port == 0) return std::nullopt;
-  // As many connections as a striped upload would take (one TCP stream is
+  // As many connections as a striped transfer would take (one TCP stream is
   // capped below what loopback and fast networks carry).
   const int connections = std::clamp(options_.upload_streams, 1, 64);
   std::vector<int> fds;
   for (int i = 0; i < connections; ++i) {
     absl::StatusOr<int> fd =
-        ConnectDataPort(*host, *port, kDataConnectTimeout, kDataSendTimeout);
+        ConnectDataPort(*host, *port, kDataConnectTimeout, kDataIoTimeout);
     if (!fd.ok()) {
       for (int open : fds) close(open);
       // A port the server offers that cannot be reached from here (a
@@ -687,6 +684,43 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     }
     fds.push_back(*fd);
   }
+  return fds;
+}
+
+namespace {
+
+// Ends the RPC of a transfer over data connections with `finish`. The RPC's
+// status says why a transfer failed: the server ends the RPC before it closes
+// the connections. When a connection failed without that (one the server
+// never took), the RPC gets a short grace and is then cancelled rather than
+// left to the server's --data_timeout.
+grpc::Status FinishAfterData(grpc::ClientContext* context, bool failed,
+                             const std::function<grpc::Status()>& finish) {
+  absl::Notification finished_rpc;
+  std::thread canceller;
+  if (failed) {
+    canceller = std::thread([&] {
+      if (!finished_rpc.WaitForNotificationWithTimeout(kDataFailureGrace)) {
+        context->TryCancel();
+      }
+    });
+  }
+  const grpc::Status status = finish();
+  finished_rpc.Notify();
+  if (canceller.joinable()) canceller.join();
+  return status;
+}
+
+}  // namespace
+
+std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
+    DType dtype, absl::Span<const int64_t> shape, const void* data,
+    std::size_t bytes, const std::string& label,
+    const ProgressCallback& progress) {
+  std::optional<std::vector<int>> opened = OpenDataConnections();
+  if (!opened.has_value()) return std::nullopt;
+  std::vector<int>& fds = *opened;
+  const int connections = static_cast<int>(fds.size());
   auto close_all = [&fds] {
     for (int fd : fds) close(fd);
   };
@@ -734,22 +768,8 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
       if (!result.ok() && sent.ok()) sent = result;
     }
   }
-  // The RPC's status says why a transfer failed: the server ends the RPC
-  // before it closes the connections. A send that failed without that
-  // (a connection the server never took) gets a short grace, then the RPC is
-  // cancelled rather than left to the server's --data_timeout.
-  absl::Notification finished_rpc;
-  std::thread canceller;
-  if (!sent.ok()) {
-    canceller = std::thread([&] {
-      if (!finished_rpc.WaitForNotificationWithTimeout(kDataFailureGrace)) {
-        context.TryCancel();
-      }
-    });
-  }
-  const grpc::Status finished = writer->Finish();
-  finished_rpc.Notify();
-  if (canceller.joinable()) canceller.join();
+  const grpc::Status finished =
+      FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
   close_all();
   if (!sent.ok() &&
       (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
@@ -854,12 +874,99 @@ absl::Status Client::DownloadStream(
                         on_chunk, progress);
 }
 
+std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
+    const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
+    int64_t element_bytes, const ProgressCallback& progress) {
+  std::optional<std::vector<int>> opened = OpenDataConnections();
+  if (!opened.has_value()) return std::nullopt;
+  const std::vector<int>& fds = *opened;
+  const int connections = static_cast<int>(fds.size());
+  auto close_all = [&fds] {
+    for (int fd : fds) close(fd);
+  };
+  absl::StatusOr<std::string> token = RandomDataToken();
+  if (!token.ok()) {
+    close_all();
+    return absl::StatusOr<TensorInfo>(token.status());
+  }
+  // The preambles first: the server waits for the request that names them.
+  absl::Status failed;
+  for (int i = 0; i < connections && failed.ok(); ++i) {
+    failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], *token, i,
+                                    nullptr, 0, nullptr);
+  }
+  if (!failed.ok()) {
+    close_all();
+    return absl::StatusOr<TensorInfo>(failed);
+  }
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::DownloadRequest request;
+  request.set_handle(handle);
+  request.set_dtype(static_cast<v1::DType>(as_dtype));
+  request.set_data_token(*token);
+  request.set_data_connections(connections);
+  std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
+      channel_->lossd->Download(&context, request);
+  v1::DownloadResponse header;
+  bool received = false;
+  if (reader->Read(&header) && header.has_header() &&
+      header.header().bytes() == total) {
+    const int64_t elements = total / element_bytes;
+    absl::Mutex mu;
+    int64_t done = 0;
+    std::vector<absl::Status> results(fds.size());
+    std::vector<std::thread> receivers;
+    for (int i = 0; i < connections; ++i) {
+      receivers.emplace_back([&, i] {
+        const StripeRange range = StripeElements(elements, i, connections);
+        results[static_cast<std::size_t>(i)] = ReceiveOverDataConnection(
+            fds[static_cast<std::size_t>(i)],
+            reinterpret_cast<char*>(base) + range.first * element_bytes,
+            static_cast<std::size_t>((range.end - range.first) * element_bytes),
+            [&](std::size_t n) {
+              absl::MutexLock lock(&mu);
+              done += static_cast<int64_t>(n);
+              if (progress) progress(done, total);
+            });
+      });
+    }
+    for (std::thread& receiver : receivers) receiver.join();
+    received = true;
+    for (const absl::Status& result : results) {
+      if (!result.ok() && failed.ok()) failed = result;
+    }
+  } else if (header.has_header()) {
+    failed = absl::InternalError(absl::StrCat("the server announced ",
+                                              header.header().bytes(),
+                                              " bytes; expected ", total));
+  }
+  const grpc::Status finished = FinishAfterData(&context, !failed.ok(), [&] {
+    v1::DownloadResponse rest;
+    while (reader->Read(&rest)) {
+    }
+    return reader->Finish();
+  });
+  close_all();
+  if (!finished.ok() &&
+      !(finished.error_code() == grpc::StatusCode::CANCELLED && !failed.ok())) {
+    return absl::StatusOr<TensorInfo>(ToAbsl(finished));
+  }
+  if (!failed.ok()) return absl::StatusOr<TensorInfo>(failed);
+  if (!received) {
+    return absl::StatusOr<TensorInfo>(
+        absl::InternalError("the download ended without its header"));
+  }
+  TensorInfo info = FromProto(header.header());
+  return absl::StatusOr<TensorInfo>(std::move(info));
+}
+
 absl::StatusOr<bool> Client::DownloadInRanges(
     const std::string& handle, DType as_dtype, std::vector<uint8_t>* vector,
     void* buffer, std::size_t capacity, TensorInfo* info,
     const ProgressCallback& progress) {
   const int streams = options_.upload_streams;
-  if (streams < 2) return false;
+  if (streams < 2 && !options_.data_connection) return false;
   std::optional<Channel::Shape> known = channel_->Known(handle);
   if (!known.has_value()) {
     ASSIGN_OR_RETURN(const TensorInfo described, Describe(handle));
@@ -884,6 +991,21 @@ absl::StatusOr<bool> Client::DownloadInRanges(
           "the tensor has ", total, " bytes; the buffer holds ", capacity));
     }
     base = static_cast<uint8_t*>(buffer);
+  }
+  if (options_.data_connection) {
+    std::optional<absl::StatusOr<TensorInfo>> fetched =
+        DownloadOverDataConnections(handle, as_dtype, base, total,
+                                    element_bytes, progress);
+    if (fetched.has_value()) {
+      if (!fetched->ok()) return fetched->status();
+      *info = **fetched;
+      return true;
+    }
+  }
+  if (streams < 2) {
+    // One stream after all: the caller fills the vector from empty.
+    if (vector != nullptr) vector->clear();
+    return false;
   }
 
   absl::Mutex mu;

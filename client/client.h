@@ -247,8 +247,10 @@ class Client {
 
   // Downloads a whole tensor into memory. When it has at least
   // options().stripe_min_bytes (as sent), it is fetched as
-  // options().upload_streams byte ranges in parallel over the extra
-  // connections of striped uploads (its size from the handle's Upload or
+  // options().upload_streams data connections when the server offers them
+  // (see ClientOptions::data_connection), else as that many byte ranges in
+  // parallel over the extra connections of striped uploads (its size from
+  // the handle's Upload or
   // Describe by this client, else from a Describe first; a Backward racing
   // the ranges may leave them with different factors; a server from before
   // ranged Download gets one stream instead). Errors as DownloadStream.
@@ -333,6 +335,18 @@ class Client {
                                         void* buffer, std::size_t capacity,
                                         TensorInfo* info,
                                         const ProgressCallback& progress);
+
+  // Sockets connected to the server's data port, upload_streams of them;
+  // nullopt when this server or channel cannot take data connections (no
+  // data port, TLS, unreachable: remembered).
+  std::optional<std::vector<int>> OpenDataConnections();
+
+  // Download of the whole (converted) tensor, `total` bytes of
+  // `element_bytes`-byte elements, into `base` over data connections.
+  // nullopt when they cannot be used (the caller then takes gRPC).
+  std::optional<absl::StatusOr<TensorInfo>> DownloadOverDataConnections(
+      const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
+      int64_t element_bytes, const ProgressCallback& progress);
 
   // Upload over a data connection. nullopt when this server or channel
   // cannot take one (no data port, TLS, unreachable): the caller then

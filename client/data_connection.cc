@@ -96,7 +96,7 @@ absl::StatusOr<std::string> RandomDataToken() {
 
 absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
                                     absl::Duration connect_timeout,
-                                    absl::Duration send_timeout) {
+                                    absl::Duration io_timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -142,8 +142,9 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
     }
     // Blocking from here on: the sender has nothing else to do.
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    const timeval limit = absl::ToTimeval(send_timeout);
+    const timeval limit = absl::ToTimeval(io_timeout);
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
     connected = fd;
   }
   freeaddrinfo(found);
@@ -173,6 +174,24 @@ absl::Status SendOverDataConnection(
     if (on_sent) on_sent(n);
   }
   if (shutdown(fd, SHUT_WR) != 0) return Errno("data connection shutdown");
+  return absl::OkStatus();
+}
+
+absl::Status ReceiveOverDataConnection(
+    int fd, char* out, std::size_t bytes,
+    const std::function<void(std::size_t)>& on_received) {
+  for (std::size_t got = 0; got < bytes;) {
+    const std::size_t want = std::min(kSendPiece, bytes - got);
+    const ssize_t n = recv(fd, out + got, want, MSG_WAITALL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Errno("data connection receive");
+    if (n == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "the data connection ended after ", got, " of ", bytes, " bytes"));
+    }
+    got += static_cast<std::size_t>(n);
+    if (on_received) on_received(static_cast<std::size_t>(n));
+  }
   return absl::OkStatus();
 }
 

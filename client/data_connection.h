@@ -26,11 +26,19 @@ std::optional<std::string> TargetHost(absl::string_view target);
 absl::StatusOr<std::string> RandomDataToken();
 
 // A TCP socket to host:port, connected within `connect_timeout`, whose
-// sends fail after `send_timeout` without progress; the caller closes it.
-// UNAVAILABLE when it cannot connect in time.
+// sends and receives fail after `io_timeout` without progress; the caller
+// closes it. UNAVAILABLE when it cannot connect in time.
 absl::StatusOr<int> ConnectDataPort(
     const std::string& host, int port, absl::Duration connect_timeout,
-    absl::Duration send_timeout = absl::Seconds(60));
+    absl::Duration io_timeout = absl::Seconds(60));
+
+// Receives exactly `bytes` bytes into `out` from data connection `fd`,
+// calling on_received(n) as pieces arrive. UNAVAILABLE when the connection
+// ends early or fails (the server ended the transfer: its reason is the
+// RPC's status).
+absl::Status ReceiveOverDataConnection(
+    int fd, char* out, std::size_t bytes,
+    const std::function<void(std::size_t)>& on_received);
 
 // Sends the preamble ("LOSSDDC1", the token, `index` as 4 bytes
 // little-endian), then `bytes` bytes of `data`, calling on_sent(n) as pieces

@@ -55,13 +55,40 @@ bool ReadFully(int fd, char* out, size_t bytes) {
 
 }  // namespace
 
+absl::Status DataConnectionError(int index, int64_t done, int64_t bytes,
+                                 ssize_t result) {
+  if (result == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("data connection %d ended after %d of its %d bytes",
+                        index, done, bytes));
+  }
+  if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "data connection %d stalled after %d of %d bytes", index, done, bytes));
+  }
+  return absl::UnavailableError(
+      absl::StrFormat("data connection %d failed after %d of %d bytes: %s",
+                      index, done, bytes, std::strerror(errno)));
+}
+
+absl::Status SendOnDataConnection(int fd, int index, const char* data,
+                                  size_t bytes, int64_t done, int64_t total) {
+  for (size_t at = 0; at < bytes;) {
+    const ssize_t n = send(fd, data + at, bytes - at, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return DataConnectionError(index, done + static_cast<int64_t>(at), total,
+                                 n < 0 ? n : -1);
+    }
+    at += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 // ------------------------------------------------------------- DataTransfer
 
-DataTransfer::DataTransfer(Device* device, void* buffer,
-                           std::vector<Range> ranges, Done done)
-    : device_(device),
-      buffer_(static_cast<char*>(buffer)),
-      done_(std::move(done)) {
+DataTransfer::DataTransfer(std::vector<Range> ranges, Work work, Done done)
+    : work_(std::move(work)), done_(std::move(done)) {
   for (const Range& range : ranges) parts_.push_back(Part{range});
   remaining_ = static_cast<int>(parts_.size());
 }
@@ -98,62 +125,59 @@ bool DataTransfer::AllClaimed() const {
   return true;
 }
 
-absl::Status DataTransfer::Receive(int index, int fd, Metrics* metrics) {
+absl::Status DataTransfer::Run(int index, int fd) {
   Range range;
   {
     absl::MutexLock lock(&mu_);
     range = parts_[index].range;
   }
-  // The part's own write pipeline, keyed by its first byte (a part without
-  // bytes never writes: its address may be the next part's).
-  char* const base = buffer_ + range.offset;
-  int64_t received = 0;
-  absl::Status status;
-  while (received < range.bytes && status.ok()) {
-    absl::StatusOr<Device::HostWindow> window = device_->BeginHostWrite(
-        base, static_cast<size_t>(received),
-        static_cast<size_t>(std::min(range.bytes - received, kMaxWindowBytes)));
-    if (!window.ok()) {
-      status = window.status();
-      break;
-    }
-    char* const to = static_cast<char*>(window->host);
-    size_t got = 0;
-    while (got < window->bytes) {
-      const ssize_t n = recv(fd, to + got, window->bytes - got, MSG_WAITALL);
-      if (n > 0) {
-        got += static_cast<size_t>(n);
-        continue;
+  return work_(index, fd, range);
+}
+
+DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
+                                     Metrics* metrics) {
+  return [device, buffer = static_cast<char*>(buffer), metrics](
+             int index, int fd, const DataTransfer::Range& range) {
+    // The part's own write pipeline, keyed by its first byte (a part without
+    // bytes never writes: its address may be the next part's).
+    char* const base = buffer + range.offset;
+    int64_t received = 0;
+    absl::Status status;
+    while (received < range.bytes && status.ok()) {
+      absl::StatusOr<Device::HostWindow> window =
+          device->BeginHostWrite(base, static_cast<size_t>(received),
+                                 static_cast<size_t>(std::min(
+                                     range.bytes - received, kMaxWindowBytes)));
+      if (!window.ok()) {
+        status = window.status();
+        break;
       }
-      if (n < 0 && errno == EINTR) continue;
-      const int64_t total = received + static_cast<int64_t>(got);
-      if (n == 0) {
-        status = absl::InvalidArgumentError(
-            absl::StrFormat("data connection %d ended after %d of its %d bytes",
-                            index, total, range.bytes));
-      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        status = absl::DeadlineExceededError(
-            absl::StrFormat("data connection %d stalled after %d of %d bytes",
-                            index, total, range.bytes));
-      } else {
-        status = absl::UnavailableError(absl::StrFormat(
-            "data connection %d failed after %d of %d bytes: %s", index, total,
-            range.bytes, std::strerror(errno)));
+      char* const to = static_cast<char*>(window->host);
+      size_t got = 0;
+      while (got < window->bytes) {
+        const ssize_t n = recv(fd, to + got, window->bytes - got, MSG_WAITALL);
+        if (n > 0) {
+          got += static_cast<size_t>(n);
+          continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        status = DataConnectionError(
+            index, received + static_cast<int64_t>(got), range.bytes, n);
+        break;
       }
-      break;
+      const absl::Status committed = device->CommitHostWrite(base, got);
+      if (status.ok()) status = committed;
+      received += static_cast<int64_t>(got);
+      if (metrics != nullptr && got > 0) {
+        metrics->AddTransferBytes(TransferDirection::kUpload,
+                                  static_cast<int64_t>(got));
+      }
     }
-    const absl::Status committed = device_->CommitHostWrite(base, got);
-    if (status.ok()) status = committed;
-    received += static_cast<int64_t>(got);
-    if (metrics != nullptr && got > 0) {
-      metrics->AddTransferBytes(TransferDirection::kUpload,
-                                static_cast<int64_t>(got));
-    }
-  }
-  if (range.bytes == 0) return status;
-  // Every copy is done (or failed) before the buffer is anyone else's.
-  const absl::Status finished = device_->FinishWrites(base);
-  return status.ok() ? finished : status;
+    if (range.bytes == 0) return status;
+    // Every copy is done (or failed) before the buffer is anyone else's.
+    const absl::Status finished = device->FinishWrites(base);
+    return status.ok() ? finished : status;
+  };
 }
 
 void DataTransfer::PartDone(int index, const absl::Status& status) {
@@ -199,11 +223,8 @@ void DataTransfer::DeliverAndUnlock() {
 
 // ---------------------------------------------------------------- DataPlane
 
-absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(Device* device,
-                                                            Metrics* metrics,
-                                                            Options options) {
-  std::unique_ptr<DataPlane> plane(
-      new DataPlane(device, metrics, std::move(options)));
+absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Start(Options options) {
+  std::unique_ptr<DataPlane> plane(new DataPlane(std::move(options)));
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -283,8 +304,8 @@ void DataPlane::Stop() {
 }
 
 absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
-    const std::string& token, void* buffer,
-    std::vector<DataTransfer::Range> ranges, DataTransfer::Done done) {
+    const std::string& token, std::vector<DataTransfer::Range> ranges,
+    DataTransfer::Work work, DataTransfer::Done done) {
   if (token.size() != kDataTokenBytes) {
     return absl::InvalidArgumentError(
         absl::StrFormat("a data_token must be %d bytes, got %d",
@@ -296,7 +317,7 @@ absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
                         kMaxDataConnections, ranges.size()));
   }
   auto transfer = std::make_shared<DataTransfer>(
-      device_, buffer, std::move(ranges), std::move(done));
+      std::move(ranges), std::move(work), std::move(done));
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     return absl::UnavailableError("lossd is stopping its data connections");
@@ -379,6 +400,7 @@ void DataPlane::Serve(int fd) {
   const absl::Duration timeout = std::min(options_.timeout, absl::Hours(24));
   const timeval limit = absl::ToTimeval(timeout);
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
   char preamble[kMagicBytes + kDataTokenBytes + 4];
   if (ReadFully(fd, preamble, sizeof(preamble)) &&
       std::memcmp(preamble, kDataConnectionMagic, kMagicBytes) == 0) {
@@ -394,8 +416,7 @@ void DataPlane::Serve(int fd) {
                     absl::Now() + std::min(timeout, kRegistrationWait))
             : nullptr;
     if (transfer != nullptr) {
-      const absl::Status status =
-          transfer->Receive(static_cast<int>(index), fd, metrics_);
+      const absl::Status status = transfer->Run(static_cast<int>(index), fd);
       if (status.ok()) completed_.fetch_add(1);
       transfer->PartDone(static_cast<int>(index), status);
     }

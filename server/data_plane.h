@@ -28,29 +28,33 @@ namespace lossd {
 class Metrics;
 
 // A data connection starts with these 8 bytes, the 16-byte token and its
-// index among the upload's connections (4 bytes, little-endian).
+// index among the transfer's connections (4 bytes, little-endian).
 inline constexpr char kDataConnectionMagic[] = "LOSSDDC1";
 inline constexpr size_t kDataTokenBytes = 16;
-inline constexpr int kMaxDataConnections = 64;  // of one upload
+inline constexpr int kMaxDataConnections = 64;  // of one transfer
 
-// One expected transfer: a tensor's bytes into the device buffer `buffer`,
-// over `parts` connections, connection i carrying the byte range `ranges[i]`
-// (the elements of stripe i, as in a striped upload). Shared by the RPC that
-// registered it and the connections that serve it.
+// One expected transfer over `ranges.size()` connections, connection i
+// carrying the byte range `ranges[i]` (the elements of stripe i, as in a
+// striped upload): an upload's bytes into the device (ReceiveIntoDevice), or
+// a download's out of it. Shared by the RPC that registered it and the
+// connections that serve it.
 class DataTransfer {
  public:
   struct Range {
     int64_t offset = 0;
     int64_t bytes = 0;
   };
+  // Moves part `index`'s bytes over the connected socket `fd`; runs on the
+  // connection's thread, the parts of one transfer at once.
+  using Work =
+      std::function<absl::Status(int index, int fd, const Range& range)>;
   using Done = std::function<void(const absl::Status&)>;
-  DataTransfer(Device* device, void* buffer, std::vector<Range> ranges,
-               Done done);
+  DataTransfer(std::vector<Range> ranges, Work work, Done done);
   DataTransfer(const DataTransfer&) = delete;
   DataTransfer& operator=(const DataTransfer&) = delete;
 
-  // Stops the transfer: shuts its connections and returns once no byte is
-  // written into the buffer any more. `done` is not called after this
+  // Stops the transfer: shuts its connections and returns once no part's
+  // work runs any more. `done` is not called after this
   // returns unless it had already started (the caller must tell that call
   // apart itself, e.g. by who ends the RPC). Any thread; may hold a lock
   // that `done` takes (`done` runs after the writes).
@@ -72,8 +76,8 @@ class DataTransfer {
   bool Claim(int index, int fd) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether every part has its connection.
   bool AllClaimed() const ABSL_LOCKS_EXCLUDED(mu_);
-  // The claimed part's bytes from `fd`, into the device.
-  absl::Status Receive(int index, int fd, Metrics* metrics);
+  // Runs the work of the claimed part `index` on `fd`.
+  absl::Status Run(int index, int fd) ABSL_LOCKS_EXCLUDED(mu_);
   // Part `index` ended with `status` after its writes; the first error fails
   // the transfer and stops the other parts.
   void PartDone(int index, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
@@ -83,8 +87,7 @@ class DataTransfer {
   // (unless cancelled). Releases the lock first.
   void DeliverAndUnlock() ABSL_UNLOCK_FUNCTION(mu_);
 
-  Device* const device_;
-  char* const buffer_;
+  const Work work_;
   const Done done_;
   mutable absl::Mutex mu_;
   std::vector<Part> parts_ ABSL_GUARDED_BY(mu_);
@@ -94,6 +97,24 @@ class DataTransfer {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool delivered_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// The work of an upload's transfer: part `index`'s bytes from the socket into
+// `buffer + range.offset` on `device`, through the device's host windows
+// (pinned staging on CUDA; no copy of its own), counted in `metrics` (may be
+// null). All of them on the device when it returns OK.
+DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
+                                     Metrics* metrics);
+
+// The status of data connection `index` whose recv or send returned `result`
+// (0: the peer closed; -1: errno says why) after `done` of its `bytes` bytes:
+// INVALID_ARGUMENT (ended early), DEADLINE_EXCEEDED (stalled), UNAVAILABLE.
+absl::Status DataConnectionError(int index, int64_t done, int64_t bytes,
+                                 ssize_t result);
+
+// Sends `bytes` bytes at `data` on data connection `index` whose `done` of
+// `total` bytes are already out: DataConnectionError's statuses on failure.
+absl::Status SendOnDataConnection(int fd, int index, const char* data,
+                                  size_t bytes, int64_t done, int64_t total);
 
 // The listener of data connections and the registry of expected transfers.
 class DataPlane {
@@ -110,10 +131,7 @@ class DataPlane {
   };
 
   // Listens on host:port. UNAVAILABLE when the address cannot be bound.
-  // `device` and `metrics` (may be null) must outlive it.
-  static absl::StatusOr<std::unique_ptr<DataPlane>> Start(Device* device,
-                                                          Metrics* metrics,
-                                                          Options options);
+  static absl::StatusOr<std::unique_ptr<DataPlane>> Start(Options options);
   DataPlane(const DataPlane&) = delete;
   DataPlane& operator=(const DataPlane&) = delete;
   ~DataPlane() { Stop(); }
@@ -126,15 +144,15 @@ class DataPlane {
   // Data connections whose bytes all arrived, since the start.
   int64_t completed() const { return completed_.load(); }
 
-  // Expects `ranges.size()` connections with `token` (connection i for
-  // ranges[i] of the device buffer `buffer`); `done` gets the transfer's
+  // Expects `ranges.size()` connections with `token` (connection i runs
+  // `work` for ranges[i]); `done` gets the transfer's
   // outcome (from a connection's thread or the sweeper), once, unless the
   // transfer is cancelled first. INVALID_ARGUMENT for a token that is not
   // kDataTokenBytes long or is already registered, or a count of ranges
   // outside [1, kMaxDataConnections].
   absl::StatusOr<std::shared_ptr<DataTransfer>> Expect(
-      const std::string& token, void* buffer,
-      std::vector<DataTransfer::Range> ranges, DataTransfer::Done done)
+      const std::string& token, std::vector<DataTransfer::Range> ranges,
+      DataTransfer::Work work, DataTransfer::Done done)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -143,8 +161,7 @@ class DataPlane {
     absl::Time deadline;
   };
 
-  DataPlane(Device* device, Metrics* metrics, Options options)
-      : device_(device), metrics_(metrics), options_(std::move(options)) {}
+  explicit DataPlane(Options options) : options_(std::move(options)) {}
   void AcceptLoop();
   void Serve(int fd);
   // Claims part `index` of the transfer of `token` for `fd`, waiting up to
@@ -158,8 +175,6 @@ class DataPlane {
   // with `all`).
   void Expire(bool all) ABSL_LOCKS_EXCLUDED(mu_);
 
-  Device* const device_;
-  Metrics* const metrics_;
   const Options options_;
   absl::Mutex stop_mu_;  // Stop runs once at a time
   int listen_fd_ = -1;

@@ -182,8 +182,8 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     data_options.host = config.host;
     data_options.port = config.data_port;
     data_options.timeout = config.data_timeout;
-    absl::StatusOr<std::unique_ptr<DataPlane>> plane = DataPlane::Start(
-        server->device_.get(), server->metrics_.get(), data_options);
+    absl::StatusOr<std::unique_ptr<DataPlane>> plane =
+        DataPlane::Start(data_options);
     if (!plane.ok()) return plane.status();
     server->data_plane_ = std::move(*plane);
     service_options.data_plane = server->data_plane_.get();

@@ -297,12 +297,13 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
 
 class UploadReactor;
 
-// The link between an assembly and one attached stripe's reactor (or between
-// a data transfer and its upload's reactor). Shared, so that the first party
-// to claim it is the only one to end the RPC and nobody touches the reactor
-// after it ended (gRPC deletes it in OnDone).
-struct StripeLink {
-  explicit StripeLink(UploadReactor* owner) : reactor(owner) {}
+// The link between a party that may end an RPC from outside its reactor (a
+// striped upload's assembly, a data transfer) and the reactor. Shared, so
+// that the first party to claim it is the only one to end the RPC and nobody
+// touches the reactor after it ended (gRPC deletes it in OnDone).
+template <typename Reactor>
+struct EndLink {
+  explicit EndLink(Reactor* owner) : reactor(owner) {}
   // The right to end the RPC; false when another party has it.
   bool Claim() ABSL_LOCKS_EXCLUDED(mu) {
     absl::MutexLock lock(&mu);
@@ -310,10 +311,57 @@ struct StripeLink {
     claimed = true;
     return true;
   }
-  UploadReactor* const reactor;  // alive until its RPC ends
+  Reactor* const reactor;  // alive until its RPC ends
   absl::Mutex mu;
   bool claimed ABSL_GUARDED_BY(mu) = false;
 };
+using StripeLink = EndLink<UploadReactor>;
+
+// The data_token and data_connections of an Upload header or a Download
+// request: OK when there is no token (and no count), or a token the data
+// plane can take; `otherwise` says what the client can do instead.
+absl::Status CheckDataConnections(const LossdService* service,
+                                  const std::string& token, int connections,
+                                  const char* otherwise) {
+  if (token.empty()) {
+    if (connections != 0) {
+      return absl::InvalidArgumentError(
+          "data_connections without a data_token");
+    }
+    return absl::OkStatus();
+  }
+  if (service->options().data_plane == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this server offers no data connections "
+                     "(ServerInfo.data_port is 0); ",
+                     otherwise));
+  }
+  if (token.size() != kDataTokenBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a data_token must be %d bytes, got %d",
+                        kDataTokenBytes, token.size()));
+  }
+  if (connections < 0 || connections > kMaxDataConnections) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("data_connections must be in [0, %d], got %d",
+                        kMaxDataConnections, connections));
+  }
+  return absl::OkStatus();
+}
+
+// The byte ranges of `connections` data connections carrying `elements`
+// elements of `element_bytes` each: connection i the elements of stripe i.
+std::vector<DataTransfer::Range> DataRanges(int64_t elements,
+                                            int64_t element_bytes,
+                                            int connections) {
+  std::vector<DataTransfer::Range> ranges;
+  for (int i = 0; i < connections; ++i) {
+    const ElementRange range = StripeElements(elements, i, connections);
+    ranges.push_back({range.first * element_bytes,
+                      (range.end - range.first) * element_bytes});
+  }
+  return ranges;
+}
 
 // Ends the RPC of each link not claimed yet: with `status`, and on OK with a
 // response describing `info`. Call holding no assembly or registry lock.
@@ -651,28 +699,9 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         }
         if (admission_.draining()) return DrainingError();
         ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
-        if (!header.data_token().empty()) {
-          DataPlane* const plane = service_->options().data_plane;
-          if (plane == nullptr) {
-            return absl::FailedPreconditionError(
-                "this server offers no data connections (ServerInfo.data_port "
-                "is 0); send the bytes as chunks");
-          }
-          if (header.data_token().size() != kDataTokenBytes) {
-            return absl::InvalidArgumentError(
-                absl::StrFormat("a data_token must be %d bytes, got %d",
-                                kDataTokenBytes, header.data_token().size()));
-          }
-          if (header.data_connections() < 0 ||
-              header.data_connections() > kMaxDataConnections) {
-            return absl::InvalidArgumentError(absl::StrFormat(
-                "data_connections must be in [0, %d], got %d",
-                kMaxDataConnections, header.data_connections()));
-          }
-        } else if (header.data_connections() != 0) {
-          return absl::InvalidArgumentError(
-              "data_connections without a data_token");
-        }
+        RETURN_IF_ERROR(CheckDataConnections(service_, header.data_token(),
+                                             header.data_connections(),
+                                             "send the bytes as chunks"));
         ASSIGN_OR_RETURN(pending_, service_->store()->Create(
                                        admission_.tenant(), spec.dtype,
                                        std::move(spec.shape), header.label()));
@@ -694,20 +723,17 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // with the data plane, whose outcome ends the RPC (EndFromTransfer).
   absl::Status ExpectData(const pb::TensorHeader& header)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const int connections = std::max(1, header.data_connections());
     int64_t elements = 1;
     for (int64_t dim : header.shape()) elements *= dim;
-    const int64_t element_bytes = pending_->bytes() / elements;
-    std::vector<DataTransfer::Range> ranges;
-    for (int i = 0; i < connections; ++i) {
-      const ElementRange range = StripeElements(elements, i, connections);
-      ranges.push_back({range.first * element_bytes,
-                        (range.end - range.first) * element_bytes});
-    }
+    std::vector<DataTransfer::Range> ranges =
+        DataRanges(elements, pending_->bytes() / elements,
+                   std::max(1, header.data_connections()));
     auto link = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(
         transfer_, service_->options().data_plane->Expect(
-                       header.data_token(), pending_->data(), std::move(ranges),
+                       header.data_token(), std::move(ranges),
+                       ReceiveIntoDevice(service_->store()->device(),
+                                         pending_->data(), service_->metrics()),
                        [link](const absl::Status& status) {
                          if (link->Claim())
                            link->reactor->EndFromTransfer(status);
@@ -1184,6 +1210,9 @@ class UnreachableReadReactor final : public grpc::ServerReadReactor<Request> {
 
 // ---------------------------------------------------------------- Download
 
+class DownloadReactor;
+using DownloadLink = EndLink<DownloadReactor>;
+
 class DownloadReactor final
     : public grpc::ServerWriteReactor<pb::DownloadResponse> {
  public:
@@ -1201,11 +1230,27 @@ class DownloadReactor final
     }
     absl::MutexLock lock(&mu_);
     StartWrite(&response_);
-    Prefetch();
+    if (transfer_ != nullptr) {
+      writing_header_ = true;
+    } else {
+      Prefetch();
+    }
   }
 
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
+    if (transfer_ != nullptr) {
+      // The header of a download over data connections: the RPC ends when
+      // the transfer does (or now, if it already did).
+      writing_header_ = false;
+      if (deferred_.has_value()) {
+        End(ok ? ToGrpcStatus(*deferred_)
+               : grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
+      } else if (!ok && link_->Claim()) {
+        End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
+      }
+      return;
+    }
     if (!ok) {
       End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
       return;
@@ -1224,10 +1269,33 @@ class DownloadReactor final
     Prefetch();
   }
 
+  // A download over data connections has no write in flight while its
+  // transfer runs: cancellation (or the deadline) only shows here.
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (transfer_ == nullptr || writing_header_ || !link_->Claim()) return;
+    End(grpc::Status(grpc::StatusCode::CANCELLED,
+                     "the download was cancelled"));
+  }
+
   void OnDone() override {
     lease_ = ReadLease();
     admission_.Release();
     delete this;
+  }
+
+  // The data connections' outcome, from the transfer's last connection (or
+  // the data plane's sweeper), by the party that claimed the link.
+  void EndFromTransfer(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (writing_header_) {
+        deferred_ = status;  // OnWriteDone ends the RPC
+        return;
+      }
+    }
+    // Outside mu_: once finished, gRPC may delete this reactor at any time.
+    End(ToGrpcStatus(status));
   }
 
  private:
@@ -1236,6 +1304,9 @@ class DownloadReactor final
     ASSIGN_OR_RETURN(
         DownloadSpec spec,
         ValidateDownloadRequest(request, service_->options().max_chunk_bytes));
+    RETURN_IF_ERROR(CheckDataConnections(service_, request.data_token(),
+                                         request.data_connections(),
+                                         "download without a data_token"));
     DType as_dtype = spec.dtype;
     ASSIGN_OR_RETURN(
         std::shared_ptr<Tensor> tensor,
@@ -1263,7 +1334,58 @@ class DownloadReactor final
     info.pending_scale = lease_.view().scale;
     info.pending_token_scale = !lease_.view().row_scale.empty();
     ToProto(info, response_.mutable_header());
+    if (request.data_token().empty()) return absl::OkStatus();
+    auto link = std::make_shared<DownloadLink>(this);
+    ASSIGN_OR_RETURN(transfer_,
+                     service_->options().data_plane->Expect(
+                         request.data_token(),
+                         DataRanges(range.end - range.first, out_size,
+                                    std::max(1, request.data_connections())),
+                         SendWork(range.first, out_size),
+                         [link](const absl::Status& status) {
+                           if (link->Claim())
+                             link->reactor->EndFromTransfer(status);
+                         }));
+    link_ = std::move(link);
     return absl::OkStatus();
+  }
+
+  // The work of one data connection: its elements, converted and scaled on
+  // the device in pieces of at least kDataPieceBytes, sent as they come.
+  // Runs while the lease is held (End cancels the transfer, which waits for
+  // every connection's work to stop, before it lets the lease go).
+  DataTransfer::Work SendWork(int64_t first, int64_t out_size) {
+    const Tensor* const tensor = lease_.tensor().get();
+    const ReadView* const view = &lease_.view();
+    const int64_t piece = std::max(chunk_elements_, kDataPieceBytes / out_size);
+    return [tensor, view, first, out_size, piece, dtype = dtype_,
+            metrics = service_->metrics()](
+               int index, int fd,
+               const DataTransfer::Range& range) -> absl::Status {
+      const int64_t count = range.bytes / out_size;
+      const int64_t start = first + range.offset / out_size;
+      std::vector<char> host(
+          static_cast<size_t>(std::min(count, piece) * out_size));
+      int64_t sent = 0;
+      for (int64_t done = 0; done < count;) {
+        const int64_t n = std::min(piece, count - done);
+        RETURN_IF_ERROR(tensor->device()->ReadConverted(
+            tensor->data(), tensor->dtype(), start + done, n,
+            tensor->row_length(), static_cast<float>(view->scale),
+            view->row_scale.empty() ? nullptr : view->row_scale.data(),
+            host.data(), dtype));
+        const size_t bytes = static_cast<size_t>(n * out_size);
+        RETURN_IF_ERROR(SendOnDataConnection(fd, index, host.data(), bytes,
+                                             sent, range.bytes));
+        sent += static_cast<int64_t>(bytes);
+        done += n;
+        if (metrics != nullptr) {
+          metrics->AddTransferBytes(TransferDirection::kDownload,
+                                    static_cast<int64_t>(bytes));
+        }
+      }
+      return absl::OkStatus();
+    };
   }
 
   // Reads the next chunk into spare_ while response_ is being sent, so that
@@ -1296,6 +1418,8 @@ class DownloadReactor final
   // Finishes the RPC with `status`. Recorded before Finish, so that a client
   // that has its status also sees it counted.
   void End(const grpc::Status& status) {
+    // No data connection reads the tensor any more.
+    if (transfer_ != nullptr) transfer_->Cancel();
     service_->RecordRpc("Download", status.error_code(), start_);
     // The read lease ends before the client can see the status, so that an
     // RPC it sends next (Backward with materialize) does not find the tensor
@@ -1303,6 +1427,9 @@ class DownloadReactor final
     lease_ = ReadLease();
     Finish(status);
   }
+
+  // What a data connection's piece of the download is at least.
+  static constexpr int64_t kDataPieceBytes = int64_t{4} << 20;
 
   LossdService* const service_;
   const absl::Time start_ = absl::Now();
@@ -1318,6 +1445,13 @@ class DownloadReactor final
   int64_t chunk_elements_ = 0;
   int64_t next_element_ = 0;
   Admission admission_;
+  // A download over data connections: its transfer, the link that ties the
+  // transfer's outcome to this RPC, and that outcome when it came while the
+  // header was still being written.
+  std::shared_ptr<DataTransfer> transfer_;
+  std::shared_ptr<DownloadLink> link_;
+  bool writing_header_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<absl::Status> deferred_ ABSL_GUARDED_BY(mu_);
 };
 
 // ---------------------------------------------------------------- Evaluate

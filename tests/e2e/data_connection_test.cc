@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -182,9 +183,14 @@ TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
     EXPECT_EQ(uploaded->label, "dc");
     expected_completed += kStreams;
     EXPECT_EQ(Completed(), expected_completed);
+    // The download comes back over data connections too.
     absl::StatusOr<DownloadedTensor> got = client->Download(uploaded->handle);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == bytes);
+    EXPECT_EQ(got->info.bytes, static_cast<int64_t>(bytes.size()));
+    // (A single element comes as one gRPC stream.)
+    if (elements > 1) expected_completed += kStreams;
+    EXPECT_EQ(Completed(), expected_completed);
     ASSERT_TRUE(client->Release(uploaded->handle).ok());
   }
   // Off in the options: gRPC chunks, the data plane sees nothing.
@@ -194,6 +200,101 @@ TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
       grpc_only->Upload(DType::kInt32, {1024}, bytes.data(), bytes.size());
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
   EXPECT_EQ(Completed(), expected_completed);
+}
+
+// A download over data connections gives the same bytes as over gRPC: with
+// a conversion (fp32 sent as bf16), a pending grad_output factor, into the
+// caller's buffer; one connection and several.
+TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
+  Start();
+  const int64_t rows = 37, vocab = 4099;  // uneven splits
+  std::vector<float> logits(static_cast<size_t>(rows * vocab));
+  std::mt19937 random(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : logits) v = normal(random);
+  std::vector<int64_t> targets(static_cast<size_t>(rows));
+  for (int64_t& t : targets) t = static_cast<int64_t>(random() % vocab);
+  std::unique_ptr<Client> grpc_only = MakeClient(false);
+  absl::StatusOr<TensorInfo> uploaded =
+      grpc_only->Upload(DType::kFloat32, {rows, vocab}, logits.data(),
+                        logits.size() * sizeof(float));
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  for (DType as : {DType::kInvalid, DType::kBFloat16}) {
+    SCOPED_TRACE(as == DType::kInvalid ? "as stored" : "as bf16");
+    absl::StatusOr<DownloadedTensor> reference =
+        grpc_only->Download(uploaded->handle, as);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    for (int streams : {1, 3}) {
+      SCOPED_TRACE(absl::StrCat(streams, " connections"));
+      std::unique_ptr<Client> client = MakeClient(true, streams);
+      const int64_t before = Completed();
+      absl::StatusOr<DownloadedTensor> got =
+          client->Download(uploaded->handle, as);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(Completed(), before + streams);
+      EXPECT_TRUE(got->data == reference->data);
+      EXPECT_EQ(got->info.dtype, reference->info.dtype);
+      std::vector<uint8_t> buffer(reference->data.size());
+      absl::StatusOr<TensorInfo> into = client->DownloadInto(
+          uploaded->handle, as, buffer.data(), buffer.size());
+      ASSERT_TRUE(into.ok()) << into.status();
+      EXPECT_TRUE(buffer == reference->data);
+    }
+  }
+}
+
+// A Download with a token: the same checks as an upload's, nothing changes;
+// a missing connection ends it DEADLINE_EXCEEDED and a client that goes away
+// mid-download ends it without harming the tensor.
+TEST_F(DataConnectionTest, DownloadErrors) {
+  Start(0, absl::Seconds(1));
+  std::unique_ptr<Client> client = MakeClient(false);
+  const std::string bytes = RandomBytes(4 << 20, 21);
+  absl::StatusOr<TensorInfo> uploaded =
+      client->Upload(DType::kFloat32, {1 << 20}, bytes.data(), bytes.size());
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  auto download = [&](const std::string& token, int connections,
+                      bool read_header) {
+    grpc::ClientContext context;
+    pb::DownloadRequest request;
+    request.set_handle(uploaded->handle);
+    request.set_data_token(token);
+    request.set_data_connections(connections);
+    std::unique_ptr<grpc::ClientReader<pb::DownloadResponse>> reader =
+        stub_->Download(&context, request);
+    pb::DownloadResponse response;
+    if (read_header) {
+      EXPECT_TRUE(reader->Read(&response));
+      EXPECT_TRUE(response.has_header());
+    }
+    while (reader->Read(&response)) {
+    }
+    return reader->Finish();
+  };
+  EXPECT_EQ(download(std::string(15, 't'), 0, false).error_code(),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(download("", 2, false).error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(download(Token('t'), 65, false).error_code(),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(download(Token('u'), 1, true).error_code(),
+            StatusCode::DEADLINE_EXCEEDED);
+  {
+    SCOPED_TRACE("the client goes away mid-download");
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('v'), 0)));
+    std::thread drop([fd] {
+      char some[1000];
+      recv(fd, some, sizeof(some), MSG_WAITALL);
+      shutdown(fd, SHUT_RDWR);
+      close(fd);
+    });
+    const grpc::Status status = download(Token('v'), 1, true);
+    drop.join();
+    EXPECT_FALSE(status.ok());
+  }
+  absl::StatusOr<DownloadedTensor> intact = client->Download(uploaded->handle);
+  ASSERT_TRUE(intact.ok()) << intact.status();
+  EXPECT_TRUE(std::string(intact->data.begin(), intact->data.end()) == bytes);
 }
 
 // Several uploads at once, each over its own data connection.
@@ -223,7 +324,7 @@ TEST_F(DataConnectionTest, ConcurrentUploads) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == payloads[i]);
   }
-  EXPECT_EQ(Completed(), kUploads * kStreams);
+  EXPECT_EQ(Completed(), 2 * kUploads * kStreams);  // uploads and downloads
 }
 
 // A server without data connections: the client uploads over gRPC, and a
@@ -236,6 +337,10 @@ TEST_F(DataConnectionTest, ServerWithoutDataPort) {
   absl::StatusOr<TensorInfo> uploaded =
       client->Upload(DType::kFloat32, {1 << 18}, bytes.data(), bytes.size());
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+
+  absl::StatusOr<DownloadedTensor> got = client->Download(uploaded->handle);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == bytes);
   ASSERT_TRUE(client->Release(uploaded->handle).ok());
 
   RawDataUpload upload(stub_.get(), Token('a'), {4});
@@ -583,7 +688,7 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
         << "upload " << i;
     ASSERT_TRUE(client->Release(results[i]->handle).ok());
   }
-  EXPECT_EQ(Completed(), static_cast<int64_t>(payloads.size()) * kStreams);
+  EXPECT_EQ(Completed(), 2 * static_cast<int64_t>(payloads.size()) * kStreams);
 
   RawDataUpload upload(stub_.get(), Token('o'), {16 << 20});
   ASSERT_TRUE(upload.SendHeader());
