@@ -117,6 +117,11 @@ bool DataTransfer::Claim(int index, int fd) {
   return true;
 }
 
+bool DataTransfer::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
 bool DataTransfer::AllClaimed() const {
   absl::MutexLock lock(&mu_);
   for (const Part& part : parts_) {
@@ -328,7 +333,7 @@ absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
            .second) {
     return absl::InvalidArgumentError(
         "this data_token is already registered; use a fresh random one for "
-        "every upload");
+        "every transfer");
   }
   return transfer;
 }
@@ -349,6 +354,11 @@ std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
   return transfer;
 }
 
+int DataPlane::registered() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(expected_.size());
+}
+
 void DataPlane::Expire(bool all) {
   std::vector<std::shared_ptr<DataTransfer>> overdue;
   {
@@ -358,6 +368,8 @@ void DataPlane::Expire(bool all) {
       if (all || it->second.deadline <= now) {
         overdue.push_back(std::move(it->second.transfer));
         expected_.erase(it++);
+      } else if (it->second.transfer->cancelled()) {
+        expected_.erase(it++);  // its RPC ended: no connection is awaited
       } else {
         ++it;
       }
@@ -365,9 +377,9 @@ void DataPlane::Expire(bool all) {
   }
   const absl::Status status =
       all ? absl::UnavailableError("lossd stopped its data connections")
-          : absl::DeadlineExceededError(
-                absl::StrCat("no data connection came for this upload within ",
-                             absl::FormatDuration(options_.timeout)));
+          : absl::DeadlineExceededError(absl::StrCat(
+                "not every data connection of this transfer came within ",
+                absl::FormatDuration(options_.timeout)));
   for (const std::shared_ptr<DataTransfer>& transfer : overdue) {
     transfer->Fail(status);
   }

@@ -59,6 +59,8 @@ class DataTransfer {
   // apart itself, e.g. by who ends the RPC). Any thread; may hold a lock
   // that `done` takes (`done` runs after the writes).
   void Cancel() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether Cancel was called.
+  bool cancelled() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   friend class DataPlane;
@@ -143,6 +145,9 @@ class DataPlane {
   int port() const { return port_; }
   // Data connections whose bytes all arrived, since the start.
   int64_t completed() const { return completed_.load(); }
+  // Transfers registered and still waiting for a connection. A cancelled
+  // one (its RPC ended) leaves at the next sweep.
+  int registered() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Expects `ranges.size()` connections with `token` (connection i runs
   // `work` for ranges[i]); `done` gets the transfer's
@@ -182,7 +187,7 @@ class DataPlane {
   int port_ = 0;
   std::thread acceptor_;
   std::atomic<int64_t> completed_{0};
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Expected> expected_ ABSL_GUARDED_BY(mu_);
   int connections_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<int, bool> open_fds_ ABSL_GUARDED_BY(mu_);

@@ -275,7 +275,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
                  config.host.c_str(), server->metrics_->port());
   }
   if (server->data_plane_ != nullptr) {
-    std::fprintf(stderr, "lossd: upload data connections on %s:%d\n",
+    std::fprintf(stderr, "lossd: data connections on %s:%d\n",
                  config.host.c_str(), server->data_plane_->port());
   }
   std::fprintf(stderr,

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -1351,9 +1352,10 @@ class DownloadReactor final
   }
 
   // The work of one data connection: its elements, converted and scaled on
-  // the device in pieces of at least kDataPieceBytes, sent as they come.
-  // Runs while the lease is held (End cancels the transfer, which waits for
-  // every connection's work to stop, before it lets the lease go).
+  // the device in pieces of at least kDataPieceBytes, sent as they come. Two
+  // host buffers: the next piece is read (on a helper thread) while this one
+  // is sent. Runs while the lease is held (End cancels the transfer, which
+  // waits for every connection's work to stop, before it lets the lease go).
   DataTransfer::Work SendWork(int64_t first, int64_t out_size) {
     const Tensor* const tensor = lease_.tensor().get();
     const ReadView* const view = &lease_.view();
@@ -1364,19 +1366,36 @@ class DownloadReactor final
                const DataTransfer::Range& range) -> absl::Status {
       const int64_t count = range.bytes / out_size;
       const int64_t start = first + range.offset / out_size;
-      std::vector<char> host(
-          static_cast<size_t>(std::min(count, piece) * out_size));
-      int64_t sent = 0;
-      for (int64_t done = 0; done < count;) {
-        const int64_t n = std::min(piece, count - done);
-        RETURN_IF_ERROR(tensor->device()->ReadConverted(
-            tensor->data(), tensor->dtype(), start + done, n,
+      auto read = [&](int64_t at, int64_t n, char* into) {
+        return tensor->device()->ReadConverted(
+            tensor->data(), tensor->dtype(), start + at, n,
             tensor->row_length(), static_cast<float>(view->scale),
-            view->row_scale.empty() ? nullptr : view->row_scale.data(),
-            host.data(), dtype));
+            view->row_scale.empty() ? nullptr : view->row_scale.data(), into,
+            dtype);
+      };
+      const size_t buffer_bytes =
+          static_cast<size_t>(std::min(count, piece) * out_size);
+      std::vector<char> host[2];
+      host[0].resize(buffer_bytes);
+      if (count > piece) host[1].resize(buffer_bytes);
+      RETURN_IF_ERROR(read(0, std::min(piece, count), host[0].data()));
+      int64_t sent = 0;
+      for (int64_t done = 0, k = 0; done < count; ++k) {
+        const int64_t n = std::min(piece, count - done);
+        const int64_t next = std::min(piece, count - done - n);
+        // Joined before anything returns: no read outlives the work.
+        std::future<absl::Status> reading;
+        if (next > 0) {
+          reading = std::async(std::launch::async, read, done + n, next,
+                               host[(k + 1) % 2].data());
+        }
         const size_t bytes = static_cast<size_t>(n * out_size);
-        RETURN_IF_ERROR(SendOnDataConnection(fd, index, host.data(), bytes,
-                                             sent, range.bytes));
+        const absl::Status sending = SendOnDataConnection(
+            fd, index, host[k % 2].data(), bytes, sent, range.bytes);
+        const absl::Status read_next =
+            reading.valid() ? reading.get() : absl::OkStatus();
+        RETURN_IF_ERROR(sending);
+        RETURN_IF_ERROR(read_next);
         sent += static_cast<int64_t>(bytes);
         done += n;
         if (metrics != nullptr) {

@@ -83,6 +83,17 @@ class DataConnectionTest : public ::testing::Test {
 
   int64_t Completed() const { return server_->data_plane()->completed(); }
 
+  // Whether the data plane holds `count` registered transfers within
+  // `timeout`.
+  bool AwaitRegistered(int count, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (server_->data_plane()->registered() != count) {
+      if (absl::Now() >= deadline) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  }
+
   std::unique_ptr<LossdServer> server_;
   std::unique_ptr<pb::Lossd::Stub> stub_;
 };
@@ -633,6 +644,26 @@ TEST_F(DataConnectionTest, CancelledMidTransfer) {
   EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
   close(fd);
   ExpectEmptyStore();
+}
+
+// An upload cancelled before its connection came leaves the data plane's
+// registry at the next sweep (not at its data_timeout), and a connection that
+// comes for it later is closed unread.
+TEST_F(DataConnectionTest, CancelledBeforeConnectionIsForgotten) {
+  Start(0, /*data_timeout=*/absl::Seconds(4));
+  RawDataUpload upload(stub_.get(), Token('q'), {1024});
+  ASSERT_TRUE(upload.SendHeader(/*writes_done=*/false));
+  ASSERT_TRUE(AwaitRegistered(1, absl::Seconds(10)));
+  upload.context()->TryCancel();
+  EXPECT_EQ(upload.Finish().error_code(), StatusCode::CANCELLED);
+  // Well before the data timeout (the sweep runs every 250 ms).
+  EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(2.5)));
+  const int late = ConnectData();
+  ASSERT_TRUE(SendAll(late, Preamble(Token('q')) + RandomBytes(4096, 6)));
+  EXPECT_TRUE(ClosedByServer(late, absl::Seconds(10)));
+  close(late);
+  ExpectEmptyStore();
+  EXPECT_EQ(Completed(), 0);
 }
 
 // A server that stops (drains) while an upload waits for its connection ends
