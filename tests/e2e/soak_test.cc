@@ -6,11 +6,15 @@
 //
 // LOSSD_SOAK_CLIENTS (default 8), LOSSD_SOAK_SECONDS (default 10; 60 for the
 // long run), LOSSD_TEST_SEED (default fixed) tune it.
+#include <dirent.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -21,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/data_connection.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/float16.h"
@@ -36,6 +41,39 @@ using Code = grpc::StatusCode;
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* text = std::getenv(name);
   return text != nullptr ? std::strtoll(text, nullptr, 0) : fallback;
+}
+
+// Open file descriptors of this process (sockets included).
+int OpenDescriptors() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (readdir(dir) != nullptr) ++count;
+  closedir(dir);
+  return count - 3;  // ".", ".." and the directory's own descriptor
+}
+
+// What the open descriptors are, e.g. "socket x3, anon_inode:[eventfd] x2"
+// (for a failure's message).
+std::string DescriptorKinds() {
+  std::map<std::string, int> kinds;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return "?";
+  while (const dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    char target[256] = {};
+    const std::string path = absl::StrCat("/proc/self/fd/", entry->d_name);
+    if (readlink(path.c_str(), target, sizeof(target) - 1) < 0) continue;
+    std::string kind = target;
+    kind = kind.substr(0, kind.find(":["));  // socket:[123] -> socket
+    ++kinds[kind];
+  }
+  closedir(dir);
+  std::string out;
+  for (const auto& [kind, count] : kinds) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", kind, " x", count);
+  }
+  return out;
 }
 
 // Resident memory of this process (the server runs in it), in bytes.
@@ -119,8 +157,8 @@ struct Owned {
 // One client: its own channel, random generator and tensors.
 class SoakClient {
  public:
-  SoakClient(const std::string& address, int id, unsigned seed)
-      : id_(id), rng_(seed) {
+  SoakClient(const std::string& address, int data_port, int id, unsigned seed)
+      : id_(id), data_port_(data_port), rng_(seed) {
     grpc::ChannelArguments args;
     // A distinct argument gives each client its own connection.
     args.SetInt("lossd.soak_client", id);
@@ -138,16 +176,20 @@ class SoakClient {
     if (!Reconnect()) return;
     while (absl::Now() < end) {
       const int dice = Uniform(0, 99);
-      if (dice < 17) {
+      if (dice < 13) {
         Upload();
+      } else if (dice < 17) {
+        DataUpload();
       } else if (dice < 22) {
         StripedUpload();
       } else if (dice < 40) {
         Forward();
       } else if (dice < 50) {
         Backward();
-      } else if (dice < 68) {
+      } else if (dice < 63) {
         Download();
+      } else if (dice < 68) {
+        DataDownload();
       } else if (dice < 82) {
         Evaluate();
       } else if (dice < 92) {
@@ -420,6 +462,217 @@ class SoakClient {
           absl::StrCat("client ", id_, " striped Upload: wrong size"));
     }
     owned_.push_back(std::move(tensor));
+  }
+
+  // The first element of part `i` of `count` over `elements` elements (the
+  // split of stripes and data connections).
+  static int64_t PartStart(int64_t elements, int i, int count) {
+    return elements * i / count;
+  }
+
+  // `count` sockets connected to the data port; empty (and an unexpected
+  // failure) when one cannot be made.
+  std::vector<int> ConnectData(int count) {
+    std::vector<int> fds;
+    for (int i = 0; i < count; ++i) {
+      absl::StatusOr<int> fd = ConnectDataPort(
+          "127.0.0.1", data_port_, absl::Seconds(5), absl::Seconds(10));
+      if (!fd.ok()) {
+        figures_.unexpected.push_back(absl::StrCat(
+            "client ", id_, " data connection: ", fd.status().ToString()));
+        for (int open : fds) close(open);
+        return {};
+      }
+      fds.push_back(*fd);
+    }
+    return fds;
+  }
+
+  // An Upload whose bytes go over 1-3 data connections. Sometimes one
+  // connection ends short (INVALID_ARGUMENT), sometimes the last one never
+  // sends and the RPC is cancelled (CANCELLED), sometimes the deadline is
+  // tight; nothing is stored unless it ends OK.
+  void DataUpload() {
+    if (owned_.size() >= kMaxOwned) Release(/*any=*/true);
+    Owned tensor = RandomTensor();
+    const int count = Uniform(1, 3);
+    const int mode = Uniform(0, 99);
+    const bool short_part = mode < 10;
+    const bool cancel = mode >= 10 && mode < 25;
+    absl::StatusOr<std::string> token = RandomDataToken();
+    if (!token.ok()) {
+      figures_.unexpected.push_back(token.status().ToString());
+      return;
+    }
+    std::vector<int> fds = ConnectData(count);
+    if (fds.empty()) return;
+    grpc::ClientContext context;
+    bool with_deadline = false;
+    if (!short_part && !cancel) MaybeDeadline(&context, &with_deadline);
+    pb::UploadResponse response;
+    auto writer = stub_->Upload(&context, &response);
+    pb::UploadRequest request;
+    pb::TensorHeader* header = request.mutable_header();
+    header->set_dtype(tensor.dtype);
+    header->add_shape(tensor.rows);
+    header->add_shape(tensor.vocab);
+    header->set_data_token(*token);
+    header->set_data_connections(count);
+    header->set_label(absl::StrCat("soak ", id_, " data",
+                                   cancel ? " cancelled" : "",
+                                   with_deadline ? " deadline" : ""));
+    if (writer->Write(request)) writer->WritesDone();
+    const int64_t elements = tensor.rows * tensor.vocab;
+    const int64_t element_bytes =
+        static_cast<int64_t>(tensor.bytes.size()) / elements;
+    std::vector<std::thread> senders;
+    // When cancelling, the last connection sends nothing: the upload cannot
+    // complete before the cancellation.
+    const int sending = cancel ? count - 1 : count;
+    for (int i = 0; i < sending; ++i) {
+      senders.emplace_back([&, i] {
+        const int64_t first = PartStart(elements, i, count) * element_bytes;
+        int64_t bytes =
+            PartStart(elements, i + 1, count) * element_bytes - first;
+        // The last part always holds an element: half of it is short.
+        if (short_part && i == count - 1) bytes /= 2;
+        // A failed send is the RPC's to explain.
+        SendOverDataConnection(fds[static_cast<size_t>(i)], *token, i,
+                               tensor.bytes.data() + first,
+                               static_cast<size_t>(bytes), nullptr)
+            .IgnoreError();
+      });
+    }
+    for (std::thread& sender : senders) sender.join();
+    if (cancel) context.TryCancel();
+    const grpc::Status status = writer->Finish();
+    for (int fd : fds) close(fd);
+    if (cancel) {
+      Check("Upload (data, cancelled)", status, {Code::CANCELLED});
+      return;
+    }
+    if (short_part) {
+      Check("Upload (data, short)", status, {Code::INVALID_ARGUMENT});
+      return;
+    }
+    if (with_deadline) {
+      Check("Upload (data, deadline)", status,
+            {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check("Upload (data)", status, {Code::OK});
+    }
+    if (!status.ok()) return;
+    figures_.bytes_uploaded += static_cast<int64_t>(tensor.bytes.size());
+    tensor.handle = response.tensor().handle();
+    if (response.tensor().bytes() !=
+        static_cast<int64_t>(tensor.bytes.size())) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " data Upload: wrong size"));
+    }
+    owned_.push_back(std::move(tensor));
+  }
+
+  // A Download whose bytes come over 1-3 data connections. Sometimes the RPC
+  // is cancelled once the header came, sometimes the client closes its
+  // connections unread (the server's sends may fail: UNAVAILABLE, or the
+  // bytes fit the socket buffers: OK), sometimes the deadline is tight.
+  void DataDownload() {
+    Owned* tensor = Pick([](const Owned&) { return true; });
+    if (tensor == nullptr) return DataUpload();
+    static constexpr pb::DType kTypes[] = {
+        pb::DTYPE_UNSPECIFIED, pb::DTYPE_FLOAT32, pb::DTYPE_BFLOAT16,
+        pb::DTYPE_FLOAT16};
+    const int count = Uniform(1, 3);
+    const int mode = Uniform(0, 99);
+    const bool cancel = mode < 15;
+    const bool abandon = mode >= 15 && mode < 25;
+    absl::StatusOr<std::string> token = RandomDataToken();
+    if (!token.ok()) {
+      figures_.unexpected.push_back(token.status().ToString());
+      return;
+    }
+    std::vector<int> fds = ConnectData(count);
+    if (fds.empty()) return;
+    for (int i = 0; i < count; ++i) {
+      SendOverDataConnection(fds[static_cast<size_t>(i)], *token, i, nullptr, 0,
+                             nullptr)
+          .IgnoreError();
+    }
+    pb::DownloadRequest request;
+    request.set_handle(tensor->handle);
+    request.set_dtype(tensor->vocab > 0 ? kTypes[Uniform(0, 3)]
+                                        : pb::DTYPE_UNSPECIFIED);
+    request.set_data_token(*token);
+    request.set_data_connections(count);
+    grpc::ClientContext context;
+    bool with_deadline = false;
+    if (!cancel && !abandon) MaybeDeadline(&context, &with_deadline);
+    auto reader = stub_->Download(&context, request);
+    pb::DownloadResponse response;
+    const bool headed = reader->Read(&response) && response.has_header();
+    const int64_t total = headed ? response.header().bytes() : 0;
+    const int64_t elements =
+        tensor->rows * (tensor->vocab > 0 ? tensor->vocab : 1);
+    std::string bytes(static_cast<size_t>(total), '\0');
+    std::vector<absl::Status> received(static_cast<size_t>(count));
+    if (cancel) context.TryCancel();
+    if (abandon) {
+      for (int fd : fds) close(fd);
+      fds.clear();
+    }
+    if (headed && !cancel && !abandon && total % elements == 0) {
+      const int64_t element_bytes = total / elements;
+      std::vector<std::thread> receivers;
+      for (int i = 0; i < count; ++i) {
+        receivers.emplace_back([&, i] {
+          const int64_t first = PartStart(elements, i, count) * element_bytes;
+          const int64_t end = PartStart(elements, i + 1, count) * element_bytes;
+          received[static_cast<size_t>(i)] = ReceiveOverDataConnection(
+              fds[static_cast<size_t>(i)], bytes.data() + first,
+              static_cast<size_t>(end - first), nullptr);
+        });
+      }
+      for (std::thread& receiver : receivers) receiver.join();
+    }
+    while (reader->Read(&response)) {
+    }
+    const grpc::Status status = reader->Finish();
+    for (int fd : fds) close(fd);
+    if (!status.ok()) tensor->maybe_read = true;
+    if (cancel) {
+      Check("Download (data, cancelled)", status, {Code::OK, Code::CANCELLED});
+      return;
+    }
+    if (abandon) {
+      Check("Download (data, abandoned)", status,
+            {Code::OK, Code::UNAVAILABLE});
+      return;
+    }
+    if (with_deadline) {
+      Check("Download (data, deadline)", status,
+            {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check("Download (data)", status, {Code::OK});
+    }
+    if (!status.ok()) return;
+    for (const absl::Status& one : received) {
+      if (!one.ok()) {
+        figures_.unexpected.push_back(
+            absl::StrCat("client ", id_, " data Download: ", one.ToString()));
+        return;
+      }
+    }
+    figures_.bytes_downloaded += total;
+    if (!headed || total % elements != 0) {
+      figures_.unexpected.push_back(absl::StrCat(
+          "client ", id_, " data Download: header says ", total, " bytes"));
+    } else if (!tensor->bytes.empty() &&
+               (request.dtype() == pb::DTYPE_UNSPECIFIED ||
+                request.dtype() == tensor->dtype) &&
+               bytes != tensor->bytes) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " data Download: bytes differ"));
+    }
   }
 
   void Forward() {
@@ -708,6 +961,7 @@ class SoakClient {
   }
 
   const int id_;
+  const int data_port_;
   std::mt19937 rng_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::Lossd::Stub> stub_;
@@ -733,8 +987,13 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
   config.drain_timeout = absl::Seconds(20);
   // A striped upload whose cancelled stripe never attached waits this long.
   config.stripe_timeout = absl::Seconds(2);
+  // Data connections on a free port; the RPC deadlines of the soak end
+  // transfers long before this.
+  config.data_port = 0;
+  config.data_timeout = absl::Seconds(10);
   auto server = LossdServer::Start(config);
   ASSERT_TRUE(server.ok()) << server.status();
+  const int fds_start = OpenDescriptors();
 
   const int64_t rss_start = ResidentBytes();
   const absl::Time start = absl::Now();
@@ -742,7 +1001,8 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
   std::vector<std::unique_ptr<SoakClient>> soak_clients;
   for (int id = 0; id < clients; ++id) {
     soak_clients.push_back(std::make_unique<SoakClient>(
-        (*server)->address(), id, seed + static_cast<unsigned>(id)));
+        (*server)->address(), (*server)->data_port(), id,
+        seed + static_cast<unsigned>(id)));
   }
   std::vector<std::thread> threads;
   for (auto& client : soak_clients) {
@@ -761,6 +1021,18 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
 
   Figures total;
   for (auto& client : soak_clients) total.Add(client->figures());
+  // Every socket of the clients' channels and of the data connections gets
+  // closed (the server closes its ends as it sees them end), and cancelled
+  // transfers leave the data plane's registry at its next sweep.
+  soak_clients.clear();
+  int fds_end = OpenDescriptors();
+  int registered = (*server)->data_plane()->registered();
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while ((fds_end > fds_start || registered > 0) && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(50));
+    fds_end = OpenDescriptors();
+    registered = (*server)->data_plane()->registered();
+  }
   // An Upload whose deadline expired just as the server committed it is a
   // tensor the client never got the handle of (the reply raced the client's
   // timer; the server saw no cancellation). Only those may remain: they are
@@ -788,13 +1060,15 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
       "errors, %d cancellations, %d deadlines, %d not sent (no connection), "
       "%d unexpected; %.1f MiB up, "
       "%.1f MiB down, %.1f MiB evaluated; %d upload-deadline orphans; left: "
-      "%d tensors, %d bytes; RSS "
+      "%d tensors, %d bytes; %d data connections completed, %d transfers "
+      "registered; descriptors start %d, end %d; RSS "
       "start %.1f MiB, warm %.1f MiB, peak %.1f MiB, end %.1f MiB%s",
       clients, seconds, total.requests, total.requests / seconds, total.ok,
       total.expected_errors, total.cancellations, total.deadlines,
       total.connect_failures, total.unexpected.size(),
       total.bytes_uploaded / kMiB, total.bytes_downloaded / kMiB,
       total.bytes_evaluated / kMiB, orphans, stats.tensors, stats.used_bytes,
+      (*server)->data_plane()->completed(), registered, fds_start, fds_end,
       rss_start / kMiB, rss_warm / kMiB, rss_peak / kMiB, rss_end / kMiB,
       kSanitized ? " (ASan)" : "");
   std::printf("%s\n", summary.c_str());
@@ -811,6 +1085,9 @@ TEST(SoakTest, MixedTrafficWithCancellationsLeavesNothingBehind) {
   EXPECT_GT(total.ok, 0);
   EXPECT_GT(total.cancellations, 0);
   EXPECT_TRUE(drained);
+  EXPECT_GT((*server)->data_plane()->completed(), 0);
+  EXPECT_EQ(registered, 0);
+  EXPECT_LE(fds_end, fds_start) << DescriptorKinds();
   EXPECT_EQ(stats.tensors, 0);
   EXPECT_EQ(stats.used_bytes, 0);
   // Growth from warm to the end: a leak of anything per request would show
