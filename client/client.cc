@@ -879,25 +879,16 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     int64_t element_bytes, const ProgressCallback& progress) {
   std::optional<std::vector<int>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
-  const std::vector<int>& fds = *opened;
+  std::vector<int> fds = *std::move(opened);
   const int connections = static_cast<int>(fds.size());
   auto close_all = [&fds] {
     for (int fd : fds) close(fd);
+    fds.clear();
   };
   absl::StatusOr<std::string> token = RandomDataToken();
   if (!token.ok()) {
     close_all();
     return absl::StatusOr<TensorInfo>(token.status());
-  }
-  // The preambles first: the server waits for the request that names them.
-  absl::Status failed;
-  for (int i = 0; i < connections && failed.ok(); ++i) {
-    failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], *token, i,
-                                    nullptr, 0, nullptr);
-  }
-  if (!failed.ok()) {
-    close_all();
-    return absl::StatusOr<TensorInfo>(failed);
   }
   grpc::ClientContext context;
   PrepareContext(options_, &context);
@@ -908,39 +899,56 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
   request.set_data_connections(connections);
   std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
       channel_->lossd->Download(&context, request);
+  // The header comes once the server registered the transfer: the
+  // connections name it only then, so none waits on a request still queued.
   v1::DownloadResponse header;
+  absl::Status failed;
   bool received = false;
-  if (reader->Read(&header) && header.has_header() &&
-      header.header().bytes() == total) {
-    const int64_t elements = total / element_bytes;
-    absl::Mutex mu;
-    int64_t done = 0;
-    std::vector<absl::Status> results(fds.size());
-    std::vector<std::thread> receivers;
-    for (int i = 0; i < connections; ++i) {
-      receivers.emplace_back([&, i] {
-        const StripeRange range = StripeElements(elements, i, connections);
-        results[static_cast<std::size_t>(i)] = ReceiveOverDataConnection(
-            fds[static_cast<std::size_t>(i)],
-            reinterpret_cast<char*>(base) + range.first * element_bytes,
-            static_cast<std::size_t>((range.end - range.first) * element_bytes),
-            [&](std::size_t n) {
-              absl::MutexLock lock(&mu);
-              done += static_cast<int64_t>(n);
-              if (progress) progress(done, total);
-            });
-      });
+  bool mismatch = false;  // the client's own finding, not the server's
+  if (reader->Read(&header) && header.has_header()) {
+    if (header.header().bytes() != total) {
+      mismatch = true;
+      failed = absl::DataLossError(absl::StrCat("the server announced ",
+                                                header.header().bytes(),
+                                                " bytes; expected ", total));
     }
-    for (std::thread& receiver : receivers) receiver.join();
-    received = true;
-    for (const absl::Status& result : results) {
-      if (!result.ok() && failed.ok()) failed = result;
+    for (int i = 0; i < connections && failed.ok(); ++i) {
+      failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], *token,
+                                      i, nullptr, 0, nullptr);
     }
-  } else if (header.has_header()) {
-    failed = absl::InternalError(absl::StrCat("the server announced ",
-                                              header.header().bytes(),
-                                              " bytes; expected ", total));
+    if (failed.ok()) {
+      const int64_t elements = total / element_bytes;
+      absl::Mutex mu;
+      int64_t done = 0;
+      std::vector<absl::Status> results(fds.size());
+      std::vector<std::thread> receivers;
+      for (int i = 0; i < connections; ++i) {
+        receivers.emplace_back([&, i] {
+          const StripeRange range = StripeElements(elements, i, connections);
+          results[static_cast<std::size_t>(i)] = ReceiveOverDataConnection(
+              fds[static_cast<std::size_t>(i)],
+              reinterpret_cast<char*>(base) + range.first * element_bytes,
+              static_cast<std::size_t>((range.end - range.first) *
+                                       element_bytes),
+              [&](std::size_t n) {
+                absl::MutexLock lock(&mu);
+                done += static_cast<int64_t>(n);
+                if (progress) progress(done, total);
+              });
+        });
+      }
+      for (std::thread& receiver : receivers) receiver.join();
+      received = true;
+      for (const absl::Status& result : results) {
+        if (!result.ok() && failed.ok()) failed = result;
+      }
+    }
   }
+  // A failed transfer's connections go first: a server still sending on
+  // them stops at once. A header that is not what was asked for ends the RPC
+  // here (its connections never announced themselves).
+  if (!failed.ok()) close_all();
+  if (mismatch) context.TryCancel();
   const grpc::Status finished = FinishAfterData(&context, !failed.ok(), [&] {
     v1::DownloadResponse rest;
     while (reader->Read(&rest)) {
@@ -948,6 +956,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     return reader->Finish();
   });
   close_all();
+  if (mismatch) return absl::StatusOr<TensorInfo>(failed);
   if (!finished.ok() &&
       !(finished.error_code() == grpc::StatusCode::CANCELLED && !failed.ok())) {
     return absl::StatusOr<TensorInfo>(ToAbsl(finished));

@@ -27,7 +27,13 @@ constexpr std::size_t kTokenBytes = 16;
 // What one send() is given: progress is reported at this granularity.
 constexpr std::size_t kSendPiece = std::size_t{4} << 20;
 
+// UNAVAILABLE, or DEADLINE_EXCEEDED when the socket's timeout ran out (no
+// progress for the io_timeout of ConnectDataPort).
 absl::Status Errno(const std::string& what) {
+  if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(what, ": no progress within the data connection timeout"));
+  }
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 

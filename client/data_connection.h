@@ -35,7 +35,7 @@ absl::StatusOr<int> ConnectDataPort(
 // Receives exactly `bytes` bytes into `out` from data connection `fd`,
 // calling on_received(n) as pieces arrive. UNAVAILABLE when the connection
 // ends early or fails (the server ended the transfer: its reason is the
-// RPC's status).
+// RPC's status), DEADLINE_EXCEEDED when nothing came for io_timeout.
 absl::Status ReceiveOverDataConnection(
     int fd, char* out, std::size_t bytes,
     const std::function<void(std::size_t)>& on_received);
@@ -44,7 +44,8 @@ absl::Status ReceiveOverDataConnection(
 // little-endian), then `bytes` bytes of `data`, calling on_sent(n) as pieces
 // go out, then closes the sending side. UNAVAILABLE when the connection
 // fails (usually the server ended the transfer: its reason is the Upload
-// RPC's status).
+// RPC's status), DEADLINE_EXCEEDED when the server took nothing for
+// io_timeout.
 absl::Status SendOverDataConnection(
     int fd, const std::string& token, int index, const char* data,
     std::size_t bytes, const std::function<void(std::size_t)>& on_sent);

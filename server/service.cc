@@ -11,6 +11,7 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -1224,12 +1225,15 @@ class DownloadReactor final
       End(ToGrpcStatus(admission_.status()));
       return;
     }
+    // Held from here: a transfer over data connections may end as soon as
+    // Start registers it (on a connection's thread); its outcome then waits
+    // here and finds the header being written.
+    absl::MutexLock lock(&mu_);
     const absl::Status status = Start(context, request);
     if (!status.ok()) {
       End(ToGrpcStatus(status));
       return;
     }
-    absl::MutexLock lock(&mu_);
     StartWrite(&response_);
     if (transfer_ != nullptr) {
       writing_header_ = true;
@@ -1247,8 +1251,10 @@ class DownloadReactor final
       if (deferred_.has_value()) {
         End(ok ? ToGrpcStatus(*deferred_)
                : grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
-      } else if (!ok && link_->Claim()) {
-        End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"));
+      } else if ((!ok || cancelled_) && link_->Claim()) {
+        End(grpc::Status(
+            grpc::StatusCode::CANCELLED,
+            ok ? "the download was cancelled" : "the stream broke"));
       }
       return;
     }
@@ -1274,7 +1280,12 @@ class DownloadReactor final
   // transfer runs: cancellation (or the deadline) only shows here.
   void OnCancel() override {
     absl::MutexLock lock(&mu_);
-    if (transfer_ == nullptr || writing_header_ || !link_->Claim()) return;
+    if (transfer_ == nullptr) return;
+    if (writing_header_) {
+      cancelled_ = true;  // OnWriteDone ends the RPC
+      return;
+    }
+    if (!link_->Claim()) return;
     End(grpc::Status(grpc::StatusCode::CANCELLED,
                      "the download was cancelled"));
   }
@@ -1386,14 +1397,22 @@ class DownloadReactor final
         // Joined before anything returns: no read outlives the work.
         std::future<absl::Status> reading;
         if (next > 0) {
-          reading = std::async(std::launch::async, read, done + n, next,
-                               host[(k + 1) % 2].data());
+          try {
+            reading = std::async(std::launch::async, read, done + n, next,
+                                 host[(k + 1) % 2].data());
+          } catch (const std::system_error&) {
+            // No thread to be had: the next piece is read after this one.
+          }
         }
         const size_t bytes = static_cast<size_t>(n * out_size);
         const absl::Status sending = SendOnDataConnection(
             fd, index, host[k % 2].data(), bytes, sent, range.bytes);
-        const absl::Status read_next =
-            reading.valid() ? reading.get() : absl::OkStatus();
+        absl::Status read_next;
+        if (reading.valid()) {
+          read_next = reading.get();
+        } else if (next > 0 && sending.ok()) {
+          read_next = read(done + n, next, host[(k + 1) % 2].data());
+        }
         RETURN_IF_ERROR(sending);
         RETURN_IF_ERROR(read_next);
         sent += static_cast<int64_t>(bytes);
@@ -1471,6 +1490,7 @@ class DownloadReactor final
   std::shared_ptr<DownloadLink> link_;
   bool writing_header_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<absl::Status> deferred_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;  // while writing the header
 };
 
 // ---------------------------------------------------------------- Evaluate

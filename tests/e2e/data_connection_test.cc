@@ -732,6 +732,39 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
   ExpectEmptyStore();
 }
 
+// A data connection on which nothing arrives (or nothing is taken) for its
+// io_timeout fails DEADLINE_EXCEEDED, not as a broken connection.
+TEST(DataConnectionTimeoutTest, NoProgressIsDeadlineExceeded) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(
+      bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
+      0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(
+      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  // The kernel completes the connection; nobody ever reads or writes it.
+  absl::StatusOr<int> fd =
+      ConnectDataPort("127.0.0.1", ntohs(address.sin_port), absl::Seconds(5),
+                      absl::Milliseconds(200));
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  std::string into(16, '\0');
+  const absl::Status received =
+      ReceiveOverDataConnection(*fd, into.data(), into.size(), nullptr);
+  EXPECT_EQ(received.code(), absl::StatusCode::kDeadlineExceeded) << received;
+  // Sends stall once the socket buffers are full.
+  const std::string big(64 << 20, 'x');
+  const absl::Status sent = SendOverDataConnection(
+      *fd, std::string(16, 't'), 0, big.data(), big.size(), nullptr);
+  EXPECT_EQ(sent.code(), absl::StatusCode::kDeadlineExceeded) << sent;
+  close(*fd);
+  close(listener);
+}
+
 TEST(TargetHostTest, ParsesTargets) {
   EXPECT_EQ(TargetHost("127.0.0.1:50051"), "127.0.0.1");
   EXPECT_EQ(TargetHost("lossd-0.lossd:50051"), "lossd-0.lossd");
