@@ -388,16 +388,31 @@ void DataPlane::Expire(bool all) {
 void DataPlane::AcceptLoop() {
   pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
   for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      // At the cap, new connections wait in the listen backlog (their
+      // transfers' data_timeout still runs) until a served one ends.
+      fds[0].events =
+          connections_ < options_.max_connections ? POLLIN : short{0};
+    }
     const int ready = poll(fds, 2, kSweepMillis);
     Expire(/*all=*/false);
     if (ready < 0 && errno != EINTR) return;
-    if (fds[1].revents != 0) return;
+    if ((fds[1].revents & POLLIN) != 0) {
+      // Stop, or a served connection ended at the cap: the loop's head says.
+      uint64_t count = 0;
+      if (read(wake_fd_, &count, sizeof(count)) < 0) {
+        // Nothing to drain: the head of the loop decides either way.
+      }
+      continue;
+    }
     if (ready <= 0 || (fds[0].revents & POLLIN) == 0) continue;
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     {
       absl::MutexLock lock(&mu_);
-      if (stopping_ || connections_ >= options_.max_connections) {
+      if (stopping_) {
         close(fd);
         continue;
       }
@@ -436,7 +451,14 @@ void DataPlane::Serve(int fd) {
   absl::MutexLock lock(&mu_);
   open_fds_.erase(fd);
   close(fd);
-  --connections_;
+  if (connections_-- == options_.max_connections) {
+    // A slot is free: the listener takes the next waiting connection. Under
+    // mu_, so that Stop (which waits for no connection) has not closed it.
+    const uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) {
+      // The listener still looks again at its next sweep tick.
+    }
+  }
 }
 
 }  // namespace lossd

@@ -127,8 +127,9 @@ class DataPlane {
     // A registered transfer without a connection, a connection without its
     // preamble, or one that sends nothing, fails after this long.
     absl::Duration timeout = absl::Seconds(60);
-    // Connections served at once; more are closed at once. Each holds two
-    // pinned staging buffers on CUDA (8 MiB at the default staging size).
+    // Connections served at once; more wait in the listen backlog (128)
+    // until one ends. Each upload connection holds two pinned staging
+    // buffers on CUDA (8 MiB at the default staging size).
     int max_connections = 64;
   };
 
@@ -183,7 +184,9 @@ class DataPlane {
   const Options options_;
   absl::Mutex stop_mu_;  // Stop runs once at a time
   int listen_fd_ = -1;
-  int wake_fd_ = -1;  // an eventfd that ends AcceptLoop
+  // An eventfd that wakes AcceptLoop: to stop, or to take a waiting
+  // connection once a served one ended at the cap.
+  int wake_fd_ = -1;
   int port_ = 0;
   std::thread acceptor_;
   std::atomic<int64_t> completed_{0};

@@ -17,11 +17,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/data_plane.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"
 #include "tests/e2e/test_server.h"
@@ -730,6 +732,59 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
   EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
   close(fd);
   ExpectEmptyStore();
+}
+
+// At the cap of connections served at once, further connections wait in the
+// listen backlog until a served one ends, instead of being turned away: a
+// transfer with more parts than the cap still completes.
+TEST(DataPlaneTest, ConnectionsBeyondTheCapWait) {
+  DataPlane::Options options;
+  options.host = "127.0.0.1";
+  options.timeout = absl::Seconds(20);
+  options.max_connections = 1;
+  absl::StatusOr<std::unique_ptr<DataPlane>> plane = DataPlane::Start(options);
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  constexpr int kParts = 3;
+  constexpr int64_t kPartBytes = 2 << 20;  // more than the socket buffers
+  const std::string bytes = RandomBytes(kParts * kPartBytes, 7);
+  std::string into(bytes.size(), '\0');
+  std::vector<DataTransfer::Range> ranges;
+  for (int i = 0; i < kParts; ++i)
+    ranges.push_back({i * kPartBytes, kPartBytes});
+  absl::Notification done;
+  absl::Status outcome;
+  absl::StatusOr<std::shared_ptr<DataTransfer>> transfer = (*plane)->Expect(
+      Token('w'), ranges,
+      [&into](int, int fd, const DataTransfer::Range& range) {
+        return ReceiveOverDataConnection(fd, into.data() + range.offset,
+                                         static_cast<size_t>(range.bytes),
+                                         nullptr);
+      },
+      [&](const absl::Status& status) {
+        outcome = status;
+        done.Notify();
+      });
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  std::vector<std::thread> senders;
+  for (int i = 0; i < kParts; ++i) {
+    senders.emplace_back([&, i] {
+      absl::StatusOr<int> fd =
+          ConnectDataPort("127.0.0.1", (*plane)->port(), absl::Seconds(5));
+      ASSERT_TRUE(fd.ok()) << fd.status();
+      EXPECT_TRUE(SendOverDataConnection(*fd, Token('w'), i,
+                                         bytes.data() + i * kPartBytes,
+                                         kPartBytes, nullptr)
+                      .ok());
+      // Until the server closes it: the part was received.
+      EXPECT_TRUE(ClosedByServer(*fd, absl::Seconds(15)));
+      close(*fd);
+    });
+  }
+  for (std::thread& sender : senders) sender.join();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(15)));
+  EXPECT_TRUE(outcome.ok()) << outcome;
+  EXPECT_TRUE(into == bytes);
+  EXPECT_EQ((*plane)->completed(), kParts);
 }
 
 // A data connection on which nothing arrives (or nothing is taken) for its
