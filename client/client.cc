@@ -648,7 +648,8 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   return uploaded;
 }
 
-std::optional<std::vector<int>> Client::OpenDataConnections() {
+std::optional<absl::StatusOr<Client::DataConnections>>
+Client::OpenDataConnections() {
   if (channel_->tls) return std::nullopt;
   const std::optional<std::string> host = TargetHost(target_);
   if (!host.has_value()) return std::nullopt;
@@ -684,10 +685,32 @@ std::optional<std::vector<int>> Client::OpenDataConnections() {
     }
     fds.push_back(*fd);
   }
-  return fds;
+  absl::StatusOr<std::string> token = RandomDataToken();
+  if (!token.ok()) {
+    for (int open : fds) close(open);
+    return absl::StatusOr<DataConnections>(token.status());
+  }
+  return absl::StatusOr<DataConnections>(
+      DataConnections{std::move(fds), *std::move(token)});
 }
 
 namespace {
+
+// Closes a transfer's data connections when it goes, or at Close.
+class ConnectionCloser {
+ public:
+  explicit ConnectionCloser(std::vector<int>* fds) : fds_(fds) {}
+  ConnectionCloser(const ConnectionCloser&) = delete;
+  ConnectionCloser& operator=(const ConnectionCloser&) = delete;
+  ~ConnectionCloser() { Close(); }
+  void Close() {
+    for (int fd : *fds_) close(fd);
+    fds_->clear();
+  }
+
+ private:
+  std::vector<int>* const fds_;
+};
 
 // Ends the RPC of a transfer over data connections with `finish`. The RPC's
 // status says why a transfer failed: the server ends the RPC before it closes
@@ -717,18 +740,13 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     DType dtype, absl::Span<const int64_t> shape, const void* data,
     std::size_t bytes, const std::string& label,
     const ProgressCallback& progress) {
-  std::optional<std::vector<int>> opened = OpenDataConnections();
+  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
-  std::vector<int>& fds = *opened;
+  if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
+  std::vector<int>& fds = (*opened)->fds;
+  const std::string& token = (*opened)->token;
+  ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
-  auto close_all = [&fds] {
-    for (int fd : fds) close(fd);
-  };
-  absl::StatusOr<std::string> token = RandomDataToken();
-  if (!token.ok()) {
-    close_all();
-    return absl::StatusOr<TensorInfo>(token.status());
-  }
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::UploadRequest request;
@@ -736,7 +754,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   header->set_dtype(static_cast<v1::DType>(dtype));
   header->mutable_shape()->Add(shape.begin(), shape.end());
   header->set_label(label);
-  header->set_data_token(*token);
+  header->set_data_token(token);
   header->set_data_connections(connections);
   v1::UploadResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
@@ -753,7 +771,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
       senders.emplace_back([&, i] {
         const StripeRange range = StripeElements(elements, i, connections);
         results[static_cast<std::size_t>(i)] = SendOverDataConnection(
-            fds[static_cast<std::size_t>(i)], *token, i,
+            fds[static_cast<std::size_t>(i)], token, i,
             static_cast<const char*>(data) + range.first * element_bytes,
             static_cast<std::size_t>((range.end - range.first) * element_bytes),
             [&](std::size_t n) {
@@ -770,7 +788,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   }
   const grpc::Status finished =
       FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
-  close_all();
+  closer.Close();
   if (!sent.ok() &&
       (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
     return absl::StatusOr<TensorInfo>(sent);
@@ -877,25 +895,19 @@ absl::Status Client::DownloadStream(
 std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
     int64_t element_bytes, const ProgressCallback& progress) {
-  std::optional<std::vector<int>> opened = OpenDataConnections();
+  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
-  std::vector<int> fds = *std::move(opened);
+  if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
+  std::vector<int>& fds = (*opened)->fds;
+  const std::string& token = (*opened)->token;
+  ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
-  auto close_all = [&fds] {
-    for (int fd : fds) close(fd);
-    fds.clear();
-  };
-  absl::StatusOr<std::string> token = RandomDataToken();
-  if (!token.ok()) {
-    close_all();
-    return absl::StatusOr<TensorInfo>(token.status());
-  }
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::DownloadRequest request;
   request.set_handle(handle);
   request.set_dtype(static_cast<v1::DType>(as_dtype));
-  request.set_data_token(*token);
+  request.set_data_token(token);
   request.set_data_connections(connections);
   std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
       channel_->lossd->Download(&context, request);
@@ -913,7 +925,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
                                                 " bytes; expected ", total));
     }
     for (int i = 0; i < connections && failed.ok(); ++i) {
-      failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], *token,
+      failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], token,
                                       i, nullptr, 0, nullptr);
     }
     if (failed.ok()) {
@@ -947,7 +959,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
   // A failed transfer's connections go first: a server still sending on
   // them stops at once. A header that is not what was asked for ends the RPC
   // here (its connections never announced themselves).
-  if (!failed.ok()) close_all();
+  if (!failed.ok()) closer.Close();
   if (mismatch) context.TryCancel();
   const grpc::Status finished = FinishAfterData(&context, !failed.ok(), [&] {
     v1::DownloadResponse rest;
@@ -955,7 +967,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     }
     return reader->Finish();
   });
-  close_all();
+  closer.Close();
   if (mismatch) return absl::StatusOr<TensorInfo>(failed);
   if (!finished.ok() &&
       !(finished.error_code() == grpc::StatusCode::CANCELLED && !failed.ok())) {

@@ -336,10 +336,16 @@ class Client {
                                         TensorInfo* info,
                                         const ProgressCallback& progress);
 
-  // Sockets connected to the server's data port, upload_streams of them;
+  // Sockets connected to the server's data port, upload_streams of them,
+  // and a fresh token for one transfer over them (the caller closes them).
+  struct DataConnections {
+    std::vector<int> fds;
+    std::string token;
+  };
   // nullopt when this server or channel cannot take data connections (no
-  // data port, TLS, unreachable: remembered).
-  std::optional<std::vector<int>> OpenDataConnections();
+  // data port, TLS, unreachable: remembered); an error when no token could
+  // be drawn.
+  std::optional<absl::StatusOr<DataConnections>> OpenDataConnections();
 
   // Download of the whole (converted) tensor, `total` bytes of
   // `element_bytes`-byte elements, into `base` over data connections.

@@ -362,13 +362,33 @@ class SoakClient {
       Check("Upload", status, {Code::OK});
     }
     if (!status.ok()) return;
-    tensor.handle = response.tensor().handle();
-    if (response.tensor().bytes() !=
-        static_cast<int64_t>(tensor.bytes.size())) {
+    Keep(std::move(tensor), response.tensor(), "Upload");
+  }
+
+  // Owns an uploaded tensor, which the server must describe as its size.
+  void Keep(Owned tensor, const pb::TensorInfo& uploaded, const char* what) {
+    tensor.handle = uploaded.handle();
+    if (uploaded.bytes() != static_cast<int64_t>(tensor.bytes.size())) {
       figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " Upload: wrong size"));
+          absl::StrCat("client ", id_, " ", what, ": wrong size"));
     }
     owned_.push_back(std::move(tensor));
+  }
+
+  // The bytes of a Download that ended OK: as many as its header said, and
+  // the uploaded ones when they were asked for unconverted.
+  void CheckDownloaded(const char* what, const Owned& tensor, pb::DType dtype,
+                       const std::string& bytes, int64_t announced) {
+    if (static_cast<int64_t>(bytes.size()) != announced) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " ", what, ": ", bytes.size(),
+                       " bytes, header says ", announced));
+    } else if (!tensor.bytes.empty() &&
+               (dtype == pb::DTYPE_UNSPECIFIED || dtype == tensor.dtype) &&
+               bytes != tensor.bytes) {
+      figures_.unexpected.push_back(
+          absl::StrCat("client ", id_, " ", what, ": bytes differ"));
+    }
   }
 
   // One tensor as 2-4 stripes, each its own stream on its own thread (the
@@ -447,21 +467,15 @@ class SoakClient {
       }
     }
     if (cancelled >= 0 || lost || !statuses[0].ok()) return;
-    tensor.handle = responses[0].tensor().handle();
     for (int i = 1; i < count; ++i) {
-      if (responses[i].tensor().handle() != tensor.handle) {
+      if (responses[i].tensor().handle() != responses[0].tensor().handle()) {
         figures_.unexpected.push_back(
             absl::StrCat("client ", id_,
                          " striped Upload: stripes returned different "
                          "handles"));
       }
     }
-    if (responses[0].tensor().bytes() !=
-        static_cast<int64_t>(tensor.bytes.size())) {
-      figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " striped Upload: wrong size"));
-    }
-    owned_.push_back(std::move(tensor));
+    Keep(std::move(tensor), responses[0].tensor(), "striped Upload");
   }
 
   // The first element of part `i` of `count` over `elements` elements (the
@@ -470,9 +484,15 @@ class SoakClient {
     return elements * i / count;
   }
 
-  // `count` sockets connected to the data port; empty (and an unexpected
-  // failure) when one cannot be made.
-  std::vector<int> ConnectData(int count) {
+  // `count` sockets connected to the data port and a fresh token for them;
+  // empty (and an unexpected failure) when that cannot be had.
+  std::vector<int> ConnectData(int count, std::string* token) {
+    absl::StatusOr<std::string> drawn = RandomDataToken();
+    if (!drawn.ok()) {
+      figures_.unexpected.push_back(drawn.status().ToString());
+      return {};
+    }
+    *token = *std::move(drawn);
     std::vector<int> fds;
     for (int i = 0; i < count; ++i) {
       absl::StatusOr<int> fd = ConnectDataPort(
@@ -499,12 +519,8 @@ class SoakClient {
     const int mode = Uniform(0, 99);
     const bool short_part = mode < 10;
     const bool cancel = mode >= 10 && mode < 25;
-    absl::StatusOr<std::string> token = RandomDataToken();
-    if (!token.ok()) {
-      figures_.unexpected.push_back(token.status().ToString());
-      return;
-    }
-    std::vector<int> fds = ConnectData(count);
+    std::string token;
+    std::vector<int> fds = ConnectData(count, &token);
     if (fds.empty()) return;
     grpc::ClientContext context;
     bool with_deadline = false;
@@ -516,7 +532,7 @@ class SoakClient {
     header->set_dtype(tensor.dtype);
     header->add_shape(tensor.rows);
     header->add_shape(tensor.vocab);
-    header->set_data_token(*token);
+    header->set_data_token(token);
     header->set_data_connections(count);
     header->set_label(absl::StrCat("soak ", id_, " data",
                                    cancel ? " cancelled" : "",
@@ -537,7 +553,7 @@ class SoakClient {
         // The last part always holds an element: half of it is short.
         if (short_part && i == count - 1) bytes /= 2;
         // A failed send is the RPC's to explain.
-        SendOverDataConnection(fds[static_cast<size_t>(i)], *token, i,
+        SendOverDataConnection(fds[static_cast<size_t>(i)], token, i,
                                tensor.bytes.data() + first,
                                static_cast<size_t>(bytes), nullptr)
             .IgnoreError();
@@ -563,13 +579,7 @@ class SoakClient {
     }
     if (!status.ok()) return;
     figures_.bytes_uploaded += static_cast<int64_t>(tensor.bytes.size());
-    tensor.handle = response.tensor().handle();
-    if (response.tensor().bytes() !=
-        static_cast<int64_t>(tensor.bytes.size())) {
-      figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " data Upload: wrong size"));
-    }
-    owned_.push_back(std::move(tensor));
+    Keep(std::move(tensor), response.tensor(), "data Upload");
   }
 
   // A Download whose bytes come over 1-3 data connections. Sometimes the RPC
@@ -586,15 +596,11 @@ class SoakClient {
     const int mode = Uniform(0, 99);
     const bool cancel = mode < 15;
     const bool abandon = mode >= 15 && mode < 25;
-    absl::StatusOr<std::string> token = RandomDataToken();
-    if (!token.ok()) {
-      figures_.unexpected.push_back(token.status().ToString());
-      return;
-    }
-    std::vector<int> fds = ConnectData(count);
+    std::string token;
+    std::vector<int> fds = ConnectData(count, &token);
     if (fds.empty()) return;
     for (int i = 0; i < count; ++i) {
-      SendOverDataConnection(fds[static_cast<size_t>(i)], *token, i, nullptr, 0,
+      SendOverDataConnection(fds[static_cast<size_t>(i)], token, i, nullptr, 0,
                              nullptr)
           .IgnoreError();
     }
@@ -602,7 +608,7 @@ class SoakClient {
     request.set_handle(tensor->handle);
     request.set_dtype(tensor->vocab > 0 ? kTypes[Uniform(0, 3)]
                                         : pb::DTYPE_UNSPECIFIED);
-    request.set_data_token(*token);
+    request.set_data_token(token);
     request.set_data_connections(count);
     grpc::ClientContext context;
     bool with_deadline = false;
@@ -666,13 +672,9 @@ class SoakClient {
     if (!headed || total % elements != 0) {
       figures_.unexpected.push_back(absl::StrCat(
           "client ", id_, " data Download: header says ", total, " bytes"));
-    } else if (!tensor->bytes.empty() &&
-               (request.dtype() == pb::DTYPE_UNSPECIFIED ||
-                request.dtype() == tensor->dtype) &&
-               bytes != tensor->bytes) {
-      figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " data Download: bytes differ"));
+      return;
     }
+    CheckDownloaded("data Download", *tensor, request.dtype(), bytes, total);
   }
 
   void Forward() {
@@ -808,17 +810,7 @@ class SoakClient {
       Check("Download", status, {Code::OK});
     }
     if (!status.ok()) return;
-    if (static_cast<int64_t>(bytes.size()) != expected) {
-      figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " Download: ", bytes.size(),
-                       " bytes, header says ", expected));
-    } else if (!tensor->bytes.empty() &&
-               (request.dtype() == pb::DTYPE_UNSPECIFIED ||
-                request.dtype() == tensor->dtype) &&
-               bytes != tensor->bytes) {
-      figures_.unexpected.push_back(
-          absl::StrCat("client ", id_, " Download: bytes differ"));
-    }
+    CheckDownloaded("Download", *tensor, request.dtype(), bytes, expected);
   }
 
   void Evaluate() {
