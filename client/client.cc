@@ -648,10 +648,9 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   return uploaded;
 }
 
-std::optional<absl::StatusOr<Client::DataConnections>>
-Client::OpenDataConnections() {
+std::optional<Client::DataTarget> Client::FindDataTarget() {
   if (channel_->tls) return std::nullopt;
-  const std::optional<std::string> host = TargetHost(target_);
+  std::optional<std::string> host = TargetHost(target_);
   if (!host.has_value()) return std::nullopt;
   std::optional<int> port;
   {
@@ -668,13 +667,15 @@ Client::OpenDataConnections() {
     channel_->data_port = port;
   }
   if (*port == 0) return std::nullopt;
-  // As many connections as a striped transfer would take (one TCP stream is
-  // capped below what loopback and fast networks carry).
-  const int connections = std::clamp(options_.upload_streams, 1, 64);
+  return DataTarget{*std::move(host), *port};
+}
+
+std::optional<std::vector<int>> Client::ConnectData(const DataTarget& target,
+                                                    int count) {
   std::vector<int> fds;
-  for (int i = 0; i < connections; ++i) {
-    absl::StatusOr<int> fd =
-        ConnectDataPort(*host, *port, kDataConnectTimeout, kDataIoTimeout);
+  for (int i = 0; i < count; ++i) {
+    absl::StatusOr<int> fd = ConnectDataPort(
+        target.host, target.port, kDataConnectTimeout, kDataIoTimeout);
     if (!fd.ok()) {
       for (int open : fds) close(open);
       // A port the server offers that cannot be reached from here (a
@@ -685,16 +686,16 @@ Client::OpenDataConnections() {
     }
     fds.push_back(*fd);
   }
-  absl::StatusOr<std::string> token = RandomDataToken();
-  if (!token.ok()) {
-    for (int open : fds) close(open);
-    return absl::StatusOr<DataConnections>(token.status());
-  }
-  return absl::StatusOr<DataConnections>(
-      DataConnections{std::move(fds), *std::move(token)});
+  return fds;
 }
 
 namespace {
+
+// Data connections of one transfer: as many as a striped transfer takes (one
+// TCP stream is capped below what loopback and fast networks carry).
+int DataConnectionCount(const ClientOptions& options) {
+  return std::clamp(options.upload_streams, 1, 64);
+}
 
 // Closes a transfer's data connections when it goes, or at Close.
 class ConnectionCloser {
@@ -740,13 +741,17 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     DType dtype, absl::Span<const int64_t> shape, const void* data,
     std::size_t bytes, const std::string& label,
     const ProgressCallback& progress) {
-  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
+  const std::optional<DataTarget> target = FindDataTarget();
+  if (!target.has_value()) return std::nullopt;
+  std::optional<std::vector<int>> opened =
+      ConnectData(*target, DataConnectionCount(options_));
   if (!opened.has_value()) return std::nullopt;
-  if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
-  std::vector<int>& fds = (*opened)->fds;
-  const std::string& token = (*opened)->token;
+  std::vector<int>& fds = *opened;
   ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
+  const absl::StatusOr<std::string> drawn = RandomDataToken();
+  if (!drawn.ok()) return absl::StatusOr<TensorInfo>(drawn.status());
+  const std::string& token = *drawn;
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::UploadRequest request;
@@ -895,13 +900,12 @@ absl::Status Client::DownloadStream(
 std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
     int64_t element_bytes, const ProgressCallback& progress) {
-  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
-  if (!opened.has_value()) return std::nullopt;
-  if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
-  std::vector<int>& fds = (*opened)->fds;
-  const std::string& token = (*opened)->token;
-  ConnectionCloser closer(&fds);
-  const int connections = static_cast<int>(fds.size());
+  const std::optional<DataTarget> target = FindDataTarget();
+  if (!target.has_value()) return std::nullopt;
+  const absl::StatusOr<std::string> drawn = RandomDataToken();
+  if (!drawn.ok()) return absl::StatusOr<TensorInfo>(drawn.status());
+  const std::string& token = *drawn;
+  const int connections = DataConnectionCount(options_);
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::DownloadRequest request;
@@ -911,24 +915,34 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
   request.set_data_connections(connections);
   std::unique_ptr<grpc::ClientReader<v1::DownloadResponse>> reader =
       channel_->lossd->Download(&context, request);
-  // The header comes once the server registered the transfer: the
-  // connections name it only then, so none waits on a request still queued.
+  // The header comes once the server registered the transfer; only then are
+  // the connections made, and they announce themselves at once (the server
+  // gives a silent connection little time).
   v1::DownloadResponse header;
+  std::vector<int> fds;
+  ConnectionCloser closer(&fds);
   absl::Status failed;
   bool received = false;
-  bool mismatch = false;  // the client's own finding, not the server's
+  bool mismatch = false;     // the client's own finding, not the server's
+  bool unreachable = false;  // no data connection: ranges over gRPC instead
   if (reader->Read(&header) && header.has_header()) {
     if (header.header().bytes() != total) {
       mismatch = true;
       failed = absl::DataLossError(absl::StrCat("the server announced ",
                                                 header.header().bytes(),
                                                 " bytes; expected ", total));
+    } else if (std::optional<std::vector<int>> opened =
+                   ConnectData(*target, connections);
+               opened.has_value()) {
+      fds = *std::move(opened);
+    } else {
+      unreachable = true;
     }
-    for (int i = 0; i < connections && failed.ok(); ++i) {
+    for (int i = 0; i < static_cast<int>(fds.size()) && failed.ok(); ++i) {
       failed = SendOverDataConnection(fds[static_cast<std::size_t>(i)], token,
                                       i, nullptr, 0, nullptr);
     }
-    if (failed.ok()) {
+    if (failed.ok() && !unreachable) {
       const int64_t elements = total / element_bytes;
       absl::Mutex mu;
       int64_t done = 0;
@@ -957,10 +971,10 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     }
   }
   // A failed transfer's connections go first: a server still sending on
-  // them stops at once. A header that is not what was asked for ends the RPC
-  // here (its connections never announced themselves).
+  // them stops at once. A transfer that cannot go on (a header that is not
+  // what was asked for, no connection to be had) ends its RPC here.
   if (!failed.ok()) closer.Close();
-  if (mismatch) context.TryCancel();
+  if (mismatch || unreachable) context.TryCancel();
   const grpc::Status finished = FinishAfterData(&context, !failed.ok(), [&] {
     v1::DownloadResponse rest;
     while (reader->Read(&rest)) {
@@ -968,6 +982,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     return reader->Finish();
   });
   closer.Close();
+  if (unreachable) return std::nullopt;
   if (mismatch) return absl::StatusOr<TensorInfo>(failed);
   if (!finished.ok() &&
       !(finished.error_code() == grpc::StatusCode::CANCELLED && !failed.ok())) {

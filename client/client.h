@@ -336,16 +336,18 @@ class Client {
                                         TensorInfo* info,
                                         const ProgressCallback& progress);
 
-  // Sockets connected to the server's data port, upload_streams of them,
-  // and a fresh token for one transfer over them (the caller closes them).
-  struct DataConnections {
-    std::vector<int> fds;
-    std::string token;
+  // Where data connections go: the host of the channel's target and the
+  // server's data port; nullopt when this server or channel takes none (TLS,
+  // no TCP host, no data port, or one found unreachable before).
+  struct DataTarget {
+    std::string host;
+    int port = 0;
   };
-  // nullopt when this server or channel cannot take data connections (no
-  // data port, TLS, unreachable: remembered); an error when no token could
-  // be drawn.
-  std::optional<absl::StatusOr<DataConnections>> OpenDataConnections();
+  std::optional<DataTarget> FindDataTarget();
+  // `count` sockets connected to `target` (the caller closes them); nullopt
+  // when one cannot be made, remembered: gRPC from then on.
+  std::optional<std::vector<int>> ConnectData(const DataTarget& target,
+                                              int count);
 
   // Download of the whole (converted) tensor, `total` bytes of
   // `element_bytes`-byte elements, into `base` over data connections.

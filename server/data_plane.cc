@@ -30,7 +30,8 @@ constexpr int kSweepMillis = 250;
 // The most one host window takes (a host-accessible device lends the
 // destination itself): progress reaches the metrics at least this often.
 constexpr int64_t kMaxWindowBytes = int64_t{16} << 20;
-// How long a connection waits for its token to be registered.
+// How long a connection may take to send its preamble, and then waits for
+// its token to be registered.
 constexpr absl::Duration kRegistrationWait = absl::Seconds(10);
 
 absl::Status ErrnoStatus(const std::string& what) {
@@ -425,11 +426,18 @@ void DataPlane::AcceptLoop() {
 
 void DataPlane::Serve(int fd) {
   const absl::Duration timeout = std::min(options_.timeout, absl::Hours(24));
+  // Clients send the preamble as soon as their RPC is under way: a connection
+  // that stays silent gives its slot back after the registration wait.
+  const timeval preamble_limit =
+      absl::ToTimeval(std::min(timeout, kRegistrationWait));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &preamble_limit,
+             sizeof(preamble_limit));
   const timeval limit = absl::ToTimeval(timeout);
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
   char preamble[kMagicBytes + kDataTokenBytes + 4];
-  if (ReadFully(fd, preamble, sizeof(preamble)) &&
+  const bool announced = ReadFully(fd, preamble, sizeof(preamble));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  if (announced &&
       std::memcmp(preamble, kDataConnectionMagic, kMagicBytes) == 0) {
     const std::string token(preamble + kMagicBytes, kDataTokenBytes);
     const unsigned char* at = reinterpret_cast<const unsigned char*>(
