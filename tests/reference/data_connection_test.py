@@ -79,10 +79,11 @@ def download(stub, pb, port, handle, count, dtype=0):
     """Downloads `handle` (converted to `dtype`, 0 = as stored) over `count` data connections;
     returns (header, bytes)."""
     token = secrets.token_bytes(16)
-    sockets = data_sockets(port, count)
     stream = stub.Download(pb.DownloadRequest(handle=handle, dtype=dtype, data_token=token,
                                               data_connections=count))
     header = next(stream).header
+    # Connected once the header came: the transfer is registered by then.
+    sockets = data_sockets(port, count)
     element_bytes = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_FLOAT16: 2}[header.dtype]
     elements = header.bytes // element_bytes
     out = bytearray(header.bytes)
