@@ -359,6 +359,14 @@ class Client {
   // Upload over a data connection. nullopt when this server or channel
   // cannot take one (no data port, TLS, unreachable): the caller then
   // uploads over gRPC.
+  // Evaluate (arguments checked) with its blocks over data connections:
+  // block b over connection b mod K. nullopt when they cannot be used (the
+  // caller then takes the stream).
+  std::optional<absl::StatusOr<EvaluateResult>> EvaluateOverDataConnections(
+      int64_t vocab, DType logits_dtype, DType targets_dtype,
+      const EvaluateOptions& options, const RowBlockProducer& next_block,
+      const ProgressCallback& progress);
+
   std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
       DType dtype, absl::Span<const int64_t> shape, const void* data,
       std::size_t bytes, const std::string& label,
