@@ -263,9 +263,11 @@ TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
 TEST_F(DataConnectionTest, DownloadErrors) {
   Start(0, absl::Seconds(1));
   std::unique_ptr<Client> client = MakeClient(false);
-  const std::string bytes = RandomBytes(4 << 20, 21);
+  // More than the socket buffers of one connection hold (a few MiB on
+  // loopback), so that a client going away fails the server's sends.
+  const std::string bytes = RandomBytes(32 << 20, 21);
   absl::StatusOr<TensorInfo> uploaded =
-      client->Upload(DType::kFloat32, {1 << 20}, bytes.data(), bytes.size());
+      client->Upload(DType::kFloat32, {8 << 20}, bytes.data(), bytes.size());
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
   auto download = [&](const std::string& token, int connections,
                       bool read_header) {
