@@ -23,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/data_connection.h"
@@ -1413,20 +1414,36 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
     // the same bits for the same blocks and K. At most kDepth blocks wait
     // per connection.
     std::vector<BlockQueue> queues(static_cast<std::size_t>(connections));
+    const std::size_t target_bytes = DTypeSize(targets_dtype);
+    const std::size_t row_bytes =
+        static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
     std::thread producer([&] {
       absl::Status status;
-      for (std::size_t b = 0;; ++b) {
+      for (std::size_t b = 0, produced = 0;; ++produced) {
         RowBlock block;
         absl::StatusOr<bool> more = next_block(&block);
         if (!more.ok()) {
           status = more.status();
           break;
         }
-        if (!*more || !queues[b % queues.size()].Push(std::move(block))) break;
+        if (!*more) break;
+        // A frame carries its row count: the block must be whole rows, as
+        // the server checks a block on the stream.
+        const std::size_t rows = block.targets.size() / target_bytes;
+        if (block.targets.size() % target_bytes != 0 ||
+            block.logits.size() != rows * row_bytes) {
+          status = absl::InvalidArgumentError(absl::StrFormat(
+              "block %d: %d logits bytes and %d targets bytes are not whole "
+              "rows of %d and %d bytes",
+              produced, block.logits.size(), block.targets.size(), row_bytes,
+              target_bytes));
+          break;
+        }
+        if (rows == 0) continue;  // nothing to evaluate
+        if (!queues[b++ % queues.size()].Push(std::move(block))) break;
       }
       for (BlockQueue& queue : queues) queue.Close(status);
     });
-    const std::size_t target_bytes = DTypeSize(targets_dtype);
     absl::Mutex mu;
     int64_t rows_sent = 0;
     std::vector<absl::Status> results(fds.size());

@@ -183,7 +183,8 @@ struct EvaluateResult {
 };
 
 // Called as work proceeds with (done, total): bytes for Upload / Download,
-// rows for Evaluate; total is -1 when unknown. Called on the calling thread.
+// rows for Evaluate; total is -1 when unknown. Called on the calling thread,
+// or (transfers over data connections) on their threads, one at a time.
 using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 
 // Fills *block with the next block and returns true, or returns false when
@@ -296,10 +297,10 @@ class Client {
       bool materialize = false);
 
   // Forward-only evaluation of the blocks `next_block` produces; the server
-  // retains nothing. At most two produced blocks wait to be sent, so memory
-  // stays O(block). INVALID_ARGUMENT (client side): vocab < 1, bad dtypes.
-  // Server errors as the Evaluate RPC; an error of the producer cancels the
-  // RPC and is returned.
+  // retains nothing. At most two produced blocks wait to be sent (per data
+  // connection, when they carry the blocks), so memory stays O(block).
+  // INVALID_ARGUMENT (client side): vocab < 1, bad dtypes. Server errors as the
+  // Evaluate RPC; an error of the producer cancels the RPC and is returned.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t vocab, DType logits_dtype, DType targets_dtype,
       const EvaluateOptions& options, const RowBlockProducer& next_block,

@@ -1831,22 +1831,23 @@ class EvaluationLane {
   EvaluationSums sums_;
 };
 
-// The most logits bytes one frame on a data connection may carry (its lane's
-// device buffer grows to it).
-constexpr int64_t kMaxFrameLogitsBytes = int64_t{256} << 20;
+// The most logits bytes one frame on a data connection may carry, as one
+// block on the stream (its lane's host and device buffers grow to it).
+constexpr int64_t kMaxFrameLogitsBytes = int64_t{64} << 20;
 
-// Exactly `bytes` bytes from data connection `index` into `out`; `what`
-// names them for the error of a connection that ends before (found says how
-// far into them it got).
+// Exactly `bytes` bytes from data connection `index` into `out`: the rest of
+// frame `frame`'s `what`, of which `already` bytes came before (for the
+// error of a connection that ends first).
 absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
-                            int64_t frame, const char* what) {
+                            int64_t frame, const char* what,
+                            size_t already = 0) {
   for (size_t got = 0; got < bytes;) {
     const ssize_t n = recv(fd, out + got, bytes - got, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n == 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "data connection %d ended after %d of the %d bytes of frame %d's %s",
-          index, got, bytes, frame, what));
+          index, already + got, already + bytes, frame, what));
     }
     if (n < 0) {
       return DataConnectionError(index, static_cast<int64_t>(got),
@@ -2067,17 +2068,23 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         if (n < 0) return DataConnectionError(index, 0, 8, n);
         RETURN_IF_ERROR(ReadFrameBytes(fd, index,
                                        reinterpret_cast<char*>(head) + 1, 7,
-                                       number, "row count"));
+                                       number, "row count", 1));
         uint64_t rows = 0;
         for (int i = 7; i >= 0; --i) rows = (rows << 8) | head[i];
-        if (rows < 1 ||
-            rows > static_cast<uint64_t>(kMaxFrameLogitsBytes / row_bytes)) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "data connection %d, frame %d: %d rows; a frame holds 1 to %d "
-              "rows (%d MiB of logits)",
-              index, number, static_cast<int64_t>(rows),
-              std::max<int64_t>(1, kMaxFrameLogitsBytes / row_bytes),
-              kMaxFrameLogitsBytes >> 20));
+        const int64_t max_rows = kMaxFrameLogitsBytes / row_bytes;
+        if (rows < 1 || rows > static_cast<uint64_t>(max_rows)) {
+          return absl::InvalidArgumentError(
+              max_rows < 1
+                  ? absl::StrFormat("data connection %d: a row of %d bytes is "
+                                    "more than a frame may hold (%d MiB of "
+                                    "logits); send the blocks on the stream",
+                                    index, row_bytes,
+                                    kMaxFrameLogitsBytes >> 20)
+                  : absl::StrFormat("data connection %d, frame %d: %d rows; a "
+                                    "frame holds 1 to %d rows (%d MiB of "
+                                    "logits)",
+                                    index, number, static_cast<int64_t>(rows),
+                                    max_rows, kMaxFrameLogitsBytes >> 20));
         }
         const size_t logits = static_cast<size_t>(rows) * row_bytes;
         const size_t targets = static_cast<size_t>(rows) * target_bytes;

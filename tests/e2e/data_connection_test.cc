@@ -792,6 +792,48 @@ TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
   ExpectEmptyStore();
 }
 
+// lossd::Client frames only whole rows: an empty block is skipped (as the
+// stream would evaluate nothing for it), a block of partial rows is refused
+// before it is sent.
+TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
+  Start();
+  std::unique_ptr<Client> client = MakeClient(true, 2);
+  const int64_t vocab = 8;
+  int produced = 0;
+  auto blocks = [&](bool partial) {
+    produced = 0;
+    return [&, partial](RowBlock* block) -> absl::StatusOr<bool> {
+      switch (produced++) {
+        case 0:  // empty
+          return true;
+        case 1:
+        case 2:
+          block->logits.assign(3 * vocab * 4, '\0');
+          block->targets.assign(3 * 8, '\0');
+          return true;
+        case 3:
+          if (!partial) return false;
+          block->logits.assign(vocab * 4 + 1, '\0');
+          block->targets.assign(8, '\0');
+          return true;
+        default:
+          return false;
+      }
+    };
+  };
+  absl::StatusOr<EvaluateResult> whole = client->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(false));
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->rows, 6);
+  EXPECT_NEAR(whole->loss, std::log(8.0), 1e-6);
+  absl::StatusOr<EvaluateResult> partial = client->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(true));
+  EXPECT_EQ(partial.status().code(), absl::StatusCode::kInvalidArgument)
+      << partial.status();
+  EXPECT_NE(partial.status().message().find("block 3"), std::string::npos)
+      << partial.status();
+}
+
 // An Evaluate stream driven by hand: a header with a data token.
 class RawDataEvaluate {
  public:
