@@ -1323,7 +1323,13 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     return absl::InvalidArgumentError(absl::StrCat(
         "targets dtype ", DTypeString(targets_dtype), " is not int32/int64"));
   }
-  if (options_.data_connection) {
+  // Data connections for an evaluation of unknown size or of at least
+  // stripe_min_bytes of logits; a smaller one is not worth their set-up.
+  const bool large = options.total_rows < 0 ||
+                     options.total_rows * vocab *
+                             static_cast<int64_t>(DTypeSize(logits_dtype)) >=
+                         static_cast<int64_t>(options_.stripe_min_bytes);
+  if (options_.data_connection && large) {
     std::optional<absl::StatusOr<EvaluateResult>> over_data =
         EvaluateOverDataConnections(vocab, logits_dtype, targets_dtype, options,
                                     next_block, progress);

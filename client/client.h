@@ -51,7 +51,9 @@ struct ClientOptions {
   // gRPC in between, when the server offers one and the channel has no TLS
   // (the data connection has none of its own). Otherwise, or when that port
   // cannot be reached (this Client then stops trying), the tensor is striped
-  // as below.
+  // as below. Downloads of that size come back over them, and an Evaluate of
+  // unknown size or of at least stripe_min_bytes of logits sends its blocks
+  // over them.
   bool data_connection = true;
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
   // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP
