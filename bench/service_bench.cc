@@ -1090,6 +1090,25 @@ int main(int argc, char** argv) {
         block_rows, block_rows * vocab * 2 / 1048576.0, seconds,
         gigabytes / seconds, 100 * tcp / seconds, response.copy_seconds(),
         response.kernel_seconds(), response.loss()));
+    // The same blocks through lossd::Client over its `streams` data
+    // connections (block b over connection b mod K).
+    const int64_t completed = (*server)->data_plane()->completed();
+    const auto start = Clock::now();
+    absl::StatusOr<lossd::EvaluateResult> evaluated =
+        client_k->Evaluate(rows, vocab, lossd::DType::kBFloat16, logits.data(),
+                           lossd::DType::kInt64, targets.data(),
+                           lossd::EvaluateOptions(), block_rows);
+    const double data_seconds = Seconds(start);
+    if (!evaluated.ok()) Die(evaluated.status().ToString());
+    if ((*server)->data_plane()->completed() != completed + streams) {
+      Die("lossd::Client did not evaluate over its data connections");
+    }
+    line(absl::StrFormat(
+        "| Evaluate, blocks of %d rows, over %d data connections "
+        "(lossd::Client::Evaluate) | %.3f s = **%.2f GB/s of logits** (%.0f%% "
+        "of raw TCP over %d connections); loss %.6f (stream: %.6f) | |",
+        block_rows, streams, data_seconds, gigabytes / data_seconds,
+        100 * tcp_k / data_seconds, streams, evaluated->loss, response.loss()));
   }
 
   // The same client workload against lossd and the Python server.

@@ -23,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/data_connection.h"
@@ -303,6 +304,18 @@ TensorInfo FromProto(const v1::TensorInfo& proto) {
   return info;
 }
 
+EvaluateResult FromProto(const v1::EvaluateResponse& proto) {
+  EvaluateResult result;
+  result.loss = proto.loss();
+  result.z_loss = proto.z_loss();
+  result.rows = proto.rows();
+  result.valid_tokens = proto.valid_tokens();
+  result.correct_tokens = proto.correct_tokens();
+  result.nonfinite_rows = proto.nonfinite_rows();
+  result.denominator = proto.denominator();
+  return result;
+}
+
 ServerInfo FromProto(const v1::ServerInfo& proto) {
   ServerInfo info;
   info.instance_id = proto.instance_id();
@@ -326,6 +339,17 @@ void ToProto(const CrossEntropyOptions& loss, const std::string& class_weights,
   proto->set_class_weights(class_weights);
   proto->set_normalizer(loss.normalizer);
   proto->set_grad_scale(loss.grad_scale);
+}
+
+v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
+                                     DType targets_dtype,
+                                     const EvaluateOptions& options) {
+  v1::EvaluateHeader header;
+  header.set_vocab(vocab);
+  header.set_logits_dtype(static_cast<v1::DType>(logits_dtype));
+  header.set_targets_dtype(static_cast<v1::DType>(targets_dtype));
+  ToProto(options.loss, options.class_weights, header.mutable_options());
+  return header;
 }
 
 // product(shape) * DTypeSize(dtype), or INVALID_ARGUMENT on a negative
@@ -1299,17 +1323,26 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     return absl::InvalidArgumentError(absl::StrCat(
         "targets dtype ", DTypeString(targets_dtype), " is not int32/int64"));
   }
+  // Data connections for an evaluation of unknown size or of at least
+  // stripe_min_bytes of logits; a smaller one is not worth their set-up.
+  const bool large = options.total_rows < 0 ||
+                     options.total_rows * vocab *
+                             static_cast<int64_t>(DTypeSize(logits_dtype)) >=
+                         static_cast<int64_t>(options_.stripe_min_bytes);
+  if (options_.data_connection && large) {
+    std::optional<absl::StatusOr<EvaluateResult>> over_data =
+        EvaluateOverDataConnections(vocab, logits_dtype, targets_dtype, options,
+                                    next_block, progress);
+    if (over_data.has_value()) return *std::move(over_data);
+  }
+  v1::EvaluateRequest request;
+  *request.mutable_header() =
+      EvaluateHeaderFor(vocab, logits_dtype, targets_dtype, options);
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::EvaluateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
       channel_->lossd->Evaluate(&context, &response);
-  v1::EvaluateRequest request;
-  v1::EvaluateHeader* header = request.mutable_header();
-  header->set_vocab(vocab);
-  header->set_logits_dtype(static_cast<v1::DType>(logits_dtype));
-  header->set_targets_dtype(static_cast<v1::DType>(targets_dtype));
-  ToProto(options.loss, options.class_weights, header->mutable_options());
   bool sending = writer->Write(request);
 
   BlockQueue queue;
@@ -1349,15 +1382,126 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   }
   if (sending) writer->WritesDone();
   RETURN_IF_ERROR(ToAbsl(writer->Finish()));
-  EvaluateResult result;
-  result.loss = response.loss();
-  result.z_loss = response.z_loss();
-  result.rows = response.rows();
-  result.valid_tokens = response.valid_tokens();
-  result.correct_tokens = response.correct_tokens();
-  result.nonfinite_rows = response.nonfinite_rows();
-  result.denominator = response.denominator();
-  return result;
+  return FromProto(response);
+}
+
+std::optional<absl::StatusOr<EvaluateResult>>
+Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
+                                    DType targets_dtype,
+                                    const EvaluateOptions& options,
+                                    const RowBlockProducer& next_block,
+                                    const ProgressCallback& progress) {
+  const int64_t total_rows = options.total_rows;
+  const std::optional<DataTarget> target = FindDataTarget();
+  if (!target.has_value()) return std::nullopt;
+  std::optional<std::vector<int>> opened =
+      ConnectData(*target, DataConnectionCount(options_));
+  if (!opened.has_value()) return std::nullopt;
+  std::vector<int>& fds = *opened;
+  ConnectionCloser closer(&fds);
+  const int connections = static_cast<int>(fds.size());
+  const absl::StatusOr<std::string> drawn = RandomDataToken();
+  if (!drawn.ok()) return absl::StatusOr<EvaluateResult>(drawn.status());
+  const std::string& token = *drawn;
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::EvaluateResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
+      channel_->lossd->Evaluate(&context, &response);
+  v1::EvaluateRequest request;
+  *request.mutable_header() =
+      EvaluateHeaderFor(vocab, logits_dtype, targets_dtype, options);
+  request.mutable_header()->set_data_token(token);
+  request.mutable_header()->set_data_connections(connections);
+  absl::Status sent;
+  absl::Status produced;
+  if (writer->Write(request) && writer->WritesDone()) {
+    // Block b goes over connection b mod K, in order: the server's sum is
+    // the same bits for the same blocks and K. At most kDepth blocks wait
+    // per connection.
+    std::vector<BlockQueue> queues(static_cast<std::size_t>(connections));
+    const std::size_t target_bytes = DTypeSize(targets_dtype);
+    const std::size_t row_bytes =
+        static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
+    std::thread producer([&] {
+      absl::Status status;
+      for (std::size_t b = 0, produced = 0;; ++produced) {
+        RowBlock block;
+        absl::StatusOr<bool> more = next_block(&block);
+        if (!more.ok()) {
+          status = more.status();
+          break;
+        }
+        if (!*more) break;
+        // A frame carries its row count: the block must be whole rows, as
+        // the server checks a block on the stream.
+        const std::size_t rows = block.targets.size() / target_bytes;
+        if (block.targets.size() % target_bytes != 0 ||
+            block.logits.size() != rows * row_bytes) {
+          status = absl::InvalidArgumentError(absl::StrFormat(
+              "block %d: %d logits bytes and %d targets bytes are not whole "
+              "rows of %d and %d bytes",
+              produced, block.logits.size(), block.targets.size(), row_bytes,
+              target_bytes));
+          break;
+        }
+        if (rows == 0) continue;  // nothing to evaluate
+        if (!queues[b++ % queues.size()].Push(std::move(block))) break;
+      }
+      for (BlockQueue& queue : queues) queue.Close(status);
+    });
+    absl::Mutex mu;
+    int64_t rows_sent = 0;
+    std::vector<absl::Status> results(fds.size());
+    std::vector<std::thread> senders;
+    for (int i = 0; i < connections; ++i) {
+      senders.emplace_back([&, i] {
+        const int fd = fds[static_cast<std::size_t>(i)];
+        BlockQueue& queue = queues[static_cast<std::size_t>(i)];
+        absl::Status status = SendDataPreamble(fd, token, i);
+        RowBlock block;
+        while (status.ok() && queue.Pop(&block)) {
+          const int64_t rows =
+              static_cast<int64_t>(block.targets.size() / target_bytes);
+          status = SendEvaluateFrame(fd, rows, block.logits, block.targets);
+          if (status.ok()) {
+            absl::MutexLock lock(&mu);
+            rows_sent += rows;
+            if (progress) progress(rows_sent, total_rows);
+          }
+        }
+        // A failed connection stops the producer; the others then end.
+        if (!status.ok()) {
+          for (BlockQueue& each : queues) each.Stop();
+        } else if (queue.producer_status().ok()) {
+          status = EndDataSending(fd);
+        }
+        results[static_cast<std::size_t>(i)] = status;
+      });
+    }
+    for (std::thread& sender : senders) sender.join();
+    producer.join();
+    produced = queues[0].producer_status();
+    for (const absl::Status& result : results) {
+      if (!result.ok() && sent.ok()) sent = result;
+    }
+  }
+  if (!produced.ok()) {
+    context.TryCancel();
+    closer.Close();
+    writer->Finish().ok();  // the producer's error is what matters
+    return absl::StatusOr<EvaluateResult>(produced);
+  }
+  if (!sent.ok()) closer.Close();
+  const grpc::Status finished =
+      FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
+  closer.Close();
+  if (!sent.ok() &&
+      (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
+    return absl::StatusOr<EvaluateResult>(sent);
+  }
+  if (!finished.ok()) return absl::StatusOr<EvaluateResult>(ToAbsl(finished));
+  return absl::StatusOr<EvaluateResult>(FromProto(response));
 }
 
 absl::StatusOr<EvaluateResult> Client::Evaluate(

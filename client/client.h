@@ -51,7 +51,9 @@ struct ClientOptions {
   // gRPC in between, when the server offers one and the channel has no TLS
   // (the data connection has none of its own). Otherwise, or when that port
   // cannot be reached (this Client then stops trying), the tensor is striped
-  // as below.
+  // as below. Downloads of that size come back over them, and an Evaluate of
+  // unknown size or of at least stripe_min_bytes of logits sends its blocks
+  // over them.
   bool data_connection = true;
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as
   // upload_streams stripes (lossd.v1.UploadStripe), each over its own TCP
@@ -183,7 +185,8 @@ struct EvaluateResult {
 };
 
 // Called as work proceeds with (done, total): bytes for Upload / Download,
-// rows for Evaluate; total is -1 when unknown. Called on the calling thread.
+// rows for Evaluate; total is -1 when unknown. Called on the calling thread,
+// or (transfers over data connections) on their threads, one at a time.
 using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 
 // Fills *block with the next block and returns true, or returns false when
@@ -296,10 +299,10 @@ class Client {
       bool materialize = false);
 
   // Forward-only evaluation of the blocks `next_block` produces; the server
-  // retains nothing. At most two produced blocks wait to be sent, so memory
-  // stays O(block). INVALID_ARGUMENT (client side): vocab < 1, bad dtypes.
-  // Server errors as the Evaluate RPC; an error of the producer cancels the
-  // RPC and is returned.
+  // retains nothing. At most two produced blocks wait to be sent (per data
+  // connection, when they carry the blocks), so memory stays O(block).
+  // INVALID_ARGUMENT (client side): vocab < 1, bad dtypes. Server errors as the
+  // Evaluate RPC; an error of the producer cancels the RPC and is returned.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t vocab, DType logits_dtype, DType targets_dtype,
       const EvaluateOptions& options, const RowBlockProducer& next_block,
@@ -359,6 +362,14 @@ class Client {
   // Upload over a data connection. nullopt when this server or channel
   // cannot take one (no data port, TLS, unreachable): the caller then
   // uploads over gRPC.
+  // Evaluate (arguments checked) with its blocks over data connections:
+  // block b over connection b mod K. nullopt when they cannot be used (the
+  // caller then takes the stream).
+  std::optional<absl::StatusOr<EvaluateResult>> EvaluateOverDataConnections(
+      int64_t vocab, DType logits_dtype, DType targets_dtype,
+      const EvaluateOptions& options, const RowBlockProducer& next_block,
+      const ProgressCallback& progress);
+
   std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
       DType dtype, absl::Span<const int64_t> shape, const void* data,
       std::size_t bytes, const std::string& label,

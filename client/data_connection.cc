@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "kernels/status_macros.h"
 
 namespace lossd {
 
@@ -158,19 +159,37 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
   return connected;
 }
 
-absl::Status SendOverDataConnection(
-    int fd, const std::string& token, int index, const char* data,
-    std::size_t bytes, const std::function<void(std::size_t)>& on_sent) {
+absl::Status SendDataPreamble(int fd, const std::string& token, int index) {
   std::string preamble(kMagic, sizeof(kMagic) - 1);
   preamble += token;
   for (int shift = 0; shift < 32; shift += 8) {
     preamble.push_back(
         static_cast<char>((static_cast<uint32_t>(index) >> shift) & 0xff));
   }
-  if (const absl::Status status = SendAll(fd, preamble.data(), preamble.size());
-      !status.ok()) {
-    return status;
+  return SendAll(fd, preamble.data(), preamble.size());
+}
+
+absl::Status SendEvaluateFrame(int fd, int64_t rows, const std::string& logits,
+                               const std::string& targets) {
+  char head[8];
+  for (int i = 0; i < 8; ++i) {
+    head[i] =
+        static_cast<char>((static_cast<uint64_t>(rows) >> (8 * i)) & 0xff);
   }
+  RETURN_IF_ERROR(SendAll(fd, head, sizeof(head)));
+  RETURN_IF_ERROR(SendAll(fd, logits.data(), logits.size()));
+  return SendAll(fd, targets.data(), targets.size());
+}
+
+absl::Status EndDataSending(int fd) {
+  if (shutdown(fd, SHUT_WR) != 0) return Errno("data connection shutdown");
+  return absl::OkStatus();
+}
+
+absl::Status SendOverDataConnection(
+    int fd, const std::string& token, int index, const char* data,
+    std::size_t bytes, const std::function<void(std::size_t)>& on_sent) {
+  RETURN_IF_ERROR(SendDataPreamble(fd, token, index));
   for (std::size_t sent = 0; sent < bytes;) {
     const std::size_t n = std::min(kSendPiece, bytes - sent);
     if (const absl::Status status = SendAll(fd, data + sent, n); !status.ok()) {
@@ -179,8 +198,7 @@ absl::Status SendOverDataConnection(
     sent += n;
     if (on_sent) on_sent(n);
   }
-  if (shutdown(fd, SHUT_WR) != 0) return Errno("data connection shutdown");
-  return absl::OkStatus();
+  return EndDataSending(fd);
 }
 
 absl::Status ReceiveOverDataConnection(

@@ -5,6 +5,7 @@
 #define LOSSD_CLIENT_DATA_CONNECTION_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -39,6 +40,15 @@ absl::StatusOr<int> ConnectDataPort(
 absl::Status ReceiveOverDataConnection(
     int fd, char* out, std::size_t bytes,
     const std::function<void(std::size_t)>& on_received);
+
+// The pieces of a data connection's sending side: the preamble
+// ("LOSSDDC1", the token, `index` as 4 bytes little-endian); one Evaluate
+// frame (`rows` as 8 bytes little-endian, then the rows' logits and
+// targets); the end of sending. Statuses as SendOverDataConnection's.
+absl::Status SendDataPreamble(int fd, const std::string& token, int index);
+absl::Status SendEvaluateFrame(int fd, int64_t rows, const std::string& logits,
+                               const std::string& targets);
+absl::Status EndDataSending(int fd);
 
 // Sends the preamble ("LOSSDDC1", the token, `index` as 4 bytes
 // little-endian), then `bytes` bytes of `data`, calling on_sent(n) as pieces

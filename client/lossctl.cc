@@ -64,10 +64,10 @@ ABSL_FLAG(std::string, dtype, "",
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
 ABSL_FLAG(bool, data_connection, true,
-          "upload: send a tensor of at least --stripe_min_bytes over one "
-          "plain TCP connection to the server's data port, straight into its "
-          "memory, when the server offers one and TLS is off (otherwise, or "
-          "when that port cannot be reached, as parallel streams)");
+          "upload a tensor of at least --stripe_min_bytes, and send eval's "
+          "blocks, over --upload_streams plain TCP connections to the "
+          "server's data port when the server offers one and TLS is off "
+          "(otherwise, or when that port cannot be reached, over gRPC)");
 ABSL_FLAG(int, upload_streams, 4,
           "upload: a tensor of at least --stripe_min_bytes that does not go "
           "over a data connection goes as this many parallel streams over as "

@@ -2,7 +2,10 @@
 // reactors of the streaming RPCs (Upload, Download, Evaluate).
 #include "server/service.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -1643,149 +1646,62 @@ bool FindRowBlock(const std::vector<grpc::Slice>& slices, size_t size,
   return true;
 }
 
-class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
+// What an evaluation's blocks need besides their bytes: set from the header,
+// read-only afterwards (shared by the lanes).
+struct EvaluationConfig {
+  EvaluateSpec spec;
+  CrossEntropyOptions options;
+  int64_t vocab = 0;
+  DType logits_dtype = DType::kInvalid;
+  DType targets_dtype = DType::kInvalid;
+  const float* class_weights = nullptr;  // device memory, or null
+  std::vector<float> host_weights;       // the same on the host, or empty
+};
+
+// What an evaluation's blocks add up to.
+struct EvaluationSums {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  double weight = 0.0;  // of the valid targets (1 each without weights)
+  double copy_seconds = 0.0;
+  double kernel_seconds = 0.0;
+  int64_t rows = 0;
+  int64_t valid_tokens = 0;
+  int64_t correct_tokens = 0;
+  int64_t nonfinite_rows = 0;
+
+  void Add(const EvaluationSums& other) {
+    loss += other.loss;
+    z_loss += other.z_loss;
+    weight += other.weight;
+    copy_seconds += other.copy_seconds;
+    kernel_seconds += other.kernel_seconds;
+    rows += other.rows;
+    valid_tokens += other.valid_tokens;
+    correct_tokens += other.correct_tokens;
+    nonfinite_rows += other.nonfinite_rows;
+  }
+};
+
+// One ordered stream of row blocks (the gRPC stream's, or one data
+// connection's frames) and what they add up to, in block order; its block
+// buffers on the device are reused from block to block, so device memory
+// stays O(block). One thread at a time.
+class EvaluationLane {
  public:
-  EvaluateReactor(LossdService* service, grpc::CallbackServerContext* context,
-                  grpc::ByteBuffer* response)
-      : PipelinedReadReactor(context),
-        service_(service),
-        response_(response),
-        admission_(service, *context) {
-    if (!admission_.status().ok()) {
-      End(ToGrpcStatus(admission_.status()));
-      return;
-    }
-    StartReading();
-  }
-
-  void OnDone() override {
-    {
-      absl::MutexLock lock(&mu_);
-      FreeBuffers();
-    }
-    weights_ = ReadLease();
-    admission_.Release();
-    delete this;
-  }
-
- private:
-  // The next block is received into the other buffer while this one is copied
-  // to the device and evaluated.
-  absl::Status Consume(grpc::ByteBuffer* buffer) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const absl::Status status = ConsumeBytes(buffer);
-    buffer->Clear();
-    return status;
-  }
-
-  // The device buffers go as soon as the stream fails.
-  void Abandon(const absl::Status& /*cause*/) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    FreeBuffers();
-  }
-
-  absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<grpc::Slice> slices;
-    if (!buffer->Dump(&slices).ok()) {
-      return absl::InternalError("cannot read an EvaluateRequest's bytes");
-    }
-    ByteRange logits;
-    ByteRange targets;
-    if (FindRowBlock(slices, buffer->Length(), &logits, &targets)) {
-      if (!have_header_) {
-        return absl::InvalidArgumentError("data before the header");
-      }
-      return EvaluateBlock(slices, logits, targets);
-    }
-    // The header, or a block in an unusual encoding: the protobuf way.
-    pb::EvaluateRequest request;
-    if (!grpc::SerializationTraits<pb::EvaluateRequest>::Deserialize(buffer,
-                                                                     &request)
-             .ok()) {
-      return absl::InvalidArgumentError("a malformed EvaluateRequest");
-    }
-    switch (request.kind_case()) {
-      case pb::EvaluateRequest::kHeader:
-        if (have_header_) {
-          return absl::InvalidArgumentError("a second header");
-        }
-        have_header_ = true;
-        return StartEvaluation(request.header());
-      case pb::EvaluateRequest::kBlock: {
-        if (!have_header_) {
-          return absl::InvalidArgumentError("data before the header");
-        }
-        const std::string& logits_bytes = request.block().logits();
-        const std::string& targets_bytes = request.block().targets();
-        const std::vector<grpc::Slice> parsed = {
-            grpc::Slice(logits_bytes.data(), logits_bytes.size(),
-                        grpc::Slice::STATIC_SLICE),
-            grpc::Slice(targets_bytes.data(), targets_bytes.size(),
-                        grpc::Slice::STATIC_SLICE)};
-        return EvaluateBlock(
-            parsed, ByteRange{0, logits_bytes.size()},
-            ByteRange{logits_bytes.size(), targets_bytes.size()});
-      }
-      default:
-        return absl::InvalidArgumentError(
-            "an EvaluateRequest with neither header nor block");
-    }
-  }
-
-  absl::Status StartEvaluation(const pb::EvaluateHeader& header)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    ASSIGN_OR_RETURN(spec_, ValidateEvaluateHeader(header));
-    options_ = spec_.options;
-    vocab_ = spec_.vocab;
-    logits_dtype_ = spec_.logits_dtype;
-    targets_dtype_ = spec_.targets_dtype;
-    if (!header.options().class_weights().empty()) {
-      ASSIGN_OR_RETURN(weights_, LeaseClassWeights(
-                                     service_->store(), admission_.tenant(),
-                                     header.options().class_weights(), vocab_));
-      // The mean's denominator sums w[target] on the host.
-      host_weights_.resize(static_cast<size_t>(vocab_));
-      const Tensor& weights = *weights_.tensor();
-      RETURN_IF_ERROR(weights.device()->ReadConverted(
-          weights.data(), DType::kFloat32, 0, vocab_, vocab_, 1.0f, nullptr,
-          host_weights_.data(), DType::kFloat32));
-    }
-    return absl::OkStatus();
-  }
-
-  // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
-  // the largest block so far, so device memory stays O(block).
-  absl::Status Reserve(void** buffer, size_t* capacity, size_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (bytes <= *capacity) return absl::OkStatus();
-    Device* device = service_->store()->device();
-    device->Free(*buffer, *capacity);
-    *buffer = nullptr;
-    *capacity = 0;
-    ASSIGN_OR_RETURN(*buffer, device->Allocate(bytes));
-    *capacity = bytes;
-    return absl::OkStatus();
-  }
-
-  void FreeBuffers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Device* device = service_->store()->device();
-    device->Free(logits_buffer_, logits_capacity_);
-    device->Free(targets_buffer_, targets_capacity_);
-    logits_buffer_ = nullptr;
-    targets_buffer_ = nullptr;
-    logits_capacity_ = 0;
-    targets_capacity_ = 0;
-  }
+  EvaluationLane(LossdService* service, const EvaluationConfig* config)
+      : service_(service), config_(config) {}
+  EvaluationLane(const EvaluationLane&) = delete;
+  EvaluationLane& operator=(const EvaluationLane&) = delete;
+  ~EvaluationLane() { FreeBuffers(); }
 
   // One block, whose logits and targets are `logits` and `targets` of the
   // concatenated `slices`.
-  absl::Status EvaluateBlock(const std::vector<grpc::Slice>& slices,
-                             ByteRange logits, ByteRange targets)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::Status Evaluate(const std::vector<grpc::Slice>& slices,
+                        ByteRange logits, ByteRange targets) {
     ASSIGN_OR_RETURN(
         const int64_t rows,
-        ValidateRowBlockSizes(spec_, static_cast<int64_t>(logits.size),
+        ValidateRowBlockSizes(config_->spec, static_cast<int64_t>(logits.size),
                               static_cast<int64_t>(targets.size), blocks_));
     ++blocks_;
     Metrics* const metrics = service_->metrics();
@@ -1828,21 +1744,18 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
           return status;
         }));
     RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
-    copy_seconds_ += absl::ToDoubleSeconds(absl::Now() - copy_start);
+    sums_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
 
     CrossEntropyArgs args;
     args.rows = rows;
-    args.vocab = vocab_;
-    args.row_stride = vocab_;
-    args.logits_dtype = logits_dtype_;
+    args.vocab = config_->vocab;
+    args.row_stride = config_->vocab;
+    args.logits_dtype = config_->logits_dtype;
     args.logits = logits_buffer_;
-    args.targets_dtype = targets_dtype_;
+    args.targets_dtype = config_->targets_dtype;
     args.targets = device_targets;
-    args.class_weights =
-        weights_.tensor() == nullptr
-            ? nullptr
-            : static_cast<const float*>(weights_.tensor()->data());
-    args.options = options_;
+    args.class_weights = config_->class_weights;
+    args.options = config_->options;
     // Blocks are summed here and reduced once at the end, in block order, so
     // the result is the same bits for the same blocks.
     args.options.reduction = Reduction::kSum;
@@ -1850,68 +1763,405 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     CrossEntropyResult result;
     const absl::Time start = absl::Now();
     RETURN_IF_ERROR(device->CrossEntropy(args, &result));
-    const double kernel_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    kernel_seconds_ += kernel_seconds;
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    sums_.kernel_seconds += seconds;
     if (metrics != nullptr) {
-      metrics->ObserveKernel(device->name(), "cross_entropy", kernel_seconds);
+      metrics->ObserveKernel(device->name(), "cross_entropy", seconds);
     }
 
-    loss_sum_ += result.loss;
-    z_loss_sum_ += result.z_loss;
-    rows_ += rows;
-    valid_tokens_ += result.valid_tokens;
-    correct_tokens_ += result.correct_tokens;
-    nonfinite_rows_ += result.nonfinite_rows;
+    sums_.loss += result.loss;
+    sums_.z_loss += result.z_loss;
+    sums_.rows += rows;
+    sums_.valid_tokens += result.valid_tokens;
+    sums_.correct_tokens += result.correct_tokens;
+    sums_.nonfinite_rows += result.nonfinite_rows;
     // Targets were checked by the kernel: valid ones index the weights.
     for (int64_t row = 0; row < rows; ++row) {
       int64_t target;
-      if (targets_dtype_ == DType::kInt32) {
+      if (config_->targets_dtype == DType::kInt32) {
         int32_t value;
         std::memcpy(&value, host_targets_.data() + row * 4, 4);
         target = value;
       } else {
         std::memcpy(&target, host_targets_.data() + row * 8, 8);
       }
-      if (target == options_.ignore_index) continue;
-      weight_sum_ += host_weights_.empty()
-                         ? 1.0
-                         : static_cast<double>(host_weights_[target]);
+      if (target == config_->options.ignore_index) continue;
+      sums_.weight += config_->host_weights.empty()
+                          ? 1.0
+                          : static_cast<double>(config_->host_weights[target]);
     }
     return absl::OkStatus();
   }
 
+  void FreeBuffers() {
+    Device* device = service_->store()->device();
+    device->Free(logits_buffer_, logits_capacity_);
+    device->Free(targets_buffer_, targets_capacity_);
+    logits_buffer_ = nullptr;
+    targets_buffer_ = nullptr;
+    logits_capacity_ = 0;
+    targets_capacity_ = 0;
+  }
+
+  // Over this lane's blocks so far.
+  const EvaluationSums& sums() const { return sums_; }
+
+ private:
+  // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
+  // the largest block so far.
+  absl::Status Reserve(void** buffer, size_t* capacity, size_t bytes) {
+    if (bytes <= *capacity) return absl::OkStatus();
+    Device* device = service_->store()->device();
+    device->Free(*buffer, *capacity);
+    *buffer = nullptr;
+    *capacity = 0;
+    ASSIGN_OR_RETURN(*buffer, device->Allocate(bytes));
+    *capacity = bytes;
+    return absl::OkStatus();
+  }
+
+  LossdService* const service_;
+  const EvaluationConfig* const config_;
+  void* logits_buffer_ = nullptr;
+  size_t logits_capacity_ = 0;
+  void* targets_buffer_ = nullptr;
+  size_t targets_capacity_ = 0;
+  std::string host_targets_;
+  int64_t blocks_ = 0;
+  EvaluationSums sums_;
+};
+
+// The most logits bytes one frame on a data connection may carry, as one
+// block on the stream (its lane's host and device buffers grow to it).
+constexpr int64_t kMaxFrameLogitsBytes = int64_t{64} << 20;
+
+// Exactly `bytes` bytes from data connection `index` into `out`: the rest of
+// frame `frame`'s `what`, of which `already` bytes came before (for the
+// error of a connection that ends first).
+absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
+                            int64_t frame, const char* what,
+                            size_t already = 0) {
+  for (size_t got = 0; got < bytes;) {
+    const ssize_t n = recv(fd, out + got, bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "data connection %d ended after %d of the %d bytes of frame %d's %s",
+          index, already + got, already + bytes, frame, what));
+    }
+    if (n < 0) {
+      return DataConnectionError(index, static_cast<int64_t>(got),
+                                 static_cast<int64_t>(bytes), n);
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+class EvaluateReactor;
+using EvaluateLink = EndLink<EvaluateReactor>;
+
+class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
+ public:
+  EvaluateReactor(LossdService* service, grpc::CallbackServerContext* context,
+                  grpc::ByteBuffer* response)
+      : PipelinedReadReactor(context),
+        service_(service),
+        response_(response),
+        admission_(service, *context) {
+    if (!admission_.status().ok()) {
+      End(ToGrpcStatus(admission_.status()));
+      return;
+    }
+    StartReading();
+  }
+
+  void OnDone() override {
+    // No data connection evaluates any more; then the lanes' buffers go.
+    if (transfer_ != nullptr) transfer_->Cancel();
+    {
+      absl::MutexLock lock(&mu_);
+      lanes_.clear();
+    }
+    weights_ = ReadLease();
+    admission_.Release();
+    delete this;
+  }
+
+  // An evaluation over data connections waits for them with no read in
+  // flight: cancellation (or the deadline) only shows here.
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (!waiting_) return;  // a reading RPC learns it from its read
+    waiting_ = false;
+    const absl::Status cause =
+        absl::CancelledError("the evaluation was cancelled");
+    Abandon(cause);
+    End(ToGrpcStatus(cause));
+  }
+
+  // The data connections' outcome, from the last one's thread (or the data
+  // plane's sweeper), by the party that claimed the link: the result of all
+  // lanes, or the failure.
+  void EndFromTransfer(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
+    grpc::Status result;
+    {
+      absl::MutexLock lock(&mu_);
+      MarkFinished();
+      waiting_ = false;
+      absl::Status outcome = status;
+      if (outcome.ok() && !abandoned_.ok()) outcome = abandoned_;
+      if (outcome.ok()) outcome = Respond();
+      lanes_.clear();
+      result = ToGrpcStatus(outcome);
+    }
+    FinishRpc(result);
+  }
+
+ private:
+  // The next block is received into the other buffer while this one is copied
+  // to the device and evaluated.
+  absl::Status Consume(grpc::ByteBuffer* buffer) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Status status = ConsumeBytes(buffer);
+    buffer->Clear();
+    return status;
+  }
+
+  // The device buffers go as soon as the stream fails (the data connections
+  // stop first).
+  void Abandon(const absl::Status& cause) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    abandoned_ = cause;
+    if (transfer_ != nullptr) transfer_->Cancel();
+    for (const std::unique_ptr<EvaluationLane>& lane : lanes_) {
+      lane->FreeBuffers();
+    }
+  }
+
+  absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<grpc::Slice> slices;
+    if (!buffer->Dump(&slices).ok()) {
+      return absl::InternalError("cannot read an EvaluateRequest's bytes");
+    }
+    ByteRange logits;
+    ByteRange targets;
+    if (FindRowBlock(slices, buffer->Length(), &logits, &targets)) {
+      RETURN_IF_ERROR(CheckStreamBlock());
+      return lanes_[0]->Evaluate(slices, logits, targets);
+    }
+    // The header, or a block in an unusual encoding: the protobuf way.
+    pb::EvaluateRequest request;
+    if (!grpc::SerializationTraits<pb::EvaluateRequest>::Deserialize(buffer,
+                                                                     &request)
+             .ok()) {
+      return absl::InvalidArgumentError("a malformed EvaluateRequest");
+    }
+    switch (request.kind_case()) {
+      case pb::EvaluateRequest::kHeader:
+        if (have_header_) {
+          return absl::InvalidArgumentError("a second header");
+        }
+        have_header_ = true;
+        return StartEvaluation(request.header());
+      case pb::EvaluateRequest::kBlock: {
+        RETURN_IF_ERROR(CheckStreamBlock());
+        const std::string& logits_bytes = request.block().logits();
+        const std::string& targets_bytes = request.block().targets();
+        const std::vector<grpc::Slice> parsed = {
+            grpc::Slice(logits_bytes.data(), logits_bytes.size(),
+                        grpc::Slice::STATIC_SLICE),
+            grpc::Slice(targets_bytes.data(), targets_bytes.size(),
+                        grpc::Slice::STATIC_SLICE)};
+        return lanes_[0]->Evaluate(
+            parsed, ByteRange{0, logits_bytes.size()},
+            ByteRange{logits_bytes.size(), targets_bytes.size()});
+      }
+      default:
+        return absl::InvalidArgumentError(
+            "an EvaluateRequest with neither header nor block");
+    }
+  }
+
+  // A block on the stream: after the header, unless the blocks come over
+  // data connections.
+  absl::Status CheckStreamBlock() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!have_header_) {
+      return absl::InvalidArgumentError("data before the header");
+    }
+    if (transfer_ != nullptr) {
+      return absl::InvalidArgumentError(
+          "a block on the stream of an evaluation over data connections");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StartEvaluation(const pb::EvaluateHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ASSIGN_OR_RETURN(config_.spec, ValidateEvaluateHeader(header));
+    RETURN_IF_ERROR(CheckDataConnections(service_, header.data_token(),
+                                         header.data_connections(),
+                                         "send the blocks on the stream"));
+    config_.options = config_.spec.options;
+    config_.vocab = config_.spec.vocab;
+    config_.logits_dtype = config_.spec.logits_dtype;
+    config_.targets_dtype = config_.spec.targets_dtype;
+    if (!header.options().class_weights().empty()) {
+      ASSIGN_OR_RETURN(
+          weights_,
+          LeaseClassWeights(service_->store(), admission_.tenant(),
+                            header.options().class_weights(), config_.vocab));
+      const Tensor& weights = *weights_.tensor();
+      config_.class_weights = static_cast<const float*>(weights.data());
+      // The mean's denominator sums w[target] on the host.
+      config_.host_weights.resize(static_cast<size_t>(config_.vocab));
+      RETURN_IF_ERROR(weights.device()->ReadConverted(
+          weights.data(), DType::kFloat32, 0, config_.vocab, config_.vocab,
+          1.0f, nullptr, config_.host_weights.data(), DType::kFloat32));
+    }
+    const int lanes = header.data_token().empty()
+                          ? 1
+                          : std::max(1, header.data_connections());
+    for (int i = 0; i < lanes; ++i) {
+      lanes_.push_back(std::make_unique<EvaluationLane>(service_, &config_));
+    }
+    if (header.data_token().empty()) return absl::OkStatus();
+    // Connection i's frames go to lane i; the ranges only count the parts.
+    auto link = std::make_shared<EvaluateLink>(this);
+    ASSIGN_OR_RETURN(
+        transfer_,
+        service_->options().data_plane->Expect(
+            header.data_token(),
+            std::vector<DataTransfer::Range>(static_cast<size_t>(lanes)),
+            FrameWork(), [link](const absl::Status& status) {
+              if (link->Claim()) link->reactor->EndFromTransfer(status);
+            }));
+    link_ = std::move(link);
+    return absl::OkStatus();
+  }
+
+  // The work of data connection i: frames (an 8-byte little-endian row count
+  // R >= 1, then R rows of logits and R targets) evaluated into lane i, in
+  // order, until the client ends its side between two frames. Runs while the
+  // lanes exist (they go only after Cancel, or after the transfer ended).
+  DataTransfer::Work FrameWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<EvaluationLane*> lanes;
+    for (const std::unique_ptr<EvaluationLane>& lane : lanes_) {
+      lanes.push_back(lane.get());
+    }
+    const int64_t row_bytes = config_.spec.row_bytes;
+    const int64_t target_bytes =
+        static_cast<int64_t>(DTypeSize(config_.targets_dtype));
+    return [lanes, row_bytes, target_bytes](
+               int index, int fd, const DataTransfer::Range&) -> absl::Status {
+      EvaluationLane* const lane = lanes[static_cast<size_t>(index)];
+      std::string frame;
+      for (int64_t number = 0;; ++number) {
+        unsigned char head[8];
+        // The end of the connection before a frame is the clean end.
+        ssize_t n;
+        do {
+          n = recv(fd, head, 1, 0);
+        } while (n < 0 && errno == EINTR);
+        if (n == 0) return absl::OkStatus();
+        if (n < 0) return DataConnectionError(index, 0, 8, n);
+        RETURN_IF_ERROR(ReadFrameBytes(fd, index,
+                                       reinterpret_cast<char*>(head) + 1, 7,
+                                       number, "row count", 1));
+        uint64_t rows = 0;
+        for (int i = 7; i >= 0; --i) rows = (rows << 8) | head[i];
+        const int64_t max_rows = kMaxFrameLogitsBytes / row_bytes;
+        if (rows < 1 || rows > static_cast<uint64_t>(max_rows)) {
+          return absl::InvalidArgumentError(
+              max_rows < 1
+                  ? absl::StrFormat("data connection %d: a row of %d bytes is "
+                                    "more than a frame may hold (%d MiB of "
+                                    "logits); send the blocks on the stream",
+                                    index, row_bytes,
+                                    kMaxFrameLogitsBytes >> 20)
+                  : absl::StrFormat("data connection %d, frame %d: %d rows; a "
+                                    "frame holds 1 to %d rows (%d MiB of "
+                                    "logits)",
+                                    index, number, static_cast<int64_t>(rows),
+                                    max_rows, kMaxFrameLogitsBytes >> 20));
+        }
+        const size_t logits = static_cast<size_t>(rows) * row_bytes;
+        const size_t targets = static_cast<size_t>(rows) * target_bytes;
+        frame.resize(logits + targets);
+        RETURN_IF_ERROR(ReadFrameBytes(fd, index, frame.data(), frame.size(),
+                                       number, "rows"));
+        const std::vector<grpc::Slice> slices = {
+            grpc::Slice(frame.data(), frame.size(), grpc::Slice::STATIC_SLICE)};
+        RETURN_IF_ERROR(lane->Evaluate(slices, ByteRange{0, logits},
+                                       ByteRange{logits, targets}));
+      }
+    };
+  }
+
   absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    FreeBuffers();
     if (!have_header_) {
       return absl::InvalidArgumentError("the stream ended before a header");
     }
-    if (rows_ == 0) return absl::InvalidArgumentError("no rows at all");
-    double loss = loss_sum_;
-    double z_loss = z_loss_sum_;
+    if (transfer_ != nullptr) {
+      // The RPC ends when the data connections do (EndFromTransfer), or on
+      // cancellation (OnCancel).
+      waiting_ = true;
+      end_deferred_ = true;
+      if (context_->IsCancelled()) {  // OnCancel ran before waiting_ was set
+        waiting_ = false;
+        end_deferred_ = false;
+        return absl::CancelledError("the evaluation was cancelled");
+      }
+      return absl::OkStatus();
+    }
+    const absl::Status status = Respond();
+    lanes_.clear();
+    return status;
+  }
+
+  // The response: the lanes' sums, added in lane order (the same bits for
+  // the same blocks on the same lanes).
+  absl::Status Respond() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    EvaluationSums total;
+    for (const std::unique_ptr<EvaluationLane>& lane : lanes_) {
+      total.Add(lane->sums());
+    }
+    if (total.rows == 0) return absl::InvalidArgumentError("no rows at all");
+    const CrossEntropyOptions& options = config_.options;
+    double loss = total.loss;
+    double z_loss = total.z_loss;
     double denominator = 0.0;
-    if (options_.reduction == Reduction::kMean) {
-      denominator = options_.normalizer > 0.0
-                        ? options_.normalizer
-                        : (valid_tokens_ > 0 ? weight_sum_ : 0.0);
-      loss = denominator != 0.0 ? loss_sum_ / denominator : 0.0;
-      z_loss = denominator != 0.0 ? z_loss_sum_ / denominator : 0.0;
+    if (options.reduction == Reduction::kMean) {
+      denominator = options.normalizer > 0.0
+                        ? options.normalizer
+                        : (total.valid_tokens > 0 ? total.weight : 0.0);
+      loss = denominator != 0.0 ? total.loss / denominator : 0.0;
+      z_loss = denominator != 0.0 ? total.z_loss / denominator : 0.0;
     }
     pb::EvaluateResponse response;
     response.set_loss(loss);
     response.set_z_loss(z_loss);
-    response.set_rows(rows_);
-    response.set_valid_tokens(valid_tokens_);
-    response.set_correct_tokens(correct_tokens_);
-    response.set_nonfinite_rows(nonfinite_rows_);
+    response.set_rows(total.rows);
+    response.set_valid_tokens(total.valid_tokens);
+    response.set_correct_tokens(total.correct_tokens);
+    response.set_nonfinite_rows(total.nonfinite_rows);
     response.set_denominator(denominator);
-    response.set_copy_seconds(copy_seconds_);
-    response.set_kernel_seconds(kernel_seconds_);
+    response.set_copy_seconds(total.copy_seconds);
+    response.set_kernel_seconds(total.kernel_seconds);
     return SerializeResponse(response, response_);
   }
 
-  // Finishes the RPC with `status`. Recorded before Finish, so that a client
-  // that has its status also sees it counted.
+  // Finishes the RPC with `status`, unless the data connections' outcome
+  // claimed that already.
   void End(const grpc::Status& status) override {
+    if (link_ != nullptr && !link_->Claim()) return;
+    FinishRpc(status);
+  }
+
+  // Recorded before Finish, so that a client that has its status also sees it
+  // counted.
+  void FinishRpc(const grpc::Status& status) {
     service_->RecordRpc("Evaluate", status.error_code(), start_);
     Finish(status);
   }
@@ -1921,29 +2171,19 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer* const response_;
   Admission admission_;
   bool have_header_ ABSL_GUARDED_BY(mu_) = false;
-  EvaluateSpec spec_ ABSL_GUARDED_BY(mu_);
-  CrossEntropyOptions options_ ABSL_GUARDED_BY(mu_);
-  int64_t vocab_ ABSL_GUARDED_BY(mu_) = 0;
-  DType logits_dtype_ ABSL_GUARDED_BY(mu_) = DType::kInvalid;
-  DType targets_dtype_ ABSL_GUARDED_BY(mu_) = DType::kInvalid;
+  // Set from the header under mu_; read-only afterwards (the lanes read it
+  // on the data connections' threads).
+  EvaluationConfig config_;
   ReadLease weights_;
-  std::vector<float> host_weights_ ABSL_GUARDED_BY(mu_);
-  // The block buffers, reused from block to block (device memory).
-  void* logits_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t logits_capacity_ ABSL_GUARDED_BY(mu_) = 0;
-  void* targets_buffer_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t targets_capacity_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string host_targets_ ABSL_GUARDED_BY(mu_);
-  int64_t blocks_ ABSL_GUARDED_BY(mu_) = 0;
-  double loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
-  double copy_seconds_ ABSL_GUARDED_BY(mu_) = 0.0;    // summed over blocks
-  double kernel_seconds_ ABSL_GUARDED_BY(mu_) = 0.0;  // summed over blocks
-  double z_loss_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
-  double weight_sum_ ABSL_GUARDED_BY(mu_) = 0.0;
-  int64_t rows_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t valid_tokens_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t correct_tokens_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t nonfinite_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // One lane for the stream's blocks, or one per data connection.
+  std::vector<std::unique_ptr<EvaluationLane>> lanes_ ABSL_GUARDED_BY(mu_);
+  // An evaluation over data connections: its transfer and the link that ties
+  // the transfer's outcome to this RPC; waiting_ while the stream has ended
+  // and the connections have not; why the stream failed, if it did.
+  std::shared_ptr<DataTransfer> transfer_;
+  std::shared_ptr<EvaluateLink> link_;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status abandoned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -262,9 +263,11 @@ TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
 TEST_F(DataConnectionTest, DownloadErrors) {
   Start(0, absl::Seconds(1));
   std::unique_ptr<Client> client = MakeClient(false);
-  const std::string bytes = RandomBytes(4 << 20, 21);
+  // More than the socket buffers of one connection hold (a few MiB on
+  // loopback), so that a client going away fails the server's sends.
+  const std::string bytes = RandomBytes(32 << 20, 21);
   absl::StatusOr<TensorInfo> uploaded =
-      client->Upload(DType::kFloat32, {1 << 20}, bytes.data(), bytes.size());
+      client->Upload(DType::kFloat32, {8 << 20}, bytes.data(), bytes.size());
   ASSERT_TRUE(uploaded.ok()) << uploaded.status();
   auto download = [&](const std::string& token, int connections,
                       bool read_header) {
@@ -732,6 +735,220 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
   EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(10)));
   close(fd);
   ExpectEmptyStore();
+}
+
+// Evaluate over data connections: over one connection the same bits as the
+// stream (the same blocks in one lane); over three, the same bits on every
+// run (lanes added in order) and the stream's result within rounding.
+TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
+  Start();
+  const int64_t rows = 53, vocab = 2053;
+  std::vector<float> logits(static_cast<size_t>(rows * vocab));
+  std::mt19937 random(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : logits) v = normal(random);
+  std::vector<int64_t> targets(static_cast<size_t>(rows));
+  for (int64_t& t : targets) {
+    t = random() % 7 == 0 ? -100 : static_cast<int64_t>(random() % vocab);
+  }
+  EvaluateOptions options;
+  options.loss.label_smoothing = 0.1;
+  options.loss.z_loss_scale = 1e-4;
+  auto evaluate = [&](Client* client) {
+    absl::StatusOr<EvaluateResult> result = client->Evaluate(
+        rows, vocab, DType::kFloat32, logits.data(), DType::kInt64,
+        targets.data(), options, /*block_rows=*/5);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : EvaluateResult{};
+  };
+  const EvaluateResult streamed = evaluate(MakeClient(false).get());
+  EXPECT_EQ(streamed.rows, rows);
+  {
+    SCOPED_TRACE("1 connection");
+    const int64_t before = Completed();
+    const EvaluateResult one = evaluate(MakeClient(true, 1).get());
+    EXPECT_EQ(Completed(), before + 1);
+    EXPECT_EQ(one.loss, streamed.loss);
+    EXPECT_EQ(one.z_loss, streamed.z_loss);
+    EXPECT_EQ(one.valid_tokens, streamed.valid_tokens);
+    EXPECT_EQ(one.correct_tokens, streamed.correct_tokens);
+    EXPECT_EQ(one.denominator, streamed.denominator);
+  }
+  {
+    SCOPED_TRACE("3 connections");
+    std::unique_ptr<Client> client = MakeClient(true, 3);
+    const int64_t before = Completed();
+    const EvaluateResult first = evaluate(client.get());
+    const EvaluateResult second = evaluate(client.get());
+    EXPECT_EQ(Completed(), before + 6);
+    EXPECT_EQ(first.loss, second.loss);
+    EXPECT_EQ(first.z_loss, second.z_loss);
+    EXPECT_NEAR(first.loss, streamed.loss, 1e-12 * std::fabs(streamed.loss));
+    EXPECT_EQ(first.rows, rows);
+    EXPECT_EQ(first.valid_tokens, streamed.valid_tokens);
+    EXPECT_EQ(first.correct_tokens, streamed.correct_tokens);
+    EXPECT_EQ(first.denominator, streamed.denominator);
+  }
+  ExpectEmptyStore();
+}
+
+// lossd::Client frames only whole rows: an empty block is skipped (as the
+// stream would evaluate nothing for it), a block of partial rows is refused
+// before it is sent.
+TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
+  Start();
+  std::unique_ptr<Client> client = MakeClient(true, 2);
+  const int64_t vocab = 8;
+  int produced = 0;
+  auto blocks = [&](bool partial) {
+    produced = 0;
+    return [&, partial](RowBlock* block) -> absl::StatusOr<bool> {
+      switch (produced++) {
+        case 0:  // empty
+          return true;
+        case 1:
+        case 2:
+          block->logits.assign(3 * vocab * 4, '\0');
+          block->targets.assign(3 * 8, '\0');
+          return true;
+        case 3:
+          if (!partial) return false;
+          block->logits.assign(vocab * 4 + 1, '\0');
+          block->targets.assign(8, '\0');
+          return true;
+        default:
+          return false;
+      }
+    };
+  };
+  absl::StatusOr<EvaluateResult> whole = client->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(false));
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->rows, 6);
+  EXPECT_NEAR(whole->loss, std::log(8.0), 1e-6);
+  absl::StatusOr<EvaluateResult> partial = client->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(true));
+  EXPECT_EQ(partial.status().code(), absl::StatusCode::kInvalidArgument)
+      << partial.status();
+  EXPECT_NE(partial.status().message().find("block 3"), std::string::npos)
+      << partial.status();
+}
+
+// An Evaluate stream driven by hand: a header with a data token.
+class RawDataEvaluate {
+ public:
+  RawDataEvaluate(pb::Lossd::Stub* stub, const std::string& token,
+                  int connections, int64_t vocab) {
+    writer_ = stub->Evaluate(&context_, &response_);
+    pb::EvaluateHeader* header = request_.mutable_header();
+    header->set_vocab(vocab);
+    header->set_logits_dtype(pb::DTYPE_FLOAT32);
+    header->set_targets_dtype(pb::DTYPE_INT64);
+    header->set_data_token(token);
+    header->set_data_connections(connections);
+  }
+  grpc::ClientContext* context() { return &context_; }
+  bool SendHeader(bool writes_done = true) {
+    return writer_->Write(request_) && (!writes_done || writer_->WritesDone());
+  }
+  bool SendBlock() {
+    pb::EvaluateRequest block;
+    block.mutable_block()->set_logits(std::string(8, '\0'));
+    block.mutable_block()->set_targets(std::string(8, '\0'));
+    return writer_->Write(block);
+  }
+  grpc::Status Finish() { return writer_->Finish(); }
+
+ private:
+  grpc::ClientContext context_;
+  pb::EvaluateResponse response_;
+  pb::EvaluateRequest request_;
+  std::unique_ptr<grpc::ClientWriter<pb::EvaluateRequest>> writer_;
+};
+
+// A frame of `rows` rows of `vocab` fp32 zeros and int64 targets 0, cut to
+// `keep` bytes (all when negative).
+std::string Frame(int64_t rows, int64_t vocab, int64_t keep = -1) {
+  std::string frame(8, '\0');
+  for (int i = 0; i < 8; ++i) {
+    frame[static_cast<size_t>(i)] =
+        static_cast<char>((static_cast<uint64_t>(rows) >> (8 * i)) & 0xff);
+  }
+  int64_t payload = std::max<int64_t>(0, rows) * (vocab * 4 + 8);
+  if (keep >= 0) payload = std::min(payload, std::max<int64_t>(0, keep - 8));
+  frame.append(static_cast<size_t>(payload), '\0');
+  if (keep >= 0 && keep < 8) frame.resize(static_cast<size_t>(keep));
+  return frame;
+}
+
+// What can go wrong with an Evaluate over data connections, each a clear
+// error that leaves nothing behind.
+TEST_F(DataConnectionTest, EvaluateErrors) {
+  Start(0, absl::Seconds(2));
+  constexpr int64_t kVocab = 16;
+  struct Case {
+    const char* what;
+    std::string sent;  // after the preamble
+    StatusCode code;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"a frame of 0 rows", Frame(0, kVocab), StatusCode::INVALID_ARGUMENT,
+       "0 rows"},
+      {"an absurd row count", Frame(int64_t{1} << 40, kVocab, 8),
+       StatusCode::INVALID_ARGUMENT, "a frame holds"},
+      {"a connection ending inside a frame", Frame(2, kVocab, 20),
+       StatusCode::INVALID_ARGUMENT, "ended after 12 of the"},
+      {"a connection ending inside a row count", Frame(2, kVocab, 3),
+       StatusCode::INVALID_ARGUMENT, "row count"},
+      {"no frames at all", "", StatusCode::INVALID_ARGUMENT, "no rows"},
+  };
+  char fill = 'A';
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string token = Token(fill++);
+    RawDataEvaluate evaluate(stub_.get(), token, 1, kVocab);
+    ASSERT_TRUE(evaluate.SendHeader());
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(token) + c.sent));
+    shutdown(fd, SHUT_WR);
+    const grpc::Status status = evaluate.Finish();
+    close(fd);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    EXPECT_NE(status.error_message().find(c.says), std::string::npos)
+        << status.error_message();
+  }
+  {
+    SCOPED_TRACE("a block on the stream too");
+    RawDataEvaluate evaluate(stub_.get(), Token('x'), 1, 1);
+    ASSERT_TRUE(evaluate.SendHeader(/*writes_done=*/false));
+    evaluate.SendBlock();
+    const grpc::Status status = evaluate.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT)
+        << status.error_message();
+  }
+  {
+    SCOPED_TRACE("cancelled while the connections run");
+    RawDataEvaluate evaluate(stub_.get(), Token('y'), 2, kVocab);
+    ASSERT_TRUE(evaluate.SendHeader());
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('y')) + Frame(3, kVocab)));
+    evaluate.context()->TryCancel();
+    EXPECT_EQ(evaluate.Finish().error_code(), StatusCode::CANCELLED);
+    close(fd);
+  }
+  {
+    SCOPED_TRACE("a connection that never comes");
+    RawDataEvaluate evaluate(stub_.get(), Token('z'), 2, kVocab);
+    ASSERT_TRUE(evaluate.SendHeader());
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('z')) + Frame(3, kVocab)));
+    shutdown(fd, SHUT_WR);
+    EXPECT_EQ(evaluate.Finish().error_code(), StatusCode::DEADLINE_EXCEEDED);
+    close(fd);
+  }
+  ExpectEmptyStore();
+  EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
 }
 
 // At the cap of connections served at once, further connections wait in the

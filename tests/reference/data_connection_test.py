@@ -6,6 +6,8 @@ lossd, with torch as the oracle.
   place against torch's cross_entropy, Backward 0.5, then Download the gradient over 2
   connections, as stored and as bf16: the bytes equal those of a plain gRPC Download, and the
   gradient matches 0.5 * torch's within fp32 rounding.
+- Evaluate of the same rows over 3 connections (blocks of 5 rows, frames round-robin) gives
+  torch's loss.
 - A connection that ends short fails the upload with INVALID_ARGUMENT and stores nothing.
 Seed random per run, printed, fixed with LOSSD_DATA_SEED=<seed>."""
 
@@ -112,6 +114,31 @@ def download(stub, pb, port, handle, count, dtype=0):
     return header, bytes(out)
 
 
+def evaluate(stub, pb, port, logits, targets, count, block_rows):
+    """Evaluates fp32 `logits` with int64 `targets` in blocks of `block_rows` rows, block b over
+    connection b mod `count` as frames (8-byte little-endian row count, rows, targets)."""
+    token = secrets.token_bytes(16)
+    header = pb.EvaluateHeader(vocab=logits.shape[1], logits_dtype=pb.DTYPE_FLOAT32,
+                               targets_dtype=pb.DTYPE_INT64, data_token=token,
+                               data_connections=count)
+    future = stub.Evaluate.future(iter([pb.EvaluateRequest(header=header)]))
+    frames = [[] for _ in range(count)]
+    for b, first in enumerate(range(0, len(targets), block_rows)):
+        rows = min(block_rows, len(targets) - first)
+        frames[b % count].append(struct.pack("<q", rows) +
+                                 logits[first:first + rows].tobytes() +
+                                 targets[first:first + rows].tobytes())
+    sockets = data_sockets(port, count)
+    for i, s in enumerate(sockets):
+        s.sendall(preamble(token, i) + b"".join(frames[i]))
+        s.shutdown(socket.SHUT_WR)
+    try:
+        return future.result(timeout=60)
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def grpc_download(stub, pb, handle, dtype=0):
     stream = stub.Download(pb.DownloadRequest(handle=handle, dtype=dtype))
     next(stream)
@@ -159,6 +186,14 @@ def main():
             failures.append("forward: loss %.8f, torch %.8f" % (result.loss, float(loss)))
         stub.Backward(pb.BackwardRequest(gradient=result.gradient, scalar=0.5))
 
+        # The same rows evaluated over 3 connections in blocks of 5 (not kept).
+        evaluated = evaluate(stub, pb, port, logits, targets, 3, 5)
+        if evaluated.rows != rows or evaluated.valid_tokens != int((targets != -100).sum()):
+            failures.append("evaluate: %d rows, %d valid" % (evaluated.rows,
+                                                              evaluated.valid_tokens))
+        if abs(evaluated.loss - float(loss)) > 1e-5 * max(1.0, abs(float(loss))):
+            failures.append("evaluate: loss %.8f, torch %.8f" % (evaluated.loss, float(loss)))
+
         expected = 0.5 * x.grad.numpy()
         for name, dtype in (("fp32", pb.DTYPE_FLOAT32), ("bf16", pb.DTYPE_BFLOAT16)):
             header, data = download(stub, pb, port, result.gradient, 2, dtype)
@@ -191,7 +226,7 @@ def main():
     for failure in failures:
         print("FAIL: " + failure)
     if not failures:
-        print("data connections from Python: upload, forward, backward and downloads agree")
+        print("data connections from Python: upload, forward, backward, downloads and evaluate agree")
     return 1 if failures else 0
 
 
