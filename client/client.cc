@@ -721,6 +721,26 @@ int DataConnectionCount(const ClientOptions& options) {
   return std::clamp(options.upload_streams, 1, 64);
 }
 
+}  // namespace
+
+std::optional<absl::StatusOr<Client::DataConnections>>
+Client::OpenDataConnections() {
+  const std::optional<DataTarget> target = FindDataTarget();
+  if (!target.has_value()) return std::nullopt;
+  std::optional<std::vector<int>> fds =
+      ConnectData(*target, DataConnectionCount(options_));
+  if (!fds.has_value()) return std::nullopt;
+  absl::StatusOr<std::string> token = RandomDataToken();
+  if (!token.ok()) {
+    for (int fd : *fds) close(fd);
+    return absl::StatusOr<DataConnections>(token.status());
+  }
+  return absl::StatusOr<DataConnections>(
+      DataConnections{*std::move(fds), *std::move(token)});
+}
+
+namespace {
+
 // Closes a transfer's data connections when it goes, or at Close.
 class ConnectionCloser {
  public:
@@ -765,17 +785,13 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     DType dtype, absl::Span<const int64_t> shape, const void* data,
     std::size_t bytes, const std::string& label,
     const ProgressCallback& progress) {
-  const std::optional<DataTarget> target = FindDataTarget();
-  if (!target.has_value()) return std::nullopt;
-  std::optional<std::vector<int>> opened =
-      ConnectData(*target, DataConnectionCount(options_));
+  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
-  std::vector<int>& fds = *opened;
+  if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
+  std::vector<int>& fds = (*opened)->fds;
+  const std::string& token = (*opened)->token;
   ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
-  const absl::StatusOr<std::string> drawn = RandomDataToken();
-  if (!drawn.ok()) return absl::StatusOr<TensorInfo>(drawn.status());
-  const std::string& token = *drawn;
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::UploadRequest request;
@@ -1392,17 +1408,13 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
                                     const RowBlockProducer& next_block,
                                     const ProgressCallback& progress) {
   const int64_t total_rows = options.total_rows;
-  const std::optional<DataTarget> target = FindDataTarget();
-  if (!target.has_value()) return std::nullopt;
-  std::optional<std::vector<int>> opened =
-      ConnectData(*target, DataConnectionCount(options_));
+  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
-  std::vector<int>& fds = *opened;
+  if (!opened->ok()) return absl::StatusOr<EvaluateResult>(opened->status());
+  std::vector<int>& fds = (*opened)->fds;
+  const std::string& token = (*opened)->token;
   ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
-  const absl::StatusOr<std::string> drawn = RandomDataToken();
-  if (!drawn.ok()) return absl::StatusOr<EvaluateResult>(drawn.status());
-  const std::string& token = *drawn;
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   v1::EvaluateResponse response;

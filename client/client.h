@@ -351,6 +351,14 @@ class Client {
   // when one cannot be made, remembered: gRPC from then on.
   std::optional<std::vector<int>> ConnectData(const DataTarget& target,
                                               int count);
+  // Both, for upload_streams connections, and a fresh token for a transfer
+  // over them: nullopt as FindDataTarget or ConnectData; an error when no
+  // token could be drawn.
+  struct DataConnections {
+    std::vector<int> fds;
+    std::string token;
+  };
+  std::optional<absl::StatusOr<DataConnections>> OpenDataConnections();
 
   // Download of the whole (converted) tensor, `total` bytes of
   // `element_bytes`-byte elements, into `base` over data connections.

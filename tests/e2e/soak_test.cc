@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -510,6 +511,50 @@ class SoakClient {
     return fds;
   }
 
+  // Sends parts[i] over data connection i (after its preamble), each on its
+  // own thread; when `cancel`, the last connection sends nothing and the RPC
+  // is cancelled afterwards (so it cannot complete first). Then `finish`
+  // ends the RPC and the connections are closed.
+  grpc::Status SendParts(const std::vector<int>& fds, const std::string& token,
+                         const std::vector<std::string>& parts, bool cancel,
+                         grpc::ClientContext* context,
+                         const std::function<grpc::Status()>& finish) {
+    const size_t sending = cancel ? parts.size() - 1 : parts.size();
+    std::vector<std::thread> senders;
+    for (size_t i = 0; i < sending; ++i) {
+      senders.emplace_back([&, i] {
+        // A failed send is the RPC's to explain.
+        SendOverDataConnection(fds[i], token, static_cast<int>(i),
+                               parts[i].data(), parts[i].size(), nullptr)
+            .IgnoreError();
+      });
+    }
+    for (std::thread& sender : senders) sender.join();
+    if (cancel) context->TryCancel();
+    const grpc::Status status = finish();
+    for (int fd : fds) close(fd);
+    return status;
+  }
+
+  // Counts the status of a transfer over data connections in the mode it
+  // ran in: cancelled, with a short part (`broken`), with a tight deadline or
+  // plain. True when it ended OK.
+  bool CheckData(const std::string& what, const grpc::Status& status,
+                 bool cancel, bool broken, bool with_deadline) {
+    if (cancel) {
+      Check((what + " (data, cancelled)").c_str(), status, {Code::CANCELLED});
+    } else if (broken) {
+      Check((what + " (data, short)").c_str(), status,
+            {Code::INVALID_ARGUMENT});
+    } else if (with_deadline) {
+      Check((what + " (data, deadline)").c_str(), status,
+            {Code::OK, Code::DEADLINE_EXCEEDED});
+    } else {
+      Check((what + " (data)").c_str(), status, {Code::OK});
+    }
+    return !cancel && !broken && status.ok();
+  }
+
   // An Upload whose bytes go over 1-3 data connections. Sometimes one
   // connection ends short (INVALID_ARGUMENT), sometimes the last one never
   // sends and the RPC is cancelled (CANCELLED), sometimes the deadline is
@@ -543,43 +588,21 @@ class SoakClient {
     const int64_t elements = tensor.rows * tensor.vocab;
     const int64_t element_bytes =
         static_cast<int64_t>(tensor.bytes.size()) / elements;
-    std::vector<std::thread> senders;
-    // When cancelling, the last connection sends nothing: the upload cannot
-    // complete before the cancellation.
-    const int sending = cancel ? count - 1 : count;
-    for (int i = 0; i < sending; ++i) {
-      senders.emplace_back([&, i] {
-        const int64_t first = PartStart(elements, i, count) * element_bytes;
-        int64_t bytes =
-            PartStart(elements, i + 1, count) * element_bytes - first;
-        // The last part always holds an element: half of it is short.
-        if (short_part && i == count - 1) bytes /= 2;
-        // A failed send is the RPC's to explain.
-        SendOverDataConnection(fds[static_cast<size_t>(i)], token, i,
-                               tensor.bytes.data() + first,
-                               static_cast<size_t>(bytes), nullptr)
-            .IgnoreError();
-      });
+    std::vector<std::string> parts;
+    for (int i = 0; i < count; ++i) {
+      const int64_t first = PartStart(elements, i, count) * element_bytes;
+      parts.push_back(tensor.bytes.substr(
+          static_cast<size_t>(first),
+          static_cast<size_t>(
+              PartStart(elements, i + 1, count) * element_bytes - first)));
     }
-    for (std::thread& sender : senders) sender.join();
-    if (cancel) context.TryCancel();
-    const grpc::Status status = writer->Finish();
-    for (int fd : fds) close(fd);
-    if (cancel) {
-      Check("Upload (data, cancelled)", status, {Code::CANCELLED});
+    // The last part always holds an element: half of it is short.
+    if (short_part) parts.back().resize(parts.back().size() / 2);
+    const grpc::Status status = SendParts(fds, token, parts, cancel, &context,
+                                          [&] { return writer->Finish(); });
+    if (!CheckData("Upload", status, cancel, short_part, with_deadline)) {
       return;
     }
-    if (short_part) {
-      Check("Upload (data, short)", status, {Code::INVALID_ARGUMENT});
-      return;
-    }
-    if (with_deadline) {
-      Check("Upload (data, deadline)", status,
-            {Code::OK, Code::DEADLINE_EXCEEDED});
-    } else {
-      Check("Upload (data)", status, {Code::OK});
-    }
-    if (!status.ok()) return;
     figures_.bytes_uploaded += static_cast<int64_t>(tensor.bytes.size());
     Keep(std::move(tensor), response.tensor(), "data Upload");
   }
@@ -898,38 +921,11 @@ class SoakClient {
       rows_sent += rows;
     }
     if (short_frame) frames.back().resize(frames.back().size() - 1);
-    // When cancelling, the last connection sends nothing: the evaluation
-    // cannot end before the cancellation.
-    const int sending = cancel ? count - 1 : count;
-    std::vector<std::thread> senders;
-    for (int i = 0; i < sending; ++i) {
-      senders.emplace_back([&, i] {
-        const std::string& frame = frames[static_cast<size_t>(i)];
-        // A failed send is the RPC's to explain.
-        SendOverDataConnection(fds[static_cast<size_t>(i)], token, i,
-                               frame.data(), frame.size(), nullptr)
-            .IgnoreError();
-      });
-    }
-    for (std::thread& sender : senders) sender.join();
-    if (cancel) context.TryCancel();
-    const grpc::Status status = writer->Finish();
-    for (int fd : fds) close(fd);
-    if (cancel) {
-      Check("Evaluate (data, cancelled)", status, {Code::CANCELLED});
+    const grpc::Status status = SendParts(fds, token, frames, cancel, &context,
+                                          [&] { return writer->Finish(); });
+    if (!CheckData("Evaluate", status, cancel, short_frame, with_deadline)) {
       return;
     }
-    if (short_frame) {
-      Check("Evaluate (data, short)", status, {Code::INVALID_ARGUMENT});
-      return;
-    }
-    if (with_deadline) {
-      Check("Evaluate (data, deadline)", status,
-            {Code::OK, Code::DEADLINE_EXCEEDED});
-    } else {
-      Check("Evaluate (data)", status, {Code::OK});
-    }
-    if (!status.ok()) return;
     figures_.bytes_evaluated +=
         rows_sent * vocab * (dtype == pb::DTYPE_FLOAT32 ? 4 : 2);
     if (response.rows() != rows_sent) {
