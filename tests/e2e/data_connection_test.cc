@@ -737,6 +737,66 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
   ExpectEmptyStore();
 }
 
+// The CUDA device behind every data path: Evaluate over one connection gives
+// the stream's bits and over three the same bits twice; a gradient (grad
+// output 0.5 pending) comes back over data connections, converted to bf16 on
+// the device, byte for byte as over gRPC. Skipped without a GPU.
+TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
+  if (const absl::Status cuda = e2e_test::CudaServerAvailable(); !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA device: " << cuda;
+  }
+  Start(0, absl::Seconds(30), absl::Seconds(10), "cuda");
+  const int64_t rows = 67, vocab = 32003;  // uneven splits and blocks
+  std::vector<float> logits(static_cast<size_t>(rows * vocab));
+  std::mt19937 random(13);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : logits) v = normal(random);
+  std::vector<int64_t> targets(static_cast<size_t>(rows));
+  for (int64_t& t : targets) {
+    t = random() % 9 == 0 ? -100 : static_cast<int64_t>(random() % vocab);
+  }
+  EvaluateOptions options;
+  options.loss.label_smoothing = 0.05;
+  auto evaluate = [&](Client* client) {
+    absl::StatusOr<EvaluateResult> result = client->Evaluate(
+        rows, vocab, DType::kFloat32, logits.data(), DType::kInt64,
+        targets.data(), options, /*block_rows=*/8);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : EvaluateResult{};
+  };
+  std::unique_ptr<Client> grpc_only = MakeClient(false);
+  const EvaluateResult streamed = evaluate(grpc_only.get());
+  EXPECT_EQ(streamed.rows, rows);
+  EXPECT_EQ(evaluate(MakeClient(true, 1).get()).loss, streamed.loss);
+  std::unique_ptr<Client> three = MakeClient(true, 3);
+  const EvaluateResult first = evaluate(three.get());
+  EXPECT_EQ(evaluate(three.get()).loss, first.loss);
+  EXPECT_NEAR(first.loss, streamed.loss, 1e-9 * std::fabs(streamed.loss));
+
+  std::unique_ptr<Client> client = MakeClient();
+  absl::StatusOr<TensorInfo> uploaded =
+      client->Upload(DType::kFloat32, {rows, vocab}, logits.data(),
+                     logits.size() * sizeof(float));
+  ASSERT_TRUE(uploaded.ok()) << uploaded.status();
+  absl::StatusOr<ForwardResult> forward = client->Forward(
+      uploaded->handle,
+      Targets::Inline(DType::kInt64, targets.data(), targets.size() * 8));
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  ASSERT_TRUE(client->Backward(forward->gradient, 0.5).ok());
+  const int64_t before = Completed();
+  absl::StatusOr<DownloadedTensor> over_data =
+      client->Download(forward->gradient, DType::kBFloat16);
+  ASSERT_TRUE(over_data.ok()) << over_data.status();
+  EXPECT_EQ(Completed(), before + kStreams);
+  absl::StatusOr<DownloadedTensor> over_grpc =
+      grpc_only->Download(forward->gradient, DType::kBFloat16);
+  ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
+  EXPECT_TRUE(over_data->data == over_grpc->data);
+  EXPECT_EQ(over_data->info.pending_scale, 0.5);
+  ASSERT_TRUE(client->Release(forward->gradient).ok());
+  ExpectEmptyStore();
+}
+
 // Evaluate over data connections: over one connection the same bits as the
 // stream (the same blocks in one lane); over three, the same bits on every
 // run (lanes added in order) and the stream's result within rounding.
