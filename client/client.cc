@@ -1339,9 +1339,11 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     return absl::InvalidArgumentError(absl::StrCat(
         "targets dtype ", DTypeString(targets_dtype), " is not int32/int64"));
   }
-  // Data connections for an evaluation of unknown size or of at least
-  // stripe_min_bytes of logits; a smaller one is not worth their set-up.
-  const bool large = options.total_rows < 0 ||
+  // Data connections for an evaluation of a known size of at least
+  // stripe_min_bytes of logits: a smaller one is not worth their set-up, and
+  // one of unknown size may come from a slow producer (a connection idle for
+  // the server's --data_timeout between two of its blocks fails).
+  const bool large = options.total_rows >= 0 &&
                      options.total_rows * vocab *
                              static_cast<int64_t>(DTypeSize(logits_dtype)) >=
                          static_cast<int64_t>(options_.stripe_min_bytes);
@@ -1437,7 +1439,7 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
         static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
     std::thread producer([&] {
       absl::Status status;
-      for (std::size_t b = 0, produced = 0;; ++produced) {
+      for (std::size_t b = 0, number = 0;; ++number) {
         RowBlock block;
         absl::StatusOr<bool> more = next_block(&block);
         if (!more.ok()) {
@@ -1453,7 +1455,7 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
           status = absl::InvalidArgumentError(absl::StrFormat(
               "block %d: %d logits bytes and %d targets bytes are not whole "
               "rows of %d and %d bytes",
-              produced, block.logits.size(), block.targets.size(), row_bytes,
+              number, block.logits.size(), block.targets.size(), row_bytes,
               target_bytes));
           break;
         }

@@ -52,7 +52,7 @@ struct ClientOptions {
   // (the data connection has none of its own). Otherwise, or when that port
   // cannot be reached (this Client then stops trying), the tensor is striped
   // as below. Downloads of that size come back over them, and an Evaluate of
-  // unknown size or of at least stripe_min_bytes of logits sends its blocks
+  // known size of at least stripe_min_bytes of logits sends its blocks
   // over them.
   bool data_connection = true;
   // Striped upload: a tensor of at least stripe_min_bytes bytes is sent as

@@ -1831,9 +1831,10 @@ class EvaluationLane {
   EvaluationSums sums_;
 };
 
-// The most logits bytes one frame on a data connection may carry, as one
-// block on the stream (its lane's host and device buffers grow to it).
-constexpr int64_t kMaxFrameLogitsBytes = int64_t{64} << 20;
+// The most bytes (logits and targets) one frame on a data connection may
+// carry, as one block message on the stream (its lane's host and device
+// buffers grow to it).
+constexpr int64_t kMaxFrameBytes = int64_t{64} << 20;
 
 // Exactly `bytes` bytes from data connection `index` into `out`: the rest of
 // frame `frame`'s `what`, of which `already` bytes came before (for the
@@ -2071,20 +2072,19 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                                        number, "row count", 1));
         uint64_t rows = 0;
         for (int i = 7; i >= 0; --i) rows = (rows << 8) | head[i];
-        const int64_t max_rows = kMaxFrameLogitsBytes / row_bytes;
+        const int64_t max_rows = kMaxFrameBytes / (row_bytes + target_bytes);
         if (rows < 1 || rows > static_cast<uint64_t>(max_rows)) {
           return absl::InvalidArgumentError(
               max_rows < 1
                   ? absl::StrFormat("data connection %d: a row of %d bytes is "
-                                    "more than a frame may hold (%d MiB of "
-                                    "logits); send the blocks on the stream",
-                                    index, row_bytes,
-                                    kMaxFrameLogitsBytes >> 20)
+                                    "more than a frame may hold (%d MiB); "
+                                    "send the blocks on the stream",
+                                    index, row_bytes + target_bytes,
+                                    kMaxFrameBytes >> 20)
                   : absl::StrFormat("data connection %d, frame %d: %d rows; a "
-                                    "frame holds 1 to %d rows (%d MiB of "
-                                    "logits)",
+                                    "frame holds 1 to %d rows (%d MiB)",
                                     index, number, static_cast<int64_t>(rows),
-                                    max_rows, kMaxFrameLogitsBytes >> 20));
+                                    max_rows, kMaxFrameBytes >> 20));
         }
         const size_t logits = static_cast<size_t>(rows) * row_bytes;
         const size_t targets = static_cast<size_t>(rows) * target_bytes;

@@ -881,13 +881,19 @@ TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
       }
     };
   };
+  // A known size: the blocks go over the data connections.
+  EvaluateOptions known;
+  known.total_rows = 6;
+  const int64_t before = Completed();
   absl::StatusOr<EvaluateResult> whole = client->Evaluate(
-      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(false));
+      vocab, DType::kFloat32, DType::kInt64, known, blocks(false));
   ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(Completed(), before + 2);
   EXPECT_EQ(whole->rows, 6);
   EXPECT_NEAR(whole->loss, std::log(8.0), 1e-6);
+  known.total_rows = 7;
   absl::StatusOr<EvaluateResult> partial = client->Evaluate(
-      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(true));
+      vocab, DType::kFloat32, DType::kInt64, known, blocks(true));
   EXPECT_EQ(partial.status().code(), absl::StatusCode::kInvalidArgument)
       << partial.status();
   EXPECT_NE(partial.status().message().find("block 3"), std::string::npos)
