@@ -131,10 +131,22 @@ absl::Status ToAbsl(const grpc::Status& status) {
                       status.error_message());
 }
 
-void PrepareContext(const ClientOptions& options,
+// Prepares `context` for a call on `channel` with `options`' deadline and
+// credentials. When `channel` (nullptr = the caller waits itself) is not
+// connected, first waits up to options.connect_wait, within the deadline, for
+// it to connect: a first connection attempt that fails must not fail the call
+// while a reconnect 100 ms later would succeed. The call then runs either way
+// and fails fast (UNAVAILABLE) if the channel is still down.
+void PrepareContext(const ClientOptions& options, grpc::Channel* channel,
                     grpc::ClientContext* context) {
+  const absl::Time start = absl::Now();
+  if (channel != nullptr && options.connect_wait > absl::ZeroDuration() &&
+      channel->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
+    channel->WaitForConnected(absl::ToChronoTime(
+        start + std::min(options.connect_wait, options.deadline)));
+  }
   if (options.deadline != absl::InfiniteDuration()) {
-    context->set_deadline(absl::ToChronoTime(absl::Now() + options.deadline));
+    context->set_deadline(absl::ToChronoTime(start + options.deadline));
   }
   if (!options.bearer_token.empty()) {
     context->AddMetadata("authorization",
@@ -376,10 +388,11 @@ absl::StatusOr<uint64_t> TensorBytes(DType dtype,
 }
 
 absl::StatusOr<BackwardResult> FinishBackward(const ClientOptions& options,
+                                              grpc::Channel* channel,
                                               v1::Lossd::Stub* stub,
                                               const v1::BackwardRequest& req) {
   grpc::ClientContext context;
-  PrepareContext(options, &context);
+  PrepareContext(options, channel, &context);
   v1::BackwardResponse response;
   RETURN_IF_ERROR(ToAbsl(stub->Backward(&context, req, &response)));
   BackwardResult result;
@@ -530,7 +543,7 @@ std::vector<absl::Status> RunParallel(
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   for (int i = 0; i < n; ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
-    PrepareContext(options, contexts.back().get());
+    PrepareContext(options, /*channel=*/nullptr, contexts.back().get());
   }
   absl::Mutex mu;
   int64_t done = 0;
@@ -602,6 +615,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   if (options.deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("deadline must be positive");
   }
+  if (options.connect_wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("connect_wait must not be negative");
+  }
   if (options.upload_streams < 1 || options.upload_streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "upload_streams ", options.upload_streams, " must be in [1, 64]"));
@@ -612,6 +628,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   // The connection belongs to this Client (not gRPC's process-wide pool), so
   // destroying the Client closes it instead of leaving it open for reuse.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // Reconnect 100 ms after a failed attempt (gRPC's default is 1 s), so that
+  // connect_wait rides over a failed attempt; at most 5 s apart while the
+  // server stays away (default 120 s), so a restarted server is found soon.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentials(options, &args));
   auto channel = std::make_unique<Channel>();
@@ -651,7 +672,7 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                          options_.upload_streams, progress);
   }
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::TensorHeader header;
   header.set_dtype(static_cast<v1::DType>(dtype));
   header.mutable_shape()->Add(shape.begin(), shape.end());
@@ -793,7 +814,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::UploadRequest request;
   v1::TensorHeader* header = request.mutable_header();
   header->set_dtype(static_cast<v1::DType>(dtype));
@@ -928,7 +949,7 @@ absl::Status Client::DownloadStream(
     const std::function<absl::Status(const void*, std::size_t)>& on_chunk,
     const ProgressCallback& progress) {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::DownloadRequest request;
   request.set_handle(handle);
   request.set_dtype(static_cast<v1::DType>(as_dtype));
@@ -947,7 +968,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
   const std::string& token = *drawn;
   const int connections = DataConnectionCount(options_);
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::DownloadRequest request;
   request.set_handle(handle);
   request.set_dtype(static_cast<v1::DType>(as_dtype));
@@ -1216,7 +1237,7 @@ absl::StatusOr<TensorInfo> Client::DownloadInto(
 
 absl::StatusOr<TensorInfo> Client::Describe(const std::string& handle) {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::DescribeRequest request;
   request.set_handle(handle);
   v1::TensorInfo response;
@@ -1229,7 +1250,7 @@ absl::StatusOr<TensorInfo> Client::Describe(const std::string& handle) {
 
 absl::StatusOr<ListResult> Client::List() {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::ListResponse response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->List(&context, v1::ListRequest(), &response)));
@@ -1243,7 +1264,7 @@ absl::StatusOr<ListResult> Client::List() {
 
 absl::StatusOr<int64_t> Client::Release(const std::string& handle) {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::ReleaseRequest request;
   request.set_handle(handle);
   v1::ReleaseResponse response;
@@ -1281,7 +1302,7 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   request.set_gradient_label(options.gradient_label);
 
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::ForwardResponse response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Forward(&context, request, &response)));
@@ -1310,7 +1331,8 @@ absl::StatusOr<BackwardResult> Client::Backward(const std::string& gradient,
   request.set_gradient(gradient);
   request.set_scalar(grad_output);
   request.set_materialize(materialize);
-  return FinishBackward(options_, channel_->lossd.get(), request);
+  return FinishBackward(options_, channel_->channel.get(),
+                        channel_->lossd.get(), request);
 }
 
 absl::StatusOr<BackwardResult> Client::Backward(
@@ -1321,7 +1343,8 @@ absl::StatusOr<BackwardResult> Client::Backward(
   request.mutable_per_token()->mutable_values()->Add(token_grad_output.begin(),
                                                      token_grad_output.end());
   request.set_materialize(materialize);
-  return FinishBackward(options_, channel_->lossd.get(), request);
+  return FinishBackward(options_, channel_->channel.get(),
+                        channel_->lossd.get(), request);
 }
 
 absl::StatusOr<EvaluateResult> Client::Evaluate(
@@ -1357,7 +1380,7 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   *request.mutable_header() =
       EvaluateHeaderFor(vocab, logits_dtype, targets_dtype, options);
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::EvaluateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
       channel_->lossd->Evaluate(&context, &response);
@@ -1372,6 +1395,14 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
         queue.Close(more.status());
         return;
       }
+      if (block.logits_view.data() != nullptr) {
+        // Copied here, overlapping the sending of the block before, into the
+        // strings the request takes.
+        block.logits.assign(block.logits_view.data(), block.logits_view.size());
+        block.targets.assign(block.targets_view.data(),
+                             block.targets_view.size());
+        block.logits_view = block.targets_view = absl::string_view();
+      }
       if (!*more || !queue.Push(std::move(block))) break;
     }
     queue.Close(absl::OkStatus());
@@ -1381,7 +1412,7 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   RowBlock block;
   while (sending && queue.Pop(&block)) {
     const int64_t rows =
-        static_cast<int64_t>(block.targets.size() / target_bytes);
+        static_cast<int64_t>(block.Targets().size() / target_bytes);
     request.mutable_block()->set_logits(std::move(block.logits));
     request.mutable_block()->set_targets(std::move(block.targets));
     sending = writer->Write(request);
@@ -1418,7 +1449,7 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
   ConnectionCloser closer(&fds);
   const int connections = static_cast<int>(fds.size());
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::EvaluateResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
       channel_->lossd->Evaluate(&context, &response);
@@ -1449,14 +1480,15 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
         if (!*more) break;
         // A frame carries its row count: the block must be whole rows, as
         // the server checks a block on the stream.
-        const std::size_t rows = block.targets.size() / target_bytes;
-        if (block.targets.size() % target_bytes != 0 ||
-            block.logits.size() != rows * row_bytes) {
+        const absl::string_view logits = block.Logits();
+        const absl::string_view targets = block.Targets();
+        const std::size_t rows = targets.size() / target_bytes;
+        if (targets.size() % target_bytes != 0 ||
+            logits.size() != rows * row_bytes) {
           status = absl::InvalidArgumentError(absl::StrFormat(
               "block %d: %d logits bytes and %d targets bytes are not whole "
               "rows of %d and %d bytes",
-              number, block.logits.size(), block.targets.size(), row_bytes,
-              target_bytes));
+              number, logits.size(), targets.size(), row_bytes, target_bytes));
           break;
         }
         if (rows == 0) continue;  // nothing to evaluate
@@ -1476,8 +1508,8 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
         RowBlock block;
         while (status.ok() && queue.Pop(&block)) {
           const int64_t rows =
-              static_cast<int64_t>(block.targets.size() / target_bytes);
-          status = SendEvaluateFrame(fd, rows, block.logits, block.targets);
+              static_cast<int64_t>(block.Targets().size() / target_bytes);
+          status = SendEvaluateFrame(fd, rows, block.Logits(), block.Targets());
           if (status.ok()) {
             absl::MutexLock lock(&mu);
             rows_sent += rows;
@@ -1544,10 +1576,11 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
       [&](RowBlock* block) -> absl::StatusOr<bool> {
         if (next_row >= rows) return false;
         const int64_t n = std::min(block_rows, rows - next_row);
-        block->logits.assign(logits_bytes + next_row * row_bytes,
-                             n * row_bytes);
-        block->targets.assign(targets_bytes + next_row * target_bytes,
-                              n * target_bytes);
+        // The caller's memory, uncopied until the request or the socket.
+        block->logits_view = absl::string_view(
+            logits_bytes + next_row * row_bytes, n * row_bytes);
+        block->targets_view = absl::string_view(
+            targets_bytes + next_row * target_bytes, n * target_bytes);
         next_row += n;
         return true;
       },
@@ -1556,7 +1589,7 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
 
 absl::StatusOr<bool> Client::Health(const std::string& service) {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   health::HealthCheckRequest request;
   request.set_service(service);
   health::HealthCheckResponse response;
@@ -1567,7 +1600,7 @@ absl::StatusOr<bool> Client::Health(const std::string& service) {
 
 absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   grpc::ClientContext context;
-  PrepareContext(options_, &context);
+  PrepareContext(options_, channel_->channel.get(), &context);
   v1::ServerInfo response;
   RETURN_IF_ERROR(ToAbsl(channel_->lossd->GetServerInfo(
       &context, v1::GetServerInfoRequest(), &response)));

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/cross_entropy.h"
@@ -32,6 +33,13 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Deadline of each call, counted from its start; infinite = none.
   absl::Duration deadline = absl::InfiniteDuration();
+  // A call made while the connection is not up first waits up to this long
+  // (and within `deadline`) for it to come up, through reconnect attempts
+  // 100 ms apart at first. So a connection attempt that fails once does not
+  // fail the call (gRPC 1.51 can report an attempt on loopback as failed with
+  // a stale errno, "No such file or directory"); a server that stays
+  // unreachable gives UNAVAILABLE after this wait. Zero = gRPC's fail-fast.
+  absl::Duration connect_wait = absl::Seconds(1);
   // Sent as "authorization: Bearer <token>" when not empty (checked by a
   // server started with --tokens_file).
   std::string bearer_token;
@@ -168,10 +176,23 @@ struct EvaluateOptions {
 
 // One block of whole rows for Evaluate: rows * vocab logits of the header's
 // dtype and rows targets, little-endian. The strings are moved into the
-// request, so a producer can fill them without an extra copy.
+// request, so a producer can fill them without an extra copy. A producer
+// whose rows already lie in memory it keeps unchanged until Evaluate returns
+// may instead point the views at them (they are used when logits_view's data
+// is not null): over data connections they are sent from there, uncopied.
 struct RowBlock {
   std::string logits;
   std::string targets;
+  absl::string_view logits_view;
+  absl::string_view targets_view;
+
+  // The bytes this block carries: the views when set, else the strings.
+  absl::string_view Logits() const {
+    return logits_view.data() != nullptr ? logits_view : logits;
+  }
+  absl::string_view Targets() const {
+    return logits_view.data() != nullptr ? targets_view : targets;
+  }
 };
 
 struct EvaluateResult {

@@ -169,8 +169,8 @@ absl::Status SendDataPreamble(int fd, const std::string& token, int index) {
   return SendAll(fd, preamble.data(), preamble.size());
 }
 
-absl::Status SendEvaluateFrame(int fd, int64_t rows, const std::string& logits,
-                               const std::string& targets) {
+absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
+                               absl::string_view targets) {
   char head[8];
   for (int i = 0; i < 8; ++i) {
     head[i] =

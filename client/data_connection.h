@@ -46,8 +46,8 @@ absl::Status ReceiveOverDataConnection(
 // frame (`rows` as 8 bytes little-endian, then the rows' logits and
 // targets); the end of sending. Statuses as SendOverDataConnection's.
 absl::Status SendDataPreamble(int fd, const std::string& token, int index);
-absl::Status SendEvaluateFrame(int fd, int64_t rows, const std::string& logits,
-                               const std::string& targets);
+absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
+                               absl::string_view targets);
 absl::Status EndDataSending(int fd);
 
 // Sends the preamble ("LOSSDDC1", the token, `index` as 4 bytes

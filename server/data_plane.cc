@@ -140,6 +140,45 @@ absl::Status DataTransfer::Run(int index, int fd) {
   return work_(index, fd, range);
 }
 
+absl::Status ReceiveThroughWindows(
+    Device* device, char* base, int64_t bytes, int fd,
+    const std::function<absl::Status(int64_t received, ssize_t n)>& error,
+    const std::function<void(int64_t)>& on_received, double* device_seconds) {
+  int64_t received = 0;
+  absl::Status status;
+  while (received < bytes && status.ok()) {
+    absl::Time waited = absl::Now();
+    absl::StatusOr<Device::HostWindow> window = device->BeginHostWrite(
+        base, static_cast<size_t>(received),
+        static_cast<size_t>(std::min(bytes - received, kMaxWindowBytes)));
+    if (device_seconds != nullptr) {
+      *device_seconds += absl::ToDoubleSeconds(absl::Now() - waited);
+    }
+    if (!window.ok()) return window.status();
+    char* const to = static_cast<char*>(window->host);
+    size_t got = 0;
+    while (got < window->bytes) {
+      const ssize_t n = recv(fd, to + got, window->bytes - got, MSG_WAITALL);
+      if (n > 0) {
+        got += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      status = error(received + static_cast<int64_t>(got), n);
+      break;
+    }
+    waited = absl::Now();
+    const absl::Status committed = device->CommitHostWrite(base, got);
+    if (device_seconds != nullptr) {
+      *device_seconds += absl::ToDoubleSeconds(absl::Now() - waited);
+    }
+    if (status.ok()) status = committed;
+    received += static_cast<int64_t>(got);
+    if (on_received && got > 0) on_received(static_cast<int64_t>(got));
+  }
+  return status;
+}
+
 DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
                                      Metrics* metrics) {
   return [device, buffer = static_cast<char*>(buffer), metrics](
@@ -147,39 +186,17 @@ DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
     // The part's own write pipeline, keyed by its first byte (a part without
     // bytes never writes: its address may be the next part's).
     char* const base = buffer + range.offset;
-    int64_t received = 0;
-    absl::Status status;
-    while (received < range.bytes && status.ok()) {
-      absl::StatusOr<Device::HostWindow> window =
-          device->BeginHostWrite(base, static_cast<size_t>(received),
-                                 static_cast<size_t>(std::min(
-                                     range.bytes - received, kMaxWindowBytes)));
-      if (!window.ok()) {
-        status = window.status();
-        break;
-      }
-      char* const to = static_cast<char*>(window->host);
-      size_t got = 0;
-      while (got < window->bytes) {
-        const ssize_t n = recv(fd, to + got, window->bytes - got, MSG_WAITALL);
-        if (n > 0) {
-          got += static_cast<size_t>(n);
-          continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        status = DataConnectionError(
-            index, received + static_cast<int64_t>(got), range.bytes, n);
-        break;
-      }
-      const absl::Status committed = device->CommitHostWrite(base, got);
-      if (status.ok()) status = committed;
-      received += static_cast<int64_t>(got);
-      if (metrics != nullptr && got > 0) {
-        metrics->AddTransferBytes(TransferDirection::kUpload,
-                                  static_cast<int64_t>(got));
-      }
-    }
-    if (range.bytes == 0) return status;
+    if (range.bytes == 0) return absl::OkStatus();
+    const absl::Status status = ReceiveThroughWindows(
+        device, base, range.bytes, fd,
+        [index, &range](int64_t received, ssize_t n) {
+          return DataConnectionError(index, received, range.bytes, n);
+        },
+        [metrics](int64_t n) {
+          if (metrics != nullptr) {
+            metrics->AddTransferBytes(TransferDirection::kUpload, n);
+          }
+        });
     // Every copy is done (or failed) before the buffer is anyone else's.
     const absl::Status finished = device->FinishWrites(base);
     return status.ok() ? finished : status;

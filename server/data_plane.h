@@ -107,6 +107,19 @@ class DataTransfer {
 DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
                                      Metrics* metrics);
 
+// Receives `bytes` bytes from socket `fd` into `base` on `device` through its
+// host windows, so that the device's copy of one window overlaps receiving
+// the next (and a host-accessible device receives in place). A recv that
+// returns n <= 0 after `received` bytes ends it with error(received, n).
+// `on_received(n)` (may be null) follows each window's n bytes. Adds the time
+// spent waiting for the device's windows to `*device_seconds` (may be null).
+// Does not wait for the last copies: FinishWrites(base) does.
+absl::Status ReceiveThroughWindows(
+    Device* device, char* base, int64_t bytes, int fd,
+    const std::function<absl::Status(int64_t received, ssize_t n)>& error,
+    const std::function<void(int64_t)>& on_received,
+    double* device_seconds = nullptr);
+
 // The status of data connection `index` whose recv or send returned `result`
 // (0: the peer closed; -1: errno says why) after `done` of its `bytes` bytes:
 // INVALID_ARGUMENT (ended early), DEADLINE_EXCEEDED (stalled), UNAVAILABLE.

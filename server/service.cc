@@ -1683,6 +1683,37 @@ struct EvaluationSums {
   }
 };
 
+// The error of data connection `index` that ended after `got` of the `total`
+// bytes of frame `frame`'s `what`.
+absl::Status FrameEndedError(int index, int64_t got, size_t total,
+                             int64_t frame, const char* what) {
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "data connection %d ended after %d of the %d bytes of frame %d's %s",
+      index, got, total, frame, what));
+}
+
+// Exactly `bytes` bytes from data connection `index` into `out`: the rest of
+// frame `frame`'s `what`, of which `already` bytes came before (for the
+// error of a connection that ends first).
+absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
+                            int64_t frame, const char* what,
+                            size_t already = 0) {
+  for (size_t got = 0; got < bytes;) {
+    const ssize_t n = recv(fd, out + got, bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) {
+      return FrameEndedError(index, static_cast<int64_t>(already + got),
+                             already + bytes, frame, what);
+    }
+    if (n < 0) {
+      return DataConnectionError(index, static_cast<int64_t>(got),
+                                 static_cast<int64_t>(bytes), n);
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 // One ordered stream of row blocks (the gRPC stream's, or one data
 // connection's frames) and what they add up to, in block order; its block
 // buffers on the device are reused from block to block, so device memory
@@ -1699,17 +1730,7 @@ class EvaluationLane {
   // concatenated `slices`.
   absl::Status Evaluate(const std::vector<grpc::Slice>& slices,
                         ByteRange logits, ByteRange targets) {
-    ASSIGN_OR_RETURN(
-        const int64_t rows,
-        ValidateRowBlockSizes(config_->spec, static_cast<int64_t>(logits.size),
-                              static_cast<int64_t>(targets.size), blocks_));
-    ++blocks_;
-    Metrics* const metrics = service_->metrics();
-    if (metrics != nullptr) {
-      metrics->AddTransferBytes(
-          TransferDirection::kEvaluate,
-          static_cast<int64_t>(logits.size + targets.size));
-    }
+    ASSIGN_OR_RETURN(const int64_t rows, Begin(logits.size, targets.size));
     if (rows == 0) return absl::OkStatus();
 
     Device* device = service_->store()->device();
@@ -1723,14 +1744,6 @@ class EvaluationLane {
           gathered += size;
           return absl::OkStatus();
         }));
-    const void* device_targets = host_targets_.data();
-    if (!device->host_accessible()) {
-      RETURN_IF_ERROR(
-          Reserve(&targets_buffer_, &targets_capacity_, targets.size));
-      RETURN_IF_ERROR(device->CopyFromHost(targets_buffer_, 0,
-                                           host_targets_.data(), targets.size));
-      device_targets = targets_buffer_;
-    }
     // Logits: slice by slice into the block buffer; on CUDA through double
     // buffered pinned staging, so gathering one piece overlaps copying the
     // previous one.
@@ -1745,7 +1758,87 @@ class EvaluationLane {
         }));
     RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
     sums_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+    return Run(rows);
+  }
 
+  // Frame `frame` of data connection `index` (`fd`), whose row count `rows`
+  // has been read: its logits are received straight into the block buffer
+  // through the device's host windows (the copy of one window overlapping
+  // the receipt of the next), then its targets.
+  absl::Status EvaluateFrame(int fd, int index, int64_t frame, int64_t rows) {
+    const size_t logits = static_cast<size_t>(rows * config_->spec.row_bytes);
+    const size_t targets =
+        static_cast<size_t>(rows) * DTypeSize(config_->targets_dtype);
+    RETURN_IF_ERROR(Begin(logits, targets).status());
+    Device* device = service_->store()->device();
+    RETURN_IF_ERROR(Reserve(&logits_buffer_, &logits_capacity_, logits));
+    char* const base = static_cast<char*>(logits_buffer_);
+    double waited = 0.0;
+    const absl::Status received = ReceiveThroughWindows(
+        device, base, static_cast<int64_t>(logits), fd,
+        [&](int64_t got, ssize_t n) {
+          return n == 0 ? FrameEndedError(index, got, logits + targets, frame,
+                                          "rows")
+                        : DataConnectionError(index, got,
+                                              static_cast<int64_t>(logits), n);
+        },
+        nullptr, &waited);
+    const absl::Time finish_start = absl::Now();
+    const absl::Status finished = device->FinishWrites(base);
+    sums_.copy_seconds +=
+        waited + absl::ToDoubleSeconds(absl::Now() - finish_start);
+    RETURN_IF_ERROR(received);
+    RETURN_IF_ERROR(finished);
+    host_targets_.resize(targets);
+    RETURN_IF_ERROR(ReadFrameBytes(fd, index, host_targets_.data(), targets,
+                                   frame, "rows", logits));
+    return Run(rows);
+  }
+
+  void FreeBuffers() {
+    Device* device = service_->store()->device();
+    device->Free(logits_buffer_, logits_capacity_);
+    device->Free(targets_buffer_, targets_capacity_);
+    logits_buffer_ = nullptr;
+    targets_buffer_ = nullptr;
+    logits_capacity_ = 0;
+    targets_capacity_ = 0;
+  }
+
+  // Over this lane's blocks so far.
+  const EvaluationSums& sums() const { return sums_; }
+
+ private:
+  // A block of `logits` and `targets` bytes: checked and counted. Its rows.
+  absl::StatusOr<int64_t> Begin(size_t logits, size_t targets) {
+    ASSIGN_OR_RETURN(
+        const int64_t rows,
+        ValidateRowBlockSizes(config_->spec, static_cast<int64_t>(logits),
+                              static_cast<int64_t>(targets), blocks_));
+    ++blocks_;
+    Metrics* const metrics = service_->metrics();
+    if (metrics != nullptr) {
+      metrics->AddTransferBytes(TransferDirection::kEvaluate,
+                                static_cast<int64_t>(logits + targets));
+    }
+    return rows;
+  }
+
+  // The loss of the block of `rows` rows whose logits are in the block
+  // buffer and whose targets are in host_targets_, added to the sums.
+  absl::Status Run(int64_t rows) {
+    Device* device = service_->store()->device();
+    Metrics* const metrics = service_->metrics();
+    const void* device_targets = host_targets_.data();
+    if (!device->host_accessible()) {
+      const absl::Time copy_start = absl::Now();
+      RETURN_IF_ERROR(
+          Reserve(&targets_buffer_, &targets_capacity_, host_targets_.size()));
+      RETURN_IF_ERROR(device->CopyFromHost(
+          targets_buffer_, 0, host_targets_.data(), host_targets_.size()));
+      device_targets = targets_buffer_;
+      sums_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+    }
     CrossEntropyArgs args;
     args.rows = rows;
     args.vocab = config_->vocab;
@@ -1793,20 +1886,6 @@ class EvaluationLane {
     return absl::OkStatus();
   }
 
-  void FreeBuffers() {
-    Device* device = service_->store()->device();
-    device->Free(logits_buffer_, logits_capacity_);
-    device->Free(targets_buffer_, targets_capacity_);
-    logits_buffer_ = nullptr;
-    targets_buffer_ = nullptr;
-    logits_capacity_ = 0;
-    targets_capacity_ = 0;
-  }
-
-  // Over this lane's blocks so far.
-  const EvaluationSums& sums() const { return sums_; }
-
- private:
   // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
   // the largest block so far.
   absl::Status Reserve(void** buffer, size_t* capacity, size_t bytes) {
@@ -1835,29 +1914,6 @@ class EvaluationLane {
 // carry, as one block message on the stream (its lane's host and device
 // buffers grow to it).
 constexpr int64_t kMaxFrameBytes = int64_t{64} << 20;
-
-// Exactly `bytes` bytes from data connection `index` into `out`: the rest of
-// frame `frame`'s `what`, of which `already` bytes came before (for the
-// error of a connection that ends first).
-absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
-                            int64_t frame, const char* what,
-                            size_t already = 0) {
-  for (size_t got = 0; got < bytes;) {
-    const ssize_t n = recv(fd, out + got, bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "data connection %d ended after %d of the %d bytes of frame %d's %s",
-          index, already + got, already + bytes, frame, what));
-    }
-    if (n < 0) {
-      return DataConnectionError(index, static_cast<int64_t>(got),
-                                 static_cast<int64_t>(bytes), n);
-    }
-    got += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
 
 class EvaluateReactor;
 using EvaluateLink = EndLink<EvaluateReactor>;
@@ -2057,7 +2113,6 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     return [lanes, row_bytes, target_bytes](
                int index, int fd, const DataTransfer::Range&) -> absl::Status {
       EvaluationLane* const lane = lanes[static_cast<size_t>(index)];
-      std::string frame;
       for (int64_t number = 0;; ++number) {
         unsigned char head[8];
         // The end of the connection before a frame is the clean end.
@@ -2086,15 +2141,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                                     index, number, static_cast<int64_t>(rows),
                                     max_rows, kMaxFrameBytes >> 20));
         }
-        const size_t logits = static_cast<size_t>(rows) * row_bytes;
-        const size_t targets = static_cast<size_t>(rows) * target_bytes;
-        frame.resize(logits + targets);
-        RETURN_IF_ERROR(ReadFrameBytes(fd, index, frame.data(), frame.size(),
-                                       number, "rows"));
-        const std::vector<grpc::Slice> slices = {
-            grpc::Slice(frame.data(), frame.size(), grpc::Slice::STATIC_SLICE)};
-        RETURN_IF_ERROR(lane->Evaluate(slices, ByteRange{0, logits},
-                                       ByteRange{logits, targets}));
+        RETURN_IF_ERROR(
+            lane->EvaluateFrame(fd, index, number, static_cast<int64_t>(rows)));
       }
     };
   }

@@ -579,6 +579,45 @@ TEST_F(ClientTest, UnreachableServerIsUnavailable) {
             absl::StatusCode::kUnavailable);
 }
 
+// A call made while the channel is not connected waits up to connect_wait
+// for the connection: a server that comes up within it is reached (as one
+// whose first connection attempt failed is); with no wait the call fails
+// fast.
+TEST_F(ClientTest, CallsWaitUpToConnectWaitForTheConnection) {
+  const int port = server_->port();
+  const std::string address = server_->address();
+  ASSERT_TRUE(server_->Stop().ok());
+  ClientOptions fail_fast;
+  fail_fast.connect_wait = absl::ZeroDuration();
+  absl::StatusOr<std::unique_ptr<Client>> impatient =
+      Client::Connect(address, fail_fast);
+  ASSERT_TRUE(impatient.ok());
+  EXPECT_EQ((*impatient)->GetServerInfo().status().code(),
+            absl::StatusCode::kUnavailable);
+  ClientOptions patient;
+  patient.connect_wait = absl::Seconds(30);
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect(address, patient);
+  ASSERT_TRUE(client.ok());
+  absl::StatusOr<std::unique_ptr<LossdProcess>> restarted =
+      absl::UnknownError("not started");
+  std::thread start([&] {
+    // The call below is waiting by then: its first attempts are refused.
+    absl::SleepFor(absl::Milliseconds(500));
+    restarted =
+        LossdProcess::Start(LOSSD_BINARY_PATH, {absl::StrCat("--port=", port)});
+  });
+  absl::StatusOr<ServerInfo> info = (*client)->GetServerInfo();
+  start.join();
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->device, "cpu");
+  ClientOptions negative;
+  negative.connect_wait = absl::Seconds(-1);
+  EXPECT_EQ(Client::Connect(address, negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(ClientTest, HealthAndServerInfo) {
   absl::StatusOr<bool> live = client_->Health("");
   ASSERT_TRUE(live.ok()) << live.status();

@@ -86,6 +86,17 @@ class DataConnectionTest : public ::testing::Test {
 
   int64_t Completed() const { return server_->data_plane()->completed(); }
 
+  // Completed() once it reaches `count`, or after 10 s. A download's
+  // connections count once the server has sent their last bytes, which may
+  // be a moment after the client has them all.
+  int64_t AwaitCompleted(int64_t count) const {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (Completed() < count && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return Completed();
+  }
+
   // Whether the data plane holds `count` registered transfers within
   // `timeout`.
   bool AwaitRegistered(int count, absl::Duration timeout) {
@@ -204,7 +215,7 @@ TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
     EXPECT_EQ(got->info.bytes, static_cast<int64_t>(bytes.size()));
     // (A single element comes as one gRPC stream.)
     if (elements > 1) expected_completed += kStreams;
-    EXPECT_EQ(Completed(), expected_completed);
+    EXPECT_EQ(AwaitCompleted(expected_completed), expected_completed);
     ASSERT_TRUE(client->Release(uploaded->handle).ok());
   }
   // Off in the options: gRPC chunks, the data plane sees nothing.
@@ -245,7 +256,7 @@ TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
       absl::StatusOr<DownloadedTensor> got =
           client->Download(uploaded->handle, as);
       ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(Completed(), before + streams);
+      EXPECT_EQ(AwaitCompleted(before + streams), before + streams);
       EXPECT_TRUE(got->data == reference->data);
       EXPECT_EQ(got->info.dtype, reference->info.dtype);
       std::vector<uint8_t> buffer(reference->data.size());
@@ -340,7 +351,8 @@ TEST_F(DataConnectionTest, ConcurrentUploads) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(std::string(got->data.begin(), got->data.end()) == payloads[i]);
   }
-  EXPECT_EQ(Completed(), 2 * kUploads * kStreams);  // uploads and downloads
+  // Uploads and downloads.
+  EXPECT_EQ(AwaitCompleted(2 * kUploads * kStreams), 2 * kUploads * kStreams);
 }
 
 // A server without data connections: the client uploads over gRPC, and a
@@ -724,7 +736,9 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
         << "upload " << i;
     ASSERT_TRUE(client->Release(results[i]->handle).ok());
   }
-  EXPECT_EQ(Completed(), 2 * static_cast<int64_t>(payloads.size()) * kStreams);
+  const int64_t both_ways =
+      2 * static_cast<int64_t>(payloads.size()) * kStreams;
+  EXPECT_EQ(AwaitCompleted(both_ways), both_ways);
 
   RawDataUpload upload(stub_.get(), Token('o'), {16 << 20});
   ASSERT_TRUE(upload.SendHeader());
@@ -787,7 +801,7 @@ TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
   absl::StatusOr<DownloadedTensor> over_data =
       client->Download(forward->gradient, DType::kBFloat16);
   ASSERT_TRUE(over_data.ok()) << over_data.status();
-  EXPECT_EQ(Completed(), before + kStreams);
+  EXPECT_EQ(AwaitCompleted(before + kStreams), before + kStreams);
   absl::StatusOr<DownloadedTensor> over_grpc =
       grpc_only->Download(forward->gradient, DType::kBFloat16);
   ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
@@ -859,6 +873,9 @@ TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
   Start();
   std::unique_ptr<Client> client = MakeClient(true, 2);
   const int64_t vocab = 8;
+  // Rows the producer keeps and points its blocks at.
+  const std::string kept_logits(3 * vocab * 4, '\0');
+  const std::string kept_targets(3 * 8, '\0');
   int produced = 0;
   auto blocks = [&](bool partial) {
     produced = 0;
@@ -867,14 +884,18 @@ TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
         case 0:  // empty
           return true;
         case 1:
-        case 2:
           block->logits.assign(3 * vocab * 4, '\0');
           block->targets.assign(3 * 8, '\0');
           return true;
+        case 2:  // views of the kept rows
+          block->logits_view = kept_logits;
+          block->targets_view = kept_targets;
+          return true;
         case 3:
           if (!partial) return false;
-          block->logits.assign(vocab * 4 + 1, '\0');
-          block->targets.assign(8, '\0');
+          block->logits_view =
+              absl::string_view(kept_logits.data(), vocab * 4 + 1);
+          block->targets_view = absl::string_view(kept_targets.data(), 8);
           return true;
         default:
           return false;
@@ -898,6 +919,12 @@ TEST_F(DataConnectionTest, EvaluateClientChecksBlocks) {
       << partial.status();
   EXPECT_NE(partial.status().message().find("block 3"), std::string::npos)
       << partial.status();
+  // An unknown size: the same blocks on the stream.
+  absl::StatusOr<EvaluateResult> streamed = client->Evaluate(
+      vocab, DType::kFloat32, DType::kInt64, EvaluateOptions(), blocks(false));
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+  EXPECT_EQ(streamed->rows, 6);
+  EXPECT_EQ(streamed->loss, whole->loss);
 }
 
 // An Evaluate stream driven by hand: a header with a data token.
