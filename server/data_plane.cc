@@ -33,6 +33,7 @@ constexpr int64_t kMaxWindowBytes = int64_t{16} << 20;
 // How long a connection may take to send its preamble, and then waits for
 // its token to be registered.
 constexpr absl::Duration kRegistrationWait = absl::Seconds(10);
+constexpr size_t kMaxRefusedTokens = 4096;
 
 absl::Status ErrnoStatus(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
@@ -361,7 +362,7 @@ std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
                                                absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto registered = [this, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopping_ || expected_.contains(token);
+    return stopping_ || expected_.contains(token) || refused_.contains(token);
   };
   mu_.AwaitWithDeadline(absl::Condition(&registered), deadline);
   auto it = expected_.find(token);
@@ -370,6 +371,14 @@ std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
   if (!transfer->Claim(index, fd)) return nullptr;
   if (transfer->AllClaimed()) expected_.erase(it);
   return transfer;
+}
+
+void DataPlane::Refuse(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  if (expected_.contains(token) || refused_.size() >= kMaxRefusedTokens) {
+    return;
+  }
+  refused_[token] = absl::Now() + kRegistrationWait;
 }
 
 int DataPlane::registered() const {
@@ -382,6 +391,13 @@ void DataPlane::Expire(bool all) {
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
+    for (auto it = refused_.begin(); it != refused_.end();) {
+      if (all || it->second <= now) {
+        refused_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
     for (auto it = expected_.begin(); it != expected_.end();) {
       if (all || it->second.deadline <= now) {
         overdue.push_back(std::move(it->second.transfer));

@@ -174,6 +174,12 @@ class DataPlane {
       DataTransfer::Work work, DataTransfer::Done done)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Connections that come with `token` (unregistered: its RPC was refused)
+  // are closed at once for the next kRegistrationWait, instead of waiting
+  // that long for a registration that will not come, so the client learns
+  // of the refusal at once. Remembers up to kMaxRefusedTokens at a time.
+  void Refuse(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Expected {
     std::shared_ptr<DataTransfer> transfer;
@@ -205,6 +211,8 @@ class DataPlane {
   std::atomic<int64_t> completed_{0};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Expected> expected_ ABSL_GUARDED_BY(mu_);
+  // Refused tokens and until when.
+  absl::flat_hash_map<std::string, absl::Time> refused_ ABSL_GUARDED_BY(mu_);
   int connections_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<int, bool> open_fds_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

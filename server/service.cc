@@ -322,6 +322,14 @@ struct EndLink {
 };
 using StripeLink = EndLink<UploadReactor>;
 
+// A refused request that named data connections: they are closed as they
+// come, instead of waiting for a registration that will not come.
+void RefuseDataToken(LossdService* service, const std::string& token) {
+  if (!token.empty() && service->options().data_plane != nullptr) {
+    service->options().data_plane->Refuse(token);
+  }
+}
+
 // The data_token and data_connections of an Upload header or a Download
 // request: OK when there is no token (and no count), or a token the data
 // plane can take; `otherwise` says what the client can do instead.
@@ -694,24 +702,11 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         if (pending_ != nullptr || link_ != nullptr) {
           return absl::InvalidArgumentError("a second header");
         }
-        const pb::TensorHeader& header = request.header();
-        if (header.has_stripe()) {
-          if (!header.data_token().empty()) {
-            return absl::InvalidArgumentError(
-                "a striped upload cannot use a data connection");
-          }
-          return StartStripe(header);
+        const absl::Status started = StartUpload(request.header());
+        if (!started.ok()) {
+          RefuseDataToken(service_, request.header().data_token());
         }
-        if (admission_.draining()) return DrainingError();
-        ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
-        RETURN_IF_ERROR(CheckDataConnections(service_, header.data_token(),
-                                             header.data_connections(),
-                                             "send the bytes as chunks"));
-        ASSIGN_OR_RETURN(pending_, service_->store()->Create(
-                                       admission_.tenant(), spec.dtype,
-                                       std::move(spec.shape), header.label()));
-        if (!header.data_token().empty()) return ExpectData(header);
-        return absl::OkStatus();
+        return started;
       }
       case pb::UploadRequest::kChunk: {
         const grpc::Slice whole(request.chunk().data(), request.chunk().size(),
@@ -722,6 +717,29 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         return absl::InvalidArgumentError(
             "an UploadRequest with neither header nor chunk");
     }
+  }
+
+  // The first header: a stripe's, or the tensor's to receive as chunks or
+  // over data connections.
+  absl::Status StartUpload(const pb::TensorHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (header.has_stripe()) {
+      if (!header.data_token().empty()) {
+        return absl::InvalidArgumentError(
+            "a striped upload cannot use a data connection");
+      }
+      return StartStripe(header);
+    }
+    if (admission_.draining()) return DrainingError();
+    ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
+    RETURN_IF_ERROR(CheckDataConnections(service_, header.data_token(),
+                                         header.data_connections(),
+                                         "send the bytes as chunks"));
+    ASSIGN_OR_RETURN(pending_, service_->store()->Create(
+                                   admission_.tenant(), spec.dtype,
+                                   std::move(spec.shape), header.label()));
+    if (!header.data_token().empty()) return ExpectData(header);
+    return absl::OkStatus();
   }
 
   // A header with a data_token: registers the transfer of the tensor's bytes
@@ -1234,6 +1252,7 @@ class DownloadReactor final
     absl::MutexLock lock(&mu_);
     const absl::Status status = Start(context, request);
     if (!status.ok()) {
+      RefuseDataToken(service_, request.data_token());
       End(ToGrpcStatus(status));
       return;
     }
@@ -2021,7 +2040,12 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
           return absl::InvalidArgumentError("a second header");
         }
         have_header_ = true;
-        return StartEvaluation(request.header());
+        if (const absl::Status started = StartEvaluation(request.header());
+            !started.ok()) {
+          RefuseDataToken(service_, request.header().data_token());
+          return started;
+        }
+        return absl::OkStatus();
       case pb::EvaluateRequest::kBlock: {
         RETURN_IF_ERROR(CheckStreamBlock());
         const std::string& logits_bytes = request.block().logits();

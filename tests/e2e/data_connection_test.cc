@@ -683,6 +683,43 @@ TEST_F(DataConnectionTest, CancelledBeforeConnectionIsForgotten) {
   EXPECT_EQ(Completed(), 0);
 }
 
+// A request the server refuses closes the data connections that come with
+// its token at once, rather than holding them for the registration wait
+// (10 s): a client blocked sending learns of the refusal without that delay.
+TEST_F(DataConnectionTest, RefusedRequestsCloseTheirConnectionsAtOnce) {
+  Start();
+  {
+    SCOPED_TRACE("an upload over the memory budget");
+    RawDataUpload upload(stub_.get(), Token('r'), {kBudget});
+    ASSERT_TRUE(upload.SendHeader());
+    EXPECT_EQ(upload.Finish().error_code(), StatusCode::RESOURCE_EXHAUSTED);
+    const int fd = ConnectData();
+    ASSERT_TRUE(SendAll(fd, Preamble(Token('r')) + RandomBytes(4096, 9)));
+    EXPECT_TRUE(ClosedByServer(fd, absl::Seconds(3)));
+    close(fd);
+  }
+  {
+    SCOPED_TRACE("an evaluation naming class weights that do not exist");
+    std::unique_ptr<Client> client = MakeClient();
+    // 64 MiB, more than the connections' socket buffers hold: the client's
+    // sends wait until the server reads or closes.
+    const int64_t rows = 256, vocab = 65536;
+    const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
+    const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
+    EvaluateOptions options;
+    options.class_weights = "no-such-handle";
+    const absl::Time start = absl::Now();
+    absl::StatusOr<EvaluateResult> result =
+        client->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                         DType::kInt64, targets.data(), options);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound)
+        << result.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  ExpectEmptyStore();
+  EXPECT_EQ(server_->data_plane()->registered(), 0);
+}
+
 // A server that stops (drains) while an upload waits for its connection ends
 // that RPC and stops listening.
 TEST_F(DataConnectionTest, DrainEndsWaitingUploads) {
@@ -736,8 +773,10 @@ TEST_F(DataConnectionTest, CudaUploadsLandIntact) {
         << "upload " << i;
     ASSERT_TRUE(client->Release(results[i]->handle).ok());
   }
+  // Every upload and download over kStreams connections, but the download
+  // of the single element (one gRPC stream).
   const int64_t both_ways =
-      2 * static_cast<int64_t>(payloads.size()) * kStreams;
+      (2 * static_cast<int64_t>(payloads.size()) - 1) * kStreams;
   EXPECT_EQ(AwaitCompleted(both_ways), both_ways);
 
   RawDataUpload upload(stub_.get(), Token('o'), {16 << 20});
