@@ -12,6 +12,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <system_error>
@@ -1733,14 +1734,68 @@ absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
   return absl::OkStatus();
 }
 
+// The most block sums BlockOrderSum holds for blocks that came before a
+// block of a lower number (a client that keeps its connections in step holds
+// a few).
+constexpr size_t kMaxWaitingBlocks = size_t{1} << 16;
+
+// The sums of an evaluation's blocks, added in block order: block b is frame
+// j = b / K of lane i = b mod K (K lanes; on the stream, one lane whose
+// blocks come in order). So the result is the same bits for the same blocks
+// however many lanes carried them. Blocks that come ahead of their turn wait
+// (at most kMaxWaitingBlocks); Total() adds those still waiting (a lane that
+// ended early) in their order. Thread-safe.
+class BlockOrderSum {
+ public:
+  explicit BlockOrderSum(int lanes) : lanes_(lanes) {}
+
+  absl::Status Add(int lane, int64_t frame, const EvaluationSums& block) {
+    const int64_t number = frame * lanes_ + lane;
+    absl::MutexLock lock(&mu_);
+    if (number != next_) {
+      if (waiting_.size() >= kMaxWaitingBlocks) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "data connection %d is %d frames ahead of the others; send block "
+            "b over connection b mod %d, in order",
+            lane, waiting_.size(), lanes_));
+      }
+      waiting_.emplace(number, block);
+      return absl::OkStatus();
+    }
+    total_.Add(block);
+    ++next_;
+    for (auto it = waiting_.begin(); it != waiting_.end() && it->first == next_;
+         it = waiting_.erase(it)) {
+      total_.Add(it->second);
+      ++next_;
+    }
+    return absl::OkStatus();
+  }
+
+  EvaluationSums Total() {
+    absl::MutexLock lock(&mu_);
+    EvaluationSums total = total_;
+    for (const auto& [number, block] : waiting_) total.Add(block);
+    return total;
+  }
+
+ private:
+  const int lanes_;
+  absl::Mutex mu_;
+  int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  EvaluationSums total_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, EvaluationSums> waiting_ ABSL_GUARDED_BY(mu_);
+};
+
 // One ordered stream of row blocks (the gRPC stream's, or one data
-// connection's frames) and what they add up to, in block order; its block
-// buffers on the device are reused from block to block, so device memory
-// stays O(block). One thread at a time.
+// connection's frames): lane `index` of those whose sums `order` adds. Its
+// block buffers on the device are reused from block to block, so device
+// memory stays O(block). One thread at a time.
 class EvaluationLane {
  public:
-  EvaluationLane(LossdService* service, const EvaluationConfig* config)
-      : service_(service), config_(config) {}
+  EvaluationLane(LossdService* service, const EvaluationConfig* config,
+                 BlockOrderSum* order, int index)
+      : service_(service), config_(config), order_(order), index_(index) {}
   EvaluationLane(const EvaluationLane&) = delete;
   EvaluationLane& operator=(const EvaluationLane&) = delete;
   ~EvaluationLane() { FreeBuffers(); }
@@ -1776,7 +1831,7 @@ class EvaluationLane {
           return status;
         }));
     RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
-    sums_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+    block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
     return Run(rows);
   }
 
@@ -1804,7 +1859,7 @@ class EvaluationLane {
         nullptr, &waited);
     const absl::Time finish_start = absl::Now();
     const absl::Status finished = device->FinishWrites(base);
-    sums_.copy_seconds +=
+    block_.copy_seconds +=
         waited + absl::ToDoubleSeconds(absl::Now() - finish_start);
     RETURN_IF_ERROR(received);
     RETURN_IF_ERROR(finished);
@@ -1824,12 +1879,10 @@ class EvaluationLane {
     targets_capacity_ = 0;
   }
 
-  // Over this lane's blocks so far.
-  const EvaluationSums& sums() const { return sums_; }
-
  private:
   // A block of `logits` and `targets` bytes: checked and counted. Its rows.
   absl::StatusOr<int64_t> Begin(size_t logits, size_t targets) {
+    block_ = EvaluationSums();
     ASSIGN_OR_RETURN(
         const int64_t rows,
         ValidateRowBlockSizes(config_->spec, static_cast<int64_t>(logits),
@@ -1844,7 +1897,7 @@ class EvaluationLane {
   }
 
   // The loss of the block of `rows` rows whose logits are in the block
-  // buffer and whose targets are in host_targets_, added to the sums.
+  // buffer and whose targets are in host_targets_: its sums, to `order_`.
   absl::Status Run(int64_t rows) {
     Device* device = service_->store()->device();
     Metrics* const metrics = service_->metrics();
@@ -1856,7 +1909,7 @@ class EvaluationLane {
       RETURN_IF_ERROR(device->CopyFromHost(
           targets_buffer_, 0, host_targets_.data(), host_targets_.size()));
       device_targets = targets_buffer_;
-      sums_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
+      block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
     }
     CrossEntropyArgs args;
     args.rows = rows;
@@ -1868,25 +1921,24 @@ class EvaluationLane {
     args.targets = device_targets;
     args.class_weights = config_->class_weights;
     args.options = config_->options;
-    // Blocks are summed here and reduced once at the end, in block order, so
-    // the result is the same bits for the same blocks.
+    // Each block's sum; order_ adds them in block order.
     args.options.reduction = Reduction::kSum;
     args.mode = GradientMode::kNone;
     CrossEntropyResult result;
     const absl::Time start = absl::Now();
     RETURN_IF_ERROR(device->CrossEntropy(args, &result));
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    sums_.kernel_seconds += seconds;
+    block_.kernel_seconds += seconds;
     if (metrics != nullptr) {
       metrics->ObserveKernel(device->name(), "cross_entropy", seconds);
     }
 
-    sums_.loss += result.loss;
-    sums_.z_loss += result.z_loss;
-    sums_.rows += rows;
-    sums_.valid_tokens += result.valid_tokens;
-    sums_.correct_tokens += result.correct_tokens;
-    sums_.nonfinite_rows += result.nonfinite_rows;
+    block_.loss = result.loss;
+    block_.z_loss = result.z_loss;
+    block_.rows = rows;
+    block_.valid_tokens = result.valid_tokens;
+    block_.correct_tokens = result.correct_tokens;
+    block_.nonfinite_rows = result.nonfinite_rows;
     // Targets were checked by the kernel: valid ones index the weights.
     for (int64_t row = 0; row < rows; ++row) {
       int64_t target;
@@ -1898,11 +1950,11 @@ class EvaluationLane {
         std::memcpy(&target, host_targets_.data() + row * 8, 8);
       }
       if (target == config_->options.ignore_index) continue;
-      sums_.weight += config_->host_weights.empty()
-                          ? 1.0
-                          : static_cast<double>(config_->host_weights[target]);
+      block_.weight += config_->host_weights.empty()
+                           ? 1.0
+                           : static_cast<double>(config_->host_weights[target]);
     }
-    return absl::OkStatus();
+    return order_->Add(index_, frames_++, block_);
   }
 
   // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
@@ -1925,8 +1977,11 @@ class EvaluationLane {
   void* targets_buffer_ = nullptr;
   size_t targets_capacity_ = 0;
   std::string host_targets_;
-  int64_t blocks_ = 0;
-  EvaluationSums sums_;
+  BlockOrderSum* const order_;
+  const int index_;
+  int64_t blocks_ = 0;    // every block, empty ones too (for messages)
+  int64_t frames_ = 0;    // the blocks with rows: their order's frame numbers
+  EvaluationSums block_;  // of the block under way
 };
 
 // The most bytes (logits and targets) one frame on a data connection may
@@ -2104,8 +2159,10 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     const int lanes = header.data_token().empty()
                           ? 1
                           : std::max(1, header.data_connections());
+    order_ = std::make_unique<BlockOrderSum>(lanes);
     for (int i = 0; i < lanes; ++i) {
-      lanes_.push_back(std::make_unique<EvaluationLane>(service_, &config_));
+      lanes_.push_back(std::make_unique<EvaluationLane>(service_, &config_,
+                                                        order_.get(), i));
     }
     if (header.data_token().empty()) return absl::OkStatus();
     // Connection i's frames go to lane i; the ranges only count the parts.
@@ -2195,10 +2252,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // The response: the lanes' sums, added in lane order (the same bits for
   // the same blocks on the same lanes).
   absl::Status Respond() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    EvaluationSums total;
-    for (const std::unique_ptr<EvaluationLane>& lane : lanes_) {
-      total.Add(lane->sums());
-    }
+    const EvaluationSums total =
+        order_ != nullptr ? order_->Total() : EvaluationSums();
     if (total.rows == 0) return absl::InvalidArgumentError("no rows at all");
     const CrossEntropyOptions& options = config_.options;
     double loss = total.loss;
@@ -2248,6 +2303,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   EvaluationConfig config_;
   ReadLease weights_;
   // One lane for the stream's blocks, or one per data connection.
+  // The lanes' sums, in block order; outlives them (declared first).
+  std::unique_ptr<BlockOrderSum> order_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<EvaluationLane>> lanes_ ABSL_GUARDED_BY(mu_);
   // An evaluation over data connections: its transfer and the link that ties
   // the transfer's outcome to this RPC; waiting_ while the stream has ended

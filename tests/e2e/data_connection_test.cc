@@ -824,7 +824,7 @@ TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
   std::unique_ptr<Client> three = MakeClient(true, 3);
   const EvaluateResult first = evaluate(three.get());
   EXPECT_EQ(evaluate(three.get()).loss, first.loss);
-  EXPECT_NEAR(first.loss, streamed.loss, 1e-9 * std::fabs(streamed.loss));
+  EXPECT_EQ(first.loss, streamed.loss);  // blocks added in block order
 
   std::unique_ptr<Client> client = MakeClient();
   absl::StatusOr<TensorInfo> uploaded =
@@ -850,9 +850,9 @@ TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
   ExpectEmptyStore();
 }
 
-// Evaluate over data connections: over one connection the same bits as the
-// stream (the same blocks in one lane); over three, the same bits on every
-// run (lanes added in order) and the stream's result within rounding.
+// Evaluate over data connections gives the stream's bits for the same
+// blocks, over one connection or three (the blocks' sums are added in block
+// order however many connections carried them), with class weights.
 TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
   Start();
   const int64_t rows = 53, vocab = 2053;
@@ -864,9 +864,16 @@ TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
   for (int64_t& t : targets) {
     t = random() % 7 == 0 ? -100 : static_cast<int64_t>(random() % vocab);
   }
+  std::vector<float> weights(static_cast<size_t>(vocab));
+  std::uniform_real_distribution<float> uniform(0.3f, 3.0f);
+  for (float& w : weights) w = uniform(random);
+  absl::StatusOr<TensorInfo> weights_handle = MakeClient(false)->Upload(
+      DType::kFloat32, {vocab}, weights.data(), weights.size() * sizeof(float));
+  ASSERT_TRUE(weights_handle.ok()) << weights_handle.status();
   EvaluateOptions options;
   options.loss.label_smoothing = 0.1;
   options.loss.z_loss_scale = 1e-4;
+  options.class_weights = weights_handle->handle;
   auto evaluate = [&](Client* client) {
     absl::StatusOr<EvaluateResult> result = client->Evaluate(
         rows, vocab, DType::kFloat32, logits.data(), DType::kInt64,
@@ -896,12 +903,14 @@ TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
     EXPECT_EQ(Completed(), before + 6);
     EXPECT_EQ(first.loss, second.loss);
     EXPECT_EQ(first.z_loss, second.z_loss);
-    EXPECT_NEAR(first.loss, streamed.loss, 1e-12 * std::fabs(streamed.loss));
+    EXPECT_EQ(first.loss, streamed.loss);
+    EXPECT_EQ(first.z_loss, streamed.z_loss);
     EXPECT_EQ(first.rows, rows);
     EXPECT_EQ(first.valid_tokens, streamed.valid_tokens);
     EXPECT_EQ(first.correct_tokens, streamed.correct_tokens);
     EXPECT_EQ(first.denominator, streamed.denominator);
   }
+  ASSERT_TRUE(MakeClient(false)->Release(weights_handle->handle).ok());
   ExpectEmptyStore();
 }
 
@@ -1081,6 +1090,32 @@ TEST_F(DataConnectionTest, EvaluateErrors) {
   }
   ExpectEmptyStore();
   EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
+}
+
+// Frames that come ahead of their turn wait for the blocks before them, up
+// to 65536 of them: a connection that runs that far ahead of another fails
+// the evaluation.
+TEST_F(DataConnectionTest, EvaluateConnectionsKeepInStep) {
+  Start();
+  constexpr int64_t kVocab = 16;
+  RawDataEvaluate evaluate(stub_.get(), Token('w'), 2, kVocab);
+  ASSERT_TRUE(evaluate.SendHeader());
+  const int idle = ConnectData();
+  ASSERT_TRUE(SendAll(idle, Preamble(Token('w'), 0)));
+  const int ahead = ConnectData();
+  std::string frames = Preamble(Token('w'), 1);
+  const std::string frame = Frame(1, kVocab);
+  for (int i = 0; i <= 65536; ++i) frames += frame;
+  SendAll(ahead, frames);  // the server may close it before the end
+  const grpc::Status status = evaluate.Finish();
+  EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("65536 frames ahead"),
+            std::string::npos)
+      << status.error_message();
+  close(idle);
+  close(ahead);
+  ExpectEmptyStore();
 }
 
 // At the cap of connections served at once, further connections wait in the
