@@ -407,6 +407,7 @@ struct Workload {
   double forward = 0;   // in place, mean
   double backward = 0;  // grad_output 0.5
   double download = 0;  // the gradient, as stored (bf16), factor applied
+  double fill = 0;      // making the destination buffer (in the total)
   double total = 0;
   double loss = 0;
   uint64_t checksum = 0;  // of the downloaded gradient's bits
@@ -499,7 +500,9 @@ Workload RunClientWorkload(lossd::Client* client, const std::string& logits,
   must(client->Backward(forward->gradient, 0.5).status(), "backward");
   w.backward = Seconds(step);
   // Into a buffer filled here (in the total, not in the download's time).
+  step = Clock::now();
   gradient_out->assign(logits.size(), '\0');
+  w.fill = Seconds(step);
   step = Clock::now();
   must(client
            ->DownloadInto(forward->gradient, lossd::DType::kInvalid,
@@ -1157,8 +1160,11 @@ int main(int argc, char** argv) {
             who, w.total, w.upload, w.forward, w.backward, w.download, w.loss));
       };
       row("lossd", ours);
-      row("lossd through lossd::Client's defaults (data connections both "
-          "ways; the total includes zero-filling the gradient's buffer)",
+      row(absl::StrFormat("lossd through lossd::Client's defaults (data "
+                          "connections both ways; the total includes %.3f s "
+                          "of zero-filling a fresh buffer for the gradient)",
+                          ours_client.fill)
+              .c_str(),
           ours_client);
       row("Python (grpcio + torch F.cross_entropy)", theirs);
       line(absl::StrFormat(
@@ -1167,11 +1173,14 @@ int main(int argc, char** argv) {
           "elements | |",
           theirs.total / ours.total, ours.total, theirs.total,
           max_magnitude > 0 ? max_difference / max_magnitude : 0.0, compared));
+      const double kept = ours_client.total - ours_client.fill;
       line(absl::StrFormat(
           "| lossd through lossd::Client vs Python, end to end | **%.2fx "
-          "faster** (%.3f s vs %.3f s; same gradient bits as the raw client) "
-          "| |",
-          theirs.total / ours_client.total, ours_client.total, theirs.total));
+          "faster** (%.3f s vs %.3f s; same gradient bits as the raw client); "
+          "into a gradient buffer already there (a training loop keeps one "
+          "from step to step): %.2fx (%.3f s) | |",
+          theirs.total / ours_client.total, ours_client.total, theirs.total,
+          theirs.total / kept, kept));
     }
   }
 
