@@ -1821,16 +1821,16 @@ class EvaluationLane {
     // Logits: slice by slice into the block buffer; on CUDA through double
     // buffered pinned staging, so gathering one piece overlaps copying the
     // previous one.
-    RETURN_IF_ERROR(Reserve(&logits_buffer_, &logits_capacity_, logits.size));
+    RETURN_IF_ERROR(Reserve(&logits_buffer_, logits.size));
     size_t written = 0;
     RETURN_IF_ERROR(
         ForEachPiece(slices, logits, [&](const uint8_t* piece, size_t size) {
-          const absl::Status status =
-              device->CopyFromHostAsync(logits_buffer_, written, piece, size);
+          const absl::Status status = device->CopyFromHostAsync(
+              logits_buffer_.data(), written, piece, size);
           written += size;
           return status;
         }));
-    RETURN_IF_ERROR(device->FinishWrites(logits_buffer_));
+    RETURN_IF_ERROR(device->FinishWrites(logits_buffer_.data()));
     block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
     return Run(rows);
   }
@@ -1845,8 +1845,8 @@ class EvaluationLane {
         static_cast<size_t>(rows) * DTypeSize(config_->targets_dtype);
     RETURN_IF_ERROR(Begin(logits, targets).status());
     Device* device = service_->store()->device();
-    RETURN_IF_ERROR(Reserve(&logits_buffer_, &logits_capacity_, logits));
-    char* const base = static_cast<char*>(logits_buffer_);
+    RETURN_IF_ERROR(Reserve(&logits_buffer_, logits));
+    char* const base = static_cast<char*>(logits_buffer_.data());
     double waited = 0.0;
     const absl::Status received = ReceiveThroughWindows(
         device, base, static_cast<int64_t>(logits), fd,
@@ -1870,13 +1870,8 @@ class EvaluationLane {
   }
 
   void FreeBuffers() {
-    Device* device = service_->store()->device();
-    device->Free(logits_buffer_, logits_capacity_);
-    device->Free(targets_buffer_, targets_capacity_);
-    logits_buffer_ = nullptr;
-    targets_buffer_ = nullptr;
-    logits_capacity_ = 0;
-    targets_capacity_ = 0;
+    logits_buffer_ = ScratchBuffer();
+    targets_buffer_ = ScratchBuffer();
   }
 
  private:
@@ -1904,11 +1899,11 @@ class EvaluationLane {
     const void* device_targets = host_targets_.data();
     if (!device->host_accessible()) {
       const absl::Time copy_start = absl::Now();
-      RETURN_IF_ERROR(
-          Reserve(&targets_buffer_, &targets_capacity_, host_targets_.size()));
-      RETURN_IF_ERROR(device->CopyFromHost(
-          targets_buffer_, 0, host_targets_.data(), host_targets_.size()));
-      device_targets = targets_buffer_;
+      RETURN_IF_ERROR(Reserve(&targets_buffer_, host_targets_.size()));
+      RETURN_IF_ERROR(device->CopyFromHost(targets_buffer_.data(), 0,
+                                           host_targets_.data(),
+                                           host_targets_.size()));
+      device_targets = targets_buffer_.data();
       block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
     }
     CrossEntropyArgs args;
@@ -1916,7 +1911,7 @@ class EvaluationLane {
     args.vocab = config_->vocab;
     args.row_stride = config_->vocab;
     args.logits_dtype = config_->logits_dtype;
-    args.logits = logits_buffer_;
+    args.logits = logits_buffer_.data();
     args.targets_dtype = config_->targets_dtype;
     args.targets = device_targets;
     args.class_weights = config_->class_weights;
@@ -1957,25 +1952,20 @@ class EvaluationLane {
     return order_->Add(index_, frames_++, block_);
   }
 
-  // Grows the device buffer `*buffer` of `*capacity` bytes to hold `bytes`:
-  // the largest block so far.
-  absl::Status Reserve(void** buffer, size_t* capacity, size_t bytes) {
-    if (bytes <= *capacity) return absl::OkStatus();
-    Device* device = service_->store()->device();
-    device->Free(*buffer, *capacity);
-    *buffer = nullptr;
-    *capacity = 0;
-    ASSIGN_OR_RETURN(*buffer, device->Allocate(bytes));
-    *capacity = bytes;
+  // Grows the device buffer `*buffer` to hold `bytes`: the largest block so
+  // far, charged to the memory budget.
+  absl::Status Reserve(ScratchBuffer* buffer, size_t bytes) {
+    if (bytes <= buffer->bytes()) return absl::OkStatus();
+    *buffer = ScratchBuffer();  // its bytes go back first
+    ASSIGN_OR_RETURN(*buffer, service_->store()->AllocateScratch(
+                                  static_cast<int64_t>(bytes)));
     return absl::OkStatus();
   }
 
   LossdService* const service_;
   const EvaluationConfig* const config_;
-  void* logits_buffer_ = nullptr;
-  size_t logits_capacity_ = 0;
-  void* targets_buffer_ = nullptr;
-  size_t targets_capacity_ = 0;
+  ScratchBuffer logits_buffer_;
+  ScratchBuffer targets_buffer_;
   std::string host_targets_;
   BlockOrderSum* const order_;
   const int index_;

@@ -276,6 +276,10 @@ PendingTensor::~PendingTensor() = default;
 
 void* PendingTensor::data() const { return allocation_->data(); }
 
+void* ScratchBuffer::data() const {
+  return allocation_ != nullptr ? allocation_->data() : nullptr;
+}
+
 absl::Status PendingTensor::Append(const void* host, size_t bytes) {
   if (committed_) return absl::FailedPreconditionError("already committed");
   if (static_cast<int64_t>(bytes) > bytes_ - received_) {
@@ -349,6 +353,22 @@ absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
   return std::unique_ptr<PendingTensor>(
       new PendingTensor(this, tenant, std::move(label), dtype, std::move(shape),
                         state, std::move(allocation)));
+}
+
+absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(int64_t bytes) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scratch of ", bytes, " bytes"));
+  }
+  RETURN_IF_ERROR(account_->Reserve(bytes));
+  absl::StatusOr<void*> data = device_->Allocate(static_cast<size_t>(bytes));
+  if (!data.ok()) {
+    account_->Return(bytes);
+    return data.status();
+  }
+  return ScratchBuffer(
+      std::make_shared<internal::Allocation>(device_, *data, bytes, account_),
+      static_cast<size_t>(bytes));
 }
 
 absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::Publish(

@@ -197,6 +197,23 @@ class ForwardLease {
   std::function<absl::Time()> clock_;
 };
 
+// Device memory an RPC works in (an Evaluate's block buffers), charged to
+// the memory budget as tensors are (not to a tenant's quota) until it goes.
+// Empty when default-constructed. Movable; not thread-safe.
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  void* data() const;  // null when empty
+  size_t bytes() const { return bytes_; }
+
+ private:
+  friend class TensorStore;
+  ScratchBuffer(std::shared_ptr<internal::Allocation> allocation, size_t bytes)
+      : allocation_(std::move(allocation)), bytes_(bytes) {}
+  std::shared_ptr<internal::Allocation> allocation_;
+  size_t bytes_ = 0;
+};
+
 // A tensor being filled (an Upload in progress, or the output of a Forward):
 // its memory is reserved and allocated but it has no visible handle yet.
 // Destroying it without Commit returns everything. Not thread-safe: one owner.
@@ -279,6 +296,10 @@ class TensorStore {
   absl::StatusOr<std::unique_ptr<PendingTensor>> Create(
       const std::string& tenant, DType dtype, std::vector<int64_t> shape,
       std::string label, TensorState state = TensorState::kLogits);
+
+  // Allocates `bytes` (> 0) of working memory on the device under the
+  // budget. RESOURCE_EXHAUSTED as Create.
+  absl::StatusOr<ScratchBuffer> AllocateScratch(int64_t bytes);
 
   // The tensor `handle` of `tenant`, touched as used. NOT_FOUND when the
   // handle is malformed, unknown, of another tenant, of another instance,

@@ -44,9 +44,9 @@ class DataConnectionTest : public ::testing::Test {
  protected:
   void Start(int data_port = 0, absl::Duration data_timeout = absl::Seconds(30),
              absl::Duration drain_timeout = absl::Seconds(10),
-             const std::string& device = "cpu") {
+             const std::string& device = "cpu", int64_t budget = kBudget) {
     ServerConfig config =
-        e2e_test::LoopbackConfig(device, kBudget, drain_timeout);
+        e2e_test::LoopbackConfig(device, budget, drain_timeout);
     config.data_port = data_port;
     config.data_timeout = data_timeout;
     absl::StatusOr<std::unique_ptr<LossdServer>> server =
@@ -1090,6 +1090,36 @@ TEST_F(DataConnectionTest, EvaluateErrors) {
   }
   ExpectEmptyStore();
   EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
+}
+
+// An Evaluate's block buffers on the device count against the memory budget
+// while it runs: blocks larger than the budget leaves are RESOURCE_EXHAUSTED,
+// over data connections and on the stream, and leave nothing behind.
+TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheBudget) {
+  Start(0, absl::Seconds(30), absl::Seconds(10), "cpu", /*budget=*/1 << 20);
+  const int64_t rows = 8, vocab = 65536;  // 2 MiB of fp32 logits a block
+  const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
+  const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
+  for (bool data_connection : {true, false}) {
+    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    absl::StatusOr<EvaluateResult> result =
+        MakeClient(data_connection)
+            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                       DType::kInt64, targets.data(), EvaluateOptions(),
+                       /*block_rows=*/8);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
+        << result.status();
+    EXPECT_NE(result.status().message().find("memory budget"),
+              std::string::npos)
+        << result.status();
+  }
+  // Blocks that fit it are evaluated.
+  absl::StatusOr<EvaluateResult> small = MakeClient()->Evaluate(
+      rows, vocab, DType::kFloat32, logits.data(), DType::kInt64,
+      targets.data(), EvaluateOptions(), /*block_rows=*/1);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->rows, rows);
+  ExpectEmptyStore();
 }
 
 // Frames that come ahead of their turn wait for the blocks before them, up

@@ -162,6 +162,29 @@ TEST_F(TensorStoreTest, BudgetIsReservedAtCreateAndRolledBack) {
   EXPECT_TRUE(store_->Create(kDefaultTenant, DType::kFloat32, {250}, "").ok());
 }
 
+// Scratch (an Evaluate's block buffers) counts against the budget as
+// tensors do, until it goes.
+TEST_F(TensorStoreTest, ScratchIsChargedToTheBudget) {
+  MakeStore(1000);
+  auto tensor = store_->Create(kDefaultTenant, DType::kFloat32, {150}, "");
+  ASSERT_TRUE(tensor.ok());
+  absl::StatusOr<ScratchBuffer> scratch = store_->AllocateScratch(300);
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  EXPECT_NE(scratch->data(), nullptr);
+  EXPECT_EQ(scratch->bytes(), 300u);
+  EXPECT_EQ(store_->Stats().used_bytes, 900);
+  absl::StatusOr<ScratchBuffer> more = store_->AllocateScratch(101);
+  ASSERT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("900 of 1000"));
+  EXPECT_FALSE(store_->Create(kDefaultTenant, DType::kFloat32, {26}, "").ok());
+  *scratch = ScratchBuffer();
+  EXPECT_EQ(store_->Stats().used_bytes, 600);
+  EXPECT_EQ(store_->AllocateScratch(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store_->AllocateScratch(400).ok());
+  EXPECT_EQ(store_->Stats().used_bytes, 600);  // the temporary went again
+}
+
 TEST_F(TensorStoreTest, ByteCountMustMatchTheHeader) {
   MakeStore(1000);
   auto pending = store_->Create(kDefaultTenant, DType::kInt32, {4}, "");
