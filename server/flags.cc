@@ -70,6 +70,10 @@ ABSL_FLAG(int, data_port, 50052,
 ABSL_FLAG(absl::Duration, data_timeout, absl::Seconds(60),
           "an upload whose data connection does not come, or sends nothing, "
           "for this long fails DEADLINE_EXCEEDED");
+ABSL_FLAG(int, data_max_connections, 64,
+          "data connections served at once, each on a thread of its own "
+          "(an Evaluate's for the whole evaluation); further ones wait in "
+          "the listen backlog until one ends. In [1, 4096]");
 ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
           "a striped Upload whose stripes have not all arrived this long "
           "after the first is abandoned (every stripe fails ABORTED)");
@@ -196,6 +200,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   config.data_timeout = absl::GetFlag(FLAGS_data_timeout);
   if (config.data_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--data_timeout must be positive");
+  }
+  config.data_max_connections = absl::GetFlag(FLAGS_data_max_connections);
+  if (config.data_max_connections < 1 || config.data_max_connections > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data_max_connections=", config.data_max_connections,
+                     " is outside [1, 4096]"));
   }
   config.stripe_timeout = absl::GetFlag(FLAGS_stripe_timeout);
   if (config.stripe_timeout <= absl::ZeroDuration()) {

@@ -117,6 +117,11 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   if (config.data_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("data_timeout must be > 0");
   }
+  if (config.data_max_connections < 1 || config.data_max_connections > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("data_max_connections ",
+                                                   config.data_max_connections,
+                                                   " is outside [1, 4096]"));
+  }
   const TenantLimits& limits = config.tenant_limits;
   if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
       limits.max_in_flight < 0) {
@@ -182,6 +187,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     data_options.host = config.host;
     data_options.port = config.data_port;
     data_options.timeout = config.data_timeout;
+    data_options.max_connections = config.data_max_connections;
     absl::StatusOr<std::unique_ptr<DataPlane>> plane =
         DataPlane::Start(data_options);
     if (!plane.ok()) return plane.status();

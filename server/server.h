@@ -79,6 +79,8 @@ struct ServerConfig {
   // A registered data transfer whose connection does not come, or sends
   // nothing, for this long fails DEADLINE_EXCEEDED.
   absl::Duration data_timeout = absl::Seconds(60);
+  // Data connections served at once; further ones wait in the backlog.
+  int data_max_connections = 64;
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION

@@ -52,5 +52,25 @@ TEST(ConfigFromFlagsTest, StagingBytesIsParsedAndBounded) {
   }
 }
 
+TEST(ConfigFromFlagsTest, DataMaxConnectionsIsBounded) {
+  absl::FlagSaver saver;
+  absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->data_max_connections, 64);
+  absl::SetFlag(&FLAGS_data_max_connections, 512);
+  config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->data_max_connections, 512);
+  for (int bad : {0, -1, 4097}) {
+    absl::SetFlag(&FLAGS_data_max_connections, bad);
+    config = ConfigFromFlags();
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+    EXPECT_NE(config.status().message().find("--data_max_connections"),
+              std::string::npos)
+        << config.status();
+  }
+}
+
 }  // namespace
 }  // namespace lossd
