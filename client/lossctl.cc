@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, server, "127.0.0.1:50051",
           "(handles go to their instance, uploads to the most free memory)");
 ABSL_FLAG(absl::Duration, deadline, absl::InfiniteDuration(),
           "deadline of each RPC, e.g. 30s (default: none)");
+ABSL_FLAG(absl::Duration, connect_wait, absl::Seconds(1),
+          "how long an RPC first waits for the connection to come up (e.g. "
+          "60s while a pod starts); 0 = fail at once when it is down");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20,
           "bytes per upload/download/eval message");
 ABSL_FLAG(std::string, token, "", "bearer token sent with every RPC");
@@ -204,6 +207,10 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   if (chunk <= 0) return UsageError("--chunk_bytes must be positive");
   options.client.chunk_bytes = static_cast<std::size_t>(chunk);
   options.client.deadline = absl::GetFlag(FLAGS_deadline);
+  options.client.connect_wait = absl::GetFlag(FLAGS_connect_wait);
+  if (options.client.connect_wait < absl::ZeroDuration()) {
+    return UsageError("--connect_wait must not be negative");
+  }
   const int streams = absl::GetFlag(FLAGS_upload_streams);
   if (streams < 1 || streams > 64) {
     return UsageError("--upload_streams must be in [1, 64]");

@@ -315,6 +315,28 @@ TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {
   CommandResult bad_reduction =
       Lossctl({"eval", logits_path_, targets_path_, "--reduction=median"});
   EXPECT_EQ(bad_reduction.exit_code, 2);
+  CommandResult bad_wait = Lossctl({"info", "--connect_wait=-1s"});
+  EXPECT_EQ(bad_wait.exit_code, 2);
+  EXPECT_THAT(bad_wait.err, HasSubstr("--connect_wait"));
+}
+
+// --connect_wait: how long a command waits for a server that is down.
+TEST_F(LossctlTest, ConnectWaitBoundsTheWaitForADownServer) {
+  ASSERT_TRUE(server_->Stop().ok());
+  for (const char* wait : {"0", "2s"}) {
+    SCOPED_TRACE(wait);
+    const absl::Time start = absl::Now();
+    CommandResult down =
+        Lossctl({"info", absl::StrCat("--connect_wait=", wait)});
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(down.exit_code, 1);
+    EXPECT_THAT(down.err, HasSubstr("UNAVAILABLE"));
+    if (std::string(wait) == "0") {
+      EXPECT_LT(took, absl::Seconds(1.5));
+    } else {
+      EXPECT_GE(took, absl::Seconds(2));
+    }
+  }
 }
 
 }  // namespace
