@@ -222,6 +222,17 @@ class Admission {
 template <typename Message>
 class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
  public:
+  // An RPC waiting after DeferEnd has no read in flight: its cancellation
+  // only shows here. A reading RPC learns it from its read.
+  void OnCancel() final {
+    absl::MutexLock lock(&mu_);
+    if (!waiting_) return;
+    waiting_ = false;
+    const absl::Status cause = CancelledWhileWaiting();
+    Abandon(cause);
+    End(ToGrpcStatus(cause));
+  }
+
   void OnReadDone(bool ok) final {
     absl::MutexLock lock(&mu_);
     if (finished_) return;  // an earlier message failed; this read is moot
@@ -280,6 +291,33 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
   // reaction.
   void MarkFinished() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { finished_ = true; }
 
+  // For Complete: the stream ended cleanly but the RPC's outcome comes from
+  // elsewhere (the other stripes, or the data connections), which end it
+  // later (calling EndWaiting first), unless OnCancel does. Returns
+  // CancelledWhileWaiting() when the RPC was cancelled already (OnCancel ran
+  // before this and saw nothing to do), to end it with.
+  absl::Status DeferEnd() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    waiting_ = true;
+    end_deferred_ = true;
+    if (context_->IsCancelled()) {
+      waiting_ = false;
+      end_deferred_ = false;
+      return CancelledWhileWaiting();
+    }
+    return absl::OkStatus();
+  }
+  // The RPC is being ended by whoever decided its outcome.
+  void EndWaiting() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    MarkFinished();
+    waiting_ = false;
+  }
+  // The status of an RPC cancelled (by the client or its deadline) while it
+  // waited after DeferEnd.
+  virtual absl::Status CancelledWhileWaiting()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::CancelledError("the RPC was cancelled");
+  }
+
   grpc::CallbackServerContext* const context_;
   absl::Mutex mu_;
   bool end_deferred_ ABSL_GUARDED_BY(mu_) = false;
@@ -288,6 +326,7 @@ class PipelinedReadReactor : public grpc::ServerReadReactor<Message> {
   Message messages_[2] ABSL_GUARDED_BY(mu_);
   int current_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // after DeferEnd
 };
 
 // ------------------------------------------------------ striped Upload state
@@ -576,18 +615,14 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     delete this;
   }
 
-  // A stripe that waits for the others has no read in flight: cancellation
-  // (the client's, or its deadline) only shows here.
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (!waiting_) return;  // a reading stripe learns it from its read
-    waiting_ = false;
-    const absl::Status cause = absl::CancelledError(
+  // A stripe that waits for the others, or an upload for its data
+  // connections, was cancelled.
+  absl::Status CancelledWhileWaiting() override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::CancelledError(
         transfer_ != nullptr
             ? std::string("the upload was cancelled")
             : absl::StrCat("stripe ", stripe_index_, " was cancelled"));
-    Abandon(cause);
-    End(ToGrpcStatus(cause));
   }
 
   // Ends this stripe's RPC on behalf of the party that decided the upload's
@@ -598,8 +633,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     grpc::Status result = ToGrpcStatus(status);
     {
       absl::MutexLock lock(&mu_);
-      MarkFinished();
-      waiting_ = false;
+      EndWaiting();
       StopStripeWrites();
       if (status.ok()) {
         committed_ = info->handle;
@@ -617,8 +651,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     grpc::Status result;
     {
       absl::MutexLock lock(&mu_);
-      MarkFinished();
-      waiting_ = false;
+      EndWaiting();
       absl::Status outcome = status;
       if (outcome.ok() && pending_ == nullptr) {
         // The stream failed first (Abandon), and could not end the RPC.
@@ -876,7 +909,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
 
   absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (transfer_ != nullptr) {
-      return WaitForOthers(absl::CancelledError("the upload was cancelled"));
+      return DeferEnd();
     }
     if (link_ != nullptr) return CompleteStripe();
     if (pending_ == nullptr) {
@@ -894,23 +927,6 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     return Respond((*tensor)->Info());
   }
 
-  // The stream ended cleanly but the upload is not decided (a stripe waits
-  // for the others, or a data connection's transfer is still running): the
-  // RPC ends later, from whoever decides, or from OnCancel. `cancelled` when
-  // the RPC was cancelled already.
-  absl::Status WaitForOthers(absl::Status cancelled)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    waiting_ = true;
-    end_deferred_ = true;
-    // Cancelled before OnCancel could see waiting_: it has run already.
-    if (context_->IsCancelled()) {
-      waiting_ = false;
-      end_deferred_ = false;
-      return cancelled;
-    }
-    return absl::OkStatus();
-  }
-
   // This stripe's stream ended cleanly: its bytes are checked and flushed to
   // the device; then it waits for the others, or (the last) commits for all.
   absl::Status CompleteStripe() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -926,8 +942,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     stripe_pending_.reset();
     StripeAssembly::DoneResult done = assembly_->Done(stripe_index_);
     if (done.wait) {
-      return WaitForOthers(absl::CancelledError(
-          absl::StrCat("stripe ", stripe_index_, " was cancelled")));
+      return DeferEnd();
     }
     if (done.decided) {
       service_->stripes()->Finished(
@@ -980,7 +995,6 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   int64_t stripe_bytes_ = 0;
   int64_t stripe_received_ = 0;
   int stripe_index_ = -1;
-  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // bytes in, upload not decided
 };
 
 // ------------------------------------------------------ striped Upload logic
@@ -2009,16 +2023,10 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     delete this;
   }
 
-  // An evaluation over data connections waits for them with no read in
-  // flight: cancellation (or the deadline) only shows here.
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (!waiting_) return;  // a reading RPC learns it from its read
-    waiting_ = false;
-    const absl::Status cause =
-        absl::CancelledError("the evaluation was cancelled");
-    Abandon(cause);
-    End(ToGrpcStatus(cause));
+  // An evaluation waiting for its data connections was cancelled.
+  absl::Status CancelledWhileWaiting() override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::CancelledError("the evaluation was cancelled");
   }
 
   // The data connections' outcome, from the last one's thread (or the data
@@ -2028,8 +2036,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     grpc::Status result;
     {
       absl::MutexLock lock(&mu_);
-      MarkFinished();
-      waiting_ = false;
+      EndWaiting();
       absl::Status outcome = status;
       if (outcome.ok() && !abandoned_.ok()) outcome = abandoned_;
       if (outcome.ok()) outcome = Respond();
@@ -2225,14 +2232,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     if (transfer_ != nullptr) {
       // The RPC ends when the data connections do (EndFromTransfer), or on
       // cancellation (OnCancel).
-      waiting_ = true;
-      end_deferred_ = true;
-      if (context_->IsCancelled()) {  // OnCancel ran before waiting_ was set
-        waiting_ = false;
-        end_deferred_ = false;
-        return absl::CancelledError("the evaluation was cancelled");
-      }
-      return absl::OkStatus();
+      return DeferEnd();
     }
     const absl::Status status = Respond();
     lanes_.clear();
@@ -2297,11 +2297,9 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   std::unique_ptr<BlockOrderSum> order_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<EvaluationLane>> lanes_ ABSL_GUARDED_BY(mu_);
   // An evaluation over data connections: its transfer and the link that ties
-  // the transfer's outcome to this RPC; waiting_ while the stream has ended
-  // and the connections have not; why the stream failed, if it did.
+  // the transfer's outcome to this RPC; why the stream failed, if it did.
   std::shared_ptr<DataTransfer> transfer_;
   std::shared_ptr<EvaluateLink> link_;
-  bool waiting_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status abandoned_ ABSL_GUARDED_BY(mu_);
 };
 
