@@ -123,7 +123,10 @@ int main(int argc, char** argv) {
   bool gradient_only = false;  // forward+gradient configurations only
   bool bf16_only = false;      // bf16 configurations only
   std::string out_path;
+  std::string trace_dir;  // v9 per-item timestamps of each forward+gradient
+                          // configuration's default launch (diagnostic)
   for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--trace=", 8) == 0) trace_dir = argv[i] + 8;
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
     if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
     if (std::strcmp(argv[i], "--sweep=v7") == 0) sweep7 = true;
@@ -335,24 +338,27 @@ int main(int argc, char** argv) {
       // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads, L2
       // prefetch distance in KiB of logits (0 automatic, -1 none), stages
       // left out (diagnostic: 1 row wait, 2 gradient math, 4 statistics, 8
-      // the sleep between slot polls))
-      for (const auto& [slice, ctas, ahead, ablate] :
-           std::vector<std::tuple<int, int, int, int>>{{48, 4, -1, 0},
-                                                       {48, 4, 0, 0},
-                                                       {48, 4, 384, 0},
-                                                       {48, 4, 512, 0},
-                                                       {48, 4, 0, 8},
-                                                       {48, 4, 384, 8},
-                                                       {48, 4, 0, 1},
-                                                       {48, 4, 0, 7}}) {
+      // the sleep between slot polls), piece load (1 the threads' loads, 2
+      // bulk copies))
+      for (const auto& [slice, ctas, ahead, ablate, load] :
+           std::vector<std::tuple<int, int, int, int, int>>{
+               {48, 4, 0, 0, 1},
+               {48, 4, 0, 0, 2},
+               {54, 4, 0, 0, 1},
+               {54, 4, 0, 0, 2},
+               {110, 2, 0, 0, 2},
+               {110, 2, 256, 0, 2},
+               {48, 4, 128, 0, 1}}) {
         lossd::CrossEntropyCudaConfig v9;
         v9.version = 9;
         v9.slice_kib = slice;
         v9.ctas_per_sm = ctas;
         v9.prefetch_kib = ahead;
         v9.ablate = ablate;
+        v9.piece_load = load;
         std::string name =
             "v9 s" + std::to_string(slice) + " x" + std::to_string(ctas);
+        name += load == 2 ? " bulk" : " loads";
         if (ahead < 0) name += " no prefetch";
         if (ahead > 0) name += " pf" + std::to_string(ahead) + "K";
         if (ablate != 0) {
@@ -397,6 +403,41 @@ int main(int argc, char** argv) {
       lossd::CrossEntropyCudaConfig v4;
       v4.version = 4;
       variants.push_back({"v4", v4});
+    }
+    for (int load : {1, 2}) {
+      if (!trace_dir.empty() && c.mode != GradientMode::kNone) {
+        // One traced run of the default launch: kMaxPieces items a row at
+        // most, 5 words an item; items not taken stay zero.
+        const size_t words = static_cast<size_t>(c.rows) * 32 * 5;
+        unsigned long long* trace = nullptr;
+        CHECK_CUDA(cudaMalloc(&trace, words * 8));
+        CHECK_CUDA(cudaMemsetAsync(trace, 0, words * 8, stream));
+        lossd::CrossEntropyCudaConfig traced;
+        traced.trace = trace;
+        traced.piece_load = load;
+        for (int i = 0; i < 3; ++i) {
+          CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+          CHECK_CUDA(lossd::CrossEntropyCudaLaunch(args, result, ws, ws_bytes,
+                                                   stream, &traced));
+        }
+        std::vector<unsigned long long> host(words);
+        CHECK_CUDA(
+            cudaMemcpy(host.data(), trace, words * 8, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaFree(trace));
+        const std::string path =
+            trace_dir + "/trace_" + Name(c.dtype) + "_" +
+            std::to_string(c.rows) + "x" + std::to_string(c.vocab) +
+            (c.mode == GradientMode::kOutOfPlace ? "_out" : "") +
+            (load == 2 ? "_bulk" : "_loads") + ".bin";
+        size_t used = words / 5;  // items taken: the rest stay zero
+        while (used > 0 && host[(used - 1) * 5] == 0) --used;
+        FILE* f = used > 0 ? std::fopen(path.c_str(), "wb") : nullptr;
+        if (f != nullptr) {
+          std::fwrite(host.data(), 8, used * 5, f);
+          std::fclose(f);
+        }
+      }
     }
     for (const auto& [vname_str, cfg] : variants) {
       const bool is_auto = vname_str == "auto";

@@ -1194,11 +1194,16 @@ __device__ __forceinline__ void StoreStreamWithPolicy(uint4* a, uint4 v,
 // kHint: global loads carry the L2 eviction policy `policy`. `keep` (not
 // null): every vector read is also stored there, at its index (v9 keeps its
 // piece in shared memory), and the p_y -> 1 pass below reads it from there.
-template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false>
+struct NoWait {
+  __device__ void operator()(int) const {}
+};
+template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false,
+          typename Wait = NoWait>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
                                             int tid,
                                             unsigned long long policy = 0,
-                                            uint4* keep = nullptr) {
+                                            uint4* keep = nullptr,
+                                            const Wait& wait = Wait()) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   const uint4* sv = reinterpret_cast<const uint4*>(s);
@@ -1235,6 +1240,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
 #pragma unroll 1
   for (int q0 = tid; q0 < nvec; q0 += kU * kBlock) {
     uint4 v[kU];
+    wait(q0);  // (shared memory filled by bulk copies: this batch has landed)
     if (kPrefetch) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) v[u] = ahead[u];
@@ -1970,17 +1976,34 @@ __device__ __forceinline__ PieceSlot ReadSlot(PieceSlot* slot) {
 
 // `ablate` (diagnostic, bench only; results are wrong): stages left out to
 // measure what each costs (bench/NOTES.md "v9, session 5").
-constexpr int kAblateRowWait = 1;    // each piece is its own row: no publish,
-                                     // no wait for the row's other pieces
-constexpr int kAblateGradient = 2;   // the piece is stored back unchanged
-constexpr int kAblateStats = 4;      // the piece is read without statistics
-constexpr int kAblatePollSleep = 8;  // the slot poll does not sleep between
-                                     // reads
+constexpr int kAblateRowWait = 1;   // each piece is its own row: no publish,
+                                    // no wait for the row's other pieces
+constexpr int kAblateGradient = 2;  // the piece is stored back unchanged
+constexpr int kAblateStats = 4;     // the piece is read without statistics
+constexpr int kAblatePollSleep = 8;
+// v9's ways to bring a piece into shared memory (CrossEntropyCudaConfig::
+// piece_load): the threads' loads through registers, or bulk copies (TMA)
+// issued when the piece is taken.
+constexpr int kLoadRegisters = 1;
+constexpr int kLoadBulk = 2;
+// v9 with bulk copies: barriers a block has for the chunks of its piece.
+constexpr int kBulkChunks = 8;
+// CrossEntropyCudaConfig::trace: words a v9 item records.
+constexpr int kTraceWords = 5;
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}  // the slot poll does not sleep between
+   // reads
 
 // v7's independent row pieces, each kept in shared memory until its row's
 // statistics are known: a persistent block takes one piece at a time from a
 // global counter (pieces in row order), reads it once from DRAM into
-// registers and shared memory while computing its statistics, publishes them
+// registers and shared memory while computing its statistics (kLoadBulk: the
+// TMA unit copies it into shared memory, in chunks of one batch of the
+// statistics loop, each completing on its own mbarrier, as soon as the piece
+// is taken; the statistics then read it from there), publishes them
 // into the piece's slot with one 16-byte atomic (PieceSlot), waits for the
 // row's other slots (one warp polls them all, each lane reading a whole slot
 // in one atomic access, and merges them in a fixed order, every piece of a
@@ -2005,15 +2028,21 @@ constexpr int kAblatePollSleep = 8;  // the slot poll does not sleep between
 // blocks wait longer (measured: bf16 4096 x 262144 82% -> 71%); before the
 // wait it could deadlock (a block holding an unpublished piece of the row it
 // waits for).
-template <typename T, int kBlock, int kMinBlocks>
+template <typename T, int kBlock, int kMinBlocks, int kLoad>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
-    SmemPieceKernel(Params p, int per_row, long long ahead, int ablate) {
+    SmemPieceKernel(Params p, int per_row, long long ahead, int ablate,
+                    unsigned long long* trace) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
+  constexpr bool kBulk = kLoad == kLoadBulk;
   extern __shared__ uint4 kept[];
   __shared__ Stats scratch[kBlock / 32 + 1];
   __shared__ long long item_s;
   __shared__ RowMath rowmath;  // of the item's row
+  // kBulk: landed[c] completes when chunk c of the piece (kChunkBytes, the
+  // bytes of one SliceStats batch of the block) is in `kept`.
+  constexpr unsigned kChunkBytes = kU * kBlock * 16;
+  __shared__ unsigned long long landed[kBulkChunks];
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: nothing is written
   const int tid = threadIdx.x;
@@ -2021,14 +2050,51 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const int lane = tid % 32;
   PieceSlot* const slots = static_cast<PieceSlot*>(p.pieces);  // by item
   const long long total = p.rows * per_row;
+  unsigned parity = 0;
+  // Every chunk barrier completes a phase every item (empty ones with a plain
+  // arrive), so one parity serves them all.
+  const int chunks = static_cast<int>(
+      (static_cast<unsigned>(p.chunk) * sizeof(T) + kChunkBytes - 1) /
+      kChunkBytes);
+  // Thread 0: chunk c of item k's piece into `kept` by the TMA unit (an
+  // empty chunk only completes its barrier's phase).
+  const auto bring = [&](long long k, int c) {
+    const long long r = k / per_row;
+    const int s0 = static_cast<int>(k - r * per_row) * p.chunk;
+    const unsigned bytes =
+        static_cast<unsigned>(max(0, min(p.chunk, p.vocab - s0))) * sizeof(T);
+    const unsigned off = c * kChunkBytes;
+    const unsigned len = off < bytes ? min(kChunkBytes, bytes - off) : 0;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    MbarExpectTx(&landed[c], len);
+    if (len > 0) {
+      BulkLoad(reinterpret_cast<char*>(kept) + off,
+               reinterpret_cast<const char*>(static_cast<const T*>(p.logits) +
+                                             r * p.stride + s0) +
+                   off,
+               len, &landed[c]);
+    }
+  };
+  if (kBulk && tid == 0) {
+    for (int c = 0; c < chunks; ++c) MbarInit(&landed[c], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
 #pragma unroll 1
   for (;;) {
     if (tid == 0) {
-      item_s = static_cast<long long>(atomicAdd(&p.header->next_item, 1ull));
+      const long long k =
+          static_cast<long long>(atomicAdd(&p.header->next_item, 1ull));
+      item_s = k;
+      if (kBulk && k < total) {
+        // The whole piece into `kept` by the TMA unit at once (the block's
+        // reads of the previous piece are over: the barrier at the end).
+        for (int c = 0; c < chunks; ++c) bring(k, c);
+      }
     }
     __syncthreads();
     const long long k = item_s;
     if (k >= total) break;
+    if (trace != nullptr && tid == 0) trace[k * kTraceWords] = GlobalTimer();
     if (ahead > 0 && tid == kBlock - 32 && k + ahead < total) {
       // (the last warp: off warp 0's publish and merge)
       const long long rn = (k + ahead) / per_row;
@@ -2045,26 +2111,51 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     const int n = max(0, min(p.chunk, p.vocab - start));
     const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
     Stats st;
-    if (ablate & kAblateStats) {
+    if (!kBulk && (ablate & kAblateStats)) {
       const uint4* sv = reinterpret_cast<const uint4*>(src);
 #pragma unroll 4
       for (int q = tid; q < n / kVec; q += kBlock) kept[q] = sv[q];
       st = EmptyStats();
       st.m = 0.0f;
       st.t = 0.0f;
+    } else if (kBulk) {
+      // Each batch once its chunk has landed (batch q0 is chunk
+      // (q0 - tid) / (kU * kBlock)).
+      st = SliceStats<T, kBlock>(reinterpret_cast<const T*>(kept), n, start,
+                                 tid, 0, nullptr, [&](int q0) {
+                                   MbarWait(&landed[(q0 - tid) / (kU * kBlock)],
+                                            parity);
+                                 });
     } else {
       st = SliceStats<T, kBlock, true>(src, n, start, tid, 0, kept);
     }
-    st = BlockMergeStats<kBlock>(st, scratch);  // (kept is complete)
+    // The warps' statistics to shared memory; warp 0 alone merges them (the
+    // others go on to the barrier before the gradient, which is also the one
+    // that makes `kept` whole).
+    {
+      const Stats w = WarpMergeStats(st);
+      if (lane == 0) scratch[warp] = w;
+    }
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
     const int yl = static_cast<int>(y - start);
+    __syncthreads();
     if (warp == 0) {
+      constexpr int kWarps = kBlock / 32;
+      st = WarpMergeStats(lane < kWarps ? scratch[lane] : EmptyStats());
+      if (trace != nullptr && lane == 0) {
+        trace[k * kTraceWords + 1] = GlobalTimer();
+      }
       const bool alone = ablate & kAblateRowWait;
       PieceSlot* const row_slots = slots + (k - piece);
       if (lane == 0 && !alone) {
-        PublishSlot(row_slots + piece, st,
-                    valid && yl >= 0 && yl < n ? Tr::Load(src + yl) : 0.0f);
+        const bool holds_y = valid && yl >= 0 && yl < n;
+        if (kBulk && holds_y) {  // (this thread may not have waited on it)
+          MbarWait(&landed[yl * sizeof(T) / kChunkBytes], parity);
+        }
+        const float zy =
+            holds_y ? Tr::Load(reinterpret_cast<const T*>(kept) + yl) : 0.0f;
+        PublishSlot(row_slots + piece, st, zy);
       }
       // Every lane polls its piece's slot until the row's are all full, then
       // the warp merges them in a fixed order.
@@ -2097,6 +2188,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       if (lane == 0) {
         if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
         rowmath = rm;
+        if (trace != nullptr) trace[k * kTraceWords + 2] = GlobalTimer();
       }
     }
     __syncthreads();
@@ -2118,7 +2210,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         Tr::Store(out + yl, rm.gy);
       }
     }
+    parity ^= 1u;
     __syncthreads();  // kept, rowmath and item_s are rewritten by the next item
+    if (trace != nullptr && tid == 0) {
+      trace[k * kTraceWords + 3] = GlobalTimer();
+      unsigned sm;
+      asm("mov.u32 %0, %%smid;" : "=r"(sm));
+      trace[k * kTraceWords + 4] =
+          (static_cast<unsigned long long>(sm) << 32) | blockIdx.x;
+    }
   }
 }
 
@@ -2131,8 +2231,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 // takes another path).
 template <typename T, int kBlock, int kMinBlocks>
 cudaError_t LaunchSmemPieces(const Params& p, int per_row, int ahead_kib,
-                             int ablate, cudaStream_t stream) {
-  const auto kernel = SmemPieceKernel<T, kBlock, kMinBlocks>;
+                             int ablate, int load, unsigned long long* trace,
+                             cudaStream_t stream) {
+  const bool bulk = load == kLoadBulk;
+  const auto kernel =
+      bulk ? SmemPieceKernel<T, kBlock, kMinBlocks, kLoadBulk>
+           : SmemPieceKernel<T, kBlock, kMinBlocks, kLoadRegisters>;
   const int smem =
       static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
   int device = 0, sms = 0, per_sm = 0, smem_max = 0;
@@ -2149,6 +2253,10 @@ cudaError_t LaunchSmemPieces(const Params& p, int per_row, int ahead_kib,
   // another path takes the row.
   if (smem >
       smem_max - static_cast<int>(sizeof(Stats) * (kBlock / 32 + 1)) - 64) {
+    return cudaErrorInvalidConfiguration;
+  }
+  if (bulk &&
+      (smem + kU * kBlock * 16 - 1) / (kU * kBlock * 16) > kBulkChunks) {
     return cudaErrorInvalidConfiguration;
   }
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2174,7 +2282,7 @@ cudaError_t LaunchSmemPieces(const Params& p, int per_row, int ahead_kib,
   if (e != cudaSuccess) return e;
   kernel<<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(
       p, per_row, ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / smem) : 0,
-      ablate);
+      ablate, trace);
   return cudaGetLastError();
 }
 
@@ -2352,25 +2460,44 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
   // memory, 48 KiB pieces, L2 prefetch: the default for 2-byte logits on rows
   // of 32 KiB and more, in place or not (bf16 88-90% of copy at V >= 128k
   // against v8's 77% and v6's 71-76%; 80% at V = 32000 against v6's 72%), and
-  // for fp32 rows of 256 KiB and more (89-91% at 128k against v6's 83-86%;
-  // 83% at 1 MiB rows against v6's 77%). Shorter fp32 rows stay on v6 (87% at
-  // V = 32000 against v9's 85-86%; rows between 125 and 500 KiB unmeasured).
+  // for fp32 rows of 120 KiB and more, the pieces by bulk copies (90-93% at
+  // 128k and 89.5-90.5% at 1 MiB rows against v6's 83-86% and 77%; 89.6-89.7%
+  // at V = 32000 against v6's 87-88%). Shorter fp32 rows stay on v6.
   const bool v9 =
       !general && vec_ok && !config.generic && config.vectors_per_thread == 0 &&
       p.grad != nullptr && p.vocab % vec == 0 &&
       (config.version == 9 ||
-       (config.version == 0 && row_bytes >= (esize == 2 ? 32 : 256) * 1024));
+       (config.version == 0 && row_bytes >= (esize == 2 ? 32 : 120) * 1024));
   if (v9) {
     const RowPieces rp = SplitRow(p.vocab, row_bytes, vec, config.slice_kib,
                                   /*default_kib=*/48);
     p.chunk = rp.chunk;
-    // ctas_per_sm 2: 512-thread blocks, two a SM (pieces up to ~110 KiB).
-    const cudaError_t e =
-        config.ctas_per_sm == 2
-            ? LaunchSmemPieces<T, 512, 2>(p, rp.pieces, config.prefetch_kib,
-                                          config.ablate, stream)
-            : LaunchSmemPieces<T, kThreads, 4>(
-                  p, rp.pieces, config.prefetch_kib, config.ablate, stream);
+    // ctas_per_sm (bench sweeps): 2 = 512-thread blocks, two a SM (pieces up
+    // to ~110 KiB), 8 = 128 threads;
+    // otherwise four blocks of 256 threads a SM. fp32 pieces come in by bulk
+    // copies (bench/NOTES.md "v9, session 9": 87-91% -> 89.5-93% of copy);
+    // bf16's by the threads' loads, which measured the same or better there
+    // (bulk copies 85-90.5% against 87-90%, in place and out of place).
+    const int load = config.piece_load != 0 ? config.piece_load
+                     : esize == 4           ? kLoadBulk
+                                            : kLoadRegisters;
+    cudaError_t e;
+    switch (config.ctas_per_sm) {
+      case 2:
+        e = LaunchSmemPieces<T, 512, 2>(p, rp.pieces, config.prefetch_kib,
+                                        config.ablate, load, config.trace,
+                                        stream);
+        break;
+      case 8:
+        e = LaunchSmemPieces<T, 128, 8>(p, rp.pieces, config.prefetch_kib,
+                                        config.ablate, load, config.trace,
+                                        stream);
+        break;
+      default:
+        e = LaunchSmemPieces<T, kThreads, 4>(p, rp.pieces, config.prefetch_kib,
+                                             config.ablate, load, config.trace,
+                                             stream);
+    }
     if (e != cudaErrorInvalidConfiguration) return e;
     cudaGetLastError();
   }

@@ -99,6 +99,14 @@ struct CrossEntropyCudaConfig {
                    // out (1 the row wait, 2 the gradient math, 4 the
                    // statistics, 8 the sleep between slot polls), to
                    // measure what each costs
+  // v9, diagnostic (bench only): when not null, device memory of 5 words an
+  // item (rows x pieces a row) that each item fills with %globaltimer at its
+  // take, after its statistics, after its row wait and after its gradient,
+  // then (SM id << 32 | block index).
+  unsigned long long* trace = nullptr;
+  int piece_load = 0;  // v9: how a piece comes into shared memory: 0 =
+                       // automatic, 1 = the threads' loads, 2 = bulk copies
+                       // (the TMA unit) issued when the piece is taken
 };
 
 // Bytes of device workspace CrossEntropyCudaLaunch needs for `rows` rows

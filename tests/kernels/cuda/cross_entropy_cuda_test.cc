@@ -866,6 +866,24 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelConfigs) {
     d.logits = Logits::kTargetDominant;
     d.config.version = 9;
     CheckCase(d, seed++);
+    // Pieces by the threads' loads (piece_load 1) and by bulk copies
+    // (piece_load 2: in chunks of one batch, 16 KiB at 256 threads, 8 KiB at
+    // 128, the last piece of a row shorter), at both block sizes.
+    for (int ctas : {4, 8}) {
+      for (int load : {1, 2}) {
+        Case b =
+            Make(absl::StrCat("v9 load", load, " x", ctas), 200, 100000, dtype);
+        b.pad = dtype == DType::kFloat32 ? 4 : 8;
+        b.config.version = 9;
+        b.config.piece_load = load;
+        b.config.ctas_per_sm = ctas;
+        b.config.slice_kib = ctas == 8 ? 27 : 0;
+        b.ignore_fraction = 0.3;
+        b.options.z_loss_scale = 1e-3f;
+        b.mode = ctas == 8 ? GradientMode::kOutOfPlace : GradientMode::kInPlace;
+        CheckCase(b, seed++);
+      }
+    }
   }
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     Case big = Make("v9 262144", 40, 262144, dtype);
@@ -901,6 +919,8 @@ TEST_F(CudaCrossEntropyTest, SmemPieceKernelSmall) {
     c.config.prefetch_kib = mode == GradientMode::kInPlace ? 256 : -1;
     c.ignore_fraction = 0.2;
     c.mode = mode;
+    CheckCase(c, seed++);
+    c.config.piece_load = 2;  // the same through bulk copies
     CheckCase(c, seed++);
   }
 }
