@@ -341,14 +341,12 @@ int main(int argc, char** argv) {
       // the sleep between slot polls), piece load (1 the threads' loads, 2
       // bulk copies))
       for (const auto& [slice, ctas, ahead, ablate, load] :
-           std::vector<std::tuple<int, int, int, int, int>>{
-               {48, 4, 0, 0, 1},
-               {48, 4, 0, 0, 2},
-               {54, 4, 0, 0, 1},
-               {54, 4, 0, 0, 2},
-               {110, 2, 0, 0, 2},
-               {110, 2, 256, 0, 2},
-               {48, 4, 128, 0, 1}}) {
+           std::vector<std::tuple<int, int, int, int, int>>{{48, 4, 0, 0, 1},
+                                                            {48, 4, 0, 0, 2},
+                                                            {48, 4, -1, 0, 1},
+                                                            {48, 4, 0, 1, 1},
+                                                            {48, 4, 0, 1, 2},
+                                                            {48, 4, 0, 7, 1}}) {
         lossd::CrossEntropyCudaConfig v9;
         v9.version = 9;
         v9.slice_kib = slice;

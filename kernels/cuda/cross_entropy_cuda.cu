@@ -2473,14 +2473,15 @@ cudaError_t LaunchMain(Params p, const CrossEntropyCudaConfig& config,
                                   /*default_kib=*/48);
     p.chunk = rp.chunk;
     // ctas_per_sm (bench sweeps): 2 = 512-thread blocks, two a SM (pieces up
-    // to ~110 KiB), 8 = 128 threads;
-    // otherwise four blocks of 256 threads a SM. fp32 pieces come in by bulk
-    // copies (bench/NOTES.md "v9, session 9": 87-91% -> 89.5-93% of copy);
-    // bf16's by the threads' loads, which measured the same or better there
-    // (bulk copies 85-90.5% against 87-90%, in place and out of place).
-    const int load = config.piece_load != 0 ? config.piece_load
-                     : esize == 4           ? kLoadBulk
-                                            : kLoadRegisters;
+    // to ~110 KiB), 8 = 128 threads; otherwise four blocks of 256 threads a
+    // SM. Pieces come in by bulk copies (bench/NOTES.md "v9, session 9": fp32
+    // 87-91% -> 89.5-93% of copy, bf16 out of place 87.7% -> 88.8% on
+    // average) except 2-byte logits in place, where the threads' own loads
+    // measured the same or better (89.1 / 88.6 / 89.1% against 87.1 / 89.3 /
+    // 89.1% at 8192x128256 / 4096x262144 / 16384x131072, means of 5 runs).
+    const int load = config.piece_load != 0             ? config.piece_load
+                     : esize == 2 && p.grad == p.logits ? kLoadRegisters
+                                                        : kLoadBulk;
     cudaError_t e;
     switch (config.ctas_per_sm) {
       case 2:

@@ -36,12 +36,14 @@ constexpr int kCrossEntropyBadTarget = 1;
 //
 // version 9 (the default for forward+gradient with the plain options on 16-byte
 // aligned rows, V a multiple of 16 bytes: bf16/fp16 rows of 32 KiB and more,
-// fp32 rows past 512 KiB) splits every row into pieces of about slice_kib
-// (default 48; larger where a row would pass 16 pieces), each kept in the
-// shared memory of the persistent block that read it until its row's statistics
-// are merged, then written as gradient from there; ctas_per_sm 2 picks
-// 512-thread blocks, two a SM (default: 256 threads, four a SM where shared
-// memory allows); rows whose pieces pass a block's shared memory take
+// fp32 rows of 120 KiB and more) splits every row into pieces of about
+// slice_kib (default 48; larger where a row would pass 32 pieces), each kept in
+// the shared memory of the persistent block that read it until its row's
+// statistics are merged, then written as gradient from there; ctas_per_sm 2
+// picks 512-thread blocks, two a SM, 8 128-thread blocks, eight a SM (default:
+// 256 threads, four a SM where shared memory allows); piece_load chooses how a
+// piece comes in (default: bulk copies, except the threads' loads for 2-byte
+// logits in place); rows whose pieces pass a block's shared memory take
 // another path.
 //
 // version 8 (the fallback where v9 cannot keep per_row blocks resident) runs
@@ -61,7 +63,7 @@ constexpr int kCrossEntropyBadTarget = 1;
 //
 // version 6 (the default for fp32 forward+gradient with the plain options -- no
 // softcap, class weights or label smoothing -- on 16-byte aligned rows of 32 to
-// 512 KiB, V a multiple of 16 bytes) streams each block's row slice into shared
+// 120 KiB, V a multiple of 16 bytes) streams each block's row slice into shared
 // memory with bulk copies, in persistent clusters with an mbarrier exchange:
 // slice_kib (default 32, or 64 past 16 slices a row) sets the slice and so the
 // cluster size (<= 16), ctas_per_sm 2 the 256-thread build for two blocks a SM
