@@ -402,8 +402,8 @@ int main(int argc, char** argv) {
       v4.version = 4;
       variants.push_back({"v4", v4});
     }
-    for (int load : {1, 2}) {
-      if (!trace_dir.empty() && c.mode != GradientMode::kNone) {
+    if (!trace_dir.empty() && c.mode != GradientMode::kNone) {
+      for (int load : {1, 2}) {
         // One traced run of the default launch: kMaxPieces items a row at
         // most, 5 words an item; items not taken stay zero.
         const size_t words = static_cast<size_t>(c.rows) * 32 * 5;

@@ -40,6 +40,28 @@ constexpr int64_t kBudget = 256 << 20;
 constexpr char kMagic[] = "LOSSDDC1";
 constexpr int kStreams = 4;  // lossd::Client's default upload_streams
 
+// Rows for a loss drawn from `random`: logits ~ N(0, 3^2), then targets in
+// [0, vocab), one in about `ignore_every` ignored (-100; 0: none). The caller
+// may go on drawing from `random`.
+struct RandomRows {
+  std::vector<float> logits;
+  std::vector<int64_t> targets;
+};
+RandomRows MakeRandomRows(int64_t rows, int64_t vocab, int ignore_every,
+                          std::mt19937& random) {
+  RandomRows r;
+  r.logits.resize(static_cast<size_t>(rows * vocab));
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : r.logits) v = normal(random);
+  r.targets.resize(static_cast<size_t>(rows));
+  for (int64_t& t : r.targets) {
+    t = ignore_every > 0 && random() % ignore_every == 0
+            ? -100
+            : static_cast<int64_t>(random() % vocab);
+  }
+  return r;
+}
+
 class DataConnectionTest : public ::testing::Test {
  protected:
   void Start(int data_port = 0, absl::Duration data_timeout = absl::Seconds(30),
@@ -233,12 +255,10 @@ TEST_F(DataConnectionTest, ClientRoundTripsOverTheDataConnection) {
 TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
   Start();
   const int64_t rows = 37, vocab = 4099;  // uneven splits
-  std::vector<float> logits(static_cast<size_t>(rows * vocab));
   std::mt19937 random(5);
-  std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (float& v : logits) v = normal(random);
-  std::vector<int64_t> targets(static_cast<size_t>(rows));
-  for (int64_t& t : targets) t = static_cast<int64_t>(random() % vocab);
+  RandomRows data = MakeRandomRows(rows, vocab, 0, random);
+  std::vector<float>& logits = data.logits;
+  std::vector<int64_t>& targets = data.targets;
   std::unique_ptr<Client> grpc_only = MakeClient(false);
   absl::StatusOr<TensorInfo> uploaded =
       grpc_only->Upload(DType::kFloat32, {rows, vocab}, logits.data(),
@@ -800,14 +820,10 @@ TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
   }
   Start(0, absl::Seconds(30), absl::Seconds(10), "cuda");
   const int64_t rows = 67, vocab = 32003;  // uneven splits and blocks
-  std::vector<float> logits(static_cast<size_t>(rows * vocab));
   std::mt19937 random(13);
-  std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (float& v : logits) v = normal(random);
-  std::vector<int64_t> targets(static_cast<size_t>(rows));
-  for (int64_t& t : targets) {
-    t = random() % 9 == 0 ? -100 : static_cast<int64_t>(random() % vocab);
-  }
+  RandomRows data = MakeRandomRows(rows, vocab, 9, random);
+  std::vector<float>& logits = data.logits;
+  std::vector<int64_t>& targets = data.targets;
   EvaluateOptions options;
   options.loss.label_smoothing = 0.05;
   auto evaluate = [&](Client* client) {
@@ -856,14 +872,10 @@ TEST_F(DataConnectionTest, CudaDataPathsMatchTheStream) {
 TEST_F(DataConnectionTest, EvaluateMatchesTheStream) {
   Start();
   const int64_t rows = 53, vocab = 2053;
-  std::vector<float> logits(static_cast<size_t>(rows * vocab));
   std::mt19937 random(11);
-  std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (float& v : logits) v = normal(random);
-  std::vector<int64_t> targets(static_cast<size_t>(rows));
-  for (int64_t& t : targets) {
-    t = random() % 7 == 0 ? -100 : static_cast<int64_t>(random() % vocab);
-  }
+  RandomRows data = MakeRandomRows(rows, vocab, 7, random);
+  std::vector<float>& logits = data.logits;
+  std::vector<int64_t>& targets = data.targets;
   std::vector<float> weights(static_cast<size_t>(vocab));
   std::uniform_real_distribution<float> uniform(0.3f, 3.0f);
   for (float& w : weights) w = uniform(random);
