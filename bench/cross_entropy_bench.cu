@@ -1,10 +1,12 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
-// device-to-device copy bandwidth, then each configuration as a ratio to it.
+// device-to-device copy bandwidth, then each configuration as a ratio to it,
+// with the share of each measurement the board spent at its power limit.
 // Usage: cross_entropy_bench [--sweep | --sweep=v6 | ... | --sweep=v9]
 //                            [--profile] [--forward | --gradient] [--bf16]
 //                            [--out=RESULTS.md]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -65,6 +67,20 @@ __global__ void ReadAll(const uint4* in, size_t n, unsigned* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
 
+// Fingerprint of `n` words (a position-weighted sum: the same bits give the
+// same value), for sweeps to tell whether a variant's gradient has the
+// default launch's bits.
+__global__ void Fingerprint(const unsigned* in, size_t n,
+                            unsigned long long* out) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  unsigned long long acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       i < n; i += stride) {
+    acc += static_cast<unsigned long long>(in[i]) * (2 * i + 1);
+  }
+  atomicAdd(out, acc);
+}
+
 // L2 reference: `reps` passes over `n` vectors that stay in L2, read with
 // __ldcg (past L1, which would hold a block's share on the later passes).
 __global__ void ReadL2(const uint4* in, size_t n, int reps, unsigned* out) {
@@ -105,6 +121,44 @@ struct Config {
   lossd::DType dtype;
   lossd::GradientMode mode;
 };
+
+// The driver's NVML (libnvidia-ml.so.1, opened at run time and kept open:
+// the toolkit here has no nvml.h) for the board with PCI bus id `bus_id`: the
+// time it spent held at its power limit.
+class Nvml {
+ public:
+  explicit Nvml(const char* bus_id) {
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (lib == nullptr) return;
+    const auto init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"));
+    const auto handle = reinterpret_cast<int (*)(const char*, void**)>(
+        dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    violation_ = reinterpret_cast<int (*)(void*, int, unsigned long long*)>(
+        dlsym(lib, "nvmlDeviceGetViolationStatus"));
+    if (init == nullptr || handle == nullptr || violation_ == nullptr ||
+        init() != 0 || handle(bus_id, &dev_) != 0) {
+      dev_ = nullptr;
+    }
+  }
+  bool ok() const { return dev_ != nullptr; }
+  // Nanoseconds spent held at the power limit (NVML_PERF_POLICY_POWER).
+  unsigned long long PowerCappedNs() const {
+    unsigned long long v[2] = {0, 0};  // nvmlViolationTime_t
+    violation_(dev_, 0, v);
+    return v[1];
+  }
+
+ private:
+  void* dev_ = nullptr;
+  int (*violation_)(void*, int, unsigned long long*) = nullptr;
+};
+
+std::string CappedText(double pct) {
+  if (pct < 0) return "n/a";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.0f%%", pct);
+  return text;
+}
 
 const char* Name(lossd::DType d) {
   return d == lossd::DType::kFloat32 ? "fp32" : "bf16";
@@ -162,11 +216,18 @@ int main(int argc, char** argv) {
   // points under the same launch measured later in the same process:
   // bench/NOTES.md, v9 session 5). `prepare` runs before each call, untimed.
   // -1 when `enqueue` fails (returns false).
+  // After each median_ms: the share of its wall time (warm-up included) the
+  // board spent held at its power limit, in percent; -1 without NVML.
+  char bus_id[32] = "";
+  CHECK_CUDA(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), 0));
+  const Nvml nvml(bus_id);
+  double capped_pct = -1.0;
   const double kWarmupMs = profile ? 0.0 : 100.0;
   const auto median_ms = [&](const auto& prepare,
                              const auto& enqueue) -> double {
     times.clear();
     const auto start = std::chrono::steady_clock::now();
+    const unsigned long long capped0 = nvml.ok() ? nvml.PowerCappedNs() : 0;
     const auto warming = [&](int i) {
       return i < kWarmup || std::chrono::duration<double, std::milli>(
                                 std::chrono::steady_clock::now() - start)
@@ -187,15 +248,24 @@ int main(int argc, char** argv) {
         ++timed;
       }
     }
+    if (nvml.ok()) {
+      const double ns = std::chrono::duration<double, std::nano>(
+                            std::chrono::steady_clock::now() - start)
+                            .count();
+      capped_pct = 100.0 * (nvml.PowerCappedNs() - capped0) / ns;
+    }
     return Median(times);
   };
   const auto nothing = [] {};
+
   const double copy_ms = median_ms(nothing, [&] {
     CHECK_CUDA(
         cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream));
     return true;
   });
   const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
+  const double copy_capped_pct = capped_pct;
+
   // Read-only bandwidth, for the forward-only rows (reported, not the ratio's
   // denominator).
   const unsigned read_grid = 8 * prop.multiProcessorCount;
@@ -220,9 +290,11 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   std::printf(
-      "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d); "
-      "read-only %.0f GB/s (%.1f%% of copy); L2-resident read %.0f GB/s\n",
-      prop.name, prop.multiProcessorCount, copy_gbs, kRuns, read_gbs,
+      "device %s, %d SMs; D2D copy %.0f GB/s (read+write, median of %d, "
+      "power-capped %s); read-only %.0f GB/s (%.1f%% of copy); L2-resident "
+      "read %.0f GB/s\n",
+      prop.name, prop.multiProcessorCount, copy_gbs, kRuns,
+      CappedText(copy_capped_pct).c_str(), read_gbs,
       100.0 * read_gbs / copy_gbs, l2_gbs);
 
   using lossd::DType;
@@ -255,8 +327,9 @@ int main(int argc, char** argv) {
                   configs.end());
   }
   std::string table =
-      "| N x V | dtype | mode | variant | ms (median) | GB/s | % of copy |\n"
-      "|---|---|---|---|---|---|---|\n";
+      "| N x V | dtype | mode | variant | ms (median) | GB/s | % of copy | "
+      "power-capped |\n"
+      "|---|---|---|---|---|---|---|---|\n";
   for (const Config& c : configs) {
     const size_t esize = lossd::DTypeSize(c.dtype);
     const size_t bytes = c.rows * c.vocab * esize;
@@ -368,6 +441,11 @@ int main(int argc, char** argv) {
         }
         variants.push_back({name, v9});
       }
+      // The default launch once more, last: drift within the process (the
+      // board warming up to its power limit) shows as a gap to the first.
+      lossd::CrossEntropyCudaConfig again;
+      again.version = 9;
+      variants.push_back({"v9 default again", again});
     }
     if (sweep7 && c.mode == GradientMode::kNone) {
       for (int slice : {32, 64, 128, 256}) {
@@ -437,7 +515,11 @@ int main(int argc, char** argv) {
         }
       }
     }
-    for (const auto& [vname_str, cfg] : variants) {
+    for (const auto& variant : variants) {
+      // (named references, not structured bindings: the lambdas below
+      // capture them)
+      const std::string& vname_str = variant.first;
+      const lossd::CrossEntropyCudaConfig& cfg = variant.second;
       const bool is_auto = vname_str == "auto";
       // A fresh copy of the logits before every run, not timed.
       const double ms = median_ms(
@@ -469,14 +551,28 @@ int main(int argc, char** argv) {
       const double gbs = moved / (ms * 1e-3) / 1e9;
       char line[256];
       std::snprintf(line, sizeof(line),
-                    "| %lld x %lld | %s | %s | %s | %.3f | %.0f | %.1f%% |\n",
+                    "| %lld x %lld | %s | %s | %s | %.3f | %.0f | %.1f%% | "
+                    "%s |\n",
                     (long long)c.rows, (long long)c.vocab, Name(c.dtype),
                     c.mode == GradientMode::kNone      ? "forward"
                     : c.mode == GradientMode::kInPlace ? "fwd+grad"
                                                        : "fwd+grad (out)",
-                    vname, ms, gbs, 100.0 * gbs / copy_gbs);
+                    vname, ms, gbs, 100.0 * gbs / copy_gbs,
+                    CappedText(capped_pct).c_str());
       std::printf("%s", line);
       if (is_auto) table += line;
+      if (variants.size() > 1 && c.mode != GradientMode::kNone) {
+        unsigned long long* fp = nullptr;
+        CHECK_CUDA(cudaMalloc(&fp, sizeof(*fp)));
+        CHECK_CUDA(cudaMemsetAsync(fp, 0, sizeof(*fp), stream));
+        Fingerprint<<<1024, 256, 0, stream>>>(
+            static_cast<const unsigned*>(args.gradient), bytes / 4, fp);
+        unsigned long long h = 0;
+        CHECK_CUDA(cudaMemcpy(&h, fp, sizeof(h), cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaFree(fp));
+        std::printf("  gradient bits %016llx, loss %.9g\n", h, host.loss);
+      }
+
       if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0)) {
         std::printf("  result looks wrong: error %d loss %g valid %lld\n",
                     host.error, host.loss, host.valid_tokens);
@@ -506,12 +602,17 @@ int main(int argc, char** argv) {
         "logits in [-8, 8), a fresh copy of the logits before every "
         "run (not timed), 2%% ignored rows, mean reduction. Bytes: one "
         "read + one write of the logits (forward-only: one read).\n\n"
-        "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s**; for "
+        "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s** "
+        "(power-capped %s); for "
         "reference, a read-only pass over the same 4 GiB: %.0f GB/s (%.1f%% "
         "of the copy); a read of 16 MiB that stays in L2 (64 passes): %.0f "
-        "GB/s\n\n%s",
+        "GB/s\n\n"
+        "\"power-capped\": the share of the measurement's time (warm-up "
+        "included) that the board spent held at its power limit (NVML's "
+        "power violation time), which lowers the SM clock.\n\n%s",
         date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
-        read_gbs, 100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
+        CappedText(copy_capped_pct).c_str(), read_gbs,
+        100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
     std::fclose(f);
   }
   return 0;
