@@ -210,18 +210,18 @@ int main(int argc, char** argv) {
   FillRandom<float>
       <<<4096, 256, 0, stream>>>(static_cast<float*>(a), copy_bytes / 4, 1);
   std::vector<float> times;
-  // Median ms of kRuns timed calls of `enqueue` (CUDA events) after at least
-  // kWarmup calls and, outside --profile, kWarmupMs of them (with three
-  // warm-up calls alone, the first bf16 configuration, 8192 x 32000, read 3-5
-  // points under the same launch measured later in the same process:
-  // bench/NOTES.md, v9 session 5). `prepare` runs before each call, untimed.
-  // -1 when `enqueue` fails (returns false).
   // After each median_ms: the share of its wall time (warm-up included) the
   // board spent held at its power limit, in percent; -1 without NVML.
   char bus_id[32] = "";
   CHECK_CUDA(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), 0));
   const Nvml nvml(bus_id);
   double capped_pct = -1.0;
+  // Median ms of kRuns timed calls of `enqueue` (CUDA events) after at least
+  // kWarmup calls and, outside --profile, kWarmupMs of them (with three
+  // warm-up calls alone, the first bf16 configuration, 8192 x 32000, read 3-5
+  // points under the same launch measured later in the same process:
+  // bench/NOTES.md, v9 session 5). `prepare` runs before each call, untimed.
+  // -1 when `enqueue` fails (returns false).
   const double kWarmupMs = profile ? 0.0 : 100.0;
   const auto median_ms = [&](const auto& prepare,
                              const auto& enqueue) -> double {
@@ -257,7 +257,6 @@ int main(int argc, char** argv) {
     return Median(times);
   };
   const auto nothing = [] {};
-
   const double copy_ms = median_ms(nothing, [&] {
     CHECK_CUDA(
         cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -265,7 +264,6 @@ int main(int argc, char** argv) {
   });
   const double copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
   const double copy_capped_pct = capped_pct;
-
   // Read-only bandwidth, for the forward-only rows (reported, not the ratio's
   // denominator).
   const unsigned read_grid = 8 * prop.multiProcessorCount;
@@ -572,7 +570,6 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaFree(fp));
         std::printf("  gradient bits %016llx, loss %.9g\n", h, host.loss);
       }
-
       if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0)) {
         std::printf("  result looks wrong: error %d loss %g valid %lld\n",
                     host.error, host.loss, host.valid_tokens);
