@@ -1,6 +1,8 @@
 // ParseByteSize: the --memory_budget and --chunk_bytes syntax; ConfigFromFlags
-// for --staging_bytes.
+// for --staging_bytes and --data_max_connections.
 #include "server/flags.h"
+
+#include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
@@ -8,6 +10,16 @@
 
 namespace lossd {
 namespace {
+
+// ConfigFromFlags with the flags as set refuses them with INVALID_ARGUMENT and
+// a message that names `flag` (set to `value`).
+void ExpectRefused(const std::string& flag, const std::string& value) {
+  const absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument)
+      << flag << "=" << value;
+  EXPECT_NE(config.status().message().find(flag), std::string::npos)
+      << config.status();
+}
 
 TEST(ParseByteSizeTest, AcceptsPlainAndSuffixedCounts) {
   EXPECT_EQ(*ParseByteSize("0"), 0);
@@ -43,12 +55,7 @@ TEST(ConfigFromFlagsTest, StagingBytesIsParsedAndBounded) {
   EXPECT_EQ(ConfigFromFlags()->staging_bytes, int64_t{64} << 10);
   for (const char* bad : {"0", "auto", "32K", "257M", "1G", "x", "-4M"}) {
     absl::SetFlag(&FLAGS_staging_bytes, bad);
-    config = ConfigFromFlags();
-    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument)
-        << bad;
-    EXPECT_NE(config.status().message().find("--staging_bytes"),
-              std::string::npos)
-        << config.status();
+    ExpectRefused("--staging_bytes", bad);
   }
 }
 
@@ -63,12 +70,7 @@ TEST(ConfigFromFlagsTest, DataMaxConnectionsIsBounded) {
   EXPECT_EQ(config->data_max_connections, 512);
   for (int bad : {0, -1, 4097}) {
     absl::SetFlag(&FLAGS_data_max_connections, bad);
-    config = ConfigFromFlags();
-    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument)
-        << bad;
-    EXPECT_NE(config.status().message().find("--data_max_connections"),
-              std::string::npos)
-        << config.status();
+    ExpectRefused("--data_max_connections", std::to_string(bad));
   }
 }
 
