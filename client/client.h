@@ -71,6 +71,11 @@ struct ClientOptions {
   // already require; lossd::RoutingClient spreads over several).
   int upload_streams = 4;
   std::size_t stripe_min_bytes = std::size_t{64} << 20;
+  // Piece size of UploadFrom and DownloadTo: the most bytes one call of an
+  // UploadSource or DownloadSink covers, and the size of each of the
+  // client's scratch buffers (two per connection, kept for the Client's
+  // life). In [64 KiB, 1 GiB].
+  std::size_t piece_bytes = std::size_t{8} << 20;
 };
 
 // Metadata of a stored tensor (lossd.v1.TensorInfo).
@@ -216,6 +221,31 @@ using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 // the next block overlaps sending the previous one.
 using RowBlockProducer = std::function<absl::StatusOr<bool>(RowBlock* block)>;
 
+// Supplies an upload's bytes piece by piece, for tensors that are not in
+// host memory as they are sent (a file to convert, a GPU tensor): nothing of
+// full size is copied. source(offset, bytes, scratch) returns a pointer to the
+// `bytes` bytes of the tensor that start at byte `offset`: into the caller's
+// own memory (unchanged until the upload returns), or `scratch` after filling
+// it. `scratch` is a buffer of ClientOptions::piece_bytes bytes owned by the
+// Client and reused from call to call (the same few buffers for the Client's
+// life, so a caller may register them, e.g. pin them for device copies).
+// Pieces hold whole elements and at most piece_bytes. Called concurrently
+// from the transfer's threads, each thread in increasing offsets; together
+// the calls cover the tensor once. An error aborts the upload, which returns
+// it.
+using UploadSource = std::function<absl::StatusOr<const void*>(
+    int64_t offset, std::size_t bytes, void* scratch)>;
+
+// Receives a download's bytes piece by piece: sink(offset, data, bytes) gets
+// the `bytes` bytes of the tensor (as sent, after conversion) that start at
+// byte `offset`; `data` is valid during the call only. Pieces hold whole
+// elements and at most ClientOptions::piece_bytes; calls come concurrently
+// from the transfer's threads, each thread in increasing offsets, and
+// together cover the tensor once. An error aborts the download, which
+// returns it.
+using DownloadSink = std::function<absl::Status(
+    int64_t offset, const void* data, std::size_t bytes)>;
+
 // A connection to one lossd instance. Every method is thread-safe and may be
 // called concurrently (each call is its own RPC on a shared channel).
 //
@@ -255,6 +285,27 @@ class Client {
                                     const void* data, std::size_t bytes,
                                     const std::string& label = "",
                                     const ProgressCallback& progress = nullptr);
+
+  // Uploads a tensor of `dtype` and `shape` whose bytes come from `source`
+  // (see UploadSource), with Upload's transport choice: data connections for
+  // one of at least stripe_min_bytes when the server offers them, else
+  // stripes or one stream. While one piece is sent, the next piece of the
+  // same connection is being produced. Errors as Upload, and the source's
+  // error; on any error the server keeps nothing.
+  absl::StatusOr<TensorInfo> UploadFrom(
+      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
+      const std::string& label = "",
+      const ProgressCallback& progress = nullptr);
+
+  // Downloads a tensor, converted to `as_dtype` (kInvalid = as stored) and
+  // with its pending grad_output applied, into `sink` (see DownloadSink),
+  // with DownloadInto's transport choice. `on_header` (may be null) sees the
+  // metadata (dtype and bytes as sent) before the first piece. Errors as
+  // DownloadInto, and the callbacks' errors.
+  absl::StatusOr<TensorInfo> DownloadTo(
+      const std::string& handle, DType as_dtype,
+      const std::function<absl::Status(const TensorInfo&)>& on_header,
+      const DownloadSink& sink, const ProgressCallback& progress = nullptr);
 
   // Streams a tensor back, converted to `as_dtype` (kInvalid = as stored) and
   // with its pending grad_output applied. `on_header` sees the metadata first
