@@ -1,0 +1,36 @@
+"""lossd: the Python client of lossd, a GPU-resident cross-entropy service.
+
+    import lossd
+    client = lossd.Client("localhost:50051")
+    handle = client.upload(logits).handle          # numpy [N, V], sent without a copy
+    result = client.forward(handle, targets)       # loss; the gradient now sits in `handle`
+    grad = client.download(handle)                 # numpy [N, V]
+    client.release(handle)
+
+lossd.Client wraps the C++ lossd::Client (data connections, stripes); every call releases the GIL
+and raises a lossd.Error subclass per gRPC code. ``import lossd.torch`` for the PyTorch autograd
+function ``lossd.torch.cross_entropy``.
+"""
+
+from . import _errors
+from ._errors import (
+    Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
+    Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
+    StatusCode, Unauthenticated, Unavailable, Unimplemented, Unknown)
+from ._lossd import (
+    LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, ListResult, ServerInfo,
+    TensorInfo)
+
+# Shown as lossd.X (help(), reprs, tracebacks) rather than the private modules defining them.
+for _cls in (Client, TensorInfo, ServerInfo, ListResult, ForwardResult, BackwardResult,
+             EvaluateResult, StatusCode, Error, *_errors.ERRORS.values()):
+    _cls.__module__ = __name__
+del _cls
+
+__all__ = [
+    "Client", "TensorInfo", "ServerInfo", "ListResult", "ForwardResult", "BackwardResult",
+    "EvaluateResult", "LOSSD_SERVICE", "StatusCode", "Error", "Cancelled", "Unknown",
+    "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
+    "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal",
+    "Unavailable", "DataLoss", "Unauthenticated",
+]

@@ -1,0 +1,306 @@
+"""lossd.torch: torch.nn.functional.cross_entropy computed by a lossd server, as an autograd
+function, so that a training loop swaps one call and keeps its loss.backward().
+
+The logits go to the server once; Forward writes the gradient over them there, in place, and
+loss.backward() fetches it (with the incoming grad_output applied by the server) into a gradient
+tensor of the logits' dtype on the logits' device. Host memory: CPU logits are sent from, and
+their gradient received into, the tensors themselves; CUDA tensors move through the client's few
+scratch buffers (kept for the client's life and registered with CUDA once, so the device copies
+are direct DMA), the next piece's copy overlapping the current piece's send.
+"""
+
+import threading
+import warnings
+import weakref
+
+import torch
+
+from ._errors import DataLoss
+
+__all__ = ["cross_entropy", "LossdCrossEntropyLoss"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}
+
+# Pieces of a download arrive in read-only memory of the client; torch.frombuffer warns about
+# that although lossd.torch only reads them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
+def cross_entropy(input, target, *, client, weight=None, ignore_index=-100, reduction="mean",
+                  label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0, normalizer=0.0,
+                  grad_scale=1.0, label="logits"):
+    """torch.nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index,
+    reduction=reduction, label_smoothing=label_smoothing), computed by the lossd server that
+    `client` (a lossd.Client) talks to.
+
+    input: logits [N, V] (or [V] with a 0-d target) of float32, bfloat16 or float16, on the CPU
+    or a CUDA device; target: class indices [N] (int64 or int32; ignore_index rows count for
+    nothing); weight: class weights [V] (a tensor, sent as float32) or a handle of a stored
+    float32 [V] tensor. Returns what F.cross_entropy returns: a 0-d tensor for "mean" and "sum",
+    per-row losses [N] for "none", in the logits' dtype and on their device. One difference: a
+    "mean" over zero valid rows is NaN as in torch, and its gradient 0.
+
+    lossd's own options: z_loss_scale (adds z_loss_scale * lse^2 per valid row), softcap (the
+    logits become softcap * tanh(x / softcap) first), normalizer (a "mean" divides by this
+    instead of the valid-row count or weight sum), grad_scale (multiplies the gradient).
+
+    When a gradient will be needed (input.requires_grad with grad mode on), the server computes
+    it in place during the forward and loss.backward() downloads it; the server tensor is freed
+    after the backward, or when the graph is dropped without one. Otherwise the loss alone is
+    computed and nothing stays on the server. Raises lossd.Error subclasses (e.g.
+    lossd.InvalidArgument for a target outside [0, V)).
+    """
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("lossd.torch.cross_entropy: input and target must be tensors")
+    if input.dtype not in _DTYPE_NAMES:
+        raise TypeError("lossd.torch.cross_entropy: logits must be float32, bfloat16 or float16, "
+                        "not %s" % input.dtype)
+    if target.is_floating_point():
+        raise ValueError("lossd.torch.cross_entropy: class probabilities as targets are not "
+                         "supported; pass class indices")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError("reduction must be 'mean', 'sum' or 'none', not %r" % (reduction,))
+    single = input.dim() == 1
+    if single:
+        if target.dim() != 0:
+            raise ValueError("logits [V] need a 0-d target, got target of shape %s"
+                             % (tuple(target.shape),))
+        logits, target = input.unsqueeze(0), target.reshape(1)
+    elif input.dim() == 2:
+        if target.dim() != 1 or target.shape[0] != input.shape[0]:
+            raise ValueError("logits [N, V] need a target [N]; got %s and %s"
+                             % (tuple(input.shape), tuple(target.shape)))
+        logits = input
+    else:
+        raise ValueError("lossd.torch.cross_entropy takes logits [N, V] or [V], not %d-d"
+                         % input.dim())
+    options = dict(weight=weight, ignore_index=int(ignore_index), reduction=reduction,
+                   label_smoothing=float(label_smoothing), z_loss_scale=float(z_loss_scale),
+                   softcap=float(softcap), normalizer=float(normalizer),
+                   grad_scale=float(grad_scale), label=label)
+    if torch.is_grad_enabled() and input.requires_grad:
+        loss = _CrossEntropy.apply(logits, target, client, options)
+    else:
+        loss, _ = _forward(logits, target, client, options, need_gradient=False)
+    return loss.reshape(()) if single and reduction == "none" else loss
+
+
+class LossdCrossEntropyLoss(torch.nn.Module):
+    """torch.nn.CrossEntropyLoss computed by a lossd server: LossdCrossEntropyLoss(client,
+    weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, **lossd_options)
+    (z_loss_scale, softcap, normalizer, grad_scale); forward(input, target) is
+    lossd.torch.cross_entropy with these options."""
+
+    def __init__(self, client, weight=None, ignore_index=-100, reduction="mean",
+                 label_smoothing=0.0, **lossd_options):
+        super().__init__()
+        self.client = client
+        if isinstance(weight, torch.Tensor):
+            self.register_buffer("weight", weight)
+        else:
+            self.weight = weight
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.lossd_options = dict(lossd_options)
+
+    def forward(self, input, target):
+        return cross_entropy(input, target, client=self.client, weight=self.weight,
+                             ignore_index=self.ignore_index, reduction=self.reduction,
+                             label_smoothing=self.label_smoothing, **self.lossd_options)
+
+    def extra_repr(self):
+        return "client=%r, ignore_index=%d, reduction=%r, label_smoothing=%g" % (
+            self.client.target, self.ignore_index, self.reduction, self.label_smoothing)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, client, options):
+        loss, stored = _forward(logits, target, client, options, need_gradient=True)
+        ctx.stored = stored
+        ctx.logits_meta = (logits.shape, logits.dtype, logits.device)
+        ctx.reduction = options["reduction"]
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        stored = ctx.stored
+        if stored is None or not stored.alive:
+            raise RuntimeError("lossd.torch.cross_entropy: backward ran twice; the server's "
+                               "gradient was released after the first")
+        shape, dtype, device = ctx.logits_meta
+        client = stored.client
+        try:
+            if ctx.reduction == "none":
+                scale = grad_output.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                client.backward(stored.handle, scale.numpy())
+            else:
+                factor = float(grad_output)
+                # The server's factor is 1 until a Backward records another.
+                if factor != 1.0:
+                    client.backward(stored.handle, factor)
+            gradient = torch.empty(shape, dtype=dtype, device=device)
+            if device.type == "cpu":
+                client.download(stored.handle, out=_host_view(gradient))
+            else:
+                _download_to_device(client, stored.handle, gradient)
+        finally:
+            stored.release()
+            ctx.stored = None
+        return gradient, None, None, None
+
+
+def _forward(logits, target, client, options, need_gradient):
+    """Uploads the logits, runs Forward (in place when a gradient is needed, else mode "none")
+    and returns (loss tensor, _StoredTensor or None)."""
+    logits = logits.detach().contiguous()
+    target = target.detach().to("cpu")
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.to(torch.int64)
+    target = target.contiguous()
+    weight = options["weight"]
+    if isinstance(weight, torch.Tensor):
+        weight = weight.detach().to("cpu", torch.float32).contiguous().numpy()
+    reduction = options["reduction"]
+
+    if logits.device.type == "cpu":
+        info = client.upload(_host_view(logits), dtype=_DTYPE_NAMES[logits.dtype],
+                             label=options["label"])
+    else:
+        info = _upload_from_device(client, logits, options["label"])
+    stored = _StoredTensor(client, info.handle)
+    try:
+        result = client.forward(
+            info.handle, target.numpy(), weight=weight, ignore_index=options["ignore_index"],
+            label_smoothing=options["label_smoothing"], reduction=reduction,
+            z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
+            normalizer=options["normalizer"], grad_scale=options["grad_scale"],
+            mode="in_place" if need_gradient else "none", token_loss=reduction == "none")
+    except BaseException:
+        stored.release()
+        raise
+    if not need_gradient:
+        stored.release()
+        stored = None
+
+    if reduction == "none":
+        loss = torch.from_numpy(result.token_loss)
+    else:
+        value = result.loss
+        if reduction == "mean" and result.valid_tokens == 0 and options["normalizer"] == 0:
+            value = float("nan")  # torch's mean over no valid rows; lossd reports 0
+        loss = torch.tensor(value, dtype=torch.float32)
+    return loss.to(device=logits.device, dtype=logits.dtype), stored
+
+
+class _StoredTensor:
+    """A tensor on the server that this process must release: at the backward, or when the
+    autograd graph holding it is freed without one (weakref.finalize)."""
+
+    def __init__(self, client, handle):
+        self.client = client
+        self.handle = handle
+        self._finalizer = weakref.finalize(self, _release_quietly, client, handle)
+        # At interpreter exit the server may be gone; its --ttl frees what is left.
+        self._finalizer.atexit = False
+
+    @property
+    def alive(self):
+        return self._finalizer.alive
+
+    def release(self):
+        self._finalizer()
+
+
+def _release_quietly(client, handle):
+    try:
+        if not client.closed:
+            client.release(handle)
+    except Exception:  # noqa: BLE001: a finalizer must not raise; the server's TTL frees it
+        pass
+
+
+def _host_view(tensor):
+    """A numpy view of a contiguous CPU tensor (bf16 as int16 bits), for upload and out=."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy()
+    return tensor.numpy()
+
+
+class _CudaScratch:
+    """The client's scratch buffers, registered with CUDA (cudaHostRegister) the first time each
+    is seen, so that device copies to and from them are direct DMA; unregistered when the client
+    closes, before they are freed. One per client."""
+
+    def __init__(self, client):
+        self._lock = threading.Lock()
+        self._piece_bytes = client.piece_bytes
+        self._registered = []  # (address, bytes) of registered buffers
+        client._add_close_hook(self._unregister_all)
+
+    @staticmethod
+    def of(client):
+        scratch = getattr(client, "_lossd_cuda_scratch", None)
+        if scratch is None:
+            scratch = _CudaScratch(client)
+            client._lossd_cuda_scratch = scratch
+        return scratch
+
+    def register(self, address):
+        """Registers the scratch buffer that starts at `address` (once)."""
+        with self._lock:
+            if any(start == address for start, _ in self._registered):
+                return
+            error = torch.cuda.cudart().cudaHostRegister(address, self._piece_bytes, 0)
+            if int(error) == 0:
+                self._registered.append((address, self._piece_bytes))
+            # Otherwise the copies still work, through the driver's staging.
+
+    def _unregister_all(self):
+        with self._lock:
+            registered, self._registered = self._registered, []
+        if registered and torch.cuda.is_initialized():
+            for address, _ in registered:
+                torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _upload_from_device(client, logits, label):
+    """Uploads a CUDA tensor through the client's scratch buffers: each piece is copied
+    device-to-host into a registered scratch buffer on the transfer's thread."""
+    scratch = _CudaScratch.of(client)
+    device = logits.device
+    flat = logits.view(-1).view(torch.uint8)
+    # The transfer threads copy on their own (default) stream: the logits must be complete.
+    torch.cuda.current_stream(device).synchronize()
+
+    def source(offset, size, buffer):
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        scratch.register(host.data_ptr())
+        with torch.cuda.device(device):
+            host.copy_(flat[offset:offset + size])
+
+    return client.upload_from(source, _DTYPE_NAMES[logits.dtype], list(logits.shape),
+                              label=label)
+
+
+def _download_to_device(client, handle, gradient):
+    """Downloads into a CUDA tensor: each piece is copied host-to-device from the client's
+    buffer on the transfer's thread: direct DMA when the piece lies in a scratch buffer that an
+    upload registered, else through the driver's staging."""
+    device = gradient.device
+    flat = gradient.view(-1).view(torch.uint8)
+
+    def sink(offset, data):
+        host = torch.frombuffer(data, dtype=torch.uint8)
+        size = host.numel()
+        with torch.cuda.device(device):
+            flat[offset:offset + size].copy_(host, non_blocking=False)
+
+    def on_header(info):
+        if info.bytes != flat.numel():
+            raise DataLoss("the server sent %d bytes for a gradient of %d"
+                               % (info.bytes, flat.numel()))
+
+    client.download_to(handle, sink, on_header=on_header)
