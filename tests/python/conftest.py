@@ -32,3 +32,13 @@ def client(server):
         yield connected
         leftover = connected.list().tensors
         assert not leftover, "tensors left on the server: %s" % leftover
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With LOSSD_SKIPPED_EXIT_CODE set (the GPU tests' ctest entry), a session whose tests were
+    all skipped exits with that code, so that ctest reports the test as skipped, not passed."""
+    code = os.environ.get("LOSSD_SKIPPED_EXIT_CODE")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if code and exitstatus == 0 and reporter is not None:
+        if reporter.stats.get("skipped") and not reporter.stats.get("passed"):
+            session.exitstatus = int(code)
