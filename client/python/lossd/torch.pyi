@@ -1,0 +1,24 @@
+# Type stubs of lossd.torch.
+from typing import Any, Optional, Union
+
+import torch
+
+from ._lossd import Client
+
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, *, client: Client,
+                  weight: Union[None, str, torch.Tensor] = None, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0,
+                  z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
+                  grad_scale: float = 1.0, label: str = "logits") -> torch.Tensor: ...
+
+class LossdCrossEntropyLoss(torch.nn.Module):
+    client: Client
+    weight: Optional[torch.Tensor]
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    lossd_options: dict[str, Any]
+    def __init__(self, client: Client, weight: Optional[torch.Tensor] = None,
+                 ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, **lossd_options: float) -> None: ...
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
