@@ -809,6 +809,10 @@ reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).)doc";
 // In namespace lossd for the names above; PyInit__lossd has C linkage.
 PYBIND11_MODULE(_lossd, m) {
   m.doc() = "Bindings of lossd::Client; use the lossd package.";
+  // Each docstring starts with the signature as Python callers write it;
+  // pybind11's generated one would show C++ parameter types instead.
+  py::options options;
+  options.disable_function_signatures();
   m.attr("LOSSD_SERVICE") = kLossdService;
 
   py::register_exception_translator([](std::exception_ptr pointer) {
@@ -964,9 +968,10 @@ PYBIND11_MODULE(_lossd, m) {
              return std::make_unique<PyClient>(
                  target, std::shared_ptr<Client>(std::move(client)));
            }),
-           py::arg("target"), py::kw_only(), py::arg("token") = py::none(),
-           py::arg("tls") = false, py::arg("ca_file") = py::none(),
-           py::arg("cert_file") = py::none(), py::arg("key_file") = py::none(),
+           kClientDoc, py::arg("target"), py::kw_only(),
+           py::arg("token") = py::none(), py::arg("tls") = false,
+           py::arg("ca_file") = py::none(), py::arg("cert_file") = py::none(),
+           py::arg("key_file") = py::none(),
            py::arg("server_name") = py::none(),
            py::arg("deadline") = py::none(), py::arg("connect_wait") = 1.0,
            py::arg("upload_streams") = 4, py::arg("data_connection") = true,
@@ -984,9 +989,8 @@ PYBIND11_MODULE(_lossd, m) {
           "download_to call covers")
       .def_property_readonly("closed", &PyClient::closed)
       .def("close", &PyClient::Close,
-           "Frees the connections. Calls after it raise ValueError; a call "
-           "running in another "
-           "thread finishes first.")
+           "close()\n\nFrees the connections. Calls after it raise "
+           "ValueError; a call running in another thread finishes first.")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
            [](PyClient& self, py::args) {
@@ -994,8 +998,8 @@ PYBIND11_MODULE(_lossd, m) {
              return false;
            })
       .def("_add_close_hook", &PyClient::AddCloseHook,
-           "Calls hook() when the client closes, before its scratch buffers "
-           "are freed.")
+           "_add_close_hook(hook)\n\nCalls hook() when the client closes, "
+           "before its scratch buffers are freed.")
       .def("upload", &Upload, kUploadDoc, py::arg("data"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("shape") = py::none(),
            py::arg("label") = "")
