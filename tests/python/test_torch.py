@@ -2,7 +2,9 @@
 that loss.backward() gives, for every option, reduction and logits dtype, on a real lossd (CPU
 device). The oracle is F.cross_entropy in float64 on the same (rounded) logits."""
 
+import contextlib
 import gc
+import types
 
 import pytest
 import torch
@@ -232,3 +234,45 @@ def test_cuda_tensors(server, name, reduction):
         assert x.grad.device == x.device and x.grad.dtype == dtype
         assert_close(x.grad.cpu(), reference_x.grad.to(dtype), name)
         assert client.list().tensors == []
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart() to record which host buffers would be registered."""
+
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def cudaHostRegister(self, address, size, flags):  # noqa: N802 (CUDA's name)
+        self.registered.append((address, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        self.unregistered.append(address)
+        return 0
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # as lossd.torch does
+def test_device_transfer_pieces_on_the_cpu(server, monkeypatch):
+    """The piece arithmetic of the CUDA path (byte offsets into the flat tensor, the scratch
+    registration, its undoing at close), run with CPU tensors and the CUDA calls stubbed out,
+    since no GPU is here; the real device copies run in test_cuda_tensors on a GPU machine."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    piece = 64 << 10
+    client = lossd.Client(server.address, piece_bytes=piece, stripe_min_bytes=1 << 20)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, _, _ = make_case(dtype, rows=300, vocab=3001)  # pieces do not divide it
+        info = lossd.torch._upload_from_device(client, logits, "logits")
+        assert info.shape == (300, 3001) and info.dtype == lossd.torch._DTYPE_NAMES[dtype]
+        gradient = torch.empty_like(logits)
+        lossd.torch._download_to_device(client, info.handle, gradient)
+        assert torch.equal(gradient, logits)
+        client.release(info.handle)
+    assert cudart.registered and all(size == piece for _, size, _ in cudart.registered)
+    assert len({address for address, _, _ in cudart.registered}) == len(cudart.registered)
+    client.close()
+    assert sorted(cudart.unregistered) == sorted(a for a, _, _ in cudart.registered)
