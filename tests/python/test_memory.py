@@ -42,9 +42,9 @@ print(json.dumps({"upload_growth": after - before, "download_growth": after_down
 """
 
 
-def run(server, script, *args):
+def run(server, script, *args, env=None):
     result = subprocess.run([sys.executable, "-c", script, server.address, *map(str, args)],
-                            capture_output=True, text=True, timeout=300, env=os.environ)
+                            capture_output=True, text=True, timeout=300, env=env or os.environ)
     assert result.returncode == 0, result.stderr
     print(result.stdout)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -97,15 +97,14 @@ print(json.dumps({"rss": samples, "losses": losses}))
 
 
 def test_training_steps_do_not_grow_memory(server):
-    measured = run(server, STEPS, 50)
+    # glibc's sliding mmap threshold would keep up to twice the largest block freed so far on the
+    # heap (here torch's own per-step tensors: the head's 2 MiB weight gradient), so RSS climbs a
+    # few MiB over the first steps and stays there; a fixed threshold shows what the steps keep.
+    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    measured = run(server, STEPS, 50, env=environment)
     rss, losses = measured["rss"], measured["losses"]
-    logits_bytes = 128 * 65536 * 4
     assert losses[-1] < losses[0]  # it trains
-    # The level the last steps settle at (allocator noise of a few MiB comes and goes), and no
-    # step that kept a buffer of the logits' size.
-    settled = min(rss[-10:]) - rss[0]
-    assert settled < logits_bytes // 10, "RSS by step: %s" % rss
-    assert max(rss) - rss[0] < logits_bytes // 2, "RSS by step: %s" % rss
+    assert max(rss) - rss[0] < MIB, "RSS by step: %s" % rss
 
 
 GIL = r"""
