@@ -1,7 +1,6 @@
-// lossd._lossd: the Python bindings of lossd::Client, so that Python shares
-// the one client implementation (data connections, stripes, ranges). Buffers
-// are read and written where they lie, and the GIL is released while bytes
-// move, so that other Python threads keep running.
+// lossd._lossd: Python bindings of lossd::Client, so that Python shares the
+// one client implementation. Buffers are used where they lie, and the GIL is
+// released while bytes move, so that other Python threads keep running.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -142,9 +142,10 @@ def test_evaluate(client):
 PIECE = 64 << 10
 
 
-@pytest.fixture
-def piece_client(server):
-    with lossd.Client(server.address, piece_bytes=PIECE, stripe_min_bytes=1 << 20) as connected:
+@pytest.fixture(params=["data_connections", "grpc_stripes"])
+def piece_client(server, request):
+    with lossd.Client(server.address, piece_bytes=PIECE, stripe_min_bytes=1 << 20,
+                      data_connection=request.param == "data_connections") as connected:
         yield connected
         assert connected.list().tensors == []
 

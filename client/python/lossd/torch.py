@@ -240,13 +240,16 @@ class _CudaScratch:
         self._registered = []  # (address, bytes) of registered buffers
         client._add_close_hook(self._unregister_all)
 
+    _create_lock = threading.Lock()
+
     @staticmethod
     def of(client):
-        scratch = getattr(client, "_lossd_cuda_scratch", None)
-        if scratch is None:
-            scratch = _CudaScratch(client)
-            client._lossd_cuda_scratch = scratch
-        return scratch
+        with _CudaScratch._create_lock:
+            scratch = getattr(client, "_lossd_cuda_scratch", None)
+            if scratch is None:
+                scratch = _CudaScratch(client)
+                client._lossd_cuda_scratch = scratch
+            return scratch
 
     def register(self, address):
         """Registers the scratch buffer that starts at `address` (once)."""
