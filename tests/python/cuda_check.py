@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""The CUDA path of lossd.torch checked on a GPU machine without pytest (the device machine's
+Python has torch but no pytest): test_torch.py's test_cuda_tensors as a plain script, plus
+gradient accumulation, against a lossd it starts (--lossd; its CPU device unless --device).
+
+  PYTHONPATH=<lossd package folder> python3 tests/python/cuda_check.py --lossd=build/server/lossd
+Exits 0 when every case matches F.cross_entropy, 1 on a mismatch, 77 without a CUDA device."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
+from lossd_testing import LossdServer  # noqa: E402
+
+import lossd  # noqa: E402
+import lossd.torch  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RTOL = {"fp32": 2e-5, "bf16": 2 ** -7, "fp16": 2 ** -9}
+
+
+def close(actual, expected, name):
+    rtol = RTOL[name]
+    scale = expected.abs().max().item()
+    try:
+        torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), rtol=rtol,
+                                   atol=rtol * scale + 1e-12)
+        return None
+    except AssertionError as error:
+        return str(error).splitlines()[0]
+
+
+def case(client, name, reduction, rows, vocab, seed):
+    dtype = DTYPES[name]
+    generator = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=generator)).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=generator)
+    target[::5] = -100
+    weight = torch.rand(vocab, generator=generator) + 0.5
+    x = logits.cuda().requires_grad_()
+    loss = lossd.torch.cross_entropy(x, target.cuda(), client=client, weight=weight.cuda(),
+                                     reduction=reduction, label_smoothing=0.1)
+    reference_x = logits.double().requires_grad_()
+    reference = F.cross_entropy(reference_x, target, weight=weight.double(),
+                                reduction=reduction, label_smoothing=0.1)
+    grad_output = torch.rand(reference.shape, dtype=torch.float64, generator=generator)
+    loss.backward(grad_output.to(dtype).cuda())
+    reference.backward(grad_output.to(dtype).double())
+    problems = []
+    if loss.device != x.device or x.grad.device != x.device or x.grad.dtype != dtype:
+        problems.append("device/dtype: loss on %s, grad %s on %s" % (
+            loss.device, x.grad.dtype, x.grad.device))
+    for what, actual, expected in (("loss", loss, reference.to(dtype)),
+                                   ("gradient", x.grad, reference_x.grad.to(dtype))):
+        problem = close(actual, expected, name)
+        if problem:
+            problems.append("%s: %s" % (what, problem))
+    return problems
+
+
+def accumulation(client):
+    logits = torch.randn(64, 1000)
+    target = torch.randint(0, 1000, (64,))
+    x = logits.cuda().requires_grad_()
+    x.grad = torch.full_like(x, 0.25)
+    for _ in range(2):
+        lossd.torch.cross_entropy(x, target.cuda(), client=client).backward()
+    reference_x = logits.double().requires_grad_()
+    F.cross_entropy(reference_x, target).backward()
+    problem = close(x.grad, (0.25 + 2 * reference_x.grad).float(), "fp32")
+    return [problem] if problem else []
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lossd", required=True)
+    parser.add_argument("--device", default="cpu", help="the lossd server's --device")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("cuda_check: skipped: torch sees no CUDA device")
+        return 77
+    failures = 0
+    with LossdServer(args.lossd, args.device) as server:
+        # Small pieces, so that even these tensors go as many pieces over data connections.
+        with lossd.Client(server.address, piece_bytes=64 << 10,
+                          stripe_min_bytes=1 << 20) as client:
+            shapes = [(512, 4099), (3, 50257), (1024, 32000)]
+            for name in sorted(DTYPES):
+                for reduction in ("mean", "sum", "none"):
+                    for seed, (rows, vocab) in enumerate(shapes):
+                        problems = case(client, name, reduction, rows, vocab, seed)
+                        status = "ok" if not problems else "FAILED " + "; ".join(problems)
+                        print("%s %s %dx%d: %s" % (name, reduction, rows, vocab, status))
+                        failures += bool(problems)
+            problems = accumulation(client)
+            print("accumulation into .grad:", "ok" if not problems else problems)
+            failures += bool(problems)
+            left = client.list().tensors
+            if left:
+                print("left on the server:", left)
+                failures += 1
+    print("cuda_check: %s" % ("all ok" if failures == 0 else "%d failed" % failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
