@@ -987,6 +987,11 @@ PYBIND11_MODULE(_lossd, m) {
           "bytes of each scratch buffer and the most one upload_from / "
           "download_to call covers")
       .def_property_readonly("closed", &PyClient::closed)
+      .def("__repr__",
+           [](const PyClient& self) {
+             return "lossd.Client('" + self.target() + "'" +
+                    (self.closed() ? ", closed" : "") + ")";
+           })
       .def("close", &PyClient::Close,
            "close()\n\nFrees the connections. Calls after it raise "
            "ValueError; a call running in another thread finishes first.")

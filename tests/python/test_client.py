@@ -244,3 +244,29 @@ def test_docstrings():
         assert doc and method + "(" in doc, method
     assert "ignore_index" in lossd.Client.forward.__doc__
     assert "label_smoothing" in lossd.Client.forward.__doc__
+
+
+def test_calls_from_several_threads(client):
+    """One client shared by threads: each call runs on its own RPC, with the GIL released."""
+    import threading
+
+    logits = random_logits(64, 3001)
+    errors = []
+
+    def work(seed):
+        try:
+            for _ in range(5):
+                handle = client.upload(logits * seed).handle
+                np.testing.assert_array_equal(client.download(handle), logits * seed)
+                client.forward(handle, np.arange(64))
+                client.release(handle)
+        except Exception as error:  # noqa: BLE001: reported below with its thread
+            errors.append((seed, error))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert repr(client).startswith("lossd.Client('127.0.0.1:")
