@@ -289,6 +289,22 @@ class CallbackFailure {
     }
     return absl::CancelledError(std::string(what) + " raised: " + error.what());
   }
+  // Records the exception being handled (call in a catch block): a Python
+  // error, or a C++ one turned into its Python exception, since nothing may
+  // be thrown through the transfer's threads.
+  absl::Status RecordCurrent(const char* what) {
+    try {
+      throw;
+    } catch (py::error_already_set& error) {
+      return Record(error, what);
+    } catch (py::builtin_exception& error) {
+      error.set_error();
+    } catch (const std::exception& error) {
+      PyErr_SetString(PyExc_RuntimeError, error.what());
+    }
+    py::error_already_set fetched;
+    return Record(fetched, what);
+  }
   void RaiseIfAny() {
     if (!value_) return;
     PyErr_Restore(type_.release().ptr(), value_.release().ptr(),
@@ -454,12 +470,9 @@ TensorInfo UploadFrom(PyClient& self, const py::function& source,
     if (failure.failed())
       return absl::CancelledError("an earlier source call raised");
     try {
-      py::object result;
-      {
-        ScopedMemoryView view(scratch, bytes, /*writable=*/true);
-        result = source(offset, bytes, view.get());
-      }
-      if (result.is_none()) return scratch;
+      ScopedMemoryView view(scratch, bytes, /*writable=*/true);
+      py::object result = source(offset, bytes, view.get());
+      if (result.is_none() || result.is(view.get())) return scratch;
       auto buffer = std::make_unique<Buffer>(result, /*writable=*/false);
       if (buffer->bytes() != bytes) {
         throw py::value_error("upload_from: the source returned " +
@@ -469,8 +482,8 @@ TensorInfo UploadFrom(PyClient& self, const py::function& source,
       const void* data = buffer->data();
       returned.push_back(std::move(buffer));
       return data;
-    } catch (py::error_already_set& error) {
-      return failure.Record(error, "the upload source");
+    } catch (...) {
+      return failure.RecordCurrent("the upload source");
     }
   };
   absl::StatusOr<TensorInfo> info;
@@ -530,8 +543,8 @@ TensorInfo DownloadTo(PyClient& self, const std::string& handle,
       try {
         on_header(info);
         return absl::OkStatus();
-      } catch (py::error_already_set& error) {
-        return failure.Record(error, "on_header");
+      } catch (...) {
+        return failure.RecordCurrent("on_header");
       }
     };
   }
@@ -544,8 +557,8 @@ TensorInfo DownloadTo(PyClient& self, const std::string& handle,
       ScopedMemoryView view(data, bytes, /*writable=*/false);
       sink(offset, view.get());
       return absl::OkStatus();
-    } catch (py::error_already_set& error) {
-      return failure.Record(error, "the download sink");
+    } catch (...) {
+      return failure.RecordCurrent("the download sink");
     }
   };
   absl::StatusOr<TensorInfo> info;

@@ -196,6 +196,16 @@ def test_upload_from_with_returned_buffers(piece_client):
     np.testing.assert_array_equal(piece_client.download(stored.handle), logits)
     piece_client.release(stored.handle)
 
+    def fill_and_return(offset, size, scratch):
+        scratch[:] = raw[offset:offset + size]
+        return scratch
+
+    stored = piece_client.upload_from(fill_and_return, "float32", [40, 5000])
+    np.testing.assert_array_equal(piece_client.download(stored.handle), logits)
+    piece_client.release(stored.handle)
+    with pytest.raises(ValueError, match="returned 4 bytes"):
+        piece_client.upload_from(lambda offset, size, scratch: b"abcd", "float32", [40, 5000])
+
 
 class Boom(Exception):
     pass
