@@ -90,7 +90,7 @@ def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
     out.flush()
     del out
     np.save(targets_path, rng.integers(0, vocab, rows))
-    base = [lossctl, f"--target={target}"]
+    base = [lossctl, f"--server={target}"]
 
     def call(*args):
         done = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)

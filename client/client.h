@@ -238,11 +238,13 @@ using UploadSource = std::function<absl::StatusOr<const void*>(
 
 // Receives a download's bytes piece by piece: sink(offset, data, bytes) gets
 // the `bytes` bytes of the tensor (as sent, after conversion) that start at
-// byte `offset`; `data` is valid during the call only. Pieces hold whole
-// elements and at most ClientOptions::piece_bytes; calls come concurrently
-// from the transfer's threads, each thread in increasing offsets, and
-// together cover the tensor once. An error aborts the download, which
-// returns it.
+// byte `offset`; `data` is valid during the call only and lies at the start of
+// one of the scratch buffers UploadSource describes (so a caller that
+// registered them for device copies has them registered here too). Pieces
+// hold whole elements and at most ClientOptions::piece_bytes; calls come
+// concurrently from the transfer's threads, each thread in increasing
+// offsets, and together cover the tensor once. An error aborts the download,
+// which returns it.
 using DownloadSink = std::function<absl::Status(
     int64_t offset, const void* data, std::size_t bytes)>;
 

@@ -290,13 +290,15 @@ def _upload_from_device(client, logits, label):
 
 def _download_to_device(client, handle, gradient):
     """Downloads into a CUDA tensor: each piece is copied host-to-device from the client's
-    buffer on the transfer's thread: direct DMA when the piece lies in a scratch buffer that an
-    upload registered, else through the driver's staging."""
+    buffer on the transfer's thread. Each piece lies at the start of one of the client's scratch
+    buffers (client.h, DownloadSink), registered here once: direct DMA."""
+    scratch = _CudaScratch.of(client)
     device = gradient.device
     flat = gradient.view(-1).view(torch.uint8)
 
     def sink(offset, data):
         host = torch.frombuffer(data, dtype=torch.uint8)
+        scratch.register(host.data_ptr())
         size = host.numel()
         with torch.cuda.device(device):
             flat[offset:offset + size].copy_(host, non_blocking=False)
