@@ -4,6 +4,7 @@
 #include "client/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -104,6 +105,55 @@ struct Client::Channel {
   }
   absl::flat_hash_map<std::string, Shape> known ABSL_GUARDED_BY(mu);
   std::deque<std::string> known_order ABSL_GUARDED_BY(mu);
+
+  // The scratch buffers of piece-wise transfers (piece_bytes each): a
+  // transfer takes what it needs and gives it back, so a Client reuses the
+  // same few buffers for its life (callers may register them, e.g. pin
+  // them). Pages are touched only by a source or a receive that fills them.
+  struct FreeDeleter {
+    void operator()(char* p) const { std::free(p); }
+  };
+  using Scratch = std::unique_ptr<char, FreeDeleter>;
+  std::vector<Scratch> TakeScratch(int count, std::size_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu) {
+    std::vector<Scratch> taken;
+    {
+      absl::MutexLock lock(&mu);
+      while (static_cast<int>(taken.size()) < count && !free_scratch.empty()) {
+        taken.push_back(std::move(free_scratch.back()));
+        free_scratch.pop_back();
+      }
+    }
+    // Page-aligned, so device copies and registration cover whole pages.
+    const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
+    while (static_cast<int>(taken.size()) < count) {
+      taken.emplace_back(static_cast<char*>(std::aligned_alloc(4096, rounded)));
+      if (taken.back() == nullptr) std::abort();  // as operator new would
+    }
+    return taken;
+  }
+  void GiveScratch(std::vector<Scratch> buffers) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    for (Scratch& buffer : buffers) free_scratch.push_back(std::move(buffer));
+  }
+  std::vector<Scratch> free_scratch ABSL_GUARDED_BY(mu);
+
+  // The scratch buffers one transfer holds, given back when it ends.
+  class Lease {
+   public:
+    Lease(Channel* channel, int count, std::size_t bytes)
+        : channel_(channel), buffers_(channel->TakeScratch(count, bytes)) {}
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { channel_->GiveScratch(std::move(buffers_)); }
+    char* operator[](int i) const {
+      return buffers_[static_cast<std::size_t>(i)].get();
+    }
+
+   private:
+    Channel* const channel_;
+    std::vector<Scratch> buffers_;
+  };
 };
 
 namespace {
@@ -201,19 +251,164 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
   return grpc::SslCredentials(ssl);
 }
 
-// Sends one Upload stream on `channel` under `context`: `header`, then the
-// `bytes` at `data` in chunks of `chunk_bytes`, calling `on_sent` with each
-// chunk's size once it is written. Success: the stored tensor's metadata.
-// Errors: the server's status; DATA_LOSS when the server ended the stream OK
-// before taking every byte. `data` is only read during the call.
+// Runs produce(k, scratch) for pieces k = 0 .. count - 1 on a helper thread,
+// one piece ahead of consume(k, data) on the calling thread, alternating
+// between the scratch buffers `a` and `b`: producing piece k + 1 (a dtype
+// conversion, a device copy, a receive) overlaps consuming piece k (a send,
+// a write). Returns the first error of either side; after one, neither is
+// called again.
+absl::Status PipelinePieces(
+    int64_t count, char* a, char* b,
+    const std::function<absl::StatusOr<const void*>(int64_t, char*)>& produce,
+    const std::function<absl::Status(int64_t, const void*)>& consume) {
+  if (count <= 0) return absl::OkStatus();
+  struct Slot {
+    bool full = false;
+    absl::StatusOr<const void*> data;
+  };
+  absl::Mutex mu;
+  Slot slots[2];
+  bool stop = false;
+  std::thread producer([&] {
+    for (int64_t k = 0; k < count; ++k) {
+      Slot& slot = slots[k % 2];
+      {
+        absl::MutexLock lock(&mu);
+        auto free_or_stopped = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+          return !slot.full || stop;
+        };
+        mu.Await(absl::Condition(&free_or_stopped));
+        if (stop) return;
+      }
+      absl::StatusOr<const void*> data = produce(k, k % 2 == 0 ? a : b);
+      const bool failed = !data.ok();
+      absl::MutexLock lock(&mu);
+      slot.data = std::move(data);
+      slot.full = true;
+      if (failed) return;
+    }
+  });
+  absl::Status result;
+  for (int64_t k = 0; k < count && result.ok(); ++k) {
+    Slot& slot = slots[k % 2];
+    absl::StatusOr<const void*> data;
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&slot.full));
+      data = slot.data;
+    }
+    result = data.ok() ? consume(k, *data) : data.status();
+    absl::MutexLock lock(&mu);
+    slot.full = false;
+  }
+  {
+    absl::MutexLock lock(&mu);
+    stop = true;
+  }
+  producer.join();
+  return result;
+}
+
+// Bytes of the pieces of a transfer of `element_bytes`-byte elements: whole
+// elements, at most options.piece_bytes (at least one element).
+int64_t PieceBytes(const ClientOptions& options, int64_t element_bytes) {
+  const int64_t piece = static_cast<int64_t>(options.piece_bytes);
+  return std::max<int64_t>(1, piece / element_bytes) * element_bytes;
+}
+
+// The pieces of bytes [begin, end) of a tensor from `source`, produced into
+// scratch buffers `a` and `b` one ahead of consume(offset, data, bytes,
+// in_scratch), where in_scratch says whether `data` lies in a scratch buffer
+// (reused for a later piece) or in the source's own memory.
+absl::Status ForEachSourcePiece(
+    const UploadSource& source, int64_t begin, int64_t end, int64_t piece,
+    char* a, char* b,
+    const std::function<absl::Status(int64_t, const char*, std::size_t, bool)>&
+        consume) {
+  const int64_t count = end > begin ? (end - begin + piece - 1) / piece : 0;
+  auto offset_of = [&](int64_t k) { return begin + k * piece; };
+  auto size_of = [&](int64_t k) {
+    return static_cast<std::size_t>(std::min(piece, end - offset_of(k)));
+  };
+  return PipelinePieces(
+      count, a, b,
+      [&](int64_t k, char* scratch) -> absl::StatusOr<const void*> {
+        absl::StatusOr<const void*> data =
+            source(offset_of(k), size_of(k), scratch);
+        if (data.ok() && *data == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("the upload source gave no data for bytes [",
+                           offset_of(k), ", ", offset_of(k) + piece, ")"));
+        }
+        return data;
+      },
+      [&](int64_t k, const void* data) {
+        const char* bytes = static_cast<const char*>(data);
+        const char* scratch = k % 2 == 0 ? a : b;
+        const bool in_scratch =
+            bytes >= scratch &&
+            bytes < scratch + static_cast<std::size_t>(piece);
+        return consume(offset_of(k), bytes, size_of(k), in_scratch);
+      });
+}
+
+// Gathers a download's chunks, which need not end on element boundaries,
+// into pieces of `piece` bytes for a DownloadSink: the gRPC paths deliver
+// what the data connections do. Not thread-safe; one per stream.
+class PieceAssembler {
+ public:
+  PieceAssembler(const DownloadSink& sink, int64_t begin, char* scratch,
+                 int64_t piece)
+      : sink_(sink), offset_(begin), scratch_(scratch), piece_(piece) {}
+
+  absl::Status Add(const void* data, std::size_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const std::size_t n =
+          std::min(bytes, static_cast<std::size_t>(piece_ - filled_));
+      std::memcpy(scratch_ + filled_, p, n);
+      filled_ += static_cast<int64_t>(n);
+      p += n;
+      bytes -= n;
+      if (filled_ == piece_) RETURN_IF_ERROR(Flush());
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Flush() {
+    if (filled_ == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(
+        sink_(offset_, scratch_, static_cast<std::size_t>(filled_)));
+    offset_ += filled_;
+    filled_ = 0;
+    return absl::OkStatus();
+  }
+
+ private:
+  const DownloadSink& sink_;
+  int64_t offset_;
+  char* const scratch_;
+  const int64_t piece_;
+  int64_t filled_ = 0;
+};
+
+// Sends one Upload stream on `channel` under `context`: `header`, then bytes
+// [begin, end) of the tensor from `source` in pieces of `piece` bytes (see
+// ForEachSourcePiece; scratch `a` and `b`), each in messages of at most
+// `chunk_bytes`, calling `on_sent` with each message's size once it is
+// written. Success: the stored tensor's metadata. Errors: the server's
+// status; the source's; DATA_LOSS when the server ended the stream OK before
+// taking every byte.
 absl::StatusOr<v1::TensorInfo> SendUpload(
     grpc::Channel* channel, grpc::ClientContext* context,
-    const v1::TensorHeader& header, const char* data, std::size_t bytes,
-    std::size_t chunk_bytes, const std::function<void(std::size_t)>& on_sent) {
+    const v1::TensorHeader& header, const UploadSource& source, int64_t begin,
+    int64_t end, int64_t piece, char* a, char* b, std::size_t chunk_bytes,
+    const std::function<void(std::size_t)>& on_sent) {
   // Raw messages: a chunk is sent as its UploadRequest framing followed by a
-  // view of the caller's bytes, so nothing copies them before the socket
-  // (the generated stub would copy each chunk twice: into the request, then
-  // into its serialization). `data` outlives the call, which ends in Finish.
+  // view of the bytes, so nothing copies bytes of the source's own memory
+  // before the socket (the generated stub would copy each chunk twice: into
+  // the request, then into its serialization); that memory outlives the
+  // call, which ends in Finish. Bytes in a scratch buffer, reused for a later
+  // piece, are copied into the message.
   const grpc::internal::RpcMethod method(
       "/lossd.v1.Lossd/Upload", grpc::internal::RpcMethod::CLIENT_STREAMING);
   grpc::ByteBuffer raw_response;
@@ -230,32 +425,48 @@ absl::StatusOr<v1::TensorInfo> SendUpload(
     return absl::InternalError("cannot serialize the upload header");
   }
   bool sending = writer->Write(message);
-  std::size_t sent = 0;
-  while (sending && sent < bytes) {
-    const std::size_t n = std::min(chunk_bytes, bytes - sent);
-    // Field 2 (chunk), length-delimited, then the length as a varint.
-    uint8_t prefix[11] = {(2 << 3) | 2};
-    std::size_t prefix_bytes = 1;
-    for (uint64_t left = n;; left >>= 7) {
-      prefix[prefix_bytes++] =
-          static_cast<uint8_t>((left & 0x7f) | (left > 0x7f ? 0x80 : 0));
-      if (left <= 0x7f) break;
-    }
-    grpc::Slice slices[2] = {
-        grpc::Slice(prefix, prefix_bytes),
-        grpc::Slice(data + sent, n, grpc::Slice::STATIC_SLICE)};
-    message = grpc::ByteBuffer(slices, 2);
-    sending = writer->Write(message);
-    if (sending) {
-      sent += n;
-      on_sent(n);
-    }
+  int64_t sent = 0;
+  absl::Status produced = absl::OkStatus();
+  if (sending) {
+    produced = ForEachSourcePiece(
+        source, begin, end, piece, a, b,
+        [&](int64_t, const char* data, std::size_t bytes, bool in_scratch) {
+          for (std::size_t done = 0; done < bytes;) {
+            const std::size_t n = std::min(chunk_bytes, bytes - done);
+            // Field 2 (chunk), length-delimited, then the length as a varint.
+            uint8_t prefix[11] = {(2 << 3) | 2};
+            std::size_t prefix_bytes = 1;
+            for (uint64_t left = n;; left >>= 7) {
+              prefix[prefix_bytes++] = static_cast<uint8_t>(
+                  (left & 0x7f) | (left > 0x7f ? 0x80 : 0));
+              if (left <= 0x7f) break;
+            }
+            grpc::Slice slices[2] = {
+                grpc::Slice(prefix, prefix_bytes),
+                in_scratch
+                    ? grpc::Slice(data + done, n)
+                    : grpc::Slice(data + done, n, grpc::Slice::STATIC_SLICE)};
+            message = grpc::ByteBuffer(slices, 2);
+            sending = writer->Write(message);
+            // The stream broke: Finish below says why.
+            if (!sending) return absl::CancelledError("stream closed");
+            done += n;
+            sent += static_cast<int64_t>(n);
+            on_sent(n);
+          }
+          return absl::OkStatus();
+        });
   }
-  if (sending) writer->WritesDone();
-  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
-  if (sent != bytes) {
-    return absl::DataLossError(absl::StrCat(
-        "the server ended the upload after ", sent, " of ", bytes, " bytes"));
+  // A source error ends the stream unfinished: the server keeps nothing.
+  if (!produced.ok() && sending) context->TryCancel();
+  if (sending && produced.ok()) writer->WritesDone();
+  const grpc::Status finished = writer->Finish();
+  if (!produced.ok() && sending) return produced;
+  RETURN_IF_ERROR(ToAbsl(finished));
+  if (sent != end - begin) {
+    return absl::DataLossError(
+        absl::StrCat("the server ended the upload after ", sent, " of ",
+                     end - begin, " bytes"));
   }
   v1::UploadResponse response;
   if (!grpc::SerializationTraits<v1::UploadResponse>::Deserialize(&raw_response,
@@ -618,6 +829,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(std::string target,
   if (options.connect_wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("connect_wait must not be negative");
   }
+  if (options.piece_bytes < (std::size_t{64} << 10) ||
+      options.piece_bytes > (std::size_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "piece_bytes ", options.piece_bytes, " must be in [64 KiB, 1 GiB]"));
+  }
   if (options.upload_streams < 1 || options.upload_streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "upload_streams ", options.upload_streams, " must be in [1, 64]"));
@@ -660,15 +876,38 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   if (data == nullptr && bytes > 0) {
     return absl::InvalidArgumentError("null data");
   }
+  // The caller's memory is the source: every piece is sent from where it
+  // lies, uncopied.
+  const char* base = static_cast<const char*>(data);
+  return UploadPieces(
+      dtype, shape, bytes,
+      [base](int64_t offset, std::size_t,
+             void*) -> absl::StatusOr<const void*> { return base + offset; },
+      label, progress);
+}
+
+absl::StatusOr<TensorInfo> Client::UploadFrom(
+    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
+    const std::string& label, const ProgressCallback& progress) {
+  ASSIGN_OR_RETURN(const uint64_t bytes, TensorBytes(dtype, shape));
+  if (!source) return absl::InvalidArgumentError("no upload source");
+  return UploadPieces(dtype, shape, static_cast<std::size_t>(bytes), source,
+                      label, progress);
+}
+
+absl::StatusOr<TensorInfo> Client::UploadPieces(
+    DType dtype, absl::Span<const int64_t> shape, std::size_t bytes,
+    const UploadSource& source, const std::string& label,
+    const ProgressCallback& progress) {
   if (options_.data_connection && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
     std::optional<absl::StatusOr<TensorInfo>> uploaded =
-        UploadOverDataConnection(dtype, shape, data, bytes, label, progress);
+        UploadOverDataConnection(dtype, shape, source, bytes, label, progress);
     if (uploaded.has_value()) return *std::move(uploaded);
   }
   if (options_.upload_streams > 1 && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
-    return UploadStriped(dtype, shape, data, bytes, label,
+    return UploadStriped(dtype, shape, source, bytes, label,
                          options_.upload_streams, progress);
   }
   grpc::ClientContext context;
@@ -678,16 +917,19 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
   header.mutable_shape()->Add(shape.begin(), shape.end());
   header.set_label(label);
   std::size_t sent = 0;
-  ASSIGN_OR_RETURN(const v1::TensorInfo info,
-                   SendUpload(channel_->channel.get(), &context, header,
-                              static_cast<const char*>(data), bytes,
-                              options_.chunk_bytes, [&](std::size_t n) {
-                                sent += n;
-                                if (progress) {
-                                  progress(static_cast<int64_t>(sent),
-                                           static_cast<int64_t>(bytes));
-                                }
-                              }));
+  Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
+  ASSIGN_OR_RETURN(
+      const v1::TensorInfo info,
+      SendUpload(
+          channel_->channel.get(), &context, header, source, 0,
+          static_cast<int64_t>(bytes),
+          PieceBytes(options_, static_cast<int64_t>(DTypeSize(dtype))),
+          scratch[0], scratch[1], options_.chunk_bytes, [&](std::size_t n) {
+            sent += n;
+            if (progress) {
+              progress(static_cast<int64_t>(sent), static_cast<int64_t>(bytes));
+            }
+          }));
   TensorInfo uploaded = FromProto(info);
   channel_->Remember(uploaded);
   return uploaded;
@@ -803,7 +1045,7 @@ grpc::Status FinishAfterData(grpc::ClientContext* context, bool failed,
 }  // namespace
 
 std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
-    DType dtype, absl::Span<const int64_t> shape, const void* data,
+    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     std::size_t bytes, const std::string& label,
     const ProgressCallback& progress) {
   std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
@@ -829,28 +1071,56 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   if (writer->Write(request) && writer->WritesDone()) {
     const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
     const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
+    const int64_t piece = PieceBytes(options_, element_bytes);
+    Channel::Lease scratch(channel_.get(), 2 * connections,
+                           options_.piece_bytes);
     absl::Mutex mu;
     int64_t done = 0;
+    // A source's error is the upload's: every connection stops at once (the
+    // others' sends then fail), and the RPC is cancelled without the grace
+    // that a broken connection gets.
+    absl::Status source_error;  // guarded by mu
+    const UploadSource guarded =
+        [&](int64_t offset, std::size_t n,
+            void* scratch_buffer) -> absl::StatusOr<const void*> {
+      absl::StatusOr<const void*> data = source(offset, n, scratch_buffer);
+      if (!data.ok()) {
+        absl::MutexLock lock(&mu);
+        if (source_error.ok()) source_error = data.status();
+        for (int fd : fds) shutdown(fd, SHUT_RDWR);
+      }
+      return data;
+    };
     std::vector<absl::Status> results(fds.size());
     std::vector<std::thread> senders;
     for (int i = 0; i < connections; ++i) {
       senders.emplace_back([&, i] {
+        const int fd = fds[static_cast<std::size_t>(i)];
         const StripeRange range = StripeElements(elements, i, connections);
-        results[static_cast<std::size_t>(i)] = SendOverDataConnection(
-            fds[static_cast<std::size_t>(i)], token, i,
-            static_cast<const char*>(data) + range.first * element_bytes,
-            static_cast<std::size_t>((range.end - range.first) * element_bytes),
-            [&](std::size_t n) {
-              absl::MutexLock lock(&mu);
-              done += static_cast<int64_t>(n);
-              if (progress) progress(done, static_cast<int64_t>(bytes));
-            });
+        absl::Status status = SendDataPreamble(fd, token, i);
+        if (status.ok()) {
+          status = ForEachSourcePiece(
+              guarded, range.first * element_bytes, range.end * element_bytes,
+              piece, scratch[2 * i], scratch[2 * i + 1],
+              [&](int64_t, const char* data, std::size_t n, bool) {
+                RETURN_IF_ERROR(SendDataBytes(fd, data, n));
+                absl::MutexLock lock(&mu);
+                done += static_cast<int64_t>(n);
+                if (progress) progress(done, static_cast<int64_t>(bytes));
+                return absl::OkStatus();
+              });
+        }
+        if (status.ok()) status = EndDataSending(fd);
+        results[static_cast<std::size_t>(i)] = std::move(status);
       });
     }
     for (std::thread& sender : senders) sender.join();
+    absl::MutexLock lock(&mu);
+    sent = source_error;
     for (const absl::Status& result : results) {
       if (!result.ok() && sent.ok()) sent = result;
     }
+    if (!source_error.ok()) context.TryCancel();
   }
   const grpc::Status finished =
       FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
@@ -866,11 +1136,13 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
 }
 
 absl::StatusOr<TensorInfo> Client::UploadStriped(
-    DType dtype, absl::Span<const int64_t> shape, const void* data,
+    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     std::size_t bytes, const std::string& label, int stripes,
     const ProgressCallback& progress) {
   const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
   const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
+  const int64_t piece = PieceBytes(options_, element_bytes);
+  Channel::Lease scratch(channel_.get(), 2 * stripes, options_.piece_bytes);
   v1::TensorHeader header;
   header.set_dtype(static_cast<v1::DType>(dtype));
   header.mutable_shape()->Add(shape.begin(), shape.end());
@@ -905,9 +1177,8 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
         }
         result = SendUpload(
             channels[static_cast<std::size_t>(i)].get(), context, stripe_header,
-            static_cast<const char*>(data) + range.first * element_bytes,
-            static_cast<std::size_t>((range.end - range.first) * element_bytes),
-            options_.chunk_bytes,
+            source, range.first * element_bytes, range.end * element_bytes,
+            piece, scratch[2 * i], scratch[2 * i + 1], options_.chunk_bytes,
             [&](std::size_t n) { count(static_cast<int64_t>(n)); });
         return result.status();
       });
@@ -959,8 +1230,9 @@ absl::Status Client::DownloadStream(
 }
 
 std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
-    const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
-    int64_t element_bytes, const ProgressCallback& progress) {
+    const std::string& handle, DType as_dtype, const Destination& destination,
+    uint8_t* base, int64_t total, int64_t element_bytes,
+    const ProgressCallback& progress) {
   const std::optional<DataTarget> target = FindDataTarget();
   if (!target.has_value()) return std::nullopt;
   const absl::StatusOr<std::string> drawn = RandomDataToken();
@@ -992,6 +1264,10 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
       failed = absl::DataLossError(absl::StrCat("the server announced ",
                                                 header.header().bytes(),
                                                 " bytes; expected ", total));
+    } else if (destination.on_header != nullptr &&
+               !(failed = (*destination.on_header)(FromProto(header.header())))
+                    .ok()) {
+      mismatch = true;  // the caller's refusal ends the transfer here too
     } else if (std::optional<std::vector<int>> opened =
                    ConnectData(*target, connections);
                opened.has_value()) {
@@ -1005,27 +1281,65 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
     }
     if (failed.ok() && !unreachable) {
       const int64_t elements = total / element_bytes;
+      const int64_t piece = PieceBytes(options_, element_bytes);
+      std::optional<Channel::Lease> scratch;
+      if (base == nullptr) {
+        scratch.emplace(channel_.get(), 2 * connections, options_.piece_bytes);
+      }
       absl::Mutex mu;
       int64_t done = 0;
+      absl::Status sink_error;  // guarded by mu
+      const std::function<void(std::size_t)> count = [&](std::size_t n) {
+        absl::MutexLock lock(&mu);
+        done += static_cast<int64_t>(n);
+        if (progress) progress(done, total);
+      };
       std::vector<absl::Status> results(fds.size());
       std::vector<std::thread> receivers;
       for (int i = 0; i < connections; ++i) {
         receivers.emplace_back([&, i] {
+          const int fd = fds[static_cast<std::size_t>(i)];
           const StripeRange range = StripeElements(elements, i, connections);
-          results[static_cast<std::size_t>(i)] = ReceiveOverDataConnection(
-              fds[static_cast<std::size_t>(i)],
-              reinterpret_cast<char*>(base) + range.first * element_bytes,
-              static_cast<std::size_t>((range.end - range.first) *
-                                       element_bytes),
-              [&](std::size_t n) {
-                absl::MutexLock lock(&mu);
-                done += static_cast<int64_t>(n);
-                if (progress) progress(done, total);
+          const int64_t begin = range.first * element_bytes;
+          const int64_t end = range.end * element_bytes;
+          absl::Status& result = results[static_cast<std::size_t>(i)];
+          if (base != nullptr) {
+            result = ReceiveOverDataConnection(
+                fd, reinterpret_cast<char*>(base) + begin,
+                static_cast<std::size_t>(end - begin), count);
+            return;
+          }
+          // Receiving piece k + 1 overlaps the sink's work on piece k.
+          auto size_of = [&](int64_t k) {
+            return static_cast<std::size_t>(
+                std::min(piece, end - begin - k * piece));
+          };
+          result = PipelinePieces(
+              (end - begin + piece - 1) / piece, (*scratch)[2 * i],
+              (*scratch)[2 * i + 1],
+              [&](int64_t k, char* buffer) -> absl::StatusOr<const void*> {
+                RETURN_IF_ERROR(
+                    ReceiveOverDataConnection(fd, buffer, size_of(k), count));
+                return buffer;
+              },
+              [&](int64_t k, const void* data) {
+                absl::Status sunk =
+                    (*destination.sink)(begin + k * piece, data, size_of(k));
+                if (!sunk.ok()) {
+                  // The sink's error is the download's; the other
+                  // connections stop at once (their receives then fail).
+                  absl::MutexLock lock(&mu);
+                  if (sink_error.ok()) sink_error = sunk;
+                  for (int open : fds) shutdown(open, SHUT_RDWR);
+                }
+                return sunk;
               });
         });
       }
       for (std::thread& receiver : receivers) receiver.join();
       received = true;
+      absl::MutexLock lock(&mu);
+      failed = sink_error;
       for (const absl::Status& result : results) {
         if (!result.ok() && failed.ok()) failed = result;
       }
@@ -1059,9 +1373,9 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
 }
 
 absl::StatusOr<bool> Client::DownloadInRanges(
-    const std::string& handle, DType as_dtype, std::vector<uint8_t>* vector,
-    void* buffer, std::size_t capacity, TensorInfo* info,
-    const ProgressCallback& progress) {
+    const std::string& handle, DType as_dtype, const Destination& destination,
+    TensorInfo* info, const ProgressCallback& progress) {
+  std::vector<uint8_t>* const vector = destination.vector;
   const int streams = options_.upload_streams;
   if (streams < 2 && !options_.data_connection) return false;
   std::optional<Channel::Shape> known = channel_->Known(handle);
@@ -1078,20 +1392,21 @@ absl::StatusOr<bool> Client::DownloadInRanges(
       static_cast<uint64_t>(total) < options_.stripe_min_bytes) {
     return false;
   }
-  uint8_t* base;
+  uint8_t* base = nullptr;  // null: through destination.sink
   if (vector != nullptr) {
     vector->resize(static_cast<std::size_t>(total));
     base = vector->data();
-  } else {
-    if (static_cast<uint64_t>(total) > capacity) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "the tensor has ", total, " bytes; the buffer holds ", capacity));
+  } else if (destination.sink == nullptr) {
+    if (static_cast<uint64_t>(total) > destination.capacity) {
+      return absl::OutOfRangeError(absl::StrCat("the tensor has ", total,
+                                                " bytes; the buffer holds ",
+                                                destination.capacity));
     }
-    base = static_cast<uint8_t*>(buffer);
+    base = static_cast<uint8_t*>(destination.buffer);
   }
   if (options_.data_connection) {
     std::optional<absl::StatusOr<TensorInfo>> fetched =
-        DownloadOverDataConnections(handle, as_dtype, base, total,
+        DownloadOverDataConnections(handle, as_dtype, destination, base, total,
                                     element_bytes, progress);
     if (fetched.has_value()) {
       if (!fetched->ok()) return fetched->status();
@@ -1105,6 +1420,21 @@ absl::StatusOr<bool> Client::DownloadInRanges(
     return false;
   }
 
+  if (destination.on_header != nullptr) {
+    // The ranges' headers announce their own lengths: the caller is told of
+    // the whole tensor as this client knows it.
+    TensorInfo whole;
+    whole.handle = handle;
+    whole.dtype = sent;
+    whole.shape = known->dims;
+    whole.bytes = total;
+    RETURN_IF_ERROR((*destination.on_header)(whole));
+  }
+  const int64_t piece = PieceBytes(options_, element_bytes);
+  std::optional<Channel::Lease> scratch;
+  if (base == nullptr) {
+    scratch.emplace(channel_.get(), streams, options_.piece_bytes);
+  }
   absl::Mutex mu;
   TensorInfo first_header;
   // A server older than ranged Download ignores offset and length and
@@ -1131,7 +1461,11 @@ absl::StatusOr<bool> Client::DownloadInRanges(
         request.set_offset(offset);
         request.set_length(length);
         int64_t written = 0;
-        return StreamDownload(
+        std::optional<PieceAssembler> pieces;
+        if (base == nullptr) {
+          pieces.emplace(*destination.sink, offset, (*scratch)[i], piece);
+        }
+        RETURN_IF_ERROR(StreamDownload(
             stub.get(), context, request,
             [&](const TensorInfo& header) {
               if (header.bytes == total) {
@@ -1152,12 +1486,17 @@ absl::StatusOr<bool> Client::DownloadInRanges(
             },
             [&](const void* data, std::size_t bytes) {
               // StreamDownload never passes more than the header's count.
-              std::memcpy(base + offset + written, data, bytes);
+              if (pieces.has_value()) {
+                RETURN_IF_ERROR(pieces->Add(data, bytes));
+              } else {
+                std::memcpy(base + offset + written, data, bytes);
+              }
               written += static_cast<int64_t>(bytes);
               count(static_cast<int64_t>(bytes));
               return absl::OkStatus();
             },
-            nullptr);
+            nullptr));
+        return pieces.has_value() ? pieces->Flush() : absl::OkStatus();
       });
   if (no_ranges) {
     if (vector != nullptr) vector->clear();
@@ -1179,9 +1518,11 @@ absl::StatusOr<DownloadedTensor> Client::Download(
     const std::string& handle, DType as_dtype,
     const ProgressCallback& progress) {
   DownloadedTensor out;
-  ASSIGN_OR_RETURN(const bool ranged,
-                   DownloadInRanges(handle, as_dtype, &out.data, nullptr, 0,
-                                    &out.info, progress));
+  Destination destination;
+  destination.vector = &out.data;
+  ASSIGN_OR_RETURN(
+      const bool ranged,
+      DownloadInRanges(handle, as_dtype, destination, &out.info, progress));
   if (ranged) return out;
   RETURN_IF_ERROR(DownloadStream(
       handle, as_dtype,
@@ -1206,9 +1547,12 @@ absl::StatusOr<TensorInfo> Client::DownloadInto(
     const std::string& handle, DType as_dtype, void* buffer,
     std::size_t capacity, const ProgressCallback& progress) {
   TensorInfo ranged_info;
-  ASSIGN_OR_RETURN(const bool ranged,
-                   DownloadInRanges(handle, as_dtype, nullptr, buffer, capacity,
-                                    &ranged_info, progress));
+  Destination destination;
+  destination.buffer = buffer;
+  destination.capacity = capacity;
+  ASSIGN_OR_RETURN(
+      const bool ranged,
+      DownloadInRanges(handle, as_dtype, destination, &ranged_info, progress));
   if (ranged) return ranged_info;
   TensorInfo info;
   std::size_t written = 0;
@@ -1232,6 +1576,47 @@ absl::StatusOr<TensorInfo> Client::DownloadInto(
         return absl::OkStatus();
       },
       progress));
+  return info;
+}
+
+absl::StatusOr<TensorInfo> Client::DownloadTo(
+    const std::string& handle, DType as_dtype,
+    const std::function<absl::Status(const TensorInfo&)>& on_header,
+    const DownloadSink& sink, const ProgressCallback& progress) {
+  if (!sink) return absl::InvalidArgumentError("no download sink");
+  // Once only, also when the ranges fall back to one stream.
+  bool announced = false;
+  const std::function<absl::Status(const TensorInfo&)> announce =
+      [&](const TensorInfo& info) {
+        if (announced || !on_header) return absl::OkStatus();
+        announced = true;
+        return on_header(info);
+      };
+  TensorInfo info;
+  Destination destination;
+  destination.sink = &sink;
+  destination.on_header = &announce;
+  ASSIGN_OR_RETURN(
+      const bool ranged,
+      DownloadInRanges(handle, as_dtype, destination, &info, progress));
+  if (ranged) return info;
+  Channel::Lease scratch(channel_.get(), 1, options_.piece_bytes);
+  std::optional<PieceAssembler> pieces;
+  RETURN_IF_ERROR(DownloadStream(
+      handle, as_dtype,
+      [&](const TensorInfo& header) {
+        info = header;
+        const int64_t element_bytes =
+            std::max<int64_t>(1, DTypeSize(header.dtype));
+        pieces.emplace(sink, 0, scratch[0],
+                       PieceBytes(options_, element_bytes));
+        return announce(header);
+      },
+      [&](const void* data, std::size_t bytes) {
+        return pieces->Add(data, bytes);
+      },
+      progress));
+  if (pieces.has_value()) RETURN_IF_ERROR(pieces->Flush());
   return info;
 }
 

@@ -260,7 +260,8 @@ class Client {
   // (channels connect lazily; use Health to check). INVALID_ARGUMENT: empty
   // target, chunk_bytes of 0 or larger than max_message_bytes - 4 KiB,
   // max_message_bytes <= 4 KiB, a negative deadline, upload_streams outside
-  // [1, 64], an unreadable TLS file or a certificate without its key.
+  // [1, 64], piece_bytes outside [64 KiB, 1 GiB], an unreadable TLS file or
+  // a certificate without its key.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       std::string target, ClientOptions options = {});
 
@@ -400,14 +401,24 @@ class Client {
   Client(std::string target, ClientOptions options,
          std::unique_ptr<Channel> channel);
 
-  // Download as options().upload_streams ranges in parallel into `*vector`
-  // (resized) or `buffer` of `capacity` bytes, when the converted tensor has
-  // at least options().stripe_min_bytes. Success: true and `*info` filled;
-  // false when not worth it (nothing fetched). Errors as DownloadInto.
+  // Where a download goes: `*vector` (resized), `buffer` of `capacity`
+  // bytes, or `*sink` piece by piece, after `*on_header` (may be null).
+  struct Destination {
+    std::vector<uint8_t>* vector = nullptr;
+    void* buffer = nullptr;
+    std::size_t capacity = 0;
+    const DownloadSink* sink = nullptr;
+    const std::function<absl::Status(const TensorInfo&)>* on_header = nullptr;
+  };
+
+  // Download over data connections, or as options().upload_streams ranges in
+  // parallel, into `destination`, when the converted tensor has at least
+  // options().stripe_min_bytes. Success: true and `*info` filled; false when
+  // not worth it (nothing fetched, on_header not called). Errors as
+  // DownloadInto.
   absl::StatusOr<bool> DownloadInRanges(const std::string& handle,
                                         DType as_dtype,
-                                        std::vector<uint8_t>* vector,
-                                        void* buffer, std::size_t capacity,
+                                        const Destination& destination,
                                         TensorInfo* info,
                                         const ProgressCallback& progress);
 
@@ -433,15 +444,14 @@ class Client {
   std::optional<absl::StatusOr<DataConnections>> OpenDataConnections();
 
   // Download of the whole (converted) tensor, `total` bytes of
-  // `element_bytes`-byte elements, into `base` over data connections.
-  // nullopt when they cannot be used (the caller then takes gRPC).
+  // `element_bytes`-byte elements, over data connections: into `base`, or
+  // through destination.sink when base is null. nullopt when they cannot be
+  // used (the caller then takes gRPC).
   std::optional<absl::StatusOr<TensorInfo>> DownloadOverDataConnections(
-      const std::string& handle, DType as_dtype, uint8_t* base, int64_t total,
-      int64_t element_bytes, const ProgressCallback& progress);
+      const std::string& handle, DType as_dtype, const Destination& destination,
+      uint8_t* base, int64_t total, int64_t element_bytes,
+      const ProgressCallback& progress);
 
-  // Upload over a data connection. nullopt when this server or channel
-  // cannot take one (no data port, TLS, unreachable): the caller then
-  // uploads over gRPC.
   // Evaluate (arguments checked) with its blocks over data connections:
   // block b over connection b mod K. nullopt when they cannot be used (the
   // caller then takes the stream).
@@ -450,18 +460,28 @@ class Client {
       const EvaluateOptions& options, const RowBlockProducer& next_block,
       const ProgressCallback& progress);
 
+  // Upload over data connections. nullopt when this server or channel
+  // cannot take them (no data port, TLS, unreachable): the caller then
+  // uploads over gRPC.
   std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
-      DType dtype, absl::Span<const int64_t> shape, const void* data,
+      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
       std::size_t bytes, const std::string& label,
       const ProgressCallback& progress);
 
   // Upload as `stripes` parallel streams (stripes >= 2).
-  absl::StatusOr<TensorInfo> UploadStriped(DType dtype,
-                                           absl::Span<const int64_t> shape,
-                                           const void* data, std::size_t bytes,
-                                           const std::string& label,
-                                           int stripes,
-                                           const ProgressCallback& progress);
+  absl::StatusOr<TensorInfo> UploadStriped(
+      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
+      std::size_t bytes, const std::string& label, int stripes,
+      const ProgressCallback& progress);
+
+  // Upload and UploadFrom after their checks: `bytes` bytes from `source`
+  // over data connections, stripes or one stream.
+  absl::StatusOr<TensorInfo> UploadPieces(DType dtype,
+                                          absl::Span<const int64_t> shape,
+                                          std::size_t bytes,
+                                          const UploadSource& source,
+                                          const std::string& label,
+                                          const ProgressCallback& progress);
 
   const std::string target_;
   const ClientOptions options_;

@@ -181,6 +181,10 @@ absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
   return SendAll(fd, targets.data(), targets.size());
 }
 
+absl::Status SendDataBytes(int fd, const char* data, std::size_t bytes) {
+  return SendAll(fd, data, bytes);
+}
+
 absl::Status EndDataSending(int fd) {
   if (shutdown(fd, SHUT_WR) != 0) return Errno("data connection shutdown");
   return absl::OkStatus();

@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -667,6 +669,175 @@ TEST_F(ClientTest, OneClientServesManyThreads) {
   }
   for (std::thread& thread : threads) thread.join();
   for (int t = 0; t < kThreads; ++t) EXPECT_TRUE(results[t].ok()) << results[t];
+}
+
+// UploadFrom and DownloadTo over each transport (data connections, gRPC
+// stripes, one gRPC stream): the bytes arrive intact, pieces hold whole
+// elements and at most piece_bytes, together cover the tensor exactly once,
+// and a source may answer from its own memory or from the scratch buffer.
+TEST_F(ClientTest, PieceWiseTransfersAreBitExactOverEveryTransport) {
+  struct Transport {
+    const char* name;
+    bool data_connection;
+    int streams;
+    std::size_t chunk_bytes;
+  } transports[] = {{"data connections", true, 3, std::size_t{1} << 20},
+                    {"gRPC stripes", false, 3, 1000},
+                    {"one gRPC stream", false, 1, 1000}};
+  const int64_t rows = 301, vocab = 1001;  // 1.2 MB: pieces cross stripes
+  std::vector<float> logits = RandomLogits(rows * vocab);
+  const std::size_t bytes = logits.size() * sizeof(float);
+  const char* base = reinterpret_cast<const char*>(logits.data());
+  for (const Transport& transport : transports) {
+    SCOPED_TRACE(transport.name);
+    ClientOptions options;
+    options.data_connection = transport.data_connection;
+    options.upload_streams = transport.streams;
+    options.chunk_bytes = transport.chunk_bytes;
+    options.stripe_min_bytes = 1;
+    options.piece_bytes = 64 << 10;
+    std::unique_ptr<Client> client = Connect(options);
+    ASSERT_NE(client, nullptr);
+
+    absl::Mutex mu;
+    std::vector<std::pair<int64_t, std::size_t>> pieces;
+    std::set<void*> scratches;
+    auto record = [&](int64_t offset, std::size_t size) {
+      absl::MutexLock lock(&mu);
+      pieces.emplace_back(offset, size);
+    };
+    // Every other piece through the scratch buffer, the rest in place.
+    const UploadSource source =
+        [&](int64_t offset, std::size_t size,
+            void* scratch) -> absl::StatusOr<const void*> {
+      record(offset, size);
+      {
+        absl::MutexLock lock(&mu);
+        scratches.insert(scratch);
+      }
+      if ((offset / (64 << 10)) % 2 == 0) return base + offset;
+      std::memcpy(scratch, base + offset, size);
+      return scratch;
+    };
+    absl::StatusOr<TensorInfo> up =
+        client->UploadFrom(DType::kFloat32, {rows, vocab}, source, "pieces");
+    ASSERT_TRUE(up.ok()) << up.status();
+    EXPECT_EQ(up->bytes, static_cast<int64_t>(bytes));
+    EXPECT_EQ(up->label, "pieces");
+
+    auto check_cover = [&](std::size_t total, std::size_t element) {
+      std::sort(pieces.begin(), pieces.end());
+      int64_t next = 0;
+      for (const auto& [offset, size] : pieces) {
+        EXPECT_EQ(offset, next);
+        EXPECT_GT(size, 0u);
+        EXPECT_LE(size, options.piece_bytes);
+        EXPECT_EQ(size % element, 0u);
+        EXPECT_EQ(offset % static_cast<int64_t>(element), 0);
+        next = offset + static_cast<int64_t>(size);
+      }
+      EXPECT_EQ(next, static_cast<int64_t>(total));
+      pieces.clear();
+    };
+    check_cover(bytes, sizeof(float));
+
+    // The same scratch buffers serve the next transfer.
+    const std::set<void*> first_scratches = scratches;
+    absl::StatusOr<TensorInfo> again =
+        client->UploadFrom(DType::kFloat32, {rows, vocab}, source);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(scratches, first_scratches);
+    pieces.clear();
+    ASSERT_TRUE(client->Release(again->handle).ok());
+
+    for (DType as : {DType::kInvalid, DType::kBFloat16}) {
+      absl::StatusOr<DownloadedTensor> whole = client->Download(up->handle, as);
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      std::vector<uint8_t> received(whole->data.size() + 1, 0xee);
+      int headers = 0;
+      absl::StatusOr<TensorInfo> down = client->DownloadTo(
+          up->handle, as,
+          [&](const TensorInfo& info) {
+            ++headers;
+            EXPECT_EQ(info.bytes, static_cast<int64_t>(whole->data.size()));
+            EXPECT_EQ(info.shape, (std::vector<int64_t>{rows, vocab}));
+            return absl::OkStatus();
+          },
+          [&](int64_t offset, const void* data, std::size_t size) {
+            record(offset, size);
+            std::memcpy(received.data() + offset, data, size);
+            return absl::OkStatus();
+          });
+      ASSERT_TRUE(down.ok()) << down.status();
+      EXPECT_EQ(headers, 1);
+      EXPECT_EQ(down->dtype, whole->info.dtype);
+      EXPECT_EQ(received.back(), 0xee);
+      received.pop_back();
+      EXPECT_TRUE(received == whole->data);
+      check_cover(whole->data.size(), DTypeSize(whole->info.dtype));
+    }
+    absl::StatusOr<DownloadedTensor> back = client->Download(up->handle);
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_EQ(back->data.size(), bytes);
+    EXPECT_EQ(std::memcmp(back->data.data(), base, bytes), 0);
+    ASSERT_TRUE(client->Release(up->handle).ok());
+  }
+}
+
+// A source's or a sink's error ends the transfer with that error; a failed
+// upload leaves nothing on the server, a failed download leaves the tensor.
+TEST_F(ClientTest, PieceWiseTransferErrorsComeBackAndLeaveNothing) {
+  for (bool data_connection : {true, false}) {
+    SCOPED_TRACE(data_connection ? "data connections" : "gRPC");
+    ClientOptions options;
+    options.data_connection = data_connection;
+    options.stripe_min_bytes = 1;
+    options.piece_bytes = 64 << 10;
+    std::unique_ptr<Client> client = Connect(options);
+    ASSERT_NE(client, nullptr);
+    std::vector<float> logits = RandomLogits(300 * 1000);
+    const char* base = reinterpret_cast<const char*>(logits.data());
+    absl::StatusOr<TensorInfo> failed = client->UploadFrom(
+        DType::kFloat32, {300, 1000},
+        [&](int64_t offset, std::size_t, void*) -> absl::StatusOr<const void*> {
+          if (offset >= (512 << 10)) {
+            return absl::DataLossError("the source broke");
+          }
+          return base + offset;
+        });
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(failed.status().message(), HasSubstr("the source broke"));
+    absl::StatusOr<ListResult> list = client->List();
+    ASSERT_TRUE(list.ok()) << list.status();
+    EXPECT_TRUE(list->tensors.empty());
+
+    absl::StatusOr<TensorInfo> up = client->Upload(
+        DType::kFloat32, {300, 1000}, logits.data(), logits.size() * 4);
+    ASSERT_TRUE(up.ok()) << up.status();
+    absl::StatusOr<TensorInfo> sunk = client->DownloadTo(
+        up->handle, DType::kInvalid, nullptr,
+        [](int64_t offset, const void*, std::size_t) {
+          return offset > 0 ? absl::AbortedError("the sink is full")
+                            : absl::OkStatus();
+        });
+    EXPECT_EQ(sunk.status().code(), absl::StatusCode::kAborted);
+    absl::StatusOr<TensorInfo> refused = client->DownloadTo(
+        up->handle, DType::kInvalid,
+        [](const TensorInfo&) { return absl::OutOfRangeError("too big"); },
+        [](int64_t, const void*, std::size_t) {
+          ADD_FAILURE() << "a piece after a refused header";
+          return absl::OkStatus();
+        });
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kOutOfRange);
+    absl::StatusOr<DownloadedTensor> still = client->Download(up->handle);
+    ASSERT_TRUE(still.ok()) << still.status();
+    EXPECT_EQ(std::memcmp(still->data.data(), base, still->data.size()), 0);
+    ASSERT_TRUE(client->Release(up->handle).ok());
+  }
+  ClientOptions tiny;
+  tiny.piece_bytes = 1000;
+  EXPECT_EQ(Client::Connect(server_->address(), tiny).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

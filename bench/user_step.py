@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""The user's training step five ways, each in a fresh process, in one run.
+
+For each shape (bf16 logits [rows, vocab], int64 targets): upload, forward in
+place, backward, the gradient back where the user wants it. The ways:
+  1. lossd.torch.cross_entropy from a CUDA tensor, gradient on the device;
+  2. the Python client (lossd.Client) from numpy, gradient into numpy;
+  3. lossctl with .npy files (fp32 file sent as bf16, gradient written back);
+  4. lossd::Client (bench/user_step_bench);
+  5. the Python server (bench/python_server.py: grpcio + torch), driven by
+     the same C++ client over one gRPC stream each way.
+Raw TCP over loopback with the same bytes is the transport's ceiling. Every
+way reports its first step and its steady state (median of the later steps).
+
+  python3 bench/user_step.py --build build-gpu --out $OUT/USER_STEP.md
+(on the GPU machine after scripts/gpu-python build; --device=cpu and small
+--shapes run it here).
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_json(cmd, env=None, timeout=900):
+    """Runs `cmd` and returns the JSON objects it printed, one a line."""
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def start_server(cmd, port_file, timeout=120):
+    """Starts a server that writes its port to `port_file`; returns (process, address)."""
+    if os.path.exists(port_file):
+        os.unlink(port_file)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited: {process.stderr.read()[-3000:]}")
+        try:
+            with open(port_file) as f:
+                port = int(f.read().strip() or 0)
+            if port > 0:
+                return process, f"127.0.0.1:{port}"
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{cmd[0]} did not start in {timeout} s")
+
+
+def stop(process):
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def summary(steps):
+    """(first step, steady state) seconds from a list of per-step dicts."""
+    seconds = [s["seconds"] for s in steps]
+    later = seconds[1:] or seconds
+    return seconds[0], statistics.median(later)
+
+
+def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
+    """The README's lossctl step on .npy files in `folder`, timed per step."""
+    import numpy as np
+
+    logits_path = os.path.join(folder, "logits.npy")
+    targets_path = os.path.join(folder, "targets.npy")
+    gradient_path = os.path.join(folder, "gradient.npy")
+    rng = np.random.default_rng(0)
+    # Written in row blocks: never a second full-size array in this process.
+    out = np.lib.format.open_memmap(logits_path, mode="w+", dtype=np.float32, shape=(rows, vocab))
+    block = max(1, (256 << 20) // (4 * vocab))
+    for first in range(0, rows, block):
+        out[first:first + block] = rng.standard_normal((min(block, rows - first), vocab), dtype=np.float32) * 3
+    out.flush()
+    del out
+    np.save(targets_path, rng.integers(0, vocab, rows))
+    base = [lossctl, f"--target={target}"]
+
+    def call(*args):
+        done = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"lossctl {' '.join(args)}: {done.stderr[-2000:]}")
+        return done.stdout.strip()
+
+    results = []
+    for step in range(steps):
+        if os.path.exists(gradient_path):
+            os.unlink(gradient_path)  # each step writes a new file, as a user's would
+        start = time.perf_counter()
+        logits = call("upload", logits_path, "--dtype=bf16")
+        targets = call("upload", targets_path)
+        uploaded = time.perf_counter()
+        call("forward", logits, targets)
+        call("backward", logits, "--grad_output=1")
+        computed = time.perf_counter()
+        call("download", logits, gradient_path, "--dtype=bf16")
+        end = time.perf_counter()
+        call("rm", logits, targets)
+        results.append({"step": step, "seconds": end - start, "upload": uploaded - start,
+                        "download": end - computed})
+    for path in (logits_path, targets_path, gradient_path):
+        if os.path.exists(path):
+            os.unlink(path)
+    return results
+
+
+def scratch_folder(need_bytes):
+    """/dev/shm when it holds the files (as the issue measures), else a temp folder."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free > need_bytes * 1.2:
+        return tempfile.mkdtemp(dir=shm, prefix="user_step_")
+    return tempfile.mkdtemp(prefix="user_step_")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", default="build-gpu", help="the build folder (lossd, lossctl, user_step_bench)")
+    parser.add_argument("--python_package", default=None,
+                        help="folder to put on PYTHONPATH for `import lossd` (default: BUILD/client/python)")
+    parser.add_argument("--shapes", default="16384x131072,8192x128256")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--python_server_steps", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="append the markdown table here")
+    args = parser.parse_args()
+
+    build = os.path.abspath(args.build)
+    package = os.path.abspath(args.python_package or os.path.join(build, "client", "python"))
+    env = dict(os.environ, PYTHONPATH=package + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    lines = [f"Command: `python3 bench/user_step.py {' '.join(sys.argv[1:])}`", ""]
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
+    lines.append(f"Machine: {os.cpu_count()} CPUs{'; GPU ' + gpu if gpu else ''}; "
+                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    lines.append("")
+
+    port_file = tempfile.mktemp(prefix="user_step_lossd_")
+    server, target = start_server(
+        [os.path.join(build, "server", "lossd"), "--host=127.0.0.1", "--port=0",
+         f"--port_file={port_file}", f"--device={args.device}", "--metrics_port=-1", "--data_port=0"],
+        port_file)
+    try:
+        for shape in args.shapes.split(","):
+            rows, vocab = (int(x) for x in shape.split("x"))
+            gb = rows * vocab * 2 / 1e9
+            bench = os.path.join(build, "bench", "user_step_bench")
+            sizes = [f"--rows={rows}", f"--vocab={vocab}"]
+            tcp = {k: run_json([bench, f"--tcp_connections={k}"] + sizes)[0]["seconds"] for k in (1, 4)}
+            ways = {}
+            ways["1. lossd.torch from a CUDA tensor"] = run_json(
+                [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"), "--mode=torch",
+                 f"--target={target}", f"--steps={args.steps}", f"--device={args.device}"] + sizes, env=env)
+            ways["2. Python client from numpy"] = run_json(
+                [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"), "--mode=numpy",
+                 f"--target={target}", f"--steps={args.steps}"] + sizes, env=env)
+            folder = scratch_folder(rows * vocab * 8)
+            try:
+                ways["3. lossctl, .npy files (fp32 sent as bf16) in " + os.path.dirname(folder)] = lossctl_steps(
+                    os.path.join(build, "client", "lossctl"), target, rows, vocab, args.steps, folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            ways["4. lossd::Client"] = run_json([bench, f"--target={target}", f"--steps={args.steps}"] + sizes)
+            python_port = tempfile.mktemp(prefix="user_step_python_")
+            python, python_target = start_server(
+                [sys.executable, os.path.join(ROOT, "bench", "python_server.py"),
+                 f"--stubs={os.path.join(build, 'tests', 'reference', 'py')}", f"--port_file={python_port}",
+                 f"--device={args.device}"], python_port)
+            try:
+                ways["5. Python server (grpcio + torch)"] = run_json(
+                    [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
+                     "--single_stream"] + sizes)
+            finally:
+                stop(python)
+            python_first, python_steady = summary(ways["5. Python server (grpcio + torch)"])
+            client_steady = summary(ways["4. lossd::Client"])[1]
+            lines.append(f"### {rows} x {vocab} bf16 ({gb:.2f} GB each way)")
+            lines.append("")
+            lines.append(f"Raw TCP over loopback, the same bytes once: 1 connection {tcp[1]:.3f} s "
+                         f"({gb / tcp[1]:.2f} GB/s), 4 connections {tcp[4]:.3f} s ({gb / tcp[4]:.2f} GB/s). "
+                         "A step moves the bytes twice: its floor is 2 x the 4-connection time.")
+            lines.append("")
+            lines.append("| way | first step | steady step | vs Python server (first / steady) | "
+                         "steady vs lossd::Client | steady vs 2x raw TCP (4 conn.) | upload / download (steady) |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for name, steps in ways.items():
+                first, steady = summary(steps)
+                later = steps[1:] or steps
+                up = statistics.median(s.get("upload", float("nan")) for s in later)
+                down = statistics.median(s.get("download", float("nan")) for s in later)
+                lines.append(f"| {name} | {first:.3f} s | {steady:.3f} s | {python_first / first:.1f}x / "
+                             f"{python_steady / steady:.1f}x | {steady / client_steady:.2f} | "
+                             f"{steady / (2 * tcp[4]):.2f} | {up:.3f} / {down:.3f} s |")
+            lines.append("")
+            print("\n".join(lines[-len(ways) - 8:]), flush=True)
+    finally:
+        stop(server)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
