@@ -107,6 +107,9 @@ ABSL_FLAG(int64_t, piece_bytes, int64_t{8} << 20,
 ABSL_FLAG(int, convert_threads, 0,
           "threads that convert dtypes and write files besides the "
           "transfer's own (0 = one per core)");
+ABSL_FLAG(std::string, write_mode, "pwrite",
+          "download: how pieces reach the file: pwrite (from a small buffer "
+          "per thread) or mmap (converted straight into a shared mapping)");
 ABSL_FLAG(int64_t, block_rows, 0,
           "eval: rows per message (0 = as many as fit --chunk_bytes)");
 
@@ -481,6 +484,14 @@ absl::Status Download(RoutingClient& client,
     return UsageError("lossctl download HANDLE OUT.npy|OUT.safetensors[:NAME]");
   }
   ASSIGN_OR_RETURN(const DType as_dtype, DTypeFlag(DType::kInvalid));
+  const std::string write_mode = absl::GetFlag(FLAGS_write_mode);
+  if (write_mode != "pwrite" && write_mode != "mmap") {
+    return UsageError(
+        absl::StrCat("--write_mode=", write_mode, ": expected pwrite or mmap"));
+  }
+  const OutputTensorFile::WriteMode mode =
+      write_mode == "mmap" ? OutputTensorFile::WriteMode::kMapped
+                           : OutputTensorFile::WriteMode::kPwrite;
   std::unique_ptr<OutputTensorFile> out;
   ProgressBar bar("download", "MB", 1e6);
   const absl::Time start = absl::Now();
@@ -491,9 +502,10 @@ absl::Status Download(RoutingClient& client,
       client.DownloadTo(
           args[0], as_dtype,
           [&](const TensorInfo& header) -> absl::Status {
-            ASSIGN_OR_RETURN(out, OutputTensorFile::Create(
-                                      args[1], header.dtype, header.shape,
-                                      DefaultTensorName(header), &Pool()));
+            ASSIGN_OR_RETURN(out,
+                             OutputTensorFile::Create(
+                                 args[1], header.dtype, header.shape,
+                                 DefaultTensorName(header), &Pool(), mode));
             return absl::OkStatus();
           },
           [&](int64_t offset, const void* data,

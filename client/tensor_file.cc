@@ -2,6 +2,7 @@
 #include "client/tensor_file.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -130,7 +131,7 @@ MakeUploadSource(const InputTensor& input, DType send_dtype,
 
 absl::StatusOr<std::unique_ptr<OutputTensorFile>> OutputTensorFile::Create(
     const std::string& arg, DType sent_dtype, absl::Span<const int64_t> shape,
-    const std::string& default_name, ConvertPool* pool) {
+    const std::string& default_name, ConvertPool* pool, WriteMode mode) {
   const TensorFileSpec spec = ParseTensorFileSpec(arg);
   std::unique_ptr<OutputTensorFile> out(new OutputTensorFile());
   out->path_ = spec.path;
@@ -166,8 +167,24 @@ absl::StatusOr<std::unique_ptr<OutputTensorFile>> OutputTensorFile::Create(
   // Beside the path, so the final rename stays within one file system.
   out->temp_path_ = absl::StrCat(spec.path, ".lossctl-", getpid(), ".part");
   out->fd_ = open(out->temp_path_.c_str(),
-                  O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0666);
+                  O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC, 0666);
   if (out->fd_ < 0) return ErrnoError(errno, "cannot create", out->temp_path_);
+  if (mode == WriteMode::kMapped) {
+    const uint64_t file_bytes =
+        out->data_offset_ + elements * DTypeSize(out->file_dtype_);
+    if (ftruncate(out->fd_, static_cast<off_t>(file_bytes)) != 0) {
+      return ErrnoError(errno, "cannot size", out->temp_path_);
+    }
+    void* mapping = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE,
+                         MAP_SHARED, out->fd_, 0);
+    if (mapping == MAP_FAILED) {
+      return ErrnoError(errno, "cannot mmap", out->temp_path_);
+    }
+    out->mapping_ = static_cast<uint8_t*>(mapping);
+    out->mapping_bytes_ = file_bytes;
+    std::memcpy(out->mapping_, header.data(), header.size());
+    return out;
+  }
   absl::Status written =
       WriteAt(out->fd_, header.data(), header.size(), 0, out->temp_path_);
   if (!written.ok()) return written;
@@ -175,6 +192,7 @@ absl::StatusOr<std::unique_ptr<OutputTensorFile>> OutputTensorFile::Create(
 }
 
 OutputTensorFile::~OutputTensorFile() {
+  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
   if (fd_ >= 0) close(fd_);
   if (!committed_ && !temp_path_.empty()) unlink(temp_path_.c_str());
 }
@@ -203,6 +221,10 @@ absl::Status OutputTensorFile::Write(int64_t offset, const void* data,
         const uint64_t begin = static_cast<uint64_t>(slice) * kSliceElements;
         const uint64_t n = std::min(kSliceElements, count - begin);
         const uint64_t at = data_offset_ + (first + begin) * file_size;
+        if (mapping_ != nullptr) {
+          return ConvertElements(in + begin * sent_size, sent_dtype_,
+                                 mapping_ + at, file_dtype_, n);
+        }
         if (file_dtype_ == sent_dtype_) {
           return WriteAt(fd_, in + begin * sent_size, n * sent_size, at,
                          temp_path_);
@@ -226,6 +248,10 @@ absl::Status OutputTensorFile::Commit() {
   if (written_.load() != sent_bytes_) {
     return absl::DataLossError(absl::StrCat(
         path_, ": ", written_.load(), " of ", sent_bytes_, " bytes arrived"));
+  }
+  if (mapping_ != nullptr) {
+    // As with pwrite, the kernel writes the pages back to a disk file later.
+    munmap(std::exchange(mapping_, nullptr), mapping_bytes_);
   }
   const int fd = std::exchange(fd_, -1);
   if (close(fd) != 0) return ErrnoError(errno, "cannot write", temp_path_);

@@ -92,10 +92,19 @@ class OutputTensorFile {
   // no bf16; exact); a safetensors file stores the tensor as sent, named
   // spec.name or else `default_name`. INVALID_ARGUMENT: a dtype the format
   // cannot hold, a bad name; the errno-derived code when the file cannot be
-  // created or written.
+  // created, sized, mapped or written.
+  //
+  // How the data reaches the file: kPwrite converts each slice into a small
+  // buffer and pwrite()s it; kMapped sizes the file first and converts
+  // straight into a shared mapping of it. pwrite was the faster on tmpfs on
+  // a 2-core VM (bench/convert_bench), but tmpfs serializes the writes to one
+  // file on its inode lock while mapped page faults proceed in parallel, so
+  // on many cores the mapping may win: measure with convert_bench.
+  enum class WriteMode { kPwrite, kMapped };
   static absl::StatusOr<std::unique_ptr<OutputTensorFile>> Create(
       const std::string& arg, DType sent_dtype, absl::Span<const int64_t> shape,
-      const std::string& default_name, ConvertPool* pool);
+      const std::string& default_name, ConvertPool* pool,
+      WriteMode mode = WriteMode::kPwrite);
 
   // Removes the temporary file unless Commit succeeded.
   ~OutputTensorFile();
@@ -124,6 +133,9 @@ class OutputTensorFile {
   std::string temp_path_;
   std::string tensor_name_;
   int fd_ = -1;
+  // The whole file, shared, in WriteMode::kMapped; else nullptr.
+  uint8_t* mapping_ = nullptr;
+  uint64_t mapping_bytes_ = 0;
   bool committed_ = false;
   DType sent_dtype_ = DType::kInvalid;
   DType file_dtype_ = DType::kInvalid;

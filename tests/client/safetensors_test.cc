@@ -312,54 +312,62 @@ TEST_F(TempFiles, OutputFileTakesPiecesInAnyOrder) {
   std::vector<uint16_t> bf16(rows * vocab);
   for (uint16_t& v : bf16) v = FloatToBF16(normal(rng));
   ConvertPool pool(2);
-  for (const std::string name :
-       {"grad.npy", "grad.safetensors", "g.safetensors:g2"}) {
-    absl::StatusOr<std::unique_ptr<OutputTensorFile>> out =
-        OutputTensorFile::Create(Path(name), DType::kBFloat16, {rows, vocab},
-                                 "gradient", &pool);
-    ASSERT_TRUE(out.ok()) << out.status();
-    const std::size_t total = bf16.size() * 2;
-    const std::size_t piece = 2 * 40000;
-    std::vector<std::thread> threads;
-    for (int t = 0; t < 2; ++t) {
-      threads.emplace_back([&, t] {
-        // Thread 0 takes even pieces from the back, thread 1 odd ones.
-        const std::size_t pieces = (total + piece - 1) / piece;
-        for (std::size_t i = pieces; i-- > 0;) {
-          if (static_cast<int>(i % 2) != t) continue;
-          const std::size_t offset = i * piece;
-          const std::size_t n = std::min(piece, total - offset);
-          EXPECT_TRUE(
-              (*out)
-                  ->Write(offset,
-                          reinterpret_cast<const char*>(bf16.data()) + offset,
-                          n)
-                  .ok());
-        }
-      });
-    }
-    for (std::thread& thread : threads) thread.join();
-    const std::string spec_path = ParseTensorFileSpec(Path(name)).path;
-    // Nothing at the path until Commit.
-    EXPECT_NE(access(spec_path.c_str(), F_OK), 0);
-    ASSERT_TRUE((*out)->Commit().ok());
-    absl::StatusOr<std::unique_ptr<InputTensor>> back =
-        InputTensor::Open(Path(name));
-    ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_EQ((*back)->shape(), (std::vector<int64_t>{rows, vocab}));
-    if ((*back)->dtype() == DType::kFloat32) {
-      EXPECT_EQ(name, "grad.npy");
-      const uint8_t* data = (*back)->data();
-      for (std::size_t i = 0; i < bf16.size(); ++i) {
-        float value;
-        std::memcpy(&value, data + 4 * i, 4);
-        ASSERT_EQ(value, BF16ToFloat(bf16[i])) << i;
+  for (const auto mode : {OutputTensorFile::WriteMode::kPwrite,
+                          OutputTensorFile::WriteMode::kMapped}) {
+    for (const std::string name :
+         {"grad.npy", "grad.safetensors", "g.safetensors:g2"}) {
+      SCOPED_TRACE(absl::StrCat(
+          name, mode == OutputTensorFile::WriteMode::kMapped ? " mapped"
+                                                             : " pwrite"));
+      const std::string spec_path = ParseTensorFileSpec(Path(name)).path;
+      unlink(spec_path.c_str());  // from the other mode
+      absl::StatusOr<std::unique_ptr<OutputTensorFile>> out =
+          OutputTensorFile::Create(Path(name), DType::kBFloat16, {rows, vocab},
+                                   "gradient", &pool, mode);
+      ASSERT_TRUE(out.ok()) << out.status();
+      const std::size_t total = bf16.size() * 2;
+      const std::size_t piece = 2 * 40000;
+      std::vector<std::thread> threads;
+      for (int t = 0; t < 2; ++t) {
+        threads.emplace_back([&, t] {
+          // Thread 0 takes even pieces from the back, thread 1 odd ones.
+          const std::size_t pieces = (total + piece - 1) / piece;
+          for (std::size_t i = pieces; i-- > 0;) {
+            if (static_cast<int>(i % 2) != t) continue;
+            const std::size_t offset = i * piece;
+            const std::size_t n = std::min(piece, total - offset);
+            EXPECT_TRUE(
+                (*out)
+                    ->Write(offset,
+                            reinterpret_cast<const char*>(bf16.data()) + offset,
+                            n)
+                    .ok());
+          }
+        });
       }
-    } else {
-      EXPECT_EQ((*back)->dtype(), DType::kBFloat16);
-      EXPECT_EQ(std::memcmp((*back)->data(), bf16.data(), total), 0);
-      EXPECT_EQ((*back)->description(),
-                spec_path + (name == "g.safetensors:g2" ? ":g2" : ":gradient"));
+      for (std::thread& thread : threads) thread.join();
+      // Nothing at the path until Commit.
+      EXPECT_NE(access(spec_path.c_str(), F_OK), 0);
+      ASSERT_TRUE((*out)->Commit().ok());
+      absl::StatusOr<std::unique_ptr<InputTensor>> back =
+          InputTensor::Open(Path(name));
+      ASSERT_TRUE(back.ok()) << back.status();
+      EXPECT_EQ((*back)->shape(), (std::vector<int64_t>{rows, vocab}));
+      if ((*back)->dtype() == DType::kFloat32) {
+        EXPECT_EQ(name, "grad.npy");
+        const uint8_t* data = (*back)->data();
+        for (std::size_t i = 0; i < bf16.size(); ++i) {
+          float value;
+          std::memcpy(&value, data + 4 * i, 4);
+          ASSERT_EQ(value, BF16ToFloat(bf16[i])) << i;
+        }
+      } else {
+        EXPECT_EQ((*back)->dtype(), DType::kBFloat16);
+        EXPECT_EQ(std::memcmp((*back)->data(), bf16.data(), total), 0);
+        EXPECT_EQ(
+            (*back)->description(),
+            spec_path + (name == "g.safetensors:g2" ? ":g2" : ":gradient"));
+      }
     }
   }
 }

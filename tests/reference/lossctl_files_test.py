@@ -3,9 +3,10 @@ numpy, as the format describes it) go up, gradients come back into safetensors a
 an independent reader (json + numpy) checks against torch, and dtype conversion on the way is the
 same rounding torch does, bit for bit.
 
-Each transfer runs three ways: over data connections in many small pieces (--stripe_min_bytes and
+Each transfer runs four ways: over data connections in many small pieces (--stripe_min_bytes and
 --piece_bytes lowered, so that the pieces of 4 connections arrive concurrently and out of order),
-over gRPC (--data_connection=false), and with the defaults. Seed random per run, printed, fixed with
+written with pwrite and through a mapping (--write_mode=mmap), over gRPC (--data_connection=false),
+and with the defaults. Seed random per run, printed, fixed with
 LOSSD_FILES_SEED=<seed>."""
 
 import argparse
@@ -27,6 +28,7 @@ SEED_ENV = "LOSSD_FILES_SEED"
 ROWS, VOCAB = 512, 3001  # vocab odd: pieces end inside rows
 TRANSPORTS = {
     "pieces": ["--stripe_min_bytes=1", "--piece_bytes=65536"],
+    "mapped": ["--stripe_min_bytes=1", "--piece_bytes=65536", "--write_mode=mmap"],
     "grpc": ["--data_connection=false"],
     "default": [],
 }
