@@ -248,6 +248,11 @@ def main():
         _, err = ctl.run("eval", path("garbage.safetensors:a"), path("targets.npy"), expect=1)
         check("garbage.safetensors: malformed safetensors header: not valid JSON" in err,
               "garbage header: " + err)
+        _, err = ctl.run("upload", path("targets.npy"), "--dtype=bf16", expect=2)
+        check("targets.npy holds int64, which does not convert to it" in err,
+              "int64 file as bf16: " + err)
+        _, err = ctl.run("download", "0-x", path("x.npy"), "--write_mode=bogus", expect=2)
+        check("--write_mode=bogus: expected pwrite or mmap" in err, "bad --write_mode: " + err)
         out, _ = ctl.run("ls")
         check(out.count("\n") == 1, "tensors left after refused uploads:\n" + out)
         # A failed download leaves no file behind.
