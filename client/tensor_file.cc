@@ -89,10 +89,10 @@ absl::StatusOr<std::unique_ptr<InputTensor>> InputTensor::Open(
   if (!tensor.ok()) return tensor.status();
   input->description_ = absl::StrCat(spec.path, ":", (*tensor)->name);
   if ((*tensor)->dtype == DType::kInvalid) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(input->description_, ": dtype ", (*tensor)->dtype_name,
-                     " is not supported (lossd takes F32, F16, BF16, I32 "
-                     "and I64)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        input->description_, ": dtype ", (*tensor)->dtype_name.substr(0, 40),
+        " is not supported (lossd takes F32, F16, BF16, I32 "
+        "and I64)"));
   }
   input->dtype_ = (*tensor)->dtype;
   input->shape_ = (*tensor)->shape;
