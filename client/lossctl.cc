@@ -29,9 +29,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "client/convert.h"
 #include "client/npy.h"
 #include "client/router.h"
-#include "kernels/cpu/float16.h"
+#include "client/tensor_file.h"
 #include "kernels/status_macros.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
@@ -63,7 +64,7 @@ ABSL_FLAG(bool, progress, false,
           "show progress on stderr even when it is not a terminal");
 
 ABSL_FLAG(std::string, dtype, "",
-          "upload/eval: convert the logits to this dtype before sending "
+          "upload/eval: convert the logits to this dtype while sending "
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
 ABSL_FLAG(bool, data_connection, true,
@@ -100,6 +101,15 @@ ABSL_FLAG(std::string, grad_output, "1",
           "backward: a number, or a float32 [N] .npy of per-token factors");
 ABSL_FLAG(bool, materialize, false,
           "backward: apply the factor on the server now, in place");
+ABSL_FLAG(int64_t, piece_bytes, int64_t{8} << 20,
+          "upload/download: bytes each connection converts and sends, or "
+          "receives and writes, at a time (in [64 KiB, 1 GiB])");
+ABSL_FLAG(int, convert_threads, 0,
+          "threads that convert dtypes and write files besides the "
+          "transfer's own (0 = one per core)");
+ABSL_FLAG(std::string, write_mode, "pwrite",
+          "download: how pieces reach the file: pwrite (from a small buffer "
+          "per thread) or mmap (converted straight into a shared mapping)");
 ABSL_FLAG(int64_t, block_rows, 0,
           "eval: rows per message (0 = as many as fit --chunk_bytes)");
 
@@ -115,20 +125,29 @@ usage: lossctl [--server=host:port[,host:port...] | --server=dns:///NAME:PORT]
 commands:
   health                         liveness and readiness of each server
   info                           instance id, device, memory of each
-  upload FILE.npy                store a tensor; prints its handle
-         [--dtype=bf16] [--label=TEXT] [--near=HANDLE]
+  upload FILE                    store a tensor; prints its handle. FILE is
+         [--dtype=bf16]          FILE.npy, FILE.safetensors (its only
+         [--label=TEXT]          tensor) or FILE.safetensors:NAME; --dtype
+         [--near=HANDLE]         converts float data on the way (all cores)
   forward LOGITS TARGETS         cross entropy; TARGETS is a handle or an
          [--reduction --ignore_index --label_smoothing --z_loss_scale
           --softcap --weights --mode --normalizer --grad_scale]
-                                 int32/int64 .npy file sent inline
+                                 int32/int64 tensor file sent inline
   backward HANDLE                record grad_output for a gradient
-         [--grad_output=X|FILE.npy] [--materialize]
-  download HANDLE OUT.npy        fetch a tensor (bf16 is written as float32)
-         [--dtype]
+         [--grad_output=X|FILE]  (FILE: a float32 [N] tensor file)
+         [--materialize]
+  download HANDLE OUT            fetch a tensor into OUT.npy (bf16 is
+         [--dtype]               written as float32) or OUT.safetensors[:NAME]
+                                 (written as sent, bf16 included; NAME
+                                 defaults to the tensor's label, else
+                                 "gradient" or "tensor")
   ls                             list tensors
   rm HANDLE...                   release tensors
-  eval LOGITS.npy TARGETS.npy    stream the files to Evaluate; prints loss
+  eval LOGITS TARGETS            stream the files to Evaluate; prints loss
          [loss options] [--block_rows] [--dtype] [--progress]
+
+Files are mapped, not read whole; conversion and writing run on all cores
+(--convert_threads) while the pieces (--piece_bytes) are in flight.
 )";
 
 // A one-line progress bar on stderr, redrawn at most ten times a second.
@@ -220,6 +239,11 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   if (stripe_min < 0) return UsageError("--stripe_min_bytes must be >= 0");
   options.client.stripe_min_bytes = static_cast<std::size_t>(stripe_min);
   options.client.data_connection = absl::GetFlag(FLAGS_data_connection);
+  const int64_t piece = absl::GetFlag(FLAGS_piece_bytes);
+  if (piece < (int64_t{64} << 10) || piece > (int64_t{1} << 30)) {
+    return UsageError("--piece_bytes must be in [64 KiB, 1 GiB]");
+  }
+  options.client.piece_bytes = static_cast<std::size_t>(piece);
   options.client.bearer_token = absl::GetFlag(FLAGS_token);
   const std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (!token_file.empty()) {
@@ -286,53 +310,6 @@ absl::StatusOr<DType> DTypeFlag(DType fallback) {
   return DTypeFromString(name);
 }
 
-// Converts `count` elements between float dtypes (or copies when equal).
-// Integer conversions are limited to int64 -> int32 with a range check.
-absl::Status ConvertElements(const void* src, DType from, void* dst, DType to,
-                             uint64_t count) {
-  if (from == to) {
-    std::memcpy(dst, src, count * DTypeSize(from));
-    return absl::OkStatus();
-  }
-  if (IsLogitsDType(from) && IsLogitsDType(to)) {
-    for (uint64_t i = 0; i < count; ++i) {
-      float value;
-      if (from == DType::kFloat32) {
-        std::memcpy(&value, static_cast<const char*>(src) + 4 * i, 4);
-      } else {
-        uint16_t bits;
-        std::memcpy(&bits, static_cast<const char*>(src) + 2 * i, 2);
-        value =
-            from == DType::kBFloat16 ? BF16ToFloat(bits) : HalfToFloat(bits);
-      }
-      if (to == DType::kFloat32) {
-        std::memcpy(static_cast<char*>(dst) + 4 * i, &value, 4);
-      } else {
-        const uint16_t bits =
-            to == DType::kBFloat16 ? FloatToBF16(value) : FloatToHalf(value);
-        std::memcpy(static_cast<char*>(dst) + 2 * i, &bits, 2);
-      }
-    }
-    return absl::OkStatus();
-  }
-  if (from == DType::kInt64 && to == DType::kInt32) {
-    for (uint64_t i = 0; i < count; ++i) {
-      int64_t value;
-      std::memcpy(&value, static_cast<const char*>(src) + 8 * i, 8);
-      if (value < std::numeric_limits<int32_t>::min() ||
-          value > std::numeric_limits<int32_t>::max()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("element ", i, " = ", value, " does not fit int32"));
-      }
-      const int32_t narrow = static_cast<int32_t>(value);
-      std::memcpy(static_cast<char*>(dst) + 4 * i, &narrow, 4);
-    }
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "cannot convert ", DTypeString(from), " to ", DTypeString(to)));
-}
-
 // With several servers each line starts with the server's address.
 absl::Status Health(RoutingClient& client) {
   const auto live = client.Health("");
@@ -384,36 +361,46 @@ absl::Status Info(RoutingClient& client) {
   return first_error;
 }
 
+// The conversion threads of this process, made on first use.
+ConvertPool& Pool() {
+  static ConvertPool* pool =
+      new ConvertPool(absl::GetFlag(FLAGS_convert_threads));
+  return *pool;
+}
+
+double Rate(double bytes, double seconds) {
+  return bytes / 1e9 / std::max(seconds, 1e-9);
+}
+
 absl::Status Upload(RoutingClient& client,
                     const std::vector<std::string>& args) {
-  if (args.size() != 1) return UsageError("lossctl upload FILE.npy");
-  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> file, NpyFile::Open(args[0]));
-  const NpyHeader& header = file->header();
-  ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(header.dtype));
-  const void* data = file->data();
-  std::vector<uint8_t> converted;
-  if (dtype != header.dtype) {
-    converted.resize(header.elements * DTypeSize(dtype));
-    RETURN_IF_ERROR(ConvertElements(file->data(), header.dtype,
-                                    converted.data(), dtype, header.elements));
-    data = converted.data();
+  if (args.size() != 1) {
+    return UsageError("lossctl upload FILE.npy|FILE.safetensors[:NAME]");
   }
-  const std::size_t bytes = header.elements * DTypeSize(dtype);
-  ProgressBar bar("upload", "MB", 1e6);
   const absl::Time start = absl::Now();
-  const std::string near = absl::GetFlag(FLAGS_near);
-  ASSIGN_OR_RETURN(
-      const TensorInfo info,
-      near.empty()
-          ? client.Upload(dtype, header.shape, data, bytes,
-                          absl::GetFlag(FLAGS_label), bar.Callback())
-          : client.UploadColocated(near, dtype, header.shape, data, bytes,
-                                   absl::GetFlag(FLAGS_label), bar.Callback()));
+  ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> input,
+                   InputTensor::Open(args[0]));
+  ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(input->dtype()));
+  if (!CanConvert(input->dtype(), dtype)) {
+    return UsageError(absl::StrCat(
+        "--dtype=", DTypeString(dtype), ": ", input->description(), " holds ",
+        DTypeString(input->dtype()), ", which does not convert to it"));
+  }
+  // The file is read, converted and sent piece by piece, all at once.
+  const std::size_t bytes = input->elements() * DTypeSize(dtype);
+  ProgressBar bar("upload", "MB", 1e6);
+  ASSIGN_OR_RETURN(const TensorInfo info,
+                   client.UploadFrom(dtype, input->shape(),
+                                     MakeUploadSource(*input, dtype, &Pool()),
+                                     absl::GetFlag(FLAGS_label), bar.Callback(),
+                                     absl::GetFlag(FLAGS_near)));
   bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::fprintf(stderr, "uploaded %s %s, %zu bytes in %.3f s\n",
-               DTypeString(dtype), ShapeString(header.shape).c_str(), bytes,
-               seconds);
+  std::fprintf(stderr,
+               "uploaded %s as %s %s, %zu bytes in %.3f s (%.2f GB/s)\n",
+               input->description().c_str(), DTypeString(dtype),
+               ShapeString(input->shape()).c_str(), bytes, seconds,
+               Rate(bytes, seconds));
   std::printf("%s\n", info.handle.c_str());
   return absl::OkStatus();
 }
@@ -421,19 +408,20 @@ absl::Status Upload(RoutingClient& client,
 absl::Status Forward(RoutingClient& client,
                      const std::vector<std::string>& args) {
   if (args.size() != 2) {
-    return UsageError("lossctl forward LOGITS_HANDLE TARGETS(handle|.npy)");
+    return UsageError(
+        "lossctl forward LOGITS_HANDLE TARGETS(handle|.npy|.safetensors)");
   }
   ForwardOptions options;
   ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
   ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
   options.class_weights = absl::GetFlag(FLAGS_weights);
   options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
-  std::unique_ptr<NpyFile> targets_file;
+  std::unique_ptr<InputTensor> targets_file;
   Targets targets = Targets::Handle(args[1]);
-  if (absl::EndsWith(args[1], ".npy")) {
-    ASSIGN_OR_RETURN(targets_file, NpyFile::Open(args[1]));
-    targets = Targets::Inline(targets_file->header().dtype,
-                              targets_file->data(), targets_file->data_bytes());
+  if (LooksLikeTensorFile(args[1])) {
+    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[1]));
+    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
+                              targets_file->bytes());
   }
   ASSIGN_OR_RETURN(const ForwardResult result,
                    client.Forward(args[0], targets, options));
@@ -456,21 +444,23 @@ absl::Status Backward(RoutingClient& client,
   const std::string grad_output = absl::GetFlag(FLAGS_grad_output);
   const bool materialize = absl::GetFlag(FLAGS_materialize);
   BackwardResult result;
-  if (absl::EndsWith(grad_output, ".npy")) {
-    ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> file, NpyFile::Open(grad_output));
-    if (file->header().dtype != DType::kFloat32 ||
-        file->header().shape.size() != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(grad_output, ": expected a float32 [N] array"));
+  if (LooksLikeTensorFile(grad_output)) {
+    ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> file,
+                     InputTensor::Open(grad_output));
+    if (file->dtype() != DType::kFloat32 || file->shape().size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file->description(), ": expected a float32 [N] array, got ",
+          DTypeString(file->dtype()), " ", ShapeString(file->shape())));
     }
-    std::vector<float> values(file->header().elements);
-    std::memcpy(values.data(), file->data(), file->data_bytes());
+    std::vector<float> values(file->elements());
+    std::memcpy(values.data(), file->data(), file->bytes());
     ASSIGN_OR_RETURN(result, client.Backward(args[0], values, materialize));
   } else {
     double scalar;
     if (!absl::SimpleAtod(grad_output, &scalar)) {
-      return UsageError(absl::StrCat("--grad_output=", grad_output,
-                                     ": expected a number or a .npy file"));
+      return UsageError(
+          absl::StrCat("--grad_output=", grad_output,
+                       ": expected a number, a .npy or a .safetensors file"));
     }
     ASSIGN_OR_RETURN(result, client.Backward(args[0], scalar, materialize));
   }
@@ -482,43 +472,61 @@ absl::Status Backward(RoutingClient& client,
   return absl::OkStatus();
 }
 
+// The name of a downloaded tensor in a safetensors file without :NAME.
+std::string DefaultTensorName(const TensorInfo& info) {
+  if (!info.label.empty()) return info.label;
+  return info.state == TensorState::kGradient ? "gradient" : "tensor";
+}
+
 absl::Status Download(RoutingClient& client,
                       const std::vector<std::string>& args) {
-  if (args.size() != 2) return UsageError("lossctl download HANDLE OUT.npy");
+  if (args.size() != 2) {
+    return UsageError("lossctl download HANDLE OUT.npy|OUT.safetensors[:NAME]");
+  }
   ASSIGN_OR_RETURN(const DType as_dtype, DTypeFlag(DType::kInvalid));
-  std::unique_ptr<NpyWriter> writer;
-  DType sent_dtype = DType::kInvalid;
-  // A chunk may end inside a 2-byte bf16 element; the odd byte waits here.
-  std::vector<uint8_t> carry;
-  std::vector<uint8_t> widened;
+  const std::string write_mode = absl::GetFlag(FLAGS_write_mode);
+  if (write_mode != "pwrite" && write_mode != "mmap") {
+    return UsageError(
+        absl::StrCat("--write_mode=", write_mode, ": expected pwrite or mmap"));
+  }
+  const OutputTensorFile::WriteMode mode =
+      write_mode == "mmap" ? OutputTensorFile::WriteMode::kMapped
+                           : OutputTensorFile::WriteMode::kPwrite;
+  std::unique_ptr<OutputTensorFile> out;
   ProgressBar bar("download", "MB", 1e6);
-  RETURN_IF_ERROR(client.DownloadStream(
-      args[0], as_dtype,
-      [&](const TensorInfo& info) -> absl::Status {
-        sent_dtype = info.dtype;
-        // numpy has no bf16: store the exact float32 values instead.
-        const DType file_dtype =
-            info.dtype == DType::kBFloat16 ? DType::kFloat32 : info.dtype;
-        ASSIGN_OR_RETURN(writer,
-                         NpyWriter::Create(args[1], file_dtype, info.shape));
-        return absl::OkStatus();
-      },
-      [&](const void* data, std::size_t bytes) -> absl::Status {
-        if (sent_dtype != DType::kBFloat16) return writer->Append(data, bytes);
-        const uint8_t* p = static_cast<const uint8_t*>(data);
-        carry.insert(carry.end(), p, p + bytes);
-        const std::size_t elements = carry.size() / 2;
-        widened.resize(elements * 4);
-        RETURN_IF_ERROR(ConvertElements(carry.data(), DType::kBFloat16,
-                                        widened.data(), DType::kFloat32,
-                                        elements));
-        carry.erase(carry.begin(), carry.begin() + elements * 2);
-        return writer->Append(widened.data(), widened.size());
-      },
-      bar.Callback()));
+  const absl::Time start = absl::Now();
+  // Pieces are converted and written at their place in the file as they
+  // arrive over the connections, concurrently.
+  ASSIGN_OR_RETURN(
+      const TensorInfo info,
+      client.DownloadTo(
+          args[0], as_dtype,
+          [&](const TensorInfo& header) -> absl::Status {
+            ASSIGN_OR_RETURN(out,
+                             OutputTensorFile::Create(
+                                 args[1], header.dtype, header.shape,
+                                 DefaultTensorName(header), &Pool(), mode));
+            return absl::OkStatus();
+          },
+          [&](int64_t offset, const void* data,
+              std::size_t bytes) -> absl::Status {
+            if (out == nullptr) {
+              return absl::InternalError("download data before its header");
+            }
+            return out->Write(offset, data, bytes);
+          },
+          bar.Callback()));
   bar.Done();
-  RETURN_IF_ERROR(writer->Close());
-  std::fprintf(stderr, "wrote %s\n", args[1].c_str());
+  if (out == nullptr) return absl::InternalError("download without a header");
+  RETURN_IF_ERROR(out->Commit());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::fprintf(
+      stderr,
+      "wrote %s%s%s as %s %s, %lld bytes received in %.3f s (%.2f GB/s)\n",
+      out->path().c_str(), out->tensor_name().empty() ? "" : ":",
+      out->tensor_name().c_str(), DTypeString(out->file_dtype()),
+      ShapeString(info.shape).c_str(), static_cast<long long>(info.bytes),
+      seconds, Rate(info.bytes, seconds));
   return absl::OkStatus();
 }
 
@@ -590,29 +598,36 @@ absl::Status Remove(RoutingClient& client,
 }
 
 absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
-  if (args.size() != 2)
-    return UsageError("lossctl eval LOGITS.npy TARGETS.npy");
-  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> logits, NpyFile::Open(args[0]));
-  ASSIGN_OR_RETURN(std::unique_ptr<NpyFile> targets, NpyFile::Open(args[1]));
-  const NpyHeader& lh = logits->header();
-  const NpyHeader& th = targets->header();
-  if (lh.shape.size() != 2 || !IsLogitsDType(lh.dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(args[0], ": expected float32/float16 logits [N, V], got ",
-                     DTypeString(lh.dtype), " ", ShapeString(lh.shape)));
+  if (args.size() != 2) {
+    return UsageError(
+        "lossctl eval LOGITS(.npy|.safetensors[:NAME]) "
+        "TARGETS(.npy|.safetensors[:NAME])");
   }
-  if (th.shape.size() != 1 || !IsTargetsDType(th.dtype) ||
-      th.shape[0] != lh.shape[0]) {
+  ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> logits,
+                   InputTensor::Open(args[0]));
+  ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> targets,
+                   InputTensor::Open(args[1]));
+  if (logits->shape().size() != 2 || !IsLogitsDType(logits->dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        args[1], ": expected int32/int64 targets [", lh.shape[0], "], got ",
-        DTypeString(th.dtype), " ", ShapeString(th.shape)));
+        logits->description(),
+        ": expected float32/bf16/float16 logits [N, V], got ",
+        DTypeString(logits->dtype()), " ", ShapeString(logits->shape())));
   }
-  const int64_t rows = lh.shape[0];
-  const int64_t vocab = lh.shape[1];
+  if (targets->shape().size() != 1 || !IsTargetsDType(targets->dtype()) ||
+      targets->shape()[0] != logits->shape()[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        targets->description(), ": expected int32/int64 targets [",
+        logits->shape()[0], "], got ", DTypeString(targets->dtype()), " ",
+        ShapeString(targets->shape())));
+  }
+  const int64_t rows = logits->shape()[0];
+  const int64_t vocab = logits->shape()[1];
   if (vocab < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(args[0], ": vocab is 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(logits->description(), ": vocab is 0"));
   }
-  ASSIGN_OR_RETURN(const DType send_dtype, DTypeFlag(lh.dtype));
+  const DType file_dtype = logits->dtype();
+  ASSIGN_OR_RETURN(const DType send_dtype, DTypeFlag(file_dtype));
   if (!IsLogitsDType(send_dtype)) {
     return UsageError("--dtype for eval must be float32, bf16 or float16");
   }
@@ -620,9 +635,9 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
   options.class_weights = absl::GetFlag(FLAGS_weights);
   options.total_rows = rows;
-  const std::size_t file_row_bytes = vocab * DTypeSize(lh.dtype);
+  const std::size_t file_row_bytes = vocab * DTypeSize(file_dtype);
   const std::size_t send_row_bytes = vocab * DTypeSize(send_dtype);
-  const std::size_t target_bytes = DTypeSize(th.dtype);
+  const std::size_t target_bytes = DTypeSize(targets->dtype());
   int64_t block_rows = absl::GetFlag(FLAGS_block_rows);
   if (block_rows <= 0) {
     block_rows = std::max<int64_t>(
@@ -636,21 +651,26 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(
       const EvaluateResult result,
       client.Evaluate(
-          vocab, send_dtype, th.dtype, options,
+          vocab, send_dtype, targets->dtype(), options,
           [&](RowBlock* block) -> absl::StatusOr<bool> {
             if (next_row >= rows) return false;
             const int64_t n = std::min(block_rows, rows - next_row);
             const char* src = logits_data + next_row * file_row_bytes;
-            if (send_dtype == lh.dtype) {
-              block->logits.assign(src, n * file_row_bytes);
+            // The mapping stays unchanged until Evaluate returns, so blocks
+            // that need no conversion are sent from it, uncopied.
+            block->targets_view = absl::string_view(
+                targets_data + next_row * target_bytes, n * target_bytes);
+            if (send_dtype == file_dtype) {
+              block->logits_view = absl::string_view(src, n * file_row_bytes);
             } else {
+              block->logits_view = absl::string_view();
               block->logits.resize(n * send_row_bytes);
-              RETURN_IF_ERROR(ConvertElements(
-                  src, lh.dtype, block->logits.data(), send_dtype,
-                  static_cast<uint64_t>(n) * vocab));
+              RETURN_IF_ERROR(Pool().Convert(src, file_dtype,
+                                             block->logits.data(), send_dtype,
+                                             static_cast<uint64_t>(n) * vocab));
+              block->targets.assign(block->targets_view.data(),
+                                    block->targets_view.size());
             }
-            block->targets.assign(targets_data + next_row * target_bytes,
-                                  n * target_bytes);
             next_row += n;
             return true;
           },

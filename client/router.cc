@@ -479,6 +479,16 @@ absl::StatusOr<T> RoutingClient::OnOwner(const std::string& handle,
   return result;
 }
 
+void RoutingClient::NoteUpload(Endpoint& endpoint, const TensorInfo& info) {
+  absl::MutexLock lock(&mu_);
+  // Keeps a cached figure (server_info_max_age > 0) roughly current.
+  endpoint.info.free_bytes -= info.bytes;
+  absl::StatusOr<std::string> instance = InstanceOf(info.handle);
+  if (!instance.ok() || *instance != endpoint.instance_id) {
+    endpoint.probed = absl::InfinitePast();  // restarted since the probe
+  }
+}
+
 absl::StatusOr<TensorInfo> RoutingClient::Upload(
     DType dtype, absl::Span<const int64_t> shape, const void* data,
     std::size_t bytes, const std::string& label,
@@ -488,13 +498,7 @@ absl::StatusOr<TensorInfo> RoutingClient::Upload(
         ASSIGN_OR_RETURN(TensorInfo info,
                          endpoint.client->Upload(dtype, shape, data, bytes,
                                                  label, progress));
-        absl::MutexLock lock(&mu_);
-        // Keeps a cached figure (server_info_max_age > 0) roughly current.
-        endpoint.info.free_bytes -= info.bytes;
-        absl::StatusOr<std::string> instance = InstanceOf(info.handle);
-        if (!instance.ok() || *instance != endpoint.instance_id) {
-          endpoint.probed = absl::InfinitePast();  // restarted since the probe
-        }
+        NoteUpload(endpoint, info);
         return info;
       });
 }
@@ -505,6 +509,34 @@ absl::StatusOr<TensorInfo> RoutingClient::UploadColocated(
     const ProgressCallback& progress) {
   return OnOwner<TensorInfo>(near, [&](Client& client) {
     return client.Upload(dtype, shape, data, bytes, label, progress);
+  });
+}
+
+absl::StatusOr<TensorInfo> RoutingClient::UploadFrom(
+    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
+    const std::string& label, const ProgressCallback& progress,
+    const std::string& near) {
+  if (!near.empty()) {
+    return OnOwner<TensorInfo>(near, [&](Client& client) {
+      return client.UploadFrom(dtype, shape, source, label, progress);
+    });
+  }
+  return OnBest<TensorInfo>(
+      [&](Endpoint& endpoint) -> absl::StatusOr<TensorInfo> {
+        ASSIGN_OR_RETURN(
+            TensorInfo info,
+            endpoint.client->UploadFrom(dtype, shape, source, label, progress));
+        NoteUpload(endpoint, info);
+        return info;
+      });
+}
+
+absl::StatusOr<TensorInfo> RoutingClient::DownloadTo(
+    const std::string& handle, DType as_dtype,
+    const std::function<absl::Status(const TensorInfo&)>& on_header,
+    const DownloadSink& sink, const ProgressCallback& progress) {
+  return OnOwner<TensorInfo>(handle, [&](Client& client) {
+    return client.DownloadTo(handle, as_dtype, on_header, sink, progress);
   });
 }
 

@@ -110,7 +110,19 @@ class RoutingClient {
       const void* data, std::size_t bytes, const std::string& label = "",
       const ProgressCallback& progress = nullptr);
 
+  // Client::UploadFrom, placed as Upload (the source may be asked again for
+  // the same pieces when an instance is found UNAVAILABLE and the next one is
+  // tried), or on the instance holding `near` when it is not empty.
+  absl::StatusOr<TensorInfo> UploadFrom(
+      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
+      const std::string& label = "", const ProgressCallback& progress = nullptr,
+      const std::string& near = "");
+
   // The handle methods of Client, sent to the handle's owner.
+  absl::StatusOr<TensorInfo> DownloadTo(
+      const std::string& handle, DType as_dtype,
+      const std::function<absl::Status(const TensorInfo&)>& on_header,
+      const DownloadSink& sink, const ProgressCallback& progress = nullptr);
   absl::Status DownloadStream(
       const std::string& handle, DType as_dtype,
       const std::function<absl::Status(const TensorInfo&)>& on_header,
@@ -195,6 +207,9 @@ class RoutingClient {
   // learns of restarts and turns "left DNS" into NOT_FOUND.
   absl::Status Diagnose(Endpoint& endpoint, const std::string& handle,
                         absl::Status status);
+  // Bookkeeping after an upload placed on `endpoint` succeeded.
+  void NoteUpload(Endpoint& endpoint, const TensorInfo& info)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `call` on the best placed endpoint, moving on after UNAVAILABLE.
   template <typename T, typename Call>
   absl::StatusOr<T> OnBest(const Call& call);

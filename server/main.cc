@@ -5,12 +5,24 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "server/flags.h"
 #include "server/server.h"
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "lossd [--port=50051] [--device=auto|cpu|cuda] [--memory_budget=8G] ...");
+  // --help and --helpshort list the flags of files that look like the
+  // program's main file (".../lossd.cc" by absl's default); lossd's are all
+  // in server/flags.cc. --helpfull still adds those of gRPC and absl.
+  absl::FlagsUsageConfig usage;
+  const auto lossd_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/flags.cc");
+  };
+  usage.contains_help_flags = lossd_flags;
+  usage.contains_helpshort_flags = lossd_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 
   // Blocked before any thread starts, so that every thread inherits the mask
