@@ -279,9 +279,11 @@ void RunShape(const Shape& s, int reps, cublasHandle_t blas, std::string* md) {
   const Variant variants[] = {
       {"split-dW (default)", LinearPrecision::kSplitWeight, 0},
       {"split-dW", LinearPrecision::kSplitWeight, 2048},
-      {"split-dW", LinearPrecision::kSplitWeight, 8192},
+      {"split-dW", LinearPrecision::kSplitWeight, 1024},
       {"split-dW+dX", LinearPrecision::kSplitBoth, 0},
+      {"fp32 logits, bf16 G", LinearPrecision::kFp32Logits, 0},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 0},
+      {"fast (bf16 Z and G)", LinearPrecision::kFast, 2048},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 4096},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 8192},
   };

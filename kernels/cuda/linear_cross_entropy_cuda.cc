@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -167,7 +169,8 @@ struct ChunkGemms {
 struct Layout {
   LinearPrecision precision;
   bool logits_fp32;   // Z (and G) held in fp32
-  bool split;         // G split into hi + lo (16-bit inputs, fp32 Z)
+  bool split;         // G copied to 16 bits (hi) for the products
+  bool lo;            // ... and its remainder (lo) too, for dW
   bool dx_fp32_temp;  // dX accumulated in fp32, then converted
   std::size_t row_bytes;
 };
@@ -181,17 +184,20 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
   const bool fp32 = args.dtype == DType::kFloat32;
   l.logits_fp32 = fp32 || l.precision != LinearPrecision::kFast;
   l.split = !fp32 && l.precision != LinearPrecision::kFast;
+  l.lo = l.split && l.precision != LinearPrecision::kFp32Logits;
   l.dx_fp32_temp = l.split && l.precision == LinearPrecision::kSplitBoth;
   const std::size_t v = static_cast<std::size_t>(args.vocab);
-  l.row_bytes = AlignUp(v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
-  if (l.split) l.row_bytes += 2 * v * 2;
-  if (l.dx_fp32_temp) l.row_bytes += static_cast<std::size_t>(args.hidden) * 4;
+  const std::size_t h = static_cast<std::size_t>(args.hidden);
+  l.row_bytes = v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype));
+  if (l.split) l.row_bytes += (l.lo ? 2 : 1) * v * 2;
+  if (l.lo) l.row_bytes += 2 * h * 2;  // X stacked twice
+  if (l.dx_fp32_temp) l.row_bytes += h * 4;
   return l;
 }
 
 // Offsets of the workspace block's parts.
 struct Parts {
-  std::size_t prepare, results, ce, logits, hi, lo, dx, lt, total;
+  std::size_t prepare, results, ce, logits, hi, x2, dx, lt, total;
 };
 
 Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
@@ -208,10 +214,13 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   at += AlignUp(CrossEntropyCudaWorkspaceBytes(chunk_rows));
   p.logits = at;
   at += AlignUp(c * v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
+  // hi and lo of a chunk of `count` rows are one [2 count, V] matrix (lo
+  // right after hi), so that dW takes both in one product of depth 2 count
+  // against X stacked twice (x2, [2 count, H]).
   p.hi = at;
-  if (l.split) at += AlignUp(c * v * 2);
-  p.lo = at;
-  if (l.split) at += AlignUp(c * v * 2);
+  if (l.split) at += AlignUp(c * v * 2 * (l.lo ? 2 : 1));
+  p.x2 = at;
+  if (l.lo) at += AlignUp(2 * c * args.hidden * DTypeSize(args.dtype));
   p.dx = at;
   if (l.dx_fp32_temp) at += AlignUp(c * args.hidden * 4);
   p.lt = at;
@@ -258,6 +267,28 @@ absl::Status BuildGemms(cublasLtHandle_t handle,
   return absl::OkStatus();
 }
 
+// The products of a shape, planned once per thread and kept: the heuristic
+// query costs host time, and a fixed algorithm per shape keeps the bits.
+absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
+    cublasLtHandle_t handle, const LinearCrossEntropyArgs& args,
+    const Layout& l, int64_t rows) {
+  using Key = std::tuple<cublasLtHandle_t, int, int64_t, int64_t, int64_t, int,
+                         bool, bool>;
+  thread_local std::map<Key, std::shared_ptr<const ChunkGemms>> cache;
+  const Key key(handle, static_cast<int>(args.dtype), args.hidden, args.vocab,
+                rows, static_cast<int>(l.precision),
+                args.accumulate != AccumulateMode::kNone,
+                args.dx_mode != GradientMode::kNone);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  // Shapes seen long ago go; a caller keeps its own products alive.
+  if (cache.size() >= 64) cache.clear();
+  auto gemms = std::make_shared<ChunkGemms>();
+  RETURN_IF_ERROR(BuildGemms(handle, args, l, rows, gemms.get()));
+  cache.emplace(key, gemms);
+  return std::shared_ptr<const ChunkGemms>(gemms);
+}
+
 }  // namespace
 
 LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
@@ -302,19 +333,37 @@ absl::Status LinearCrossEntropyCuda(
   auto* chunk_results =
       reinterpret_cast<CrossEntropyCudaResult*>(block + parts.results);
   void* logits = block + parts.logits;
-  void* hi = block + parts.hi;
-  void* lo = block + parts.lo;
+  char* hi = block + parts.hi;
+  char* x2 = block + parts.x2;
   float* dx_temp = reinterpret_cast<float*>(block + parts.dx);
   void* lt_workspace = block + parts.lt;
 
   // Everything below runs in `status`'s shadow so that the block is always
-  // freed; the first error stops the enqueueing.
+  // freed; the first error stops the enqueueing. The products are planned
+  // (or found planned) first, while the GPU has nothing of ours to wait on.
+  const int64_t tail_rows = args.rows - (chunks - 1) * chunk_rows;
+  std::shared_ptr<const ChunkGemms> full, tail;
+  absl::Status status = absl::OkStatus();
+  if (args.rows > 0) {
+    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
+        CachedGemms(handle, args, l, chunk_rows);
+    status = built.status();
+    if (status.ok()) full = tail = *built;
+  }
+  if (status.ok() && chunks > 1 && tail_rows != chunk_rows) {
+    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
+        CachedGemms(handle, args, l, tail_rows);
+    status = built.status();
+    if (status.ok()) tail = *built;
+  }
   LinearPrepareResult host_prepare = {};
-  absl::Status status = CudaStatus(
-      LinearPrepareLaunch(args.targets, args.targets_dtype, args.rows,
-                          args.vocab, args.options.ignore_index,
-                          args.class_weights, prepare, stream),
-      "linear_cross_entropy: target check");
+  if (status.ok()) {
+    status = CudaStatus(
+        LinearPrepareLaunch(args.targets, args.targets_dtype, args.rows,
+                            args.vocab, args.options.ignore_index,
+                            args.class_weights, prepare, stream),
+        "linear_cross_entropy: target check");
+  }
   if (status.ok()) {
     status =
         CudaStatus(cudaMemcpyAsync(&host_prepare, prepare, sizeof(host_prepare),
@@ -362,21 +411,12 @@ absl::Status LinearCrossEntropyCuda(
     }
   }
 
-  ChunkGemms full, tail;
-  if (status.ok() && args.rows > 0) {
-    status = BuildGemms(handle, args, l, chunk_rows, &full);
-  }
-  const int64_t tail_rows = args.rows - (chunks - 1) * chunk_rows;
-  if (status.ok() && chunks > 1 && tail_rows != chunk_rows) {
-    status = BuildGemms(handle, args, l, tail_rows, &tail);
-  }
-
   const std::size_t es = DTypeSize(args.dtype);
   const std::size_t ts = DTypeSize(args.targets_dtype);
   for (int64_t chunk = 0; status.ok() && chunk < chunks; ++chunk) {
     const int64_t row0 = chunk * chunk_rows;
     const int64_t count = std::min(chunk_rows, args.rows - row0);
-    const ChunkGemms& g = count == chunk_rows ? full : tail;
+    const ChunkGemms& g = count == chunk_rows ? *full : *tail;
     const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
     const DType z_dtype = l.logits_fp32 ? DType::kFloat32 : args.dtype;
     status =
@@ -415,12 +455,25 @@ absl::Status LinearCrossEntropyCuda(
                                  ? args.token_grad_output + row0
                                  : nullptr;
     const void* grad = logits;  // the products' G
+    char* lo = hi + count * args.vocab * 2;
     if (l.split) {
       status = CudaStatus(
           SplitGradientLaunch(static_cast<const float*>(logits), row_scale,
-                              count, args.vocab, args.dtype, hi, lo, stream),
+                              count, args.vocab, args.dtype, hi,
+                              l.lo ? lo : nullptr, stream),
           "linear_cross_entropy: split");
       grad = hi;
+      const std::size_t x_bytes = count * args.hidden * es;
+      if (status.ok() && l.lo && want_dw) {
+        status = CudaStatus(
+            cudaMemcpyAsync(x2, x, x_bytes, cudaMemcpyDeviceToDevice, stream),
+            "linear_cross_entropy: X stack");
+      }
+      if (status.ok() && l.lo && want_dw) {
+        status = CudaStatus(cudaMemcpyAsync(x2 + x_bytes, x, x_bytes,
+                                            cudaMemcpyDeviceToDevice, stream),
+                            "linear_cross_entropy: X stack");
+      }
     } else if (row_scale != nullptr) {
       status = CudaStatus(
           RowScaleLaunch(logits, z_dtype, row_scale, count, args.vocab, stream),
@@ -437,12 +490,8 @@ absl::Status LinearCrossEntropyCuda(
     }
     const float beta = overwrite && chunk == 0 ? 0.0f : 1.0f;
     if (status.ok() && want_dw) {
-      status = g.grad_weight.Run(alpha, x, grad, beta, args.grad_weight,
-                                 lt_workspace, stream);
-      if (status.ok() && l.split) {
-        status = g.grad_weight.Run(alpha, x, lo, 1.0f, args.grad_weight,
-                                   lt_workspace, stream);
-      }
+      status = g.grad_weight.Run(alpha, l.lo ? x2 : x, grad, beta,
+                                 args.grad_weight, lt_workspace, stream);
     }
     if (status.ok() && want_dx) {
       // X's chunk has been read by dW above: dX may overwrite it now.

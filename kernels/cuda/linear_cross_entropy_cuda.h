@@ -20,9 +20,9 @@ namespace lossd {
 enum class LinearPrecision : int {
   kAuto = 0,  // kSplitWeight
   // Z in fp32 (cuBLASLt, fp32 out), the cross-entropy in place on fp32, G
-  // split into 16-bit hi + lo: dW = hi^T X + lo^T X (two bf16 products, fp32
-  // accumulator, ~5e-6 from an fp32 reference), dX = hi W (one product;
-  // G rounded to 16 bits as the peers do, ~1e-3).
+  // split into 16-bit hi + lo: dW = [hi; lo]^T [X; X] (one bf16 product of
+  // twice the depth, fp32 accumulator: 3e-6 to 1e-5 from an fp32 reference),
+  // dX = hi W (one product; G rounded to 16 bits as the peers do, ~2e-3).
   kSplitWeight = 1,
   // As kSplitWeight, and dX = hi W + lo W too (fp32 intermediate, one
   // rounding to the dtype at the end).
@@ -30,6 +30,9 @@ enum class LinearPrecision : int {
   // Z in the input dtype, the cross-entropy in place on it, G in that dtype:
   // the three products alone (the peers' precision, dW ~1e-3).
   kFast = 3,
+  // Z and the cross-entropy in fp32 as kSplitWeight, G rounded once to 16
+  // bits (hi only): the three products, the logits kept exact.
+  kFp32Logits = 4,
 };
 
 // Tuning and precision; 0 fields mean "choose".

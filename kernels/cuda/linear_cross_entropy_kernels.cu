@@ -4,6 +4,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 
 namespace lossd {
@@ -119,6 +122,41 @@ __global__ void SplitKernel(const float* g, const float* row_scale,
   }
 }
 
+// The same four elements at a time (16-byte loads, 8-byte stores), for
+// total % 4 == 0 with aligned buffers: the split is a pure stream over the
+// chunk, so its width sets its speed.
+template <typename T>
+__global__ void SplitKernel4(const float4* g, const float* row_scale,
+                             int64_t total4, int64_t vocab, T* hi, T* lo) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total4;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    float4 t = g[i];
+    if (row_scale != nullptr) {
+      t.x *= row_scale[(4 * i) / vocab];
+      t.y *= row_scale[(4 * i + 1) / vocab];
+      t.z *= row_scale[(4 * i + 2) / vocab];
+      t.w *= row_scale[(4 * i + 3) / vocab];
+    }
+    const float in[4] = {t.x, t.y, t.z, t.w};
+    alignas(8) T h[4];
+    alignas(8) T l[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        h[k] = __float2bfloat16_rn(in[k]);
+        l[k] = __float2bfloat16_rn(in[k] - __bfloat162float(h[k]));
+      } else {
+        h[k] = __float2half_rn(in[k]);
+        l[k] = __float2half_rn(in[k] - __half2float(h[k]));
+      }
+    }
+    reinterpret_cast<uint2*>(hi)[i] = *reinterpret_cast<const uint2*>(h);
+    if (lo != nullptr) {
+      reinterpret_cast<uint2*>(lo)[i] = *reinterpret_cast<const uint2*>(l);
+    }
+  }
+}
+
 __global__ void RowScaleKernel(void* g, DType dtype, const float* row_scale,
                                int64_t rows, int64_t vocab) {
   const int64_t total = rows * vocab;
@@ -177,6 +215,25 @@ cudaError_t SplitGradientLaunch(const float* g, const float* row_scale,
                                 void* hi, void* lo, cudaStream_t stream) {
   if (rows * vocab == 0) return cudaSuccess;
   const int grid = GridFor(rows * vocab);
+  const bool aligned = (rows * vocab) % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(g) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(hi) % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(lo) % 8 == 0;
+  if (aligned) {
+    const int64_t total4 = rows * vocab / 4;
+    if (dtype == DType::kBFloat16) {
+      SplitKernel4<__nv_bfloat16><<<GridFor(total4), kThreads, 0, stream>>>(
+          reinterpret_cast<const float4*>(g), row_scale, total4, vocab,
+          static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+    } else if (dtype == DType::kFloat16) {
+      SplitKernel4<__half><<<GridFor(total4), kThreads, 0, stream>>>(
+          reinterpret_cast<const float4*>(g), row_scale, total4, vocab,
+          static_cast<__half*>(hi), static_cast<__half*>(lo));
+    } else {
+      return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+  }
   if (dtype == DType::kBFloat16) {
     SplitKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
         g, row_scale, rows, vocab, static_cast<__nv_bfloat16*>(hi),

@@ -122,7 +122,7 @@ TEST(LinearCrossEntropyCudaTest, SplitWeightMatchesReference) {
   }
 }
 
-TEST(LinearCrossEntropyCudaTest, SplitBothAndFastMatchReference) {
+TEST(LinearCrossEntropyCudaTest, OtherPrecisionsMatchReference) {
   SKIP_WITHOUT_GPU();
   LinearCrossEntropyCudaConfig both;
   both.precision = LinearPrecision::kSplitBoth;
@@ -134,9 +134,15 @@ TEST(LinearCrossEntropyCudaTest, SplitBothAndFastMatchReference) {
   loose.loss = 2e-2;
   loose.dx_16 = 3e-2;
   loose.grad_weight = 3e-2;
+  loose.token = 1e-2;  // lse of bf16-rounded logits
+  LinearCrossEntropyCudaConfig fp32_logits;
+  fp32_logits.precision = LinearPrecision::kFp32Logits;
+  linear_test::Tolerance single;  // exact logits, G rounded once to 16 bits
+  single.grad_weight = 1e-2;
   for (const Case& c : linear_test::SweepCases()) {
     CheckCase(c, CudaRunner(both), tol);
     if (c.dtype != DType::kFloat32) CheckCase(c, CudaRunner(fast), loose);
+    CheckCase(c, CudaRunner(fp32_logits), single);
   }
 }
 
