@@ -3,6 +3,7 @@
 // forward + dX + dW, with the dW/dX error against an fp32 GPU reference.
 //
 // Usage: linear_cross_entropy_bench [--out=FILE.md] [--reps=N] [--quick]
+//        [--few]  (default chunking of each precision only)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -170,7 +171,8 @@ struct Variant {
   int64_t chunk_rows;
 };
 
-void RunShape(const Shape& s, int reps, cublasHandle_t blas, std::string* md) {
+void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
+              std::string* md) {
   const int64_t N = s.n, H = s.h, V = s.v;
   const double flops = 6.0 * N * H * V;  // three products
   auto* x = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
@@ -289,6 +291,10 @@ void RunShape(const Shape& s, int reps, cublasHandle_t blas, std::string* md) {
   };
   auto* dw_again = static_cast<float*>(Alloc(V * H * 4));
   for (const Variant& variant : variants) {
+    // --few: the default, the fp32-logits middle and the fast path only.
+    if (few && (variant.chunk_rows != 0 ||
+                variant.precision == LinearPrecision::kSplitBoth))
+      continue;
     LinearCrossEntropyCudaConfig config;
     config.precision = variant.precision;
     config.chunk_rows = variant.chunk_rows;
@@ -362,11 +368,13 @@ int main(int argc, char** argv) {
   std::string out;
   int reps = 10;
   bool quick = false;
+  bool few = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--out=", 0) == 0) out = arg.substr(6);
     if (arg.rfind("--reps=", 0) == 0) reps = std::stoi(arg.substr(7));
     if (arg == "--quick") quick = true;
+    if (arg == "--few") few = true;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -378,7 +386,7 @@ int main(int argc, char** argv) {
                                       {16384, 4096, 131072, 2.0f},
                                       {8192, 4096, 128256, 8.0f}};
   if (quick) shapes = {{2048, 1024, 32000, 2.0f}};
-  for (const lossd::Shape& s : shapes) lossd::RunShape(s, reps, blas, &md);
+  for (const lossd::Shape& s : shapes) lossd::RunShape(s, reps, few, blas, &md);
   if (!out.empty()) {
     FILE* f = std::fopen(out.c_str(), "w");
     if (f != nullptr) {

@@ -28,10 +28,10 @@ namespace {
 
 constexpr std::size_t kAlign = 256;
 constexpr std::size_t kLtWorkspaceBytes = std::size_t{32} << 20;
-// Device memory a chunk may take (logits plus split gradient): large enough
-// that the per-chunk dW read-modify-write and the launch tails stay small
-// against the products (measured: bench/RESULTS.md).
-constexpr std::size_t kChunkBudgetBytes = std::size_t{4} << 30;
+// Device memory a chunk may take (logits, split gradient, stacked X): large
+// enough that the per-chunk dW read-modify-write and the launch tails stay
+// small against the products (measured: bench/RESULTS.md).
+constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
 
 std::size_t AlignUp(std::size_t bytes) {
   return (bytes + kAlign - 1) / kAlign * kAlign;
@@ -254,9 +254,11 @@ absl::Status BuildGemms(cublasLtHandle_t handle,
   // G's operand type: the 16-bit split (or Z's own dtype), or fp32.
   const cudaDataType_t g_type = l.split ? in : z_type;
   if (args.accumulate != AccumulateMode::kNone) {
-    // dW [H, V] = X [H, rows] x op(G)=T [rows, V], fp32 out.
-    RETURN_IF_ERROR(g->grad_weight.Init(handle, false, true, h, v, rows, g_type,
-                                        h, v, CUDA_R_32F, h, "dW += G^T X"));
+    // dW [H, V] = X [H, rows] x op(G)=T [rows, V], fp32 out; with lo, the
+    // depth is 2 rows: [X X] [H, 2 rows] x [hi; lo] [2 rows, V].
+    RETURN_IF_ERROR(g->grad_weight.Init(handle, false, true, h, v,
+                                        l.lo ? 2 * rows : rows, g_type, h, v,
+                                        CUDA_R_32F, h, "dW += G^T X"));
   }
   if (args.dx_mode != GradientMode::kNone) {
     // dX [H, rows] = W [H, V] x G [V, rows].
@@ -297,8 +299,15 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
   const Layout l = MakeLayout(args, config);
   int64_t chunk_rows = config != nullptr ? config->chunk_rows : 0;
   if (chunk_rows <= 0) {
-    chunk_rows = static_cast<int64_t>(kChunkBudgetBytes / l.row_bytes);
-    if (chunk_rows >= 256) chunk_rows = chunk_rows / 256 * 256;
+    // The largest power of two within the memory budget and at most half
+    // the rows (measured on the H200, bench/RESULTS.md: 2048 rows for the
+    // split at V = 128k, 4096-8192 for 16-bit logits).
+    const int64_t by_memory =
+        std::max<int64_t>(1, kChunkBudgetBytes / l.row_bytes);
+    const int64_t limit =
+        std::min(by_memory, std::max<int64_t>(1, args.rows / 2));
+    chunk_rows = 1;
+    while (chunk_rows * 2 <= limit) chunk_rows *= 2;
   }
   chunk_rows =
       std::clamp<int64_t>(chunk_rows, 1, std::max<int64_t>(args.rows, 1));
