@@ -26,8 +26,11 @@ absl::Status ValidateLinearCrossEntropyArgs(
     const LinearCrossEntropyArgs& args) {
   if (args.rows < 0)
     return Invalid(absl::StrCat("rows must be >= 0, got ", args.rows));
-  if (args.hidden < 1)
-    return Invalid(absl::StrCat("hidden must be >= 1, got ", args.hidden));
+  if (args.hidden < 1 || args.hidden > std::numeric_limits<int32_t>::max()) {
+    // BLAS and cuBLASLt take 32-bit leading dimensions.
+    return Invalid(
+        absl::StrCat("hidden must be in [1, 2^31 - 1], got ", args.hidden));
+  }
   if (args.vocab < 1 || args.vocab > std::numeric_limits<int32_t>::max() - 1) {
     return Invalid(
         absl::StrCat("vocab must be in [1, 2^31 - 1), got ", args.vocab));

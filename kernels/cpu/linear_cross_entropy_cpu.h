@@ -13,13 +13,13 @@
 namespace lossd {
 
 // Checks everything about `args` that can be checked without reading tensor
-// data: rows >= 0, hidden >= 1, 1 <= vocab < 2^31, rows * hidden and vocab *
-// hidden fit in int64; dtype float32/bfloat16/float16 and targets int32/int64;
-// x, weight and targets not null when needed; dx consistent with dx_mode
-// (kInPlace: == x; kOutOfPlace: not null, not overlapping x; kNone: null);
-// accumulate a valid mode, grad_weight null iff it is kNone, grad_bias only
-// with a bias and a weight gradient; token_grad_output required exactly for
-// kNone reduction with a gradient; the options as ValidateCrossEntropyArgs
+// data: rows >= 0, 1 <= hidden < 2^31, 1 <= vocab < 2^31, rows * hidden and
+// vocab * hidden fit in int64; dtype float32/bfloat16/float16 and targets
+// int32/int64; x, weight and targets not null when needed; dx consistent with
+// dx_mode (kInPlace: == x; kOutOfPlace: not null, not overlapping x; kNone:
+// null); accumulate a valid mode, grad_weight null iff it is kNone, grad_bias
+// only with a bias and a weight gradient; token_grad_output required exactly
+// for kNone reduction with a gradient; the options as ValidateCrossEntropyArgs
 // checks them.
 //
 // Returns OK, or INVALID_ARGUMENT whose message ("linear_cross_entropy: ...")
