@@ -1,0 +1,399 @@
+// Benchmark of the linear cross-entropy (issue 19) on the GPU: the three
+// cuBLAS products alone (the floor the issue compares with) against lossd's
+// forward + dX + dW, with the dW/dX error against an fp32 GPU reference.
+//
+// Usage: linear_cross_entropy_bench [--out=FILE.md] [--reps=N] [--quick]
+//        [--few]  (default chunking of each precision only)
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/linear_cross_entropy_cpu.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/cuda/linear_cross_entropy_cuda.h"
+
+namespace lossd {
+namespace {
+
+#define CHECK_CUDA(expr)                                                 \
+  do {                                                                   \
+    const cudaError_t e_ = (expr);                                       \
+    if (e_ != cudaSuccess) {                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(e_));                              \
+      std::abort();                                                      \
+    }                                                                    \
+  } while (0)
+#define CHECK_CUBLAS(expr)                                               \
+  do {                                                                   \
+    const cublasStatus_t s_ = (expr);                                    \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                   \
+      std::fprintf(stderr, "%s:%d: %s: cublas %d\n", __FILE__, __LINE__, \
+                   #expr, static_cast<int>(s_));                         \
+      std::abort();                                                      \
+    }                                                                    \
+  } while (0)
+
+// Deterministic pseudo-random values (a hash of the index): never zeros.
+__device__ float Uniform(uint64_t i, uint32_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return static_cast<float>(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+}
+
+__global__ void FillBf16(__nv_bfloat16* out, int64_t n, float scale,
+                         uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __float2bfloat16_rn(Uniform(i, seed) * scale);
+}
+
+__global__ void Bf16ToFloat(const __nv_bfloat16* in, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
+__global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float u = (Uniform(i, 77) + 1.0f) * 0.5f;
+    const int64_t t = static_cast<int64_t>(u * vocab);
+    out[i] = t < vocab ? t : vocab - 1;
+  }
+}
+
+// Partial sums of (a - b)^2 and b^2 per block, in double; a is bf16 or fp32.
+template <typename T>
+__global__ void ErrorSums(const T* a, const float* b, int64_t n,
+                          double* partial) {
+  __shared__ double num[256], den[256];
+  double sn = 0.0, sd = 0.0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const double x = static_cast<double>(static_cast<float>(a[i]));
+    const double y = b[i];
+    sn += (x - y) * (x - y);
+    sd += y * y;
+  }
+  num[threadIdx.x] = sn;
+  den[threadIdx.x] = sd;
+  __syncthreads();
+  for (int s = 128; s > 0; s /= 2) {
+    if (threadIdx.x < s) {
+      num[threadIdx.x] += num[threadIdx.x + s];
+      den[threadIdx.x] += den[threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    partial[2 * blockIdx.x] = num[0];
+    partial[2 * blockIdx.x + 1] = den[0];
+  }
+}
+
+__global__ void CountDifferences(const uint32_t* a, const uint32_t* b,
+                                 int64_t n, unsigned long long* count) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    c += a[i] != b[i];
+  if (c) atomicAdd(count, c);
+}
+
+template <typename T>
+double RelativeError(const T* a, const float* b, int64_t n) {
+  constexpr int kBlocks = 1024;
+  double* partial = nullptr;
+  CHECK_CUDA(cudaMalloc(&partial, 2 * kBlocks * sizeof(double)));
+  ErrorSums<T><<<kBlocks, 256>>>(a, b, n, partial);
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<double> host(2 * kBlocks);
+  CHECK_CUDA(cudaMemcpy(host.data(), partial, host.size() * sizeof(double),
+                        cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(partial));
+  double num = 0.0, den = 0.0;
+  for (int i = 0; i < kBlocks; ++i) {
+    num += host[2 * i];
+    den += host[2 * i + 1];
+  }
+  return std::sqrt(num / den);
+}
+
+void* Alloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+
+// Median of `reps` timed runs of fn (after `warmup` untimed), in ms.
+template <typename F>
+double MedianMs(int warmup, int reps, F fn) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    fn();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return times[times.size() / 2];
+}
+
+struct Shape {
+  int64_t n, h, v;
+  float logit_std;  // spread of the logits: 2 is the issue's, 8 a peaked
+                    // softmax (large G entries away from the target, where
+                    // rounding G to bf16 shows)
+};
+
+struct Variant {
+  const char* name;
+  LinearPrecision precision;
+  int64_t chunk_rows;
+};
+
+void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
+              std::string* md) {
+  const int64_t N = s.n, H = s.h, V = s.v;
+  const double flops = 6.0 * N * H * V;  // three products
+  auto* x = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
+  auto* w = static_cast<__nv_bfloat16*>(Alloc(V * H * 2));
+  auto* targets = static_cast<int64_t*>(Alloc(N * 8));
+  FillBf16<<<4096, 256>>>(x, N * H, 1.7f, 1);
+  // Logits of standard deviation about 2.
+  FillBf16<<<4096, 256>>>(w, V * H, s.logit_std * 1.7f / std::sqrt(float(H)),
+                          2);
+  FillTargets<<<64, 256>>>(targets, N, V);
+  CHECK_CUDA(cudaGetLastError());
+
+  // The three products alone, over the whole batch (the issue's anchor).
+  auto* z = static_cast<__nv_bfloat16*>(Alloc(N * V * 2));
+  auto* dx = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
+  auto* dw = static_cast<float*>(Alloc(V * H * 4));
+  FillBf16<<<4096, 256>>>(z, N * V, 1e-4f, 3);
+  const float one = 1.0f, zero = 0.0f;
+  const auto gemm_z = [&] {
+    CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, V, N, H, &one, w,
+                              CUDA_R_16BF, H, x, CUDA_R_16BF, H, &zero, z,
+                              CUDA_R_16BF, V, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  };
+  const auto gemm_dx = [&] {
+    CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, &one, w,
+                              CUDA_R_16BF, H, z, CUDA_R_16BF, V, &zero, dx,
+                              CUDA_R_16BF, H, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  };
+  const auto gemm_dw = [&] {
+    CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, &one, x,
+                              CUDA_R_16BF, H, z, CUDA_R_16BF, V, &one, dw,
+                              CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  };
+  const double t_z = MedianMs(2, reps, gemm_z);
+  const double t_dx = MedianMs(2, reps, gemm_dx);
+  const double t_dw = MedianMs(2, reps, gemm_dw);
+  const double t_three = MedianMs(2, reps, [&] {
+    gemm_z();
+    gemm_dx();
+    gemm_dw();
+  });
+  CHECK_CUDA(cudaFree(z));
+
+  // The fp32 reference: X, W upcast, fp32 products (no TF32), the fused
+  // cross-entropy on fp32 logits.
+  auto* x32 = static_cast<float*>(Alloc(N * H * 4));
+  auto* w32 = static_cast<float*>(Alloc(V * H * 4));
+  Bf16ToFloat<<<4096, 256>>>(x, x32, N * H);
+  Bf16ToFloat<<<4096, 256>>>(w, w32, V * H);
+  auto* z32 = static_cast<float*>(Alloc(N * V * 4));
+  auto* dx32 = static_cast<float*>(Alloc(N * H * 4));
+  auto* dw32 = static_cast<float*>(Alloc(V * H * 4));
+  CHECK_CUBLAS(cublasSetMathMode(blas, CUBLAS_PEDANTIC_MATH));
+  CHECK_CUBLAS(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, V, N, H, &one, w32,
+                           H, x32, H, &zero, z32, V));
+  {
+    CrossEntropyArgs ce;
+    ce.rows = N;
+    ce.vocab = V;
+    ce.row_stride = V;
+    ce.logits_dtype = DType::kFloat32;
+    ce.logits = z32;
+    ce.targets_dtype = DType::kInt64;
+    ce.targets = targets;
+    ce.mode = GradientMode::kInPlace;
+    ce.gradient = z32;
+    const size_t ws = CrossEntropyCudaWorkspaceBytes(N);
+    void* workspace = Alloc(ws);
+    auto* result = static_cast<CrossEntropyCudaResult*>(
+        Alloc(sizeof(CrossEntropyCudaResult)));
+    CHECK_CUDA(CrossEntropyCudaLaunch(ce, result, workspace, ws, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaFree(workspace));
+    CHECK_CUDA(cudaFree(result));
+  }
+  CHECK_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, &one, w32,
+                           H, z32, V, &zero, dx32, H));
+  CHECK_CUBLAS(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, &one, x32,
+                           H, z32, V, &zero, dw32, H));
+  CHECK_CUBLAS(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaFree(z32));
+  CHECK_CUDA(cudaFree(x32));
+  CHECK_CUDA(cudaFree(w32));
+
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "\n### %lldx%lldx%lld bf16, logits of std %.0f\n\nthree cuBLAS "
+                "products alone "
+                "(Z=XW^T bf16 %.2f ms, dX=GW %.2f ms, dW=G^TX fp32 %.2f ms): "
+                "**%.2f ms** back to back (%.0f TFLOP/s)\n\n",
+                (long long)N, (long long)H, (long long)V, s.logit_std, t_z,
+                t_dx, t_dw, t_three, flops / t_three * 1e-9);
+  *md += line;
+  std::printf("%s", line);
+  *md +=
+      "| lossd variant | chunk rows | ms | ratio to the three | TFLOP/s | "
+      "extra "
+      "device memory (workspace + fp32 dW) | dW rel. err | dX rel. err | "
+      "repeat bits |\n|---|---|---|---|---|---|---|---|---|\n";
+
+  auto* dx_out = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
+  const Variant variants[] = {
+      {"split-dW (default)", LinearPrecision::kSplitWeight, 0},
+      {"split-dW", LinearPrecision::kSplitWeight, 2048},
+      {"split-dW", LinearPrecision::kSplitWeight, 1024},
+      {"split-dW+dX", LinearPrecision::kSplitBoth, 0},
+      {"fp32 logits, bf16 G", LinearPrecision::kFp32Logits, 0},
+      {"fast (bf16 Z and G)", LinearPrecision::kFast, 0},
+      {"fast (bf16 Z and G)", LinearPrecision::kFast, 2048},
+      {"fast (bf16 Z and G)", LinearPrecision::kFast, 4096},
+      {"fast (bf16 Z and G)", LinearPrecision::kFast, 8192},
+  };
+  auto* dw_again = static_cast<float*>(Alloc(V * H * 4));
+  for (const Variant& variant : variants) {
+    // --few: the default, the fp32-logits middle and the fast path only.
+    if (few && (variant.chunk_rows != 0 ||
+                variant.precision == LinearPrecision::kSplitBoth))
+      continue;
+    LinearCrossEntropyCudaConfig config;
+    config.precision = variant.precision;
+    config.chunk_rows = variant.chunk_rows;
+    LinearCrossEntropyArgs a;
+    a.rows = N;
+    a.hidden = H;
+    a.vocab = V;
+    a.dtype = DType::kBFloat16;
+    a.x = x;
+    a.weight = w;
+    a.targets_dtype = DType::kInt64;
+    a.targets = targets;
+    a.dx_mode = GradientMode::kOutOfPlace;
+    a.dx = dx_out;
+    a.accumulate = AccumulateMode::kOverwrite;
+    a.grad_weight = dw;
+    const LinearCrossEntropyCudaPlan plan =
+        PlanLinearCrossEntropyCuda(a, &config);
+    CrossEntropyResult result;
+    bool ok = true;
+    const auto run = [&] {
+      const absl::Status status =
+          LinearCrossEntropyCuda(a, &result, nullptr, &config);
+      if (!status.ok()) {
+        std::fprintf(stderr, "lossd: %s\n",
+                     std::string(status.message()).c_str());
+        ok = false;
+      }
+    };
+    const double t = MedianMs(2, reps, run);
+    if (!ok) continue;
+    const double err_dw = RelativeError(dw, dw32, V * H);
+    const double err_dx = RelativeError(dx_out, dx32, N * H);
+    // Bits: one more run into another accumulator, compared with the last.
+    a.grad_weight = dw_again;
+    run();
+    unsigned long long* count =
+        static_cast<unsigned long long*>(Alloc(sizeof(unsigned long long)));
+    CHECK_CUDA(cudaMemset(count, 0, sizeof(*count)));
+    CountDifferences<<<1024, 256>>>(reinterpret_cast<const uint32_t*>(dw),
+                                    reinterpret_cast<const uint32_t*>(dw_again),
+                                    V * H, count);
+    unsigned long long differ = 0;
+    CHECK_CUDA(
+        cudaMemcpy(&differ, count, sizeof(differ), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(count));
+    const double extra_gb = (plan.workspace_bytes + V * H * 4.0) * 1e-9;
+    std::snprintf(line, sizeof(line),
+                  "| %s | %lld | %.2f | %.3fx | %.0f | %.2f GB (%.2f + %.2f) | "
+                  "%.2e | %.2e | %s (loss %.6f) |\n",
+                  variant.name, (long long)plan.chunk_rows, t, t / t_three,
+                  flops / t * 1e-9, extra_gb, plan.workspace_bytes * 1e-9,
+                  V * H * 4e-9, err_dw, err_dx, differ == 0 ? "same" : "DIFFER",
+                  result.loss);
+    *md += line;
+    std::printf("%s", line);
+    std::fflush(stdout);
+  }
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w),
+                  static_cast<void*>(targets), static_cast<void*>(dx),
+                  static_cast<void*>(dw), static_cast<void*>(dx32),
+                  static_cast<void*>(dw32), static_cast<void*>(dx_out),
+                  static_cast<void*>(dw_again)})
+    CHECK_CUDA(cudaFree(p));
+}
+
+}  // namespace
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  std::string out;
+  int reps = 10;
+  bool quick = false;
+  bool few = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--out=", 0) == 0) out = arg.substr(6);
+    if (arg.rfind("--reps=", 0) == 0) reps = std::stoi(arg.substr(7));
+    if (arg == "--quick") quick = true;
+    if (arg == "--few") few = true;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cublasHandle_t blas;
+  CHECK_CUBLAS(cublasCreate(&blas));
+  std::string md = std::string("## linear cross-entropy on ") + prop.name +
+                   " (median of " + std::to_string(reps) + ", CUDA events)\n";
+  std::vector<lossd::Shape> shapes = {{8192, 4096, 128256, 2.0f},
+                                      {16384, 4096, 131072, 2.0f},
+                                      {8192, 4096, 128256, 8.0f}};
+  if (quick) shapes = {{2048, 1024, 32000, 2.0f}};
+  for (const lossd::Shape& s : shapes) lossd::RunShape(s, reps, few, blas, &md);
+  if (!out.empty()) {
+    FILE* f = std::fopen(out.c_str(), "w");
+    if (f != nullptr) {
+      std::fputs(md.c_str(), f);
+      std::fclose(f);
+    }
+  }
+  cublasDestroy(blas);
+  return 0;
+}

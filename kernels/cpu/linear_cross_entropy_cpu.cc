@@ -1,0 +1,208 @@
+// Linear cross-entropy on the CPU: OpenBLAS sgemm around the existing CPU
+// cross-entropy, chunked over rows so that only one chunk of fp32 logits is
+// ever held; and the validation both backends share.
+#include "kernels/cpu/linear_cross_entropy_cpu.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cpu/cross_entropy_internal.h"
+
+namespace lossd {
+namespace {
+
+using cpu_internal::LoadLogit;
+using cpu_internal::LoadTarget;
+
+absl::Status Invalid(const std::string& message) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("linear_cross_entropy: ", message));
+}
+
+// Chunk sizes: one chunk of fp32 logits of at most kChunkBytes (the memory the
+// call holds beyond its outputs), W converted in blocks of kBlockBytes.
+constexpr int64_t kChunkBytes = int64_t{32} << 20;
+constexpr int64_t kBlockBytes = int64_t{8} << 20;
+
+// Fills out[0, count) with elements [first, first + count) of `src` as fp32.
+void ToFloat(const void* src, DType dtype, int64_t first, int64_t count,
+             float* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = LoadLogit(src, dtype, first + i);
+}
+
+// Rows [row0, row0 + count) of a [*, hidden] tensor as fp32: a pointer into it
+// for fp32, else converted into `scratch`.
+const float* RowsAsFloat(const void* tensor, DType dtype, int64_t hidden,
+                         int64_t row0, int64_t count,
+                         std::vector<float>* scratch) {
+  if (dtype == DType::kFloat32)
+    return static_cast<const float*>(tensor) + row0 * hidden;
+  scratch->resize(static_cast<size_t>(count * hidden));
+  ToFloat(tensor, dtype, row0 * hidden, count * hidden, scratch->data());
+  return scratch->data();
+}
+
+}  // namespace
+
+absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
+                                   CrossEntropyResult* result) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  absl::Status status = ValidateLinearCrossEntropyArgs(args);
+  if (!status.ok()) return status;
+  status = CheckTargets(args.targets, args.targets_dtype, args.rows, args.vocab,
+                        args.options.ignore_index);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("linear_cross_entropy: ", status.message()));
+  }
+  double target_weight_sum = 0.0;
+  for (int64_t row = 0; row < args.rows; ++row) {
+    const int64_t target = LoadTarget(args.targets, args.targets_dtype, row);
+    if (target == args.options.ignore_index) continue;
+    target_weight_sum +=
+        args.class_weights == nullptr ? 1.0 : args.class_weights[target];
+  }
+  const CrossEntropyOptions chunk_options =
+      LinearChunkOptions(args.options, target_weight_sum);
+
+  const int64_t rows = args.rows;
+  const int64_t hidden = args.hidden;
+  const int64_t vocab = args.vocab;
+  const int64_t chunk_rows = std::clamp<int64_t>(kChunkBytes / (vocab * 4), 1,
+                                                 std::max<int64_t>(rows, 1));
+  const int64_t block_rows =
+      std::clamp<int64_t>(kBlockBytes / (hidden * 4), 1, vocab);
+  const bool gradient = LinearCrossEntropyWantsGradient(args);
+  const bool want_dw = args.accumulate != AccumulateMode::kNone;
+  const bool want_dx = args.dx_mode != GradientMode::kNone;
+
+  std::vector<float> logits, x_scratch, w_scratch, dx, bias, column;
+  try {
+    logits.resize(static_cast<size_t>(chunk_rows * vocab));
+    if (want_dx) dx.resize(static_cast<size_t>(chunk_rows * hidden));
+    if (args.bias != nullptr) {
+      bias.resize(static_cast<size_t>(vocab));
+      ToFloat(args.bias, args.dtype, 0, vocab, bias.data());
+    }
+    if (args.grad_bias != nullptr) column.resize(static_cast<size_t>(vocab));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        "linear_cross_entropy: scratch allocation failed");
+  }
+  if (args.accumulate == AccumulateMode::kOverwrite) {
+    std::memset(args.grad_weight, 0,
+                static_cast<size_t>(vocab * hidden) * sizeof(float));
+    if (args.grad_bias != nullptr)
+      std::memset(args.grad_bias, 0,
+                  static_cast<size_t>(vocab) * sizeof(float));
+  }
+
+  CrossEntropyResult total;
+  for (int64_t row0 = 0; row0 < rows; row0 += chunk_rows) {
+    const int64_t count = std::min(chunk_rows, rows - row0);
+    const int c = static_cast<int>(count);
+    const float* x =
+        RowsAsFloat(args.x, args.dtype, hidden, row0, count, &x_scratch);
+    // Z = X W^T (+ b), block by block of W's rows.
+    for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
+      const int64_t vb = std::min(block_rows, vocab - v0);
+      const float* w =
+          RowsAsFloat(args.weight, args.dtype, hidden, v0, vb, &w_scratch);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c,
+                  static_cast<int>(vb), static_cast<int>(hidden), 1.0f, x,
+                  static_cast<int>(hidden), w, static_cast<int>(hidden), 0.0f,
+                  logits.data() + v0, static_cast<int>(vocab));
+    }
+    if (args.bias != nullptr) {
+      for (int64_t r = 0; r < count; ++r) {
+        float* z = logits.data() + r * vocab;
+        for (int64_t v = 0; v < vocab; ++v) z[v] += bias[v];
+      }
+    }
+    CrossEntropyArgs ce;
+    ce.rows = count;
+    ce.vocab = vocab;
+    ce.row_stride = vocab;
+    ce.logits_dtype = DType::kFloat32;
+    ce.logits = logits.data();
+    ce.targets_dtype = args.targets_dtype;
+    ce.targets = static_cast<const char*>(args.targets) +
+                 row0 * static_cast<int64_t>(DTypeSize(args.targets_dtype));
+    ce.class_weights = args.class_weights;
+    ce.options = chunk_options;
+    ce.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
+    ce.gradient = gradient ? logits.data() : nullptr;
+    if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
+    if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
+    if (args.token_argmax != nullptr)
+      ce.token_argmax = args.token_argmax + row0;
+    CrossEntropyResult chunk;
+    status = CrossEntropyCpu(ce, &chunk);
+    if (!status.ok()) return status;
+    AddChunkResult(chunk, &total);
+    if (!gradient) continue;
+
+    if (args.token_grad_output != nullptr) {
+      for (int64_t r = 0; r < count; ++r) {
+        const float g = args.token_grad_output[row0 + r];
+        float* z = logits.data() + r * vocab;
+        for (int64_t v = 0; v < vocab; ++v) z[v] *= g;
+      }
+    }
+    if (args.grad_bias != nullptr) {
+      // Column sums in row order, fp32, then one add into the accumulator.
+      std::fill(column.begin(), column.end(), 0.0f);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* g = logits.data() + r * vocab;
+        for (int64_t v = 0; v < vocab; ++v) column[v] += g[v];
+      }
+      for (int64_t v = 0; v < vocab; ++v) args.grad_bias[v] += column[v];
+    }
+    // dW += G^T X and dX = G W, block by block of W's rows.
+    for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
+      const int64_t vb = std::min(block_rows, vocab - v0);
+      if (want_dw) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
+                    static_cast<int>(vb), static_cast<int>(hidden), c, 1.0f,
+                    logits.data() + v0, static_cast<int>(vocab), x,
+                    static_cast<int>(hidden), 1.0f,
+                    args.grad_weight + v0 * hidden, static_cast<int>(hidden));
+      }
+      if (want_dx) {
+        const float* w =
+            RowsAsFloat(args.weight, args.dtype, hidden, v0, vb, &w_scratch);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, c,
+                    static_cast<int>(hidden), static_cast<int>(vb), 1.0f,
+                    logits.data() + v0, static_cast<int>(vocab), w,
+                    static_cast<int>(hidden), v0 == 0 ? 0.0f : 1.0f, dx.data(),
+                    static_cast<int>(hidden));
+      }
+    }
+    if (want_dx) {
+      // X of this chunk is no longer read (dW above used it): in place is safe.
+      for (int64_t i = 0; i < count * hidden; ++i) {
+        cpu_internal::StoreDouble(
+            args.dx, args.dtype, row0 * hidden + i,
+            static_cast<double>(dx[static_cast<size_t>(i)]));
+      }
+    }
+  }
+  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+      total.denominator == 0.0) {
+    total.denominator = args.options.normalizer > 0.0 ? args.options.normalizer
+                                                      : target_weight_sum;
+  }
+  *result = total;
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

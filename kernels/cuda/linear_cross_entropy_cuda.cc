@@ -1,0 +1,566 @@
+// Host side of the CUDA linear cross-entropy: plans the chunks and the
+// workspace, picks fixed cuBLASLt algorithms per shape, enqueues every chunk
+// with no host synchronisation, and maps errors to absl::Status once.
+#include "kernels/cuda/linear_cross_entropy_cuda.h"
+
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cpu/linear_cross_entropy_cpu.h"
+#include "kernels/cuda/convert_cuda.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/status_macros.h"
+
+namespace lossd {
+namespace {
+
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t kLtWorkspaceBytes = std::size_t{32} << 20;
+// Device memory a chunk may take (logits, split gradient, stacked X): large
+// enough that the per-chunk dW read-modify-write and the launch tails stay
+// small against the products (measured: bench/RESULTS.md).
+constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
+
+std::size_t AlignUp(std::size_t bytes) {
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+absl::Status LtStatus(cublasStatus_t status, absl::string_view what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("linear_cross_entropy: ", what, ": cuBLASLt alloc"));
+  }
+  return absl::InternalError(absl::StrCat("linear_cross_entropy: ", what,
+                                          ": cuBLASLt status ",
+                                          static_cast<int>(status)));
+}
+
+cudaDataType_t CudaType(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// One cuBLASLt handle per thread and device, made on first use and kept.
+absl::StatusOr<cublasLtHandle_t> ThreadHandle() {
+  thread_local std::map<int, cublasLtHandle_t> handles;
+  int device = 0;
+  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "linear: device"));
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t handle = nullptr;
+  RETURN_IF_ERROR(LtStatus(cublasLtCreate(&handle), "create handle"));
+  handles[device] = handle;
+  return handle;
+}
+
+// D [m, n] (column-major, ld ldd) = alpha op(A) op(B) + beta C, C = D; the
+// algorithm is chosen once, when the product is built, and kept.
+class LtGemm {
+ public:
+  LtGemm() = default;
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+  ~LtGemm() {
+    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
+    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
+    if (d_ != nullptr) cublasLtMatrixLayoutDestroy(d_);
+    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
+  }
+
+  absl::Status Init(cublasLtHandle_t handle, bool trans_a, bool trans_b,
+                    int64_t m, int64_t n, int64_t k, cudaDataType_t ab_type,
+                    int64_t lda, int64_t ldb, cudaDataType_t d_type,
+                    int64_t ldd, const char* what) {
+    what_ = what;
+    handle_ = handle;
+    RETURN_IF_ERROR(LtStatus(
+        cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), what));
+    const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatmulDescSetAttribute(
+                     op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+                 what));
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatmulDescSetAttribute(
+                     op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+                 what));
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatrixLayoutCreate(&a_, ab_type, trans_a ? k : m,
+                                            trans_a ? m : k, lda),
+                 what));
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatrixLayoutCreate(&b_, ab_type, trans_b ? n : k,
+                                            trans_b ? k : n, ldb),
+                 what));
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatrixLayoutCreate(&d_, d_type, m, n, ldd), what));
+    cublasLtMatmulPreference_t preference = nullptr;
+    RETURN_IF_ERROR(
+        LtStatus(cublasLtMatmulPreferenceCreate(&preference), what));
+    const std::size_t workspace = kLtWorkspaceBytes;
+    // Split-K only where its partial sums are reduced by a separate pass in a
+    // fixed order; in-place (atomic) reductions would change bits run to run.
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE |
+                             CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                             CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+    cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
+        preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+        sizeof(workspace));
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+          sizeof(schemes));
+    }
+    int found = 0;
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = cublasLtMatmulAlgoGetHeuristic(
+          handle, op_, a_, b_, d_, d_, preference, 1, &heuristic_, &found);
+    }
+    cublasLtMatmulPreferenceDestroy(preference);
+    RETURN_IF_ERROR(LtStatus(status, what));
+    if (found == 0) {
+      return absl::InternalError(absl::StrCat(
+          "linear_cross_entropy: no cuBLASLt algorithm for ", what));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Run(float alpha, const void* a, const void* b, float beta,
+                   void* d, void* workspace, cudaStream_t stream) const {
+    return LtStatus(
+        cublasLtMatmul(handle_, op_, &alpha, a, a_, b, b_, &beta, d, d_, d, d_,
+                       &heuristic_.algo, workspace, kLtWorkspaceBytes, stream),
+        what_);
+  }
+
+ private:
+  const char* what_ = "";
+  cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
+  cublasLtMatmulHeuristicResult_t heuristic_ = {};
+};
+
+// The products of one chunk size.
+struct ChunkGemms {
+  LtGemm logits, grad_weight, grad_x;
+};
+
+struct Layout {
+  LinearPrecision precision;
+  bool logits_fp32;   // Z (and G) held in fp32
+  bool split;         // G copied to 16 bits (hi) for the products
+  bool lo;            // ... and its remainder (lo) too, for dW
+  bool dx_fp32_temp;  // dX accumulated in fp32, then converted
+  std::size_t row_bytes;
+};
+
+Layout MakeLayout(const LinearCrossEntropyArgs& args,
+                  const LinearCrossEntropyCudaConfig* config) {
+  Layout l;
+  l.precision = config != nullptr ? config->precision : LinearPrecision::kAuto;
+  if (l.precision == LinearPrecision::kAuto)
+    l.precision = LinearPrecision::kSplitWeight;
+  const bool fp32 = args.dtype == DType::kFloat32;
+  l.logits_fp32 = fp32 || l.precision != LinearPrecision::kFast;
+  l.split = !fp32 && l.precision != LinearPrecision::kFast;
+  l.lo = l.split && l.precision != LinearPrecision::kFp32Logits;
+  l.dx_fp32_temp = l.split && l.precision == LinearPrecision::kSplitBoth;
+  const std::size_t v = static_cast<std::size_t>(args.vocab);
+  const std::size_t h = static_cast<std::size_t>(args.hidden);
+  l.row_bytes = v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype));
+  if (l.split) l.row_bytes += (l.lo ? 2 : 1) * v * 2;
+  if (l.lo) l.row_bytes += 2 * h * 2;  // X stacked twice
+  if (l.dx_fp32_temp) l.row_bytes += h * 4;
+  return l;
+}
+
+// Offsets of the workspace block's parts.
+struct Parts {
+  std::size_t prepare, results, ce, logits, hi, x2, dx, lt, total;
+};
+
+Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
+                int64_t chunk_rows, int64_t chunks) {
+  const std::size_t c = static_cast<std::size_t>(chunk_rows);
+  const std::size_t v = static_cast<std::size_t>(args.vocab);
+  Parts p;
+  std::size_t at = 0;
+  p.prepare = at;
+  at += AlignUp(sizeof(LinearPrepareResult));
+  p.results = at;
+  at += AlignUp(sizeof(CrossEntropyCudaResult) * std::max<int64_t>(chunks, 1));
+  p.ce = at;
+  at += AlignUp(CrossEntropyCudaWorkspaceBytes(chunk_rows));
+  p.logits = at;
+  at += AlignUp(c * v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
+  // hi and lo of a chunk of `count` rows are one [2 count, V] matrix (lo
+  // right after hi), so that dW takes both in one product of depth 2 count
+  // against X stacked twice (x2, [2 count, H]).
+  p.hi = at;
+  if (l.split) at += AlignUp(c * v * 2 * (l.lo ? 2 : 1));
+  p.x2 = at;
+  if (l.lo) at += AlignUp(2 * c * args.hidden * DTypeSize(args.dtype));
+  p.dx = at;
+  if (l.dx_fp32_temp) at += AlignUp(c * args.hidden * 4);
+  p.lt = at;
+  at += kLtWorkspaceBytes;
+  p.total = at;
+  return p;
+}
+
+// Power of two k with |s| * 2^k in [1, 2): the gradient is formed scaled by
+// 2^k so that its 16-bit copies keep their precision far from fp16's
+// underflow (s = 1/D is ~1e-4), and the products take alpha = 2^-k back
+// (exact).
+int GradientExponent(float s) {
+  if (!(std::isfinite(s)) || s == 0.0f) return 0;
+  return -std::ilogb(s);
+}
+
+absl::Status BuildGemms(cublasLtHandle_t handle,
+                        const LinearCrossEntropyArgs& args, const Layout& l,
+                        int64_t rows, ChunkGemms* g) {
+  const int64_t h = args.hidden, v = args.vocab;
+  const cudaDataType_t in = CudaType(args.dtype);
+  const cudaDataType_t z_type = l.logits_fp32 ? CUDA_R_32F : in;
+  // Column-major views of the row-major tensors: W is [H, V] (ld H), a chunk
+  // of X is [H, rows] (ld H), Z and G are [V, rows] (ld V).
+  // Z^T = (W^T)^T ... i.e. Z [V, rows] = op(W)=T [V, H] x X [H, rows].
+  RETURN_IF_ERROR(g->logits.Init(handle, true, false, v, rows, h, in, h, h,
+                                 z_type, v, "Z = X W^T"));
+  const bool want_grad = LinearCrossEntropyWantsGradient(args);
+  if (!want_grad) return absl::OkStatus();
+  // G's operand type: the 16-bit split (or Z's own dtype), or fp32.
+  const cudaDataType_t g_type = l.split ? in : z_type;
+  if (args.accumulate != AccumulateMode::kNone) {
+    // dW [H, V] = X [H, rows] x op(G)=T [rows, V], fp32 out; with lo, the
+    // depth is 2 rows: [X X] [H, 2 rows] x [hi; lo] [2 rows, V].
+    RETURN_IF_ERROR(g->grad_weight.Init(handle, false, true, h, v,
+                                        l.lo ? 2 * rows : rows, g_type, h, v,
+                                        CUDA_R_32F, h, "dW += G^T X"));
+  }
+  if (args.dx_mode != GradientMode::kNone) {
+    // dX [H, rows] = W [H, V] x G [V, rows].
+    RETURN_IF_ERROR(g->grad_x.Init(handle, false, false, h, rows, v, g_type, h,
+                                   v, l.dx_fp32_temp ? CUDA_R_32F : g_type, h,
+                                   "dX = G W"));
+  }
+  return absl::OkStatus();
+}
+
+// The products of a shape, planned once per thread and kept: the heuristic
+// query costs host time, and a fixed algorithm per shape keeps the bits.
+absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
+    cublasLtHandle_t handle, const LinearCrossEntropyArgs& args,
+    const Layout& l, int64_t rows) {
+  using Key = std::tuple<cublasLtHandle_t, int, int64_t, int64_t, int64_t, int,
+                         bool, bool>;
+  thread_local std::map<Key, std::shared_ptr<const ChunkGemms>> cache;
+  const Key key(handle, static_cast<int>(args.dtype), args.hidden, args.vocab,
+                rows, static_cast<int>(l.precision),
+                args.accumulate != AccumulateMode::kNone,
+                args.dx_mode != GradientMode::kNone);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  // Shapes seen long ago go; a caller keeps its own products alive.
+  if (cache.size() >= 64) cache.clear();
+  auto gemms = std::make_shared<ChunkGemms>();
+  RETURN_IF_ERROR(BuildGemms(handle, args, l, rows, gemms.get()));
+  cache.emplace(key, gemms);
+  return std::shared_ptr<const ChunkGemms>(gemms);
+}
+
+}  // namespace
+
+LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& args,
+    const LinearCrossEntropyCudaConfig* config) {
+  const Layout l = MakeLayout(args, config);
+  int64_t chunk_rows = config != nullptr ? config->chunk_rows : 0;
+  if (chunk_rows <= 0) {
+    // The largest power of two within the memory budget and at most half
+    // the rows (measured on the H200, bench/RESULTS.md: 2048 rows for the
+    // split at V = 128k, 4096-8192 for 16-bit logits).
+    const int64_t by_memory =
+        std::max<int64_t>(1, kChunkBudgetBytes / l.row_bytes);
+    const int64_t limit =
+        std::min(by_memory, std::max<int64_t>(1, args.rows / 2));
+    chunk_rows = 1;
+    while (chunk_rows * 2 <= limit) chunk_rows *= 2;
+  }
+  chunk_rows =
+      std::clamp<int64_t>(chunk_rows, 1, std::max<int64_t>(args.rows, 1));
+  const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
+  LinearCrossEntropyCudaPlan plan;
+  plan.chunk_rows = chunk_rows;
+  plan.precision = l.precision;
+  plan.workspace_bytes = MakeParts(args, l, chunk_rows, chunks).total;
+  return plan;
+}
+
+absl::Status LinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& args, CrossEntropyResult* result,
+    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
+  if (result == nullptr)
+    return absl::InvalidArgumentError(
+        "linear_cross_entropy: result is nullptr");
+  RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(args));
+  const Layout l = MakeLayout(args, config);
+  const LinearCrossEntropyCudaPlan plan =
+      PlanLinearCrossEntropyCuda(args, config);
+  const int64_t chunk_rows = plan.chunk_rows;
+  const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
+  const Parts parts = MakeParts(args, l, chunk_rows, chunks);
+  ASSIGN_OR_RETURN(cublasLtHandle_t handle, ThreadHandle());
+
+  char* block = nullptr;
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMallocAsync(reinterpret_cast<void**>(&block), parts.total, stream),
+      "linear_cross_entropy: workspace allocation"));
+  auto* prepare = reinterpret_cast<LinearPrepareResult*>(block + parts.prepare);
+  auto* chunk_results =
+      reinterpret_cast<CrossEntropyCudaResult*>(block + parts.results);
+  void* logits = block + parts.logits;
+  char* hi = block + parts.hi;
+  char* x2 = block + parts.x2;
+  float* dx_temp = reinterpret_cast<float*>(block + parts.dx);
+  void* lt_workspace = block + parts.lt;
+
+  // Everything below runs in `status`'s shadow so that the block is always
+  // freed; the first error stops the enqueueing. The products are planned
+  // (or found planned) first, while the GPU has nothing of ours to wait on.
+  const int64_t tail_rows = args.rows - (chunks - 1) * chunk_rows;
+  std::shared_ptr<const ChunkGemms> full, tail;
+  absl::Status status = absl::OkStatus();
+  if (args.rows > 0) {
+    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
+        CachedGemms(handle, args, l, chunk_rows);
+    status = built.status();
+    if (status.ok()) full = tail = *built;
+  }
+  if (status.ok() && chunks > 1 && tail_rows != chunk_rows) {
+    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
+        CachedGemms(handle, args, l, tail_rows);
+    status = built.status();
+    if (status.ok()) tail = *built;
+  }
+  LinearPrepareResult host_prepare = {};
+  if (status.ok()) {
+    status = CudaStatus(
+        LinearPrepareLaunch(args.targets, args.targets_dtype, args.rows,
+                            args.vocab, args.options.ignore_index,
+                            args.class_weights, prepare, stream),
+        "linear_cross_entropy: target check");
+  }
+  if (status.ok()) {
+    status =
+        CudaStatus(cudaMemcpyAsync(&host_prepare, prepare, sizeof(host_prepare),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "linear_cross_entropy: target check copy");
+  }
+  if (status.ok()) {
+    status = CudaStatus(cudaStreamSynchronize(stream),
+                        "linear_cross_entropy: target check");
+  }
+  if (status.ok() && host_prepare.bad_row >= 0) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "linear_cross_entropy: target of row ", host_prepare.bad_row, " is ",
+        host_prepare.bad_target, ", outside [0, ", args.vocab,
+        ") and not ignore_index (", args.options.ignore_index, ")"));
+  }
+
+  const bool want_grad = LinearCrossEntropyWantsGradient(args);
+  const bool want_dw = args.accumulate != AccumulateMode::kNone;
+  const bool want_dx = args.dx_mode != GradientMode::kNone;
+  const bool overwrite = args.accumulate == AccumulateMode::kOverwrite;
+  CrossEntropyOptions chunk_options =
+      LinearChunkOptions(args.options, host_prepare.target_weight_sum);
+  // The gradient's scale s, and the power of two that brings it near 1 for
+  // 16-bit copies of G.
+  float s = chunk_options.grad_scale;
+  if (chunk_options.reduction == Reduction::kMean &&
+      chunk_options.normalizer > 0.0) {
+    s = static_cast<float>(chunk_options.grad_scale / chunk_options.normalizer);
+  }
+  const bool g16 = l.split || !l.logits_fp32;
+  const int exponent = g16 ? GradientExponent(s) : 0;
+  chunk_options.grad_scale = std::ldexp(chunk_options.grad_scale, exponent);
+  const float alpha = std::ldexp(1.0f, -exponent);
+
+  if (status.ok() && overwrite && args.rows == 0) {
+    status = CudaStatus(
+        cudaMemsetAsync(args.grad_weight, 0,
+                        sizeof(float) * args.vocab * args.hidden, stream),
+        "linear_cross_entropy: dW zero");
+    if (status.ok() && args.grad_bias != nullptr) {
+      status = CudaStatus(cudaMemsetAsync(args.grad_bias, 0,
+                                          sizeof(float) * args.vocab, stream),
+                          "linear_cross_entropy: dbias zero");
+    }
+  }
+
+  const std::size_t es = DTypeSize(args.dtype);
+  const std::size_t ts = DTypeSize(args.targets_dtype);
+  for (int64_t chunk = 0; status.ok() && chunk < chunks; ++chunk) {
+    const int64_t row0 = chunk * chunk_rows;
+    const int64_t count = std::min(chunk_rows, args.rows - row0);
+    const ChunkGemms& g = count == chunk_rows ? *full : *tail;
+    const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
+    const DType z_dtype = l.logits_fp32 ? DType::kFloat32 : args.dtype;
+    status =
+        g.logits.Run(1.0f, args.weight, x, 0.0f, logits, lt_workspace, stream);
+    if (status.ok() && args.bias != nullptr) {
+      status = CudaStatus(BiasAddLaunch(logits, z_dtype, args.bias, args.dtype,
+                                        count, args.vocab, stream),
+                          "linear_cross_entropy: bias");
+    }
+    if (!status.ok()) break;
+    CrossEntropyArgs ce;
+    ce.rows = count;
+    ce.vocab = args.vocab;
+    ce.row_stride = args.vocab;
+    ce.logits_dtype = z_dtype;
+    ce.logits = logits;
+    ce.targets_dtype = args.targets_dtype;
+    ce.targets = static_cast<const char*>(args.targets) + row0 * ts;
+    ce.class_weights = args.class_weights;
+    ce.options = chunk_options;
+    ce.mode = want_grad ? GradientMode::kInPlace : GradientMode::kNone;
+    ce.gradient = want_grad ? logits : nullptr;
+    if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
+    if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
+    if (args.token_argmax != nullptr)
+      ce.token_argmax = args.token_argmax + row0;
+    status = ValidateCrossEntropyArgs(ce);
+    if (!status.ok()) break;
+    const cudaError_t launched =
+        CrossEntropyCudaLaunch(ce, chunk_results + chunk, block + parts.ce,
+                               CrossEntropyCudaWorkspaceBytes(count), stream);
+    status = CudaStatus(launched, "linear_cross_entropy: cross-entropy");
+    if (!status.ok() || !want_grad) continue;
+
+    const float* row_scale = args.token_grad_output != nullptr
+                                 ? args.token_grad_output + row0
+                                 : nullptr;
+    const void* grad = logits;  // the products' G
+    char* lo = hi + count * args.vocab * 2;
+    if (l.split) {
+      status = CudaStatus(
+          SplitGradientLaunch(static_cast<const float*>(logits), row_scale,
+                              count, args.vocab, args.dtype, hi,
+                              l.lo ? lo : nullptr, stream),
+          "linear_cross_entropy: split");
+      grad = hi;
+      const std::size_t x_bytes = count * args.hidden * es;
+      if (status.ok() && l.lo && want_dw) {
+        status = CudaStatus(
+            cudaMemcpyAsync(x2, x, x_bytes, cudaMemcpyDeviceToDevice, stream),
+            "linear_cross_entropy: X stack");
+      }
+      if (status.ok() && l.lo && want_dw) {
+        status = CudaStatus(cudaMemcpyAsync(x2 + x_bytes, x, x_bytes,
+                                            cudaMemcpyDeviceToDevice, stream),
+                            "linear_cross_entropy: X stack");
+      }
+    } else if (row_scale != nullptr) {
+      status = CudaStatus(
+          RowScaleLaunch(logits, z_dtype, row_scale, count, args.vocab, stream),
+          "linear_cross_entropy: row scale");
+    }
+    if (status.ok() && args.grad_bias != nullptr) {
+      // From the fp32 G where there is one (the split's row scale applied
+      // again here), else from the already scaled 16-bit G.
+      status = CudaStatus(
+          ColumnSumLaunch(logits, z_dtype, l.split ? row_scale : nullptr, count,
+                          args.vocab, alpha, overwrite && chunk == 0,
+                          args.grad_bias, stream),
+          "linear_cross_entropy: dbias");
+    }
+    const float beta = overwrite && chunk == 0 ? 0.0f : 1.0f;
+    if (status.ok() && want_dw) {
+      status = g.grad_weight.Run(alpha, l.lo ? x2 : x, grad, beta,
+                                 args.grad_weight, lt_workspace, stream);
+    }
+    if (status.ok() && want_dx) {
+      // X's chunk has been read by dW above: dX may overwrite it now.
+      char* dx = static_cast<char*>(args.dx) + row0 * args.hidden * es;
+      if (l.dx_fp32_temp) {
+        status = g.grad_x.Run(alpha, args.weight, grad, 0.0f, dx_temp,
+                              lt_workspace, stream);
+        if (status.ok()) {
+          status = g.grad_x.Run(alpha, args.weight, lo, 1.0f, dx_temp,
+                                lt_workspace, stream);
+        }
+        if (status.ok()) {
+          status = CudaStatus(
+              ConvertScaleCudaLaunch(dx_temp, DType::kFloat32, dx, args.dtype,
+                                     0, count * args.hidden, args.hidden, 1.0f,
+                                     nullptr, stream),
+              "linear_cross_entropy: dX convert");
+        }
+      } else {
+        status = g.grad_x.Run(alpha, args.weight, grad, 0.0f, dx, lt_workspace,
+                              stream);
+      }
+    }
+  }
+
+  std::vector<CrossEntropyCudaResult> host_results(
+      static_cast<std::size_t>(chunks));
+  if (status.ok() && chunks > 0) {
+    status = CudaStatus(cudaMemcpyAsync(host_results.data(), chunk_results,
+                                        sizeof(CrossEntropyCudaResult) * chunks,
+                                        cudaMemcpyDeviceToHost, stream),
+                        "linear_cross_entropy: result copy");
+  }
+  const absl::Status freed =
+      CudaStatus(cudaFreeAsync(block, stream), "linear_cross_entropy: free");
+  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
+                                         "linear_cross_entropy: synchronize");
+  RETURN_IF_ERROR(status);
+  RETURN_IF_ERROR(freed);
+  RETURN_IF_ERROR(synced);
+
+  CrossEntropyResult total;
+  for (const CrossEntropyCudaResult& r : host_results) {
+    CrossEntropyResult chunk;
+    chunk.loss = r.loss;
+    chunk.z_loss = r.z_loss;
+    chunk.valid_tokens = r.valid_tokens;
+    chunk.correct_tokens = r.correct_tokens;
+    chunk.nonfinite_rows = r.nonfinite_rows;
+    chunk.denominator = r.denominator;
+    AddChunkResult(chunk, &total);
+  }
+  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+      total.denominator == 0.0) {
+    total.denominator = args.options.normalizer > 0.0
+                            ? args.options.normalizer
+                            : host_prepare.target_weight_sum;
+  }
+  *result = total;
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

@@ -1,0 +1,82 @@
+// The CUDA backend of the linear cross-entropy contract
+// (kernels/linear_cross_entropy.h): cuBLASLt products around the fused
+// cross-entropy, chunked over rows, stream-ordered; the absl::Status face.
+#ifndef LOSSD_KERNELS_CUDA_LINEAR_CROSS_ENTROPY_CUDA_H_
+#define LOSSD_KERNELS_CUDA_LINEAR_CROSS_ENTROPY_CUDA_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/linear_cross_entropy.h"
+
+namespace lossd {
+
+// How the gradient G = dL/dZ of a chunk of 16-bit rows meets the dX and dW
+// products (fp32 X and W always run fp32 products, CUBLAS_COMPUTE_32F).
+enum class LinearPrecision : int {
+  kAuto = 0,  // kSplitWeight
+  // Z in fp32 (cuBLASLt, fp32 out), the cross-entropy in place on fp32, G
+  // split into 16-bit hi + lo: dW = [hi; lo]^T [X; X] (one bf16 product of
+  // twice the depth, fp32 accumulator: 3e-6 to 1e-5 from an fp32 reference),
+  // dX = hi W (one product; G rounded to 16 bits as the peers do, ~2e-3).
+  kSplitWeight = 1,
+  // As kSplitWeight, and dX = hi W + lo W too (fp32 intermediate, one
+  // rounding to the dtype at the end).
+  kSplitBoth = 2,
+  // Z in the input dtype, the cross-entropy in place on it, G in that dtype:
+  // the three products alone (the peers' precision, dW ~1e-3).
+  kFast = 3,
+  // Z and the cross-entropy in fp32 as kSplitWeight, G rounded once to 16
+  // bits (hi only): the three products, the logits kept exact.
+  kFp32Logits = 4,
+};
+
+// Tuning and precision; 0 fields mean "choose".
+struct LinearCrossEntropyCudaConfig {
+  LinearPrecision precision = LinearPrecision::kAuto;
+  int64_t chunk_rows = 0;  // rows of logits a chunk (0: from memory, below)
+};
+
+// The chunk the call will use, and the device memory it takes beyond its
+// inputs and outputs (logits chunk, split gradient, cuBLASLt and
+// cross-entropy workspaces). Pure.
+struct LinearCrossEntropyCudaPlan {
+  int64_t chunk_rows = 0;
+  LinearPrecision precision = LinearPrecision::kSplitWeight;
+  std::size_t workspace_bytes = 0;
+};
+LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& args,
+    const LinearCrossEntropyCudaConfig* config = nullptr);
+
+// Runs the linear cross-entropy on `stream` for `device_args` (every pointer a
+// device pointer, the per-token outputs too): one target check and
+// denominator up front (one host synchronisation, so that a bad target
+// changes nothing and every chunk's mean uses the whole call's D), then per
+// chunk of rows with no host synchronisation: Z = X W^T (+ b) with cuBLASLt,
+// the fused cross-entropy in place on Z (CrossEntropyCudaLaunch), dbias
+// (+)= column sums of G, dW (+)= G^T X with fp32 output and beta = 1, dX = G W
+// (in place over X once the chunk's dW has read it); chunk results summed on
+// the host in chunk order. Bitwise deterministic: fixed chunks, fixed
+// cuBLASLt algorithms per shape (no in-place split-K reductions), fixed-order
+// reductions. Allocates its workspace stream-ordered (cudaMallocAsync).
+//
+// Returns OK; INVALID_ARGUMENT when ValidateLinearCrossEntropyArgs fails,
+// result is nullptr, or a target is out of range (the message names the first
+// such row and value; nothing is written); RESOURCE_EXHAUSTED when device
+// memory runs out (outputs may then be partly written); INTERNAL for other
+// CUDA or cuBLASLt errors. Synchronizes `stream` twice (after the target
+// check, and at the end). Borrows every buffer until it returns. Thread
+// safety: reentrant for distinct outputs (a cuBLASLt handle per thread and
+// device).
+absl::Status LinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& device_args, CrossEntropyResult* result,
+    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config = nullptr);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_LINEAR_CROSS_ENTROPY_CUDA_H_

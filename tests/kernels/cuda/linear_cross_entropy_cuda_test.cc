@@ -1,0 +1,259 @@
+// Checks the CUDA linear cross-entropy against the fp64 reference (the CPU
+// tests' harness) for each precision, over chunks, micro-batches, repeated
+// runs and bad inputs; skipped without a GPU.
+#include "kernels/cuda/linear_cross_entropy_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/kernels/linear_cross_entropy_test_util.h"
+
+namespace lossd {
+namespace {
+
+using linear_test::Case;
+using linear_test::CheckCase;
+using linear_test::Problem;
+
+bool HaveGpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA GPU visible"
+
+// Device copies of the host buffers an args struct points at; Finish copies
+// every output back into them.
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const LinearCrossEntropyArgs& host) : host_(host) {
+    device_ = host;
+    const size_t es = DTypeSize(host.dtype);
+    const size_t x_bytes = host.rows * host.hidden * es;
+    device_.x = Put(host.x, x_bytes);
+    device_.weight = Put(host.weight, host.vocab * host.hidden * es);
+    device_.bias = Put(host.bias, host.vocab * es);
+    device_.targets =
+        Put(host.targets, host.rows * DTypeSize(host.targets_dtype));
+    device_.class_weights = static_cast<const float*>(
+        Put(host.class_weights, host.vocab * sizeof(float)));
+    device_.token_grad_output = static_cast<const float*>(
+        Put(host.token_grad_output, host.rows * sizeof(float)));
+    if (host.dx_mode == GradientMode::kInPlace) {
+      device_.dx = const_cast<void*>(device_.x);
+    } else {
+      device_.dx = Put(host.dx, x_bytes);
+    }
+    device_.grad_weight = static_cast<float*>(
+        Put(host.grad_weight, host.vocab * host.hidden * sizeof(float)));
+    device_.grad_bias =
+        static_cast<float*>(Put(host.grad_bias, host.vocab * sizeof(float)));
+    device_.token_loss =
+        static_cast<float*>(Put(host.token_loss, host.rows * sizeof(float)));
+    device_.token_lse =
+        static_cast<float*>(Put(host.token_lse, host.rows * sizeof(float)));
+    device_.token_argmax = static_cast<int32_t*>(
+        Put(host.token_argmax, host.rows * sizeof(int32_t)));
+  }
+  ~DeviceCopy() {
+    for (void* p : owned_) cudaFree(p);
+  }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+
+  const LinearCrossEntropyArgs& args() const { return device_; }
+
+  void Finish() {
+    const size_t es = DTypeSize(host_.dtype);
+    Get(host_.dx, device_.dx, host_.rows * host_.hidden * es);
+    if (host_.dx_mode == GradientMode::kInPlace) {
+      Get(host_.x, device_.x, host_.rows * host_.hidden * es);
+    }
+    Get(host_.grad_weight, device_.grad_weight,
+        host_.vocab * host_.hidden * sizeof(float));
+    Get(host_.grad_bias, device_.grad_bias, host_.vocab * sizeof(float));
+    Get(host_.token_loss, device_.token_loss, host_.rows * sizeof(float));
+    Get(host_.token_lse, device_.token_lse, host_.rows * sizeof(float));
+    Get(host_.token_argmax, device_.token_argmax, host_.rows * sizeof(int32_t));
+  }
+
+ private:
+  void* Put(const void* host, size_t bytes) {
+    if (host == nullptr) return nullptr;
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    owned_.push_back(d);
+    return d;
+  }
+  static void Get(const void* host, const void* device, size_t bytes) {
+    if (host == nullptr || bytes == 0) return;
+    EXPECT_EQ(cudaMemcpy(const_cast<void*>(host), device, bytes,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
+
+  LinearCrossEntropyArgs host_;
+  LinearCrossEntropyArgs device_;
+  std::vector<void*> owned_;
+};
+
+linear_test::Runner CudaRunner(LinearCrossEntropyCudaConfig config) {
+  return [config](const LinearCrossEntropyArgs& host, CrossEntropyResult* r) {
+    DeviceCopy copy(host);
+    const absl::Status status =
+        LinearCrossEntropyCuda(copy.args(), r, nullptr, &config);
+    copy.Finish();
+    return status;
+  };
+}
+
+TEST(LinearCrossEntropyCudaTest, SplitWeightMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  LinearCrossEntropyCudaConfig config;  // the default: kSplitWeight
+  linear_test::Tolerance tol;
+  tol.grad_weight = 5e-5;  // the bar
+  for (const Case& c : linear_test::SweepCases()) {
+    CheckCase(c, CudaRunner(config), tol);
+  }
+}
+
+TEST(LinearCrossEntropyCudaTest, OtherPrecisionsMatchReference) {
+  SKIP_WITHOUT_GPU();
+  LinearCrossEntropyCudaConfig both;
+  both.precision = LinearPrecision::kSplitBoth;
+  linear_test::Tolerance tol;
+  tol.grad_weight = 5e-5;
+  LinearCrossEntropyCudaConfig fast;
+  fast.precision = LinearPrecision::kFast;
+  linear_test::Tolerance loose;  // 16-bit logits and G, as the peers
+  loose.loss = 2e-2;
+  loose.dx_16 = 3e-2;
+  loose.grad_weight = 3e-2;
+  loose.token = 1e-2;  // lse of bf16-rounded logits
+  LinearCrossEntropyCudaConfig fp32_logits;
+  fp32_logits.precision = LinearPrecision::kFp32Logits;
+  linear_test::Tolerance single;  // exact logits, G rounded once to 16 bits
+  single.grad_weight = 1e-2;
+  for (const Case& c : linear_test::SweepCases()) {
+    CheckCase(c, CudaRunner(both), tol);
+    if (c.dtype != DType::kFloat32) CheckCase(c, CudaRunner(fast), loose);
+    CheckCase(c, CudaRunner(fp32_logits), single);
+  }
+}
+
+TEST(LinearCrossEntropyCudaTest, ManyChunksWithATail) {
+  SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    Case c;
+    c.rows = 70;  // chunks of 16: four full ones and a tail of 6
+    c.hidden = 40;
+    c.vocab = 1000;
+    c.dtype = dtype;
+    c.bias = true;
+    c.grad_bias = true;
+    c.class_weights = true;
+    c.token_outputs = true;
+    c.dx_mode = GradientMode::kInPlace;
+    c.accumulate = AccumulateMode::kOverwrite;
+    c.options.label_smoothing = 0.1f;
+    c.options.z_loss_scale = 1e-3f;
+    LinearCrossEntropyCudaConfig config;
+    config.chunk_rows = 16;
+    linear_test::Tolerance tol;
+    tol.grad_weight = 5e-5;
+    CheckCase(c, CudaRunner(config), tol);
+    c.options.reduction = Reduction::kNone;
+    c.accumulate = AccumulateMode::kAdd;
+    CheckCase(c, CudaRunner(config), tol);
+  }
+}
+
+TEST(LinearCrossEntropyCudaTest, FourMicroBatchesEqualOneBatchAndRepeat) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.rows = 256;
+  c.hidden = 64;
+  c.vocab = 4096;
+  c.dtype = DType::kBFloat16;
+  c.bias = true;
+  c.grad_bias = true;
+  c.dx_mode = GradientMode::kOutOfPlace;
+  c.accumulate = AccumulateMode::kOverwrite;
+  LinearCrossEntropyCudaConfig config;
+  Problem whole(c);
+  CrossEntropyResult whole_result;
+  ASSERT_TRUE(CudaRunner(config)(whole.Args(), &whole_result).ok());
+  Problem again(c);
+  CrossEntropyResult again_result;
+  ASSERT_TRUE(CudaRunner(config)(again.Args(), &again_result).ok());
+  EXPECT_EQ(whole_result.loss, again_result.loss);
+  EXPECT_EQ(whole.dx, again.dx);
+  EXPECT_EQ(0, std::memcmp(whole.grad_weight.data(), again.grad_weight.data(),
+                           whole.grad_weight.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(whole.grad_bias.data(), again.grad_bias.data(),
+                           whole.grad_bias.size() * sizeof(float)));
+
+  Problem parts(c);
+  const size_t es = DTypeSize(c.dtype);
+  double loss = 0.0;
+  for (int part = 0; part < 4; ++part) {
+    LinearCrossEntropyArgs a = parts.Args();
+    const int64_t row0 = part * 64;
+    a.rows = 64;
+    a.x = parts.x.data() + row0 * c.hidden * es;
+    a.dx = parts.dx.data() + row0 * c.hidden * es;
+    a.targets = parts.targets64.data() + row0;
+    a.options.normalizer = whole_result.denominator;
+    a.accumulate =
+        part == 0 ? AccumulateMode::kOverwrite : AccumulateMode::kAdd;
+    CrossEntropyResult r;
+    ASSERT_TRUE(CudaRunner(config)(a, &r).ok());
+    loss += r.loss;
+  }
+  EXPECT_NEAR(loss, whole_result.loss, 1e-6 * std::fabs(whole_result.loss));
+  const auto as_double = [](const std::vector<float>& v) {
+    return std::vector<double>(v.begin(), v.end());
+  };
+  EXPECT_LE(linear_test::RelativeError(parts.grad_weight,
+                                       as_double(whole.grad_weight)),
+            1e-6);
+  EXPECT_LE(
+      linear_test::RelativeError(parts.grad_bias, as_double(whole.grad_bias)),
+      1e-6);
+}
+
+TEST(LinearCrossEntropyCudaTest, BadTargetChangesNothing) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.rows = 40;
+  c.hidden = 8;
+  c.vocab = 100;
+  c.dtype = DType::kBFloat16;
+  c.dx_mode = GradientMode::kInPlace;
+  LinearCrossEntropyCudaConfig config;
+  config.chunk_rows = 8;  // the bad row is in the last chunk
+  Problem p(c);
+  p.targets64[37] = 100;
+  const std::vector<uint8_t> x = p.x;
+  const std::vector<float> gw = p.grad_weight;
+  CrossEntropyResult r;
+  const absl::Status status = CudaRunner(config)(p.Args(), &r);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(std::string(status.message()).find("row 37"), std::string::npos)
+      << status;
+  EXPECT_EQ(p.x, x);
+  EXPECT_EQ(0, std::memcmp(p.grad_weight.data(), gw.data(),
+                           gw.size() * sizeof(float)));
+  LinearCrossEntropyArgs bad = p.Args();
+  bad.weight_hidden = 9;
+  EXPECT_EQ(LinearCrossEntropyCuda(bad, &r, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace lossd
