@@ -307,6 +307,7 @@ int main(int argc, char** argv) {
     configs.push_back({8192, 50257, d, GradientMode::kInPlace});
     configs.push_back({8192, 50304, d, GradientMode::kInPlace});
     configs.push_back({8192, 50257, d, GradientMode::kNone});
+    configs.push_back({8192, 50304, d, GradientMode::kNone});
     if (sweep) {
       configs.push_back({16384, 131072, d, GradientMode::kOutOfPlace});
     }

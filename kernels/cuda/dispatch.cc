@@ -40,6 +40,10 @@ struct Shape {
   // ... and the vocab a whole number of vectors too (the schedules that copy
   // or keep whole vectors of a row need it).
   bool whole_vectors;
+  // The gradient (if any) as far from a 16-byte boundary as the logits: the
+  // schedules that handle a row's unaligned edges themselves (smem row
+  // pieces, split row forward) take any row then.
+  bool edges_ok;
 };
 
 // A row of `vocab` elements cut into at most kMaxPieces pieces of about
@@ -118,41 +122,50 @@ bool RegisterRowsFit(const Shape& s, const RegisterRows& r) {
 //   options  mode          rows                         schedule
 //   general  any           aligned, <= 16 x 64 KiB      cluster register rows
 //   general  any           otherwise                    generic rows
-//   plain    forward only  whole vectors, >= 32 KiB     split row forward
-//   plain    forward only  aligned, >= 32 KiB           cluster stream rows
-//   plain    fwd+gradient  whole vectors, 2-byte >= 32 KiB or fp32 >= 120 KiB
+//   plain    forward only  >= 32 KiB                    split row forward
+//   plain    fwd+gradient  2-byte >= 32 KiB or fp32 >= 120 KiB
 //                          and its pieces fit           smem row pieces
-//                          else 2-byte in place         L2 row pieces
+//                          else whole vectors, 2-byte
+//                          in place                     L2 row pieces
 //   plain    fwd+gradient  whole vectors, 32-512 KiB    cluster slice rows
 //   plain    fwd+gradient  aligned, > 160 KiB           cluster stream rows
 //   plain    any           shorter rows                 as general options
 //
-// The smem row pieces need a piece (about 48 KiB, more past 32 pieces a row)
-// to fit a block's shared memory: rows up to ~6 MiB on the H200. fp32 rows
-// under 120 KiB measured faster on cluster slice rows (87-88% of copy
+// Split row forward and smem row pieces take rows of any alignment and vocab
+// (their edges one element at a time: the gradient must then sit as far from
+// a 16-byte boundary as the logits); the cluster schedules need rows that
+// start on 16-byte vectors ("aligned") and some a vocab of whole vectors.
+// Forward only falls back to cluster stream rows (aligned rows) only past
+// INT_MAX blocks. The smem row pieces need a piece (about 48 KiB, more past 32
+// pieces a row) to fit a block's shared memory: rows up to ~6 MiB on the H200.
+// fp32 rows under 120 KiB measured faster on cluster slice rows (87-88% of copy
 // against 85-86% at V = 32000 before session 9; see NOTES.md).
 Schedule ChooseSchedule(const Shape& s, const Params& p, cudaError_t* error) {
   *error = cudaSuccess;
   if (!s.general) {
     if (s.forward_only && s.row_bytes >= 32 * kKiB) {
-      if (s.whole_vectors && s.rows * SplitRow(s, 0, 256).pieces <= INT_MAX) {
+      if ((s.whole_vectors || s.edges_ok) &&
+          s.rows * SplitRow(s, 0, 256).pieces <= INT_MAX) {
         return Schedule::kSplitRowForward;
       }
       if (s.aligned_rows && s.rows * StreamRows(s, 0).cluster <= INT_MAX) {
         return Schedule::kClusterStreamRows;
       }
     }
-    if (!s.forward_only && s.whole_vectors &&
+    if (!s.forward_only && (s.whole_vectors || s.edges_ok) &&
         s.row_bytes >= (s.esize == 2 ? 32 : 120) * kKiB) {
       Params q = p;
       const RowPieces rp = SplitRow(s, 0, 48);
       q.chunk = rp.chunk;
       bool fits = false;
       *error = cuda_ce::SmemRowPiecesFit(
-          q, s.dtype, /*bulk=*/!s.in_place || s.esize == 4, rp.pieces, &fits);
+          q, s.dtype, /*bulk=*/!s.in_place || s.esize == 4 || !s.whole_vectors,
+          /*edges=*/!s.whole_vectors, rp.pieces, &fits);
       if (*error != cudaSuccess) return Schedule::kAuto;
       if (fits) return Schedule::kSmemRowPieces;
-      if (s.esize == 2 && s.in_place) return Schedule::kL2RowPieces;
+      if (s.whole_vectors && s.esize == 2 && s.in_place) {
+        return Schedule::kL2RowPieces;
+      }
     }
     if (!s.forward_only && s.whole_vectors && s.row_bytes >= 32 * kKiB &&
         SliceRows(s, 0).cluster <= kMaxCluster) {
@@ -213,12 +226,12 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kSplitRowForward: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 256);
-      if (!plain || !s.forward_only || !s.whole_vectors ||
-          s.rows * rp.pieces > INT_MAX) {
+      if (!plain || !s.forward_only || s.rows * rp.pieces > INT_MAX) {
         return cudaErrorInvalidValue;
       }
       p.chunk = rp.chunk;
-      return cuda_ce::LaunchSplitRowForward(p, s.dtype, rp.pieces, stream);
+      return cuda_ce::LaunchSplitRowForward(
+          p, s.dtype, /*edges=*/!s.whole_vectors, rp.pieces, stream);
     }
     case Schedule::kL2RowPieces: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 64);
@@ -236,7 +249,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kSmemRowPieces: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 48);
-      if (!plain || s.forward_only || !s.whole_vectors) {
+      if (!plain || s.forward_only || !(s.whole_vectors || s.edges_ok)) {
         return cudaErrorInvalidValue;
       }
       p.chunk = rp.chunk;
@@ -245,8 +258,11 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
       // average) except 2-byte logits in place, where the threads' own loads
       // measured the same or better (89.1 / 88.6 / 89.1% against 87.1 / 89.3
       // / 89.1% at 8192x128256 / 4096x262144 / 16384x131072, means of 5).
-      const bool bulk = s.esize == 4 || !s.in_place;
-      return cuda_ce::LaunchSmemRowPieces(p, s.dtype, bulk, rp.pieces, stream);
+      // Rows with edges: bulk copies always (the threads' loads build spills
+      // there).
+      const bool bulk = s.esize == 4 || !s.in_place || !s.whole_vectors;
+      return cuda_ce::LaunchSmemRowPieces(
+          p, s.dtype, bulk, /*edges=*/!s.whole_vectors, rp.pieces, stream);
     }
     default:
       return cudaErrorInvalidValue;
@@ -323,6 +339,11 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
                      (p.grad == nullptr || aligned(p.grad)) &&
                      (p.stride * esize) % 16 == 0;
     s.whole_vectors = s.aligned_rows && p.vocab % s.vec == 0;
+    s.edges_ok =
+        p.grad == nullptr || (reinterpret_cast<std::uintptr_t>(p.grad) -
+                              reinterpret_cast<std::uintptr_t>(p.logits)) %
+                                     16 ==
+                                 0;
     const CrossEntropyCudaConfig cfg =
         config ? *config : CrossEntropyCudaConfig{};
     Schedule schedule = cfg.schedule;

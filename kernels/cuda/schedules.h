@@ -47,10 +47,11 @@ cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream);
 
 // split_row_forward.cu: forward only; `pieces` (<= kMaxPieces) blocks a row of
-// p.chunk elements each, merged by a second kernel; rows and vocab in whole
-// 16-byte vectors, rows * pieces <= INT_MAX.
-cudaError_t LaunchSplitRowForward(const Params& p, DType dtype, int pieces,
-                                  cudaStream_t stream);
+// p.chunk elements each, merged by a second kernel; rows * pieces <= INT_MAX.
+// `edges`: rows of any alignment and vocab (as smem row pieces); else rows and
+// vocab in whole 16-byte vectors.
+cudaError_t LaunchSplitRowForward(const Params& p, DType dtype, bool edges,
+                                  int pieces, cudaStream_t stream);
 
 // l2_row_pieces.cu: forward+gradient of 2-byte logits (kBFloat16,
 // kFloat16), `pieces` pieces of p.chunk elements a row, groups of
@@ -60,15 +61,19 @@ cudaError_t LaunchL2RowPieces(const Params& p, DType dtype, int pieces,
 
 // smem_row_pieces.cu: forward+gradient, `pieces` (<= kMaxPieces) pieces of
 // p.chunk elements a row, each kept in a block's shared memory. `bulk`: the
-// TMA unit brings a piece in (else the threads' loads).
+// TMA unit brings a piece in (else the threads' loads: 2-byte logits of
+// whole-vector rows only).
+// `edges`: rows of any alignment and vocab (the gradient at the same offset
+// from a 16-byte boundary as the logits); else 16-byte aligned rows of whole
+// vectors.
 // SmemRowPiecesFit says whether this device can run that shape (a piece fits
 // a block's shared memory, and enough blocks are resident for a row's pieces
 // to wait for each other); the launcher returns cudaErrorInvalidConfiguration
 // where it cannot.
 cudaError_t SmemRowPiecesFit(const Params& p, DType dtype, bool bulk,
-                             int pieces, bool* fits);
+                             bool edges, int pieces, bool* fits);
 cudaError_t LaunchSmemRowPieces(const Params& p, DType dtype, bool bulk,
-                                int pieces, cudaStream_t stream);
+                                bool edges, int pieces, cudaStream_t stream);
 
 }  // namespace cuda_ce
 }  // namespace lossd

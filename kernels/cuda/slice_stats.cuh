@@ -235,6 +235,71 @@ __device__ __forceinline__ void ZeroSlice(T* out, int nvec, int tid) {
   }
 }
 
+// Where piece `piece` of `row` lies: its whole vectors are the n elements
+// from column `start` (a 16-byte aligned address; n a multiple of the vector
+// width). Without kEdges the row starts aligned and holds whole vectors, and
+// the pieces are [piece * chunk, + chunk) of it. With kEdges the whole vectors
+// start at column `head` (the first aligned address), the pieces cut them the
+// same way, and a piece has `edges` columns besides: the head (piece 0) and
+// the columns past the last whole vector (the piece those would fall in).
+template <typename T, bool kEdges>
+struct PieceSpan {
+  static constexpr int kVec = Traits<T>::kVec;
+  int start;
+  int n;
+  int head = 0;  // columns before the first aligned address
+  int whole;     // elements in whole vectors from `head`
+  int chunk;
+  int edges = 0;  // this piece's edge columns
+  bool has_head = false;
+  __device__ __forceinline__ PieceSpan(const Params& p, long long row,
+                                       int piece)
+      : chunk(p.chunk) {
+    if (kEdges) {
+      const auto addr = reinterpret_cast<std::uintptr_t>(
+          static_cast<const T*>(p.logits) + row * p.stride);
+      const int off = static_cast<int>(addr % 16 / sizeof(T));
+      head = min(p.vocab, off == 0 ? 0 : kVec - off);
+      whole = (p.vocab - head) / kVec * kVec;
+    } else {
+      whole = p.vocab;
+    }
+    const int s = piece * p.chunk;
+    start = head + s;
+    n = max(0, min(p.chunk, whole - s));
+    if (kEdges) {
+      has_head = piece == 0 && head > 0;
+      const int tail = p.vocab - head - whole;
+      const bool has_tail = tail > 0 && piece == whole / p.chunk;
+      edges = (has_head ? head : 0) + (has_tail ? tail : 0);
+    }
+  }
+  // The piece of column c: the edges go with their pieces.
+  __device__ __forceinline__ int PieceOf(int c) const {
+    return c < head ? 0 : min(c - head, whole) / chunk;
+  }
+  // Column of edge i (i < edges): the head's, then the tail's.
+  __device__ __forceinline__ int EdgeColumn(int i) const {
+    const int h = has_head ? head : 0;
+    return i < h ? i : head + whole + (i - h);
+  }
+};
+
+// The statistics of one element z at column c, as SliceStats counts it: a
+// NaN is never the max but makes the sum NaN, and so does a max of +inf
+// (exp(inf - inf)).
+__device__ __forceinline__ Stats ElementStats(float z, int c) {
+  Stats e = EmptyStats();
+  if (isnan(z)) {
+    e.t = z;
+  } else if (z != -INFINITY) {
+    e.m = z;
+    e.t = z == INFINITY ? NAN : 0.0f;
+    e.arg = c;
+  }
+  return e;
+}
+
 }  // namespace cuda_ce
 }  // namespace lossd
 

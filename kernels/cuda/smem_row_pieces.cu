@@ -99,7 +99,14 @@ constexpr int kBulkChunks = 8;
 // blocks wait longer (measured: bf16 4096 x 262144 82% -> 71%); before the
 // wait it could deadlock (a block holding an unpublished piece of the row it
 // waits for).
-template <typename T, int kBlock, int kMinBlocks, int kLoad>
+//
+// kEdges: rows of any alignment and length. A row's pieces then cut its whole
+// 16-byte vectors, from its first aligned address, as they cut an aligned
+// row (bulk copies and vector loads need aligned addresses and sizes); the
+// elements before that address (piece 0's) and after the last whole vector
+// (the last piece's) are the piece's edges, at most 2 * (vector width - 1),
+// read and written one at a time by one warp (PieceSpan).
+template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     SmemPieceKernel(Params p, int per_row, long long ahead) {
   using Tr = Traits<T>;
@@ -130,9 +137,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   // empty chunk only completes its barrier's phase).
   const auto bring = [&](long long k, int c) {
     const long long r = k / per_row;
-    const int s0 = static_cast<int>(k - r * per_row) * p.chunk;
-    const unsigned bytes =
-        static_cast<unsigned>(max(0, min(p.chunk, p.vocab - s0))) * sizeof(T);
+    const PieceSpan<T, kEdges> sp(p, r, static_cast<int>(k - r * per_row));
+    const unsigned bytes = static_cast<unsigned>(sp.n) * sizeof(T);
     const unsigned off = c * kChunkBytes;
     const unsigned len = off < bytes ? min(kChunkBytes, bytes - off) : 0;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -140,7 +146,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     if (len > 0) {
       BulkLoad(reinterpret_cast<char*>(kept) + off,
                reinterpret_cast<const char*>(static_cast<const T*>(p.logits) +
-                                             r * p.stride + s0) +
+                                             r * p.stride + sp.start) +
                    off,
                len, &landed[c]);
     }
@@ -167,18 +173,26 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     if (ahead > 0 && tid == kBlock - 32 && k + ahead < total) {
       // (the last warp: off warp 0's publish and merge)
       const long long rn = (k + ahead) / per_row;
-      const int sn = static_cast<int>(k + ahead - rn * per_row) * p.chunk;
-      const int nn = max(0, min(p.chunk, p.vocab - sn));
-      if (nn > 0) {
-        BulkPrefetchL2(static_cast<const T*>(p.logits) + rn * p.stride + sn,
-                       static_cast<unsigned>(nn * sizeof(T)));
+      const PieceSpan<T, kEdges> sn(p, rn,
+                                    static_cast<int>(k + ahead - rn * per_row));
+      if (sn.n > 0) {
+        BulkPrefetchL2(
+            static_cast<const T*>(p.logits) + rn * p.stride + sn.start,
+            static_cast<unsigned>(sn.n * sizeof(T)));
       }
     }
     const long long row = k / per_row;
     const int piece = static_cast<int>(k - row * per_row);
-    const int start = piece * p.chunk;
-    const int n = max(0, min(p.chunk, p.vocab - start));
-    const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
+    const PieceSpan<T, kEdges> span(p, row, piece);
+    const int start = span.start;
+    const int n = span.n;
+    const T* const in_row = static_cast<const T*>(p.logits) + row * p.stride;
+    const T* src = in_row + start;
+    // Warp 0's lanes load the piece's edges now, off the row's chain: lane i
+    // holds edge i's logit until its gradient replaces it.
+    const bool edge_lane = kEdges && warp == 0 && lane < span.edges;
+    const float edge_z =
+        edge_lane ? Tr::Load(in_row + span.EdgeColumn(lane)) : 0.0f;
     Stats st;
     if (kBulk) {
       // Each batch once its chunk has landed (batch q0 is chunk
@@ -201,18 +215,40 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
     const int yl = static_cast<int>(y - start);
+    // The piece whose slot carries the target logit (and whose block writes
+    // the row's outputs).
+    const int y_piece = valid ? span.PieceOf(static_cast<int>(y)) : 0;
     __syncthreads();
     if (warp == 0) {
       constexpr int kWarps = kBlock / 32;
-      st = WarpMergeStats(lane < kWarps ? scratch[lane] : EmptyStats());
+      Stats edges = EmptyStats();
+      if (kEdges && span.edges > 0) {
+        // The edges' statistics, one element a lane (fewer than 32).
+        edges = WarpMergeStats(edge_lane
+                                   ? ElementStats(edge_z, span.EdgeColumn(lane))
+                                   : EmptyStats());
+      }
+      st = WarpMergeStats(lane < kWarps    ? scratch[lane]
+                          : lane == kWarps ? edges
+                                           : EmptyStats());
       PieceSlot* const row_slots = slots + (k - piece);
+      // An edge's target logit, from the lane that holds it.
+      unsigned y_edge = 0;
+      if (kEdges && valid && span.edges > 0) {
+        y_edge =
+            __ballot_sync(0xffffffffu, edge_lane && span.EdgeColumn(lane) == y);
+      }
+      const float zy_edge =
+          kEdges ? __shfl_sync(0xffffffffu, edge_z, max(0, __ffs(y_edge) - 1))
+                 : 0.0f;
       if (lane == 0) {
         const bool holds_y = valid && yl >= 0 && yl < n;
         if (kBulk && holds_y) {  // (this thread may not have waited on it)
           MbarWait(&landed[yl * sizeof(T) / kChunkBytes], parity);
         }
-        const float zy =
+        float zy =
             holds_y ? Tr::Load(reinterpret_cast<const T*>(kept) + yl) : 0.0f;
+        if (kEdges && y_edge != 0) zy = zy_edge;
         PublishSlot(row_slots + piece, st, zy);
       }
       // Every lane polls its piece's slot until the row's are all full, then
@@ -235,18 +271,18 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         }
       }
       const Stats rs = WarpMergeStats(ps);
-      const float zy = valid ? __shfl_sync(0xffffffffu, zy_lane,
-                                           static_cast<int>(y / p.chunk))
-                             : 0.0f;
+      const float zy =
+          valid ? __shfl_sync(0xffffffffu, zy_lane, y_piece) : 0.0f;
       const RowMath rm = MakeRowMath(p, hdr, rs, valid, zy, 1.0f);
-      const bool owner = valid ? (yl >= 0 && yl < n) : piece == 0;
+      const bool owner = y_piece == piece;
       if (lane == 0) {
         if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
         rowmath = rm;
       }
     }
     __syncthreads();
-    T* const out = static_cast<T*>(p.grad) + row * p.stride + start;
+    T* const out_row = static_cast<T*>(p.grad) + row * p.stride;
+    T* const out = out_row + start;
     const int nvec = n / kVec;
     if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
@@ -258,6 +294,17 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
         Tr::Store(out + yl, rm.gy);
       }
+    }
+    if (edge_lane) {
+      // Each edge written by the lane that read it (in place: after it).
+      const int c = span.EdgeColumn(lane);
+      float g = 0.0f;
+      if (valid) {
+        const RowMath rm = rowmath;
+        g = c == y ? rm.gy
+                   : fmaf(Exp2(fmaf(edge_z, kLog2e, -rm.lse_l2)), rm.a, rm.b);
+      }
+      Tr::Store(out_row + c, g);
     }
     parity ^= 1u;
     __syncthreads();  // kept, rowmath and item_s are rewritten by the next item
@@ -275,10 +322,10 @@ struct Plan {
   bool fits = false;
 };
 
-template <typename T, int kLoad>
+template <typename T, int kLoad, bool kEdges>
 cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   constexpr int kBlock = kThreads;
-  const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad>;
+  const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad, kEdges>;
   plan->smem = static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
   plan->fits = false;
   int device = 0, smem_max = 0;
@@ -315,10 +362,10 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
 // persistent grid of every block that fits with a piece of shared memory
 // (256 threads, four a SM); each taken item prefetches the piece 256 KiB of
 // logits ahead into L2 where four blocks fit a SM (none otherwise).
-template <typename T, int kLoad>
+template <typename T, int kLoad, bool kEdges>
 cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   Plan plan;
-  cudaError_t e = MakePlan<T, kLoad>(p, per_row, &plan);
+  cudaError_t e = MakePlan<T, kLoad, kEdges>(p, per_row, &plan);
   if (e != cudaSuccess) return e;
   if (!plan.fits) return cudaErrorInvalidConfiguration;
   const long long grid = static_cast<long long>(plan.sms) * plan.per_sm;
@@ -332,56 +379,67 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   e = cudaMemsetAsync(p.pieces, 0, sizeof(PieceSlot) * p.rows * per_row,
                       stream);
   if (e != cudaSuccess) return e;
-  SmemPieceKernel<T, kThreads, 4, kLoad>
+  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges>
       <<<static_cast<unsigned>(grid), kThreads, plan.smem, stream>>>(
           p, per_row,
           ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / plan.smem) : 0);
   return cudaGetLastError();
 }
 
-template <typename T, int kLoad>
-cudaError_t Fit(const Params& p, int per_row, bool* fits) {
+// Plans (fits != nullptr: says whether the shape runs) or launches the build
+// for `bulk` and `edges`. kRegisterLoads: the type has a build with the
+// threads' loads (2-byte logits).
+template <typename T, int kLoad, bool kEdges>
+cudaError_t FitOrLaunch(const Params& p, int per_row, bool* fits,
+                        cudaStream_t stream) {
+  if (fits == nullptr)
+    return LaunchPieces<T, kLoad, kEdges>(p, per_row, stream);
   Plan plan;
-  const cudaError_t e = MakePlan<T, kLoad>(p, per_row, &plan);
+  const cudaError_t e = MakePlan<T, kLoad, kEdges>(p, per_row, &plan);
   *fits = plan.fits;
   return e;
+}
+
+template <typename T, bool kRegisterLoads>
+cudaError_t ForBuild(const Params& p, bool bulk, bool edges, int per_row,
+                     bool* fits, cudaStream_t stream) {
+  if (fits != nullptr) *fits = false;
+  if (bulk) {
+    return edges ? FitOrLaunch<T, kLoadBulk, true>(p, per_row, fits, stream)
+                 : FitOrLaunch<T, kLoadBulk, false>(p, per_row, fits, stream);
+  }
+  // The threads' loads: 2-byte logits of whole-vector rows only (with edges
+  // that build spills; bulk copies measured as fast in place).
+  if (!kRegisterLoads || edges) return cudaErrorInvalidValue;
+  constexpr int kLoad = kRegisterLoads ? kLoadRegisters : kLoadBulk;
+  return FitOrLaunch<T, kLoad, false>(p, per_row, fits, stream);
+}
+
+cudaError_t ForDType(const Params& p, DType dtype, bool bulk, bool edges,
+                     int pieces, bool* fits, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:  // fp32 pieces always come in by bulk copies
+      return ForBuild<float, false>(p, bulk, edges, pieces, fits, stream);
+    case DType::kBFloat16:
+      return ForBuild<__nv_bfloat16, true>(p, bulk, edges, pieces, fits,
+                                           stream);
+    case DType::kFloat16:
+      return ForBuild<__half, true>(p, bulk, edges, pieces, fits, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 cudaError_t SmemRowPiecesFit(const Params& p, DType dtype, bool bulk,
-                             int pieces, bool* fits) {
-  *fits = false;
-  switch (dtype) {
-    case DType::kFloat32:  // fp32 pieces always come in by bulk copies
-      return bulk ? Fit<float, kLoadBulk>(p, pieces, fits) : cudaSuccess;
-    case DType::kBFloat16:
-      return bulk ? Fit<__nv_bfloat16, kLoadBulk>(p, pieces, fits)
-                  : Fit<__nv_bfloat16, kLoadRegisters>(p, pieces, fits);
-    case DType::kFloat16:
-      return bulk ? Fit<__half, kLoadBulk>(p, pieces, fits)
-                  : Fit<__half, kLoadRegisters>(p, pieces, fits);
-    default:
-      return cudaErrorInvalidValue;
-  }
+                             bool edges, int pieces, bool* fits) {
+  return ForDType(p, dtype, bulk, edges, pieces, fits, nullptr);
 }
 
 cudaError_t LaunchSmemRowPieces(const Params& p, DType dtype, bool bulk,
-                                int pieces, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:
-      if (!bulk) return cudaErrorInvalidValue;
-      return LaunchPieces<float, kLoadBulk>(p, pieces, stream);
-    case DType::kBFloat16:
-      return bulk ? LaunchPieces<__nv_bfloat16, kLoadBulk>(p, pieces, stream)
-                  : LaunchPieces<__nv_bfloat16, kLoadRegisters>(p, pieces,
-                                                                stream);
-    case DType::kFloat16:
-      return bulk ? LaunchPieces<__half, kLoadBulk>(p, pieces, stream)
-                  : LaunchPieces<__half, kLoadRegisters>(p, pieces, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+                                bool edges, int pieces, cudaStream_t stream) {
+  return ForDType(p, dtype, bulk, edges, pieces, nullptr, stream);
 }
 
 }  // namespace cuda_ce

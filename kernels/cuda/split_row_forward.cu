@@ -29,18 +29,35 @@ namespace {
 // Plain options only (z-loss). Each thread keeps two batches of loads in
 // flight (SliceStats' prefetch).
 
-template <typename T>
+// kEdges: rows of any alignment and vocab, cut as smem_row_pieces.cu cuts
+// them (PieceSpan): whole vectors by the loop, the edges one element a lane of
+// warp 0, merged after the block's statistics.
+template <typename T, bool kEdges>
 __global__ void __launch_bounds__(kThreads, 4)
     PieceStatsKernel(Params p, int per_row) {
   __shared__ Stats scratch[kThreads / 32 + 1];
   if (p.header->error) return;  // uniform: nothing is written
   const long long item = blockIdx.x;
   const long long row = item / per_row;
-  const int start = static_cast<int>(item - row * per_row) * p.chunk;
-  const int n = max(0, min(p.chunk, p.vocab - start));
-  const T* s = static_cast<const T*>(p.logits) + row * p.stride + start;
+  const PieceSpan<T, kEdges> span(p, row,
+                                  static_cast<int>(item - row * per_row));
+  const int start = span.start;
+  const int n = span.n;
+  const T* const in_row = static_cast<const T*>(p.logits) + row * p.stride;
+  const T* s = in_row + start;
+  // Warp 0's lanes load the edges first, so that their loads overlap the
+  // slice's.
+  const bool edge_lane = kEdges && threadIdx.x < span.edges;
+  const float edge_z =
+      edge_lane ? Traits<T>::Load(in_row + span.EdgeColumn(threadIdx.x)) : 0.0f;
   Stats st = SliceStats<T, kThreads, true>(s, n, start, threadIdx.x);
   st = BlockMergeStats<kThreads>(st, scratch);
+  if (kEdges && span.edges > 0 && threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const Stats edges = WarpMergeStats(
+        edge_lane ? ElementStats(edge_z, span.EdgeColumn(lane)) : EmptyStats());
+    st = WarpMergeStats(lane == 0 ? st : lane == 1 ? edges : EmptyStats());
+  }
   if (threadIdx.x == 0) {
     static_cast<Stats*>(p.pieces)[row * kMaxPieces + (item - row * per_row)] =
         st;
@@ -70,9 +87,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
+cudaError_t LaunchPieces(const Params& p, bool edges, int per_row,
+                         cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.rows * per_row));
-  PieceStatsKernel<T><<<grid, kThreads, 0, stream>>>(p, per_row);
+  if (edges) {
+    PieceStatsKernel<T, true><<<grid, kThreads, 0, stream>>>(p, per_row);
+  } else {
+    PieceStatsKernel<T, false><<<grid, kThreads, 0, stream>>>(p, per_row);
+  }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   constexpr int kRowsPerBlock = kThreads / 32;
@@ -84,15 +106,15 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t LaunchSplitRowForward(const Params& p, DType dtype, int pieces,
-                                  cudaStream_t stream) {
+cudaError_t LaunchSplitRowForward(const Params& p, DType dtype, bool edges,
+                                  int pieces, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat32:
-      return LaunchPieces<float>(p, pieces, stream);
+      return LaunchPieces<float>(p, edges, pieces, stream);
     case DType::kBFloat16:
-      return LaunchPieces<__nv_bfloat16>(p, pieces, stream);
+      return LaunchPieces<__nv_bfloat16>(p, edges, pieces, stream);
     case DType::kFloat16:
-      return LaunchPieces<__half>(p, pieces, stream);
+      return LaunchPieces<__half>(p, edges, pieces, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -1010,6 +1010,73 @@ TEST_F(CudaCrossEntropyTest, TmaKernelSmall) {
   }
 }
 
+// Odd vocabularies: contiguous rows that start off 16-byte boundaries (each
+// row at another offset) and end inside a vector, on the schedules that take
+// them (smem row pieces and split row forward handle the edges; cluster stream
+// and register rows need rows padded to 16 bytes), in small pieces so that
+// rows have several, against the reference.
+TEST_F(CudaCrossEntropyTest, OddVocabOnFastSchedules) {
+  uint32_t seed = 1500;
+  using S = CrossEntropyCudaSchedule;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t vocab : {1, 3, 50257, 32001}) {
+      const int64_t rows = vocab > 1000 ? 24 : 40;
+      const auto make = [&](const std::string& what, S schedule,
+                            GradientMode mode) {
+        Case c = Make(absl::StrCat("V=", vocab, " ", what), rows, vocab, dtype);
+        c.config.schedule = schedule;
+        c.config.piece_kib = schedule == S::kAuto ? 0 : 8;
+        c.mode = mode;
+        c.ignore_fraction = 0.2;
+        c.options.z_loss_scale = 1e-3f;
+        c.options.grad_scale = 0.5f;
+        return c;
+      };
+      CheckCase(make("smem row pieces in place", S::kSmemRowPieces,
+                     GradientMode::kInPlace),
+                seed++);
+      CheckCase(make("smem row pieces out of place", S::kSmemRowPieces,
+                     GradientMode::kOutOfPlace),
+                seed++);
+      CheckCase(
+          make("split row forward", S::kSplitRowForward, GradientMode::kNone),
+          seed++);
+      CheckCase(make("auto", S::kAuto, GradientMode::kInPlace), seed++);
+      CheckCase(make("auto forward", S::kAuto, GradientMode::kNone), seed++);
+      const int vec = static_cast<int>(16 / DTypeSize(dtype));
+      for (S schedule : {S::kClusterStreamRows, S::kClusterRegisterRows}) {
+        Case c =
+            make(schedule == S::kClusterStreamRows ? "stream rows, padded"
+                                                   : "register rows, padded",
+                 schedule, GradientMode::kInPlace);
+        c.pad = (vec - vocab % vec) % vec;  // 16-byte rows
+        CheckCase(c, seed++);
+      }
+    }
+  }
+}
+
+// Small odd-vocabulary cases for compute-sanitizer: every row at another
+// offset from a 16-byte boundary, heads, tails and pieces without whole
+// vectors, both schedules that handle edges.
+TEST_F(CudaCrossEntropyTest, OddVocabSmall) {
+  uint32_t seed = 1600;
+  using S = CrossEntropyCudaSchedule;
+  for (int64_t vocab : {3, 17, 4099}) {
+    for (GradientMode mode : {GradientMode::kInPlace, GradientMode::kOutOfPlace,
+                              GradientMode::kNone}) {
+      Case c =
+          Make(absl::StrCat("odd small V=", vocab), 9, vocab, DType::kBFloat16);
+      c.config.schedule =
+          mode == GradientMode::kNone ? S::kSplitRowForward : S::kSmemRowPieces;
+      c.config.piece_kib = 1;
+      c.mode = mode;
+      c.ignore_fraction = 0.2;
+      CheckCase(c, seed++);
+    }
+  }
+}
+
 TEST_F(CudaCrossEntropyTest, TargetGradientKeepsItsDigitsWhenPyNearOne) {
   Case c = Make("p_y -> 1", 4, 32000, DType::kBFloat16);
   c.logits = Logits::kTargetDominant;
