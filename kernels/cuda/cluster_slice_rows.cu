@@ -44,7 +44,7 @@ constexpr int kMaxStages = 8;
 // waits for DRAM; a dominant element (p -> 1) is summed exactly per thread,
 // so no row needs a second exchange. Two blocks a SM overlap one's reductions
 // and exchange with the other's streaming. One read and one write of the
-// logits. Plain options only (z-loss, grad_scale), like v5.
+// logits. Plain options only (z-loss, grad_scale).
 template <typename T, int kBlock, int kMinBlocks>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     TmaKernel(Params p, int stages, int stage_bytes) {

@@ -72,15 +72,17 @@ __device__ float BlockSumFloat(float v, float* scratch) {
 }
 
 // Logits [N, V] with row stride; grid = N * C blocks in clusters of C, block
-// `rank` owning elements [rank*chunk, min(rank*chunk + chunk, V)). Unlike v4
-// the slice is not held in registers: each block streams it once in batches
+// `rank` owning elements [rank*chunk, min(rank*chunk + chunk, V)). Unlike
+// cluster register rows the slice is not held in registers: each block
+// streams it once in batches
 // of kU vectors a thread (online max / sum-exp, next batch in flight), pushes
 // its partial into every peer's DSMEM before one cluster barrier, then reads
 // the slice again -- from L2, which holds ~132 * blocks/SM * slice bytes --
 // and writes the gradient with streaming stores. So DRAM sees one read and
 // one write, and with 4+ small blocks per SM in different phases memory stays
-// busy through each block's barrier (v4's limit, bench/NOTES.md). Plain
-// options only (z-loss, grad_scale); softcap, weights and smoothing take v4.
+// busy through each block's barrier (register rows' limit, bench/NOTES.md
+// v4). Plain options only (z-loss, grad_scale); softcap, weights and
+// smoothing take cluster register rows.
 template <typename T, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   using Tr = Traits<T>;

@@ -22,11 +22,11 @@ namespace lossd {
 namespace cuda_ce {
 namespace {
 
-// v7's independent row pieces for forward+gradient: one persistent kernel
-// takes work items from a global counter in a fixed sequence of row groups,
-// statistics of group g + 1 before the gradient of group g:
+// Split row forward's independent row pieces for forward+gradient: one
+// persistent kernel takes work items from a global counter in a fixed sequence
+// of row groups, statistics of group g + 1 before the gradient of group g:
 //   S(0) S(1) G(0) S(2) G(1) ... S(n - 1) G(n - 2) - G(n - 1)
-// A statistics item reads one piece of one row from DRAM (v7's loop), writes
+// A statistics item reads one piece of one row from DRAM (its loop), writes
 // the piece's Stats (and, where it holds the target column, the target
 // logit) and counts itself done for the row (release). A gradient item waits
 // for its row's count (acquire), merges the row's pieces in a fixed order,
@@ -35,7 +35,7 @@ namespace {
 // One read and one write of the logits in DRAM while two groups fit in L2.
 // No deadlock with every block resident: a block waits only in a gradient
 // item, for statistics items taken earlier by blocks that never wait in them.
-// Plain options only (z-loss, grad_scale), like v5 to v7.
+// Plain options only (z-loss, grad_scale). (bench/NOTES.md: v8.)
 // L2 hints: the statistics loads mark their lines evict-last in L2, the
 // gradient's re-reads and stores evict-first, so that the groups waiting for
 // their gradient outlive the lines already written (bench/NOTES.md "v8":

@@ -108,7 +108,7 @@ __device__ __forceinline__ void StAsyncStats(Stats* slot, int peer,
       : "memory");
 }
 
-// L2 eviction priorities (v8, unless cache_hints = 1): a policy for every line
+// L2 eviction priorities (L2 row pieces): a policy for every line
 // an access touches, and vector loads and streaming stores that carry one.
 __device__ __forceinline__ unsigned long long L2EvictLast() {
   unsigned long long pol;

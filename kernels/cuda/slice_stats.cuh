@@ -69,8 +69,9 @@ __device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
 // argmax found afterwards in the batch that set the max. kPrefetch (global
 // memory): the next batch's loads are issued before this one's arithmetic.
 // kHint: global loads carry the L2 eviction policy `policy`. `keep` (not
-// null): every vector read is also stored there, at its index (v9 keeps its
-// piece in shared memory), and the p_y -> 1 pass below reads it from there.
+// null): every vector read is also stored there, at its index (smem row pieces
+// keep their piece in shared memory), and the p_y -> 1 pass below reads it from
+// there.
 struct NoWait {
   __device__ void operator()(int) const {}
 };
@@ -183,7 +184,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       // This thread's max dominates its elements: 1 + t kept only t's high
       // digits, which p_max - 1 needs (p_y -> 1). Sum the others alone, from
       // shared memory; then no merge above cancels, and the row needs no
-      // second exchange (v5 has one).
+      // second exchange (cluster stream rows have one).
       float t = 0.0f;
 #pragma unroll 1
       for (int q = tid; q < nvec; q += kBlock) {

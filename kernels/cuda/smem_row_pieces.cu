@@ -79,8 +79,9 @@ constexpr int kBulkChunks = 8;
 // row's other slots (one warp polls them all, each lane reading a whole slot
 // in one atomic access, and merges them in a fixed order, every piece of a
 // row getting the same bits) and writes the gradient from shared memory. One
-// read and one write of the logits, through L2 once (v8 re-reads through L2,
-// bench/NOTES.md). Plain options only (z-loss, grad_scale), like v5 to v8.
+// read and one write of the logits, through L2 once (L2 row pieces re-read it
+// there, bench/NOTES.md). Plain options only (z-loss, grad_scale).
+// (bench/NOTES.md: v9.)
 //
 // What a piece waits for is the slowest piece of its row (bench/NOTES.md "v9,
 // session 5": the wait costs 3-10 points of copy bandwidth), so the chain is
