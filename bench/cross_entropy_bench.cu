@@ -1,9 +1,10 @@
 // Kernel benchmark of the fused CUDA cross-entropy (issue 3): measures the
 // device-to-device copy bandwidth, then each configuration as a ratio to it,
 // with the share of each measurement the board spent at its power limit.
-// Usage: cross_entropy_bench [--sweep | --sweep=v6 | ... | --sweep=v9]
-//                            [--profile] [--forward | --gradient] [--bf16]
-//                            [--out=RESULTS.md]
+// Usage: cross_entropy_bench [--sweep] [--profile] [--forward | --gradient]
+//                            [--bf16] [--out=RESULTS.md]
+// --sweep also runs every schedule that can take each configuration (the
+// variants and knobs of the experiments are gone: bench/NOTES.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -167,25 +168,14 @@ const char* Name(lossd::DType d) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool sweep = false;
-  bool sweep6 = false;         // v6 slice and stage variants only
-  bool sweep7 = false;         // v7 piece sizes and v5, forward-only
-  bool sweep8 = false;         // v8 piece and group sizes, forward+gradient
-  bool sweep9 = false;         // v9 piece sizes against v6 and v8
+  bool sweep = false;          // every schedule that takes the configuration
   bool profile = false;        // one small config, for ncu
   bool forward = false;        // forward-only configurations only
   bool gradient_only = false;  // forward+gradient configurations only
   bool bf16_only = false;      // bf16 configurations only
   std::string out_path;
-  std::string trace_dir;  // v9 per-item timestamps of each forward+gradient
-                          // configuration's default launch (diagnostic)
   for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--trace=", 8) == 0) trace_dir = argv[i] + 8;
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
-    if (std::strcmp(argv[i], "--sweep=v6") == 0) sweep6 = true;
-    if (std::strcmp(argv[i], "--sweep=v7") == 0) sweep7 = true;
-    if (std::strcmp(argv[i], "--sweep=v8") == 0) sweep8 = true;
-    if (std::strcmp(argv[i], "--sweep=v9") == 0) sweep9 = true;
     if (std::strcmp(argv[i], "--gradient") == 0) gradient_only = true;
     if (std::strncmp(argv[i], "--out=", 6) == 0) out_path = argv[i] + 6;
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
@@ -312,7 +302,13 @@ int main(int argc, char** argv) {
     configs.push_back({16384, 131072, d, GradientMode::kInPlace});
     configs.push_back({16384, 131072, d, GradientMode::kNone});
     configs.push_back({8192, 128256, d, GradientMode::kNone});
-    if (sweep8 || sweep9) {
+    // GPT-2's vocabulary: rows of 50257 elements start off 16-byte
+    // boundaries; 50304 (its padded size) is the aligned twin.
+    configs.push_back({8192, 50257, d, GradientMode::kInPlace});
+    configs.push_back({8192, 50304, d, GradientMode::kInPlace});
+    configs.push_back({8192, 50257, d, GradientMode::kNone});
+    configs.push_back({8192, 50304, d, GradientMode::kNone});
+    if (sweep) {
       configs.push_back({16384, 131072, d, GradientMode::kOutOfPlace});
     }
   }
@@ -363,155 +359,28 @@ int main(int argc, char** argv) {
     args.targets_dtype = DType::kInt64;
     args.mode = c.mode;
     args.gradient = c.mode == GradientMode::kInPlace ? work : grad;
-    // (name, config): auto first, then the sweep's v5 slice sizes and
-    // occupancy caps and v4 for comparison.
+    // (name, config): auto first, then with --sweep every schedule by name
+    // (those that cannot take the configuration say so).
     std::vector<std::pair<std::string, lossd::CrossEntropyCudaConfig>>
         variants = {{"auto", {}}};
-    if (sweep6) {
-      // (slice KiB, blocks a SM): 1 = one 512-thread block, 2 = two of 256.
-      for (const auto& [slice, ctas] : std::vector<std::pair<int, int>>{
-               {64, 1}, {32, 2}, {48, 2}, {16, 2}}) {
-        lossd::CrossEntropyCudaConfig v6;
-        v6.version = 6;
-        v6.slice_kib = slice;
-        v6.ctas_per_sm = ctas;
-        variants.push_back(
-            {"v6 s" + std::to_string(slice) + " x" + std::to_string(ctas), v6});
-      }
-    }
-    if (sweep8 && c.mode != GradientMode::kNone) {
-      lossd::CrossEntropyCudaConfig v6;
-      v6.version = 6;
-      variants.push_back({"v6", v6});
-      // (piece KiB, group MiB, lookahead, cache_hints)
-      for (const auto& [slice, group, ahead, hints] :
-           std::vector<std::tuple<int, int, int, int>>{
-               {64, 4, 2, 1}, {64, 4, 2, 2}, {64, 8, 1, 2}, {64, 2, 4, 2}}) {
-        lossd::CrossEntropyCudaConfig v8;
-        v8.version = 8;
-        v8.slice_kib = slice;
-        v8.group_mib = group;
-        v8.stages = ahead;
-        v8.cache_hints = hints;
-        variants.push_back(
-            {"v8 s" + std::to_string(slice) + " g" + std::to_string(group) +
-                 " a" + std::to_string(ahead) + (hints == 1 ? " no hints" : ""),
-             v8});
-      }
-    }
-    if (sweep9 && c.mode != GradientMode::kNone) {
-      lossd::CrossEntropyCudaConfig v6;
-      v6.version = 6;
-      variants.push_back({"v6", v6});
-      lossd::CrossEntropyCudaConfig v8;
-      v8.version = 8;
-      variants.push_back({"v8", v8});
-      // (piece KiB, blocks a SM: 4 = 256 threads, 2 = 512 threads, L2
-      // prefetch distance in KiB of logits (0 automatic, -1 none), stages
-      // left out (diagnostic: 1 row wait, 2 gradient math, 4 statistics, 8
-      // the sleep between slot polls), piece load (1 the threads' loads, 2
-      // bulk copies))
-      for (const auto& [slice, ctas, ahead, ablate, load] :
-           std::vector<std::tuple<int, int, int, int, int>>{{48, 4, 0, 0, 1},
-                                                            {48, 4, 0, 0, 2},
-                                                            {48, 4, -1, 0, 1},
-                                                            {48, 4, 0, 1, 1},
-                                                            {48, 4, 0, 1, 2},
-                                                            {48, 4, 0, 7, 1}}) {
-        lossd::CrossEntropyCudaConfig v9;
-        v9.version = 9;
-        v9.slice_kib = slice;
-        v9.ctas_per_sm = ctas;
-        v9.prefetch_kib = ahead;
-        v9.ablate = ablate;
-        v9.piece_load = load;
-        std::string name =
-            "v9 s" + std::to_string(slice) + " x" + std::to_string(ctas);
-        name += load == 2 ? " bulk" : " loads";
-        if (ahead < 0) name += " no prefetch";
-        if (ahead > 0) name += " pf" + std::to_string(ahead) + "K";
-        if (ablate != 0) {
-          name += " without";
-          if (ablate & 1) name += " row-wait";
-          if (ablate & 2) name += " grad-math";
-          if (ablate & 4) name += " stats";
-          if (ablate & 8) name += " poll-sleep";
-        }
-        variants.push_back({name, v9});
+    if (sweep) {
+      using S = lossd::CrossEntropyCudaSchedule;
+      for (const auto& [schedule, name] :
+           std::vector<std::pair<S, const char*>>{
+               {S::kSmemRowPieces, "smem row pieces"},
+               {S::kL2RowPieces, "L2 row pieces"},
+               {S::kClusterSliceRows, "cluster slice rows"},
+               {S::kClusterStreamRows, "cluster stream rows"},
+               {S::kSplitRowForward, "split row forward"},
+               {S::kClusterRegisterRows, "cluster register rows"},
+               {S::kGenericRows, "generic rows"}}) {
+        lossd::CrossEntropyCudaConfig named;
+        named.schedule = schedule;
+        variants.push_back({name, named});
       }
       // The default launch once more, last: drift within the process (the
       // board warming up to its power limit) shows as a gap to the first.
-      lossd::CrossEntropyCudaConfig again;
-      again.version = 9;
-      variants.push_back({"v9 default again", again});
-    }
-    if (sweep7 && c.mode == GradientMode::kNone) {
-      for (int slice : {32, 64, 128, 256}) {
-        for (int stages : {1, 2}) {
-          lossd::CrossEntropyCudaConfig v7;
-          v7.version = 7;
-          v7.slice_kib = slice;
-          v7.stages = stages;
-          variants.push_back(
-              {"v7 s" + std::to_string(slice) + " b" + std::to_string(stages),
-               v7});
-        }
-      }
-      lossd::CrossEntropyCudaConfig v5;
-      v5.version = 5;
-      variants.push_back({"v5", v5});
-    }
-    if (sweep) {
-      for (int slice : {32, 64, 128}) {
-        for (int cap : {0, 4}) {
-          lossd::CrossEntropyCudaConfig v5;
-          v5.version = 5;
-          v5.slice_kib = slice;
-          v5.ctas_per_sm = cap;
-          variants.push_back(
-              {"v5 s" + std::to_string(slice) +
-                   (cap ? " mb" + std::to_string(cap) : std::string()),
-               v5});
-        }
-      }
-      lossd::CrossEntropyCudaConfig v4;
-      v4.version = 4;
-      variants.push_back({"v4", v4});
-    }
-    if (!trace_dir.empty() && c.mode != GradientMode::kNone) {
-      for (int load : {1, 2}) {
-        // One traced run of the default launch: kMaxPieces items a row at
-        // most, 5 words an item; items not taken stay zero.
-        const size_t words = static_cast<size_t>(c.rows) * 32 * 5;
-        unsigned long long* trace = nullptr;
-        CHECK_CUDA(cudaMalloc(&trace, words * 8));
-        CHECK_CUDA(cudaMemsetAsync(trace, 0, words * 8, stream));
-        lossd::CrossEntropyCudaConfig traced;
-        traced.trace = trace;
-        traced.piece_load = load;
-        for (int i = 0; i < 3; ++i) {
-          CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
-          CHECK_CUDA(lossd::CrossEntropyCudaLaunch(args, result, ws, ws_bytes,
-                                                   stream, &traced));
-        }
-        std::vector<unsigned long long> host(words);
-        CHECK_CUDA(
-            cudaMemcpy(host.data(), trace, words * 8, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaFree(trace));
-        const std::string path =
-            trace_dir + "/trace_" + Name(c.dtype) + "_" +
-            std::to_string(c.rows) + "x" + std::to_string(c.vocab) +
-            (c.mode == GradientMode::kOutOfPlace ? "_out" : "") +
-            (load == 2 ? "_bulk" : "_loads") + ".bin";
-        size_t used = words / 5;  // items taken: the rest stay zero
-        while (used > 0 && host[(used - 1) * 5] == 0) --used;
-        FILE* f = used > 0 ? std::fopen(path.c_str(), "wb") : nullptr;
-        if (f != nullptr) {
-          std::fwrite(host.data(), 8, used * 5, f);
-          std::fclose(f);
-        }
-      }
+      variants.push_back({"auto again", {}});
     }
     for (const auto& variant : variants) {
       // (named references, not structured bindings: the lambdas below

@@ -76,31 +76,37 @@ enum class Reduction : int { kMean = 1, kSum = 2, kNone = 3 };
 // Values match lossd.v1.GradientMode.
 enum class GradientMode : int {
   kInPlace = 1,  // the gradient overwrites the logits (same buffer, same dtype)
-  kOutOfPlace =
-      2,      // the gradient goes to a separate buffer of the logits' dtype
+  // The gradient goes to a separate buffer of the logits' dtype.
+  kOutOfPlace = 2,
   kNone = 3,  // forward only: the logits are only read
 };
 
 // Options with the semantics of torch.nn.functional.cross_entropy (see
 // docs/design.md §3).
 //
-// Let z = softcap * tanh(x / softcap) when softcap > 0, else z = x; lse = log
-// sum_c exp(z_c); w the class weights (all 1 when absent), W = sum_c w_c, eps =
-// label_smoothing, y the target. For a row whose target is not ignore_index:
-//   loss_i   = (1 - eps) * w_y * (lse - z_y) + eps / V * sum_c w_c * (lse -
-//   z_c) zloss_i  = z_loss_scale * lse^2          (added to loss_i, also
-//   reported alone)
-// Reduction: kSum sums the rows; kMean divides the sum by D, where D =
-// normalizer when normalizer > 0, else sum_i w_{y_i} over valid rows (the
+// clang-format off
+// Let z = softcap * tanh(x / softcap) when softcap > 0, else z = x;
+// lse = log sum_c exp(z_c); w the class weights (all 1 when absent),
+// W = sum_c w_c, eps = label_smoothing, y the target. For a row whose target
+// is not ignore_index:
+//
+//   loss_i  = (1 - eps) * w_y * (lse - z_y) + eps / V * sum_c w_c * (lse - z_c)
+//             + zloss_i
+//   zloss_i = z_loss_scale * lse^2   (added to loss_i, also reported alone)
+//
+// Reduction: kSum sums the rows; kMean divides the sum by D, where
+// D = normalizer when normalizer > 0, else sum_i w_{y_i} over valid rows (the
 // valid-row count without weights); kNone keeps per-row values. A mean over
 // zero valid rows is 0 (torch gives NaN). Gradient of the reduced loss times
 // grad_scale, for valid rows:
-//   dL/dz_c = s * (p_c * ((1 - eps) * w_y + eps * W / V + 2 * z_loss_scale *
-//   lse)
-//                  - (1 - eps) * w_y * [c == y] - eps * w_c / V)
+//
+//   dL/dz_c = s * ( p_c * ((1 - eps) * w_y + eps * W / V + 2 * z_loss_scale * lse)
+//                   - (1 - eps) * w_y * [c == y] - eps * w_c / V )
 //   dL/dx_c = dL/dz_c * (1 - (z_c / softcap)^2)   when softcap > 0
+//
 // with s = grad_scale / D for kMean and s = grad_scale otherwise. Ignored rows
 // get 0.
+// clang-format on
 struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   float label_smoothing = 0.0f;  // in [0, 1]
@@ -108,8 +114,8 @@ struct CrossEntropyOptions {
   float z_loss_scale = 0.0f;  // >= 0
   float softcap = 0.0f;       // 0 = off; otherwise > 0
   double normalizer = 0.0;    // 0 = automatic (see above); otherwise > 0
-  float grad_scale =
-      1.0f;  // folded into the gradient before its single rounding
+  // Folded into the gradient before its single rounding.
+  float grad_scale = 1.0f;
 };
 
 // One problem: logits [rows, vocab] with row_stride elements between row
@@ -118,8 +124,8 @@ struct CrossEntropyOptions {
 struct CrossEntropyArgs {
   int64_t rows = 0;
   int64_t vocab = 0;
-  int64_t row_stride =
-      0;  // elements; >= vocab. Also the stride of an out-of-place gradient.
+  // Elements; >= vocab. Also the stride of an out-of-place gradient.
+  int64_t row_stride = 0;
 
   DType logits_dtype = DType::kFloat32;
   const void* logits = nullptr;
@@ -138,12 +144,12 @@ struct CrossEntropyArgs {
 
   // Optional per-row outputs (nullptr = not requested); every row is written,
   // ignored rows too.
-  float* token_loss =
-      nullptr;  // [rows] loss_i (with the z-loss term); 0 for ignored rows
-  float* token_lse =
-      nullptr;  // [rows] lse of z; computed for ignored rows as well
-  int32_t* token_argmax =
-      nullptr;  // [rows] first index of the row maximum of z
+  // [rows] loss_i (with the z-loss term); 0 for ignored rows.
+  float* token_loss = nullptr;
+  // [rows] lse of z; computed for ignored rows as well.
+  float* token_lse = nullptr;
+  // [rows] first index of the row maximum of z.
+  int32_t* token_argmax = nullptr;
 };
 
 // Results. `loss` includes the z-loss term; `z_loss` is that term alone; both
@@ -154,10 +160,10 @@ struct CrossEntropyResult {
   double z_loss = 0.0;
   int64_t valid_tokens = 0;    // rows whose target is not ignore_index
   int64_t correct_tokens = 0;  // valid rows with argmax(z) == target
-  int64_t nonfinite_rows =
-      0;  // valid rows whose loss is not finite (NaN/Inf in the logits)
-  double denominator =
-      0.0;  // D used for kMean (0 when there were no valid rows)
+  // Valid rows whose loss is not finite (NaN/Inf in the logits).
+  int64_t nonfinite_rows = 0;
+  // D used for kMean (0 when there were no valid rows).
+  double denominator = 0.0;
 };
 
 }  // namespace lossd

@@ -637,12 +637,11 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   RETURN_IF_ERROR(ValidateCrossEntropyArgs(args));
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
 
-  // One block: workspace, result, then the per-token outputs requested.
+  // One block: the kernel's scratch, then the per-token outputs requested
+  // (args' are host pointers; the kernel writes device memory).
   const size_t rows = static_cast<size_t>(args.rows);
-  const size_t workspace_bytes =
-      AlignUp(CrossEntropyCudaWorkspaceBytes(args.rows));
-  const size_t result_offset = workspace_bytes;
-  size_t offset = result_offset + AlignUp(sizeof(CrossEntropyCudaResult));
+  const size_t scratch_bytes = AlignUp(CrossEntropyCudaScratchBytes(args.rows));
+  size_t offset = scratch_bytes;
   const size_t loss_offset = offset;
   if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
   const size_t lse_offset = offset;
@@ -672,37 +671,12 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
       device_args.token_argmax =
           reinterpret_cast<int32_t*>(block + argmax_offset);
     }
-    auto* device_result =
-        reinterpret_cast<CrossEntropyCudaResult*>(block + result_offset);
-    const cudaError_t launched = CrossEntropyCudaLaunch(
-        device_args, device_result, block, workspace_bytes, stream);
-    if (launched == cudaErrorInvalidValue) {
-      cudaGetLastError();
-      status = absl::InvalidArgumentError(
-          absl::StrCat("cross_entropy: shape [", args.rows, ", ", args.vocab,
-                       "] is not supported by the CUDA kernel"));
-    } else {
-      status = Check(launched, "cross_entropy launch");
-    }
-    if (status.ok()) {
-      status = Check(cudaMemcpyAsync(staging->host, device_result,
-                                     sizeof(CrossEntropyCudaResult),
-                                     cudaMemcpyDeviceToHost, stream),
-                     "cross_entropy result copy");
-    }
-    if (status.ok()) {
-      status = Check(cudaStreamSynchronize(stream), "cross_entropy");
-    }
-  }
-  CrossEntropyCudaResult host = {};
-  if (status.ok()) {
-    std::memcpy(&host, staging->host, sizeof(host));
-    if (host.error == kCrossEntropyBadTarget) {
-      status = absl::InvalidArgumentError(
-          absl::StrCat("target of row ", host.bad_row, " is ", host.bad_target,
-                       ", outside [0, ", args.vocab, ") and not ignore_index (",
-                       args.options.ignore_index, ")"));
-    }
+    // The kernels' one host wrapper; its INTERNAL errors are looked at again
+    // below (Check of the final synchronize), where a sticky one is fatal.
+    status = CrossEntropyCudaRun(
+        device_args, block, scratch_bytes,
+        static_cast<CrossEntropyCudaResult*>(staging->host), stream, result);
+    if (!status.ok()) cudaGetLastError();
   }
   if (status.ok() && args.token_loss != nullptr) {
     status = CopyToHost(args.token_loss, device_args.token_loss,
@@ -721,15 +695,8 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
       Check(cudaStreamSynchronize(stream), "cross_entropy free");
   ReleaseStaging(*staging);
   ReleaseStream(stream);
-  RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(synced);
-  result->loss = host.loss;
-  result->z_loss = host.z_loss;
-  result->valid_tokens = host.valid_tokens;
-  result->correct_tokens = host.correct_tokens;
-  result->nonfinite_rows = host.nonfinite_rows;
-  result->denominator = host.denominator;
-  return absl::OkStatus();
+  return status;
 }
 
 }  // namespace lossd

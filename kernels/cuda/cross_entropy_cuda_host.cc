@@ -1,11 +1,18 @@
-// Host wrapper of the CUDA cross-entropy: validates, allocates the workspace
-// stream-ordered, launches, synchronizes and maps errors to absl::Status.
+// The one host wrapper of the CUDA cross-entropy: validates, launches into
+// the caller's scratch, waits, and maps errors to absl::Status.
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cross_entropy_validate.h"
 
 namespace lossd {
+namespace {
+
+std::size_t AlignUp(std::size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
 
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
@@ -17,45 +24,55 @@ absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   return absl::InternalError(message);
 }
 
-absl::Status CrossEntropyCuda(const CrossEntropyArgs& device_args,
-                              CrossEntropyResult* result, cudaStream_t stream,
-                              const CrossEntropyCudaConfig* config) {
-  if (result == nullptr) {
-    return absl::InvalidArgumentError("cross_entropy: result is nullptr");
+std::size_t CrossEntropyCudaScratchBytes(int64_t rows) {
+  return AlignUp(CrossEntropyCudaWorkspaceBytes(rows)) +
+         AlignUp(sizeof(CrossEntropyCudaResult));
+}
+
+absl::Status CrossEntropyCudaRun(const CrossEntropyArgs& device_args,
+                                 void* scratch, std::size_t scratch_bytes,
+                                 CrossEntropyCudaResult* host_result,
+                                 cudaStream_t stream,
+                                 CrossEntropyResult* result,
+                                 const CrossEntropyCudaConfig* config) {
+  if (result == nullptr || scratch == nullptr || host_result == nullptr) {
+    return absl::InvalidArgumentError(
+        "cross_entropy: result, scratch or host_result is nullptr");
   }
   absl::Status status = ValidateCrossEntropyArgs(device_args);
   if (!status.ok()) return status;
-
-  const std::size_t workspace_bytes =
-      CrossEntropyCudaWorkspaceBytes(device_args.rows);
-  void* block = nullptr;
-  status = CudaStatus(
-      cudaMallocAsync(&block, workspace_bytes + sizeof(CrossEntropyCudaResult),
-                      stream),
-      "cross_entropy: workspace allocation");
-  if (!status.ok()) return status;
-  auto* device_result = reinterpret_cast<CrossEntropyCudaResult*>(
-      static_cast<char*>(block) + workspace_bytes);
-  CrossEntropyCudaResult host = {};
-  status = CudaStatus(CrossEntropyCudaLaunch(device_args, device_result, block,
-                                             workspace_bytes, stream, config),
-                      "cross_entropy: launch");
-  if (status.ok()) {
-    status = CudaStatus(cudaMemcpyAsync(&host, device_result, sizeof(host),
-                                        cudaMemcpyDeviceToHost, stream),
-                        "cross_entropy: result copy");
+  if (scratch_bytes < CrossEntropyCudaScratchBytes(device_args.rows)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross_entropy: scratch of ", scratch_bytes, " bytes, ",
+        CrossEntropyCudaScratchBytes(device_args.rows), " needed"));
   }
-  const absl::Status freed =
-      CudaStatus(cudaFreeAsync(block, stream), "cross_entropy: workspace free");
-  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
-                                         "cross_entropy: stream synchronize");
+  const std::size_t workspace_bytes =
+      AlignUp(CrossEntropyCudaWorkspaceBytes(device_args.rows));
+  auto* device_result = reinterpret_cast<CrossEntropyCudaResult*>(
+      static_cast<char*>(scratch) + workspace_bytes);
+  const cudaError_t launched = CrossEntropyCudaLaunch(
+      device_args, device_result, scratch, workspace_bytes, stream, config);
+  if (launched == cudaErrorInvalidValue) {
+    cudaGetLastError();  // not sticky: nothing was enqueued past the check
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross_entropy: shape [", device_args.rows, ", ", device_args.vocab,
+        "] is not supported by the CUDA kernel"));
+  }
+  status = CudaStatus(launched, "cross_entropy launch");
+  if (status.ok()) {
+    status = CudaStatus(
+        cudaMemcpyAsync(host_result, device_result, sizeof(*host_result),
+                        cudaMemcpyDeviceToHost, stream),
+        "cross_entropy result copy");
+  }
+  if (status.ok()) {
+    status = CudaStatus(cudaStreamSynchronize(stream), "cross_entropy");
+  }
   if (!status.ok()) return status;
-  if (!freed.ok()) return freed;
-  if (!synced.ok()) return synced;
-
+  const CrossEntropyCudaResult& host = *host_result;
   if (host.error == kCrossEntropyBadTarget) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cross_entropy: target of row ", host.bad_row, " is ", host.bad_target,
+        "target of row ", host.bad_row, " is ", host.bad_target,
         ", outside [0, ", device_args.vocab, ") and not ignore_index (",
         device_args.options.ignore_index, ")"));
   }
@@ -66,6 +83,32 @@ absl::Status CrossEntropyCuda(const CrossEntropyArgs& device_args,
   result->nonfinite_rows = host.nonfinite_rows;
   result->denominator = host.denominator;
   return absl::OkStatus();
+}
+
+absl::Status CrossEntropyCuda(const CrossEntropyArgs& device_args,
+                              CrossEntropyResult* result, cudaStream_t stream,
+                              const CrossEntropyCudaConfig* config) {
+  if (result == nullptr) {
+    return absl::InvalidArgumentError("cross_entropy: result is nullptr");
+  }
+  absl::Status status = ValidateCrossEntropyArgs(device_args);
+  if (!status.ok()) return status;
+  const std::size_t scratch_bytes =
+      CrossEntropyCudaScratchBytes(device_args.rows);
+  void* scratch = nullptr;
+  status = CudaStatus(cudaMallocAsync(&scratch, scratch_bytes, stream),
+                      "cross_entropy: scratch allocation");
+  if (!status.ok()) return status;
+  CrossEntropyCudaResult host = {};
+  status = CrossEntropyCudaRun(device_args, scratch, scratch_bytes, &host,
+                               stream, result, config);
+  const absl::Status freed =
+      CudaStatus(cudaFreeAsync(scratch, stream), "cross_entropy: scratch free");
+  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
+                                         "cross_entropy: stream synchronize");
+  if (!status.ok()) return status;
+  if (!freed.ok()) return freed;
+  return synced;
 }
 
 }  // namespace lossd

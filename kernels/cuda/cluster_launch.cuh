@@ -1,0 +1,60 @@
+// Host side of the cluster schedules: launching a kernel in clusters,
+// persistent (as many clusters as can be resident).
+
+#ifndef LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
+#define LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace lossd {
+namespace cuda_ce {
+
+// Makes `cfg` launch `kernel` in clusters of `csize` blocks along x, with
+// `attr` (which must outlive the launch) as its one attribute; clusters past
+// 8 blocks (the portable size) are allowed first.
+template <typename... KernelArgs>
+cudaError_t SetClusterLaunch(void (*kernel)(KernelArgs...), int csize,
+                             cudaLaunchAttribute* attr,
+                             cudaLaunchConfig_t* cfg) {
+  if (csize > 8) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = csize;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  return cudaSuccess;
+}
+
+// Launches `kernel` with `cfg` (block, shared memory and stream set) in
+// clusters of `csize` blocks on a persistent grid: as many clusters as can be
+// resident at once, at most one a row.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchPersistentClusters(void (*kernel)(KernelArgs...),
+                                     cudaLaunchConfig_t cfg, int csize,
+                                     long long rows, Args... args) {
+  cudaLaunchAttribute attr;
+  const cudaError_t set = SetClusterLaunch(kernel, csize, &attr, &cfg);
+  if (set != cudaSuccess) return set;
+  cfg.gridDim = dim3(static_cast<unsigned>(csize));
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
+  cfg.gridDim =
+      dim3(static_cast<unsigned>(std::min<long long>(rows, clusters) * csize));
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+}  // namespace cuda_ce
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_

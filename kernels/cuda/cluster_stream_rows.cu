@@ -1,0 +1,303 @@
+// Schedule "cluster stream rows": persistent clusters that stream each
+// block's slice of a row once for its statistics and once more, from L2, for
+// the gradient. The fallback for rows no other fast schedule takes.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cluster_launch.cuh"
+#include "kernels/cuda/element_traits.cuh"
+#include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/row_math.cuh"
+#include "kernels/cuda/schedules.h"
+#include "kernels/cuda/slice_stats.cuh"
+
+namespace lossd {
+namespace cuda_ce {
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+// Loads vectors base + (u * kThreads + tid) * kVec of a slice ending at `end`;
+// elements past `end` read as -inf (never the max, exp() = 0). kLastUse marks
+// the re-read: evict-first, the gradient replaces it.
+template <typename T, bool kLastUse>
+__device__ __forceinline__ void LoadBatch(const T* in, int base, int tid,
+                                          int end, uint4 (&v)[kU]) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int e = base + (u * kThreads + tid) * kVec;
+    if (e + kVec <= end) {
+      const uint4* ptr = reinterpret_cast<const uint4*>(in + e);
+      v[u] = kLastUse ? __ldcs(ptr) : *ptr;
+    } else {
+      float f[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        f[j] = e + j < end ? Tr::Load(in + e + j) : -INFINITY;
+      }
+      Tr::Pack(f, &v[u]);
+    }
+  }
+}
+
+// Fixed-order block sum; the result is valid in every thread. `scratch`
+// holds one float per warp plus one.
+__device__ float BlockSumFloat(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kWarps = kThreads / 32;
+    float w = scratch[threadIdx.x % kWarps];
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o >>= 1)
+      w += __shfl_xor_sync(0xffffffffu, w, o);
+    if (threadIdx.x == 0) scratch[kWarps] = w;
+  }
+  __syncthreads();
+  return scratch[kThreads / 32];
+}
+
+// Logits [N, V] with row stride; grid = N * C blocks in clusters of C, block
+// `rank` owning elements [rank*chunk, min(rank*chunk + chunk, V)). Unlike
+// cluster register rows the slice is not held in registers: each block
+// streams it once in batches
+// of kU vectors a thread (online max / sum-exp, next batch in flight), pushes
+// its partial into every peer's DSMEM before one cluster barrier, then reads
+// the slice again -- from L2, which holds ~132 * blocks/SM * slice bytes --
+// and writes the gradient with streaming stores. So DRAM sees one read and
+// one write, and with 4+ small blocks per SM in different phases memory stays
+// busy through each block's barrier (register rows' limit, bench/NOTES.md
+// v4). Plain options only (z-loss, grad_scale); softcap, weights and
+// smoothing take cluster register rows.
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  constexpr int kBatch = kU * kThreads * kVec;  // elements a block per batch
+  __shared__ Stats scratch[kThreads / 32 + 1];
+  __shared__ float fscratch[kThreads / 32 + 1];
+  // Two inboxes by row parity: a peer may push row r+1's partial while this
+  // block still reads row r's; it cannot reach r+2 before this block has
+  // arrived at r+1's barrier.
+  __shared__ Stats inbox[2][kMaxCluster];
+  __shared__ float tbox[kMaxCluster];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int csize = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x;
+  const int start = rank * p.chunk;
+  const int end = min(start + p.chunk, p.vocab);
+  const WorkspaceHeader& hdr = *p.header;
+  // DSMEM may be written only once every peer has started.
+  cluster.sync();
+  if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+
+  // Persistent: a cluster per row at a time, rows strided by the cluster
+  // count (launching a cluster per row cost ~30 ns a block: bench/NOTES.md).
+  const long long nclusters = gridDim.x / csize;
+  int parity = 0;
+#pragma unroll 1
+  for (long long row = blockIdx.x / csize; row < p.rows;
+       row += nclusters, parity ^= 1) {
+    const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+    uint4 cur[kU];
+    LoadBatch<T, false>(in, start, tid, end, cur);
+    const long long y = LoadTarget(p, row);
+    const bool valid = y != p.ignore_index;
+    const bool owner = valid ? (y >= start && y < end) : rank == 0;
+    const float zy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
+
+    // Pass 1: online max and sum of 2^(z*log2e - m_l2), rescaled when a batch
+    // raises the max; the argmax is found afterwards in the batch that set it.
+    float m = -INFINITY;
+    float m_l2 = 0.0f;  // fl(m * log2e); 0 while m = -inf
+    int arg_base = start;
+    float acc[2] = {0.0f, 0.0f};
+#pragma unroll 1
+    for (int base = start; base < end; base += kBatch) {
+      uint4 nxt[kU];
+      if (base + kBatch < end)
+        LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
+      float bm = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
+      if (bm > m) {
+        const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
+        const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
+        acc[0] *= f;
+        acc[1] *= f;
+        m = bm;
+        m_l2 = nl2;
+        arg_base = base;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          acc[j % 2] += Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -m_l2));
+#pragma unroll
+      for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
+    }
+    Stats st;
+    st.m = m;
+    st.sum_wz = 0.0f;
+    st.arg = INT_MAX;
+    if (m == -INFINITY) {
+      st.t = -1.0f;
+    } else {
+      // First index of m: in the batch that set it (earlier ones were below).
+      uint4 v[kU];
+      LoadBatch<T, false>(in, arg_base, tid, end, v);
+#pragma unroll
+      for (int u = kU - 1; u >= 0; --u)
+#pragma unroll
+        for (int j = kVec - 1; j >= 0; --j)
+          if (Tr::Get(v[u], j) == m)
+            st.arg = arg_base + (u * kThreads + tid) * kVec + j;
+      const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+      st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
+    }
+
+    st = BlockReduce<kThreads>(st, scratch);
+    if (tid < csize) *cluster.map_shared_rank(&inbox[parity][rank], tid) = st;
+    cluster.sync();
+    Stats row_st = inbox[parity][0];
+    for (int r = 1; r < csize; ++r) Combine(row_st, inbox[parity][r]);
+
+    if (row_st.t < 0.0625f && isfinite(row_st.m)) {
+      // One element dominates the row: 1 + t kept only t's high digits, which
+      // p_y - 1 needs. Sum the others alone, relative to the row max, and
+      // exchange again (rare; uniform over the cluster, nothing written yet).
+      float t = 0.0f;
+#pragma unroll 1
+      for (int base = start; base < end; base += kBatch) {
+        uint4 v[kU];
+        LoadBatch<T, false>(in, base, tid, end, v);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const int c = base + (u * kThreads + tid) * kVec + j;
+            const float e = expf(Tr::Get(v[u], j) - row_st.m);
+            t += c == row_st.arg ? 0.0f : e;
+          }
+      }
+      t = BlockSumFloat(t, fscratch);
+      if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
+      cluster.sync();
+      row_st.t = tbox[0];
+      for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
+    }
+
+    const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+    if (owner && tid == 0)
+      WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
+    if (!p.grad) continue;
+    T* out = static_cast<T*>(p.grad) + row * p.stride;
+
+    if (!valid) {
+      // Ignored row: zeros, no re-read (the formula would give NaN for
+      // non-finite logits).
+      const float zero[kVec] = {};
+      uint4 zv;
+      Tr::Pack(zero, &zv);
+#pragma unroll 1
+      for (int base = start; base < end; base += kBatch) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int e = base + (u * kThreads + tid) * kVec;
+          if (e + kVec <= end) {
+            __stcs(reinterpret_cast<uint4*>(out + e), zv);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j)
+              if (e + j < end) Tr::Store(out + e + j, 0.0f);
+          }
+        }
+      }
+      continue;
+    }
+
+    // Pass 2: the slice again (L2), gradient out with streaming stores.
+    const int yl = owner ? static_cast<int>(y) : -1;
+    LoadBatch<T, true>(in, start, tid, end, cur);
+#pragma unroll 1
+    for (int base = start; base < end; base += kBatch) {
+      uint4 nxt[kU];
+      if (base + kBatch < end)
+        LoadBatch<T, true>(in, base + kBatch, tid, end, nxt);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int e = base + (u * kThreads + tid) * kVec;
+        float g[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          g[j] = fmaf(Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -rm.lse_l2)), rm.a,
+                      rm.b);
+        }
+        if (yl >= e && yl < e + kVec) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (e + j == yl) g[j] = rm.gy;
+        }
+        if (e + kVec <= end) {
+          uint4 v;
+          Tr::Pack(g, &v);
+          __stcs(reinterpret_cast<uint4*>(out + e), v);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j)
+            if (e + j < end) Tr::Store(out + e + j, g[j]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
+    }
+  }  // rows
+}
+
+template <typename T>
+cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
+  // The build for 3 blocks a SM: the one for 4 spills per-row state and
+  // measured 25-35% slower (bench/NOTES.md, v5).
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  return LaunchPersistentClusters(StreamKernel<T, 3>, cfg, csize, p.rows, p);
+}
+
+}  // namespace
+
+cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
+                                    cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return LaunchStream<float>(p, cluster, stream);
+    case DType::kBFloat16:
+      return LaunchStream<__nv_bfloat16>(p, cluster, stream);
+    case DType::kFloat16:
+      return LaunchStream<__half>(p, cluster, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda_ce
+}  // namespace lossd

@@ -1,0 +1,103 @@
+// Schedule "generic rows": one block a row, scalar loads, any alignment and
+// any options; the row is read three times (the later reads mostly from L2).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/element_traits.cuh"
+#include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/row_math.cuh"
+#include "kernels/cuda/schedules.h"
+
+namespace lossd {
+namespace cuda_ce {
+namespace {
+
+// Logits [N, V]; grid = N blocks. Reads the row three times (the later reads
+// mostly from L2); used for unaligned rows and vocabularies past the cluster
+// path's reach.
+template <typename T>
+__global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
+  using Tr = Traits<T>;
+  __shared__ Stats scratch[kGenericThreads / 32 + 1];
+  const WorkspaceHeader& hdr = *p.header;
+  if (hdr.error) return;
+  const long long row = blockIdx.x;
+  const int vocab = p.vocab;
+  const long long y = LoadTarget(p, row);
+  const bool valid = y != p.ignore_index;
+  const T* in = static_cast<const T*>(p.logits) + row * p.stride;
+  T* out = p.grad ? static_cast<T*>(p.grad) + row * p.stride : nullptr;
+  const float c = p.softcap;
+
+  float zy = 0.0f, wy = 1.0f, unused;
+  if (valid) {
+    const float xy = Tr::Load(in + y);
+    zy = c > 0 ? SoftcapZ(xy, c, &unused) : xy;
+    if (p.weights) wy = p.weights[y];
+  }
+  Stats st;
+  st.m = -INFINITY;
+  st.t = 0.0f;
+  st.sum_wz = 0.0f;
+  st.arg = INT_MAX;
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &unused);
+    if (z > st.m) {
+      st.m = z;
+      st.arg = i;
+    }
+    if (p.eps > 0) st.sum_wz += (p.weights ? p.weights[i] : 1.0f) * z;
+  }
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &unused);
+    const float e = expf(z - st.m);
+    st.t += i == st.arg ? 0.0f : e;
+  }
+  if (st.m == -INFINITY) st.t = -1.0f;
+  st = BlockReduce<kGenericThreads>(st, scratch);  // also orders the zy read
+  const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, wy);
+  if (threadIdx.x == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
+  if (!out) return;
+  for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
+    float dfac = 1.0f;
+    float z = Tr::Load(in + i);
+    if (c > 0) z = SoftcapZ(z, c, &dfac);
+    const float wc = p.weights ? p.weights[i] : 1.0f;
+    float gz = Exp2(fmaf(z, kLog2e, -rm.lse_l2)) * rm.a + rm.b * wc;
+    if (valid && i == y) gz = rm.gy;
+    Tr::Store(out + i, valid ? gz * dfac : 0.0f);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchGenericRows(const Params& p, DType dtype,
+                              cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  switch (dtype) {
+    case DType::kFloat32:
+      GenericKernel<float><<<grid, kGenericThreads, 0, stream>>>(p);
+      break;
+    case DType::kBFloat16:
+      GenericKernel<__nv_bfloat16><<<grid, kGenericThreads, 0, stream>>>(p);
+      break;
+    case DType::kFloat16:
+      GenericKernel<__half><<<grid, kGenericThreads, 0, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cuda_ce
+}  // namespace lossd

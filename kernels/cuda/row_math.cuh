@@ -1,0 +1,256 @@
+// Row math shared by every schedule: softmax statistics (Stats) and their
+// fixed-order merges, and the gradient and loss of a row from its statistics
+// (RowMath), with the precision choices the contract's tolerances need.
+
+#ifndef LOSSD_KERNELS_CUDA_ROW_MATH_CUH_
+#define LOSSD_KERNELS_CUDA_ROW_MATH_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/element_traits.cuh"
+#include "kernels/cuda/launch_params.h"
+
+namespace lossd {
+namespace cuda_ce {
+
+// Softmax statistics of a slice: max m at first index arg, and
+// t = sum_{c != arg} exp(z_c - m), so that sum exp(z - m) = 1 + t keeps the
+// digits of a tiny t (p_y -> 1); an empty slice has m = -inf, t = -1. sum_wz
+// is sum_c w_c z_c for label smoothing.
+struct Stats {
+  float m;
+  float t;
+  float sum_wz;
+  int arg;
+};
+static_assert(sizeof(Stats) == kStatsBytes, "the workspace's piece record");
+
+__device__ __forceinline__ void Combine(Stats& a, const Stats& b) {
+  const bool b_wins = b.m > a.m || (b.m == a.m && b.arg < a.arg);
+  const Stats& win = b_wins ? b : a;
+  const Stats& lose = b_wins ? a : b;
+  const float m = win.m;
+  // Accurate expf: a few calls per thread, and __expf's argument rounding
+  // would cost the row sum several ulps (issue 3, oracle seed 1199677219).
+  const float t =
+      m == -INFINITY ? -1.0f : win.t + (1.0f + lose.t) * expf(lose.m - m);
+  a.arg = win.arg;
+  a.m = m;
+  a.t = t;
+  a.sum_wz += b.sum_wz;
+}
+
+__device__ __forceinline__ Stats ShuffleStats(const Stats& a, int lane_mask) {
+  Stats b;
+  b.m = __shfl_xor_sync(0xffffffffu, a.m, lane_mask);
+  b.t = __shfl_xor_sync(0xffffffffu, a.t, lane_mask);
+  b.sum_wz = __shfl_xor_sync(0xffffffffu, a.sum_wz, lane_mask);
+  b.arg = __shfl_xor_sync(0xffffffffu, a.arg, lane_mask);
+  return b;
+}
+
+// Block-wide fixed-order reduction; the result is valid in every thread.
+// `scratch` holds one Stats per warp plus one.
+template <int kBlock>
+__device__ Stats BlockReduce(Stats v, Stats* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) Combine(v, ShuffleStats(v, o));
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kWarps = kBlock / 32;
+    Stats w = scratch[threadIdx.x % kWarps];
+#pragma unroll
+    for (int o = kWarps / 2; o > 0; o >>= 1) Combine(w, ShuffleStats(w, o));
+    if (threadIdx.x == 0) scratch[kWarps] = w;
+  }
+  __syncthreads();
+  return scratch[kBlock / 32];
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit; exp(z - c) is computed as
+// Exp2(fma(z, log2e, -c * log2e)): one FFMA and one MUFU per element.
+__device__ __forceinline__ float Exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// v * log2e as hi + lo with hi = fl(v * log2e): Exp2(fma(z, log2e, -hi))
+// then carries only the rounding of fma's result, and 2^-lo (folded into a
+// per-row or per-thread factor) restores the digits that fl(lse * log2e)
+// drops: 0.5 ulp of a |lse| ~ 30 is ~1e-6 of every p (oracle failures, fp32).
+struct Log2Split {
+  float hi;
+  float lo;
+};
+__device__ __forceinline__ Log2Split SplitLog2(float v) {
+  Log2Split r;
+  // __fmul_rn: never contracted into a later add, or lo would belong to a
+  // different hi (seen on the H200: one ulp of lse * log2e, 2.6e-6 of p).
+  r.hi = __fmul_rn(v, kLog2e);
+  r.lo = isfinite(r.hi) ? fmaf(v, kLog2e, -r.hi) : 0.0f;
+  return r;
+}
+
+// Everything the gradient and the row outputs need, from the row's statistics.
+struct RowMath {
+  float lse;
+  float l1p;     // lse - m, kept apart so that z_y - lse keeps its digits
+  float lse_l2;  // fl(lse * log2e) as a pair with the factor folded into a
+  float a;       // dz_c = p_c * a + b * w_c (w_c = 1 without weights), with
+  float b;       // p_c = Exp2(fma(z_c, log2e, -lse_l2))
+  float gy;      // dz_y, computed without cancellation
+  float loss;
+  float zloss;
+};
+
+__device__ __forceinline__ RowMath MakeRowMath(const Params& p,
+                                               const WorkspaceHeader& h,
+                                               const Stats& st, bool valid,
+                                               float zy, float wy) {
+  RowMath r;
+  r.l1p = log1pf(st.t);
+  r.lse = st.m + r.l1p;
+  // lse * log2e = (m + l1p) * log2e to ~2^-40 relative: both products split
+  // exactly by fma, summed with a two-sum.
+  const Log2Split ms = SplitLog2(st.m);
+  const Log2Split ls = SplitLog2(r.l1p);
+  // Two-sum with explicitly rounded operations (no contraction, no
+  // reassociation): the identity hi + lo = (m + l1p) * log2e relies on it.
+  const float hi = __fadd_rn(ms.hi, ls.hi);
+  const float bv = __fsub_rn(hi, ms.hi);
+  const float lo = __fadd_rn(
+      __fadd_rn(__fsub_rn(ms.hi, __fsub_rn(hi, bv)), __fsub_rn(ls.hi, bv)),
+      __fadd_rn(ms.lo, ls.lo));
+  r.lse_l2 = hi;
+  const float corr = isfinite(hi) && isfinite(lo) ? exp2f(-lo) : 1.0f;
+  const float zy_minus_lse = (zy - st.m) - r.l1p;
+  const float inv_v = 1.0f / static_cast<float>(p.vocab);
+  const float s = valid ? h.scale : 0.0f;
+  const float big_a = (1.0f - p.eps) * wy + p.eps * h.weight_total * inv_v +
+                      2.0f * p.zls * r.lse;
+  r.a = s * big_a * corr;
+  r.b = -s * p.eps * inv_v;
+  // dz_y = p_y * A - B with B = (1 - eps) w_y + eps w_y / V. Two ways, each
+  // with an error of eps32 times the terms it adds: A * (p_y - 1) + (A - B)
+  // keeps the digits of p_y -> 1 (Liger lost them), p_y * A - B keeps those of
+  // a small p_y with B ~ A p_y (label smoothing near 1: the expm1 form lost
+  // ~1e-7 absolute there, 2 bf16 roundings of a 1/V-sized gradient). Take the
+  // one whose terms are smaller.
+  const float big_b = (1.0f - p.eps) * wy + p.eps * wy * inv_v;
+  const float a_minus_b =
+      p.eps * (h.weight_total - wy) * inv_v + 2.0f * p.zls * r.lse;
+  const float em1 = expm1f(zy_minus_lse);
+  const float py = expf(zy_minus_lse);
+  const bool use_em1 =
+      fabsf(big_a * em1) + fabsf(a_minus_b) <= fabsf(big_a * py) + fabsf(big_b);
+  r.gy = s * (use_em1 ? fmaf(big_a, em1, a_minus_b) : fmaf(big_a, py, -big_b));
+  r.zloss = valid ? p.zls * r.lse * r.lse : 0.0f;
+  r.loss = valid ? -(1.0f - p.eps) * wy * zy_minus_lse +
+                       p.eps * inv_v * (r.lse * h.weight_total - st.sum_wz) +
+                       r.zloss
+                 : 0.0f;
+  return r;
+}
+
+__device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
+                                                bool valid, long long y,
+                                                const RowMath& r, int arg,
+                                                bool have_stats) {
+  const float lse = have_stats ? r.lse : 0.0f;
+  const float loss = valid ? r.loss : 0.0f;
+  if (p.token_loss) p.token_loss[row] = loss;
+  if (p.token_lse) p.token_lse[row] = lse;
+  if (p.token_argmax) p.token_argmax[row] = have_stats ? arg : 0;
+  p.row_loss[row] = loss;
+  p.row_zloss[row] = valid ? r.zloss : 0.0f;
+  int flags = 0;
+  if (valid && arg == y) flags |= kFlagCorrect;
+  if (valid && !isfinite(loss)) flags |= kFlagNonfinite;
+  p.row_flags[row] = flags;
+}
+
+__device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
+  const float t = tanhf(x / c);
+  *dfac = fmaf(-t, t, 1.0f);
+  return c * t;
+}
+
+// Merges the statistics of the 32 lanes of a warp; every lane gets the same
+// bits (each butterfly level adds or compares the same pair in every lane).
+// One accurate expf a lane instead of one a level: max and first argmax
+// first, then each lane's 1 + t rescaled to the warp max (the lane holding
+// the argmax adds its t alone, so a tiny t keeps its digits) and summed.
+__device__ __forceinline__ Stats WarpMergeStats(const Stats& v) {
+  float m = v.m;
+  int arg = v.arg;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, o);
+    const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (om > m || (om == m && oa < arg)) {
+      m = om;
+      arg = oa;
+    }
+  }
+  float u = 0.0f;
+  float wz = v.sum_wz;
+  if (m != -INFINITY) {
+    u = (v.arg == arg && v.m == m) ? v.t : (1.0f + v.t) * expf(v.m - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    u += __shfl_xor_sync(0xffffffffu, u, o);
+    wz += __shfl_xor_sync(0xffffffffu, wz, o);
+  }
+  Stats r;
+  r.m = m;
+  r.arg = arg;
+  r.t = m == -INFINITY ? -1.0f : u;
+  r.sum_wz = wz;
+  return r;
+}
+
+__device__ __forceinline__ Stats EmptyStats() {
+  Stats e;
+  e.m = -INFINITY;
+  e.t = -1.0f;
+  e.sum_wz = 0.0f;
+  e.arg = INT_MAX;
+  return e;
+}
+
+// Block-wide merge (kBlock threads, fixed order); valid in every thread.
+// `scratch` holds kBlock / 32 + 1 Stats.
+template <int kBlock>
+__device__ __forceinline__ Stats BlockMergeStats(const Stats& v,
+                                                 Stats* scratch) {
+  constexpr int kWarps = kBlock / 32;
+  const Stats w = WarpMergeStats(v);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = w;
+  __syncthreads();
+  if (warp == 0) {
+    const Stats b =
+        WarpMergeStats(lane < kWarps ? scratch[lane] : EmptyStats());
+    if (lane == 0) scratch[kWarps] = b;
+  }
+  __syncthreads();
+  return scratch[kWarps];
+}
+
+}  // namespace cuda_ce
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_ROW_MATH_CUH_
