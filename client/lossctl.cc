@@ -31,8 +31,8 @@
 #include "client/client.h"
 #include "client/npy.h"
 #include "client/router.h"
-#include "kernels/cpu/float16.h"
-#include "kernels/status_macros.h"
+#include "common/float16.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
           "lossd address host:port; several comma-separated, or "
