@@ -105,6 +105,7 @@ std::optional<size_t> FindUploadChunk(BytePieces pieces) {
   size_t head_size = 0;
   for (const absl::string_view piece : pieces) {
     const size_t n = std::min(piece.size(), kMaxChunkPrefixBytes - head_size);
+    if (n == 0) continue;  // an empty piece's data may be null
     std::memcpy(head + head_size, piece.data(), n);
     head_size += n;
     if (head_size == kMaxChunkPrefixBytes) break;

@@ -80,6 +80,18 @@ TEST(ChunkPrefixTest, FindsChunksInAnyPieces) {
   }
 }
 
+TEST(ChunkPrefixTest, EmptyPiecesWithoutData) {
+  pb::UploadRequest request;
+  request.set_chunk("bytes");
+  const std::string serialized = request.SerializeAsString();
+  const absl::string_view pieces[] = {absl::string_view(), serialized,
+                                      absl::string_view()};
+  EXPECT_EQ(FindUploadChunk(pieces), std::optional<size_t>(2));
+  ByteRange logits;
+  ByteRange targets;
+  EXPECT_FALSE(FindRowBlock(pieces, &logits, &targets));
+}
+
 TEST(ChunkPrefixTest, LeavesEverythingElseToProtobuf) {
   pb::UploadRequest header;
   header.mutable_header()->set_dtype(pb::DTYPE_FLOAT32);
