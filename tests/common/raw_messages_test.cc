@@ -105,7 +105,10 @@ TEST(ChunkPrefixTest, LeavesEverythingElseToProtobuf) {
   const std::string longer = chunk.SerializeAsString() + "\x08\x01";
   const absl::string_view two[] = {longer};
   EXPECT_FALSE(FindUploadChunk(two).has_value());
-  const std::string padded("\x12\x83\x80\x80\x80\x80\x00abc", 10);
+  const std::string padded(
+      "\x12\x83\x80\x80\x80\x80\x00"
+      "abc",
+      10);
   const absl::string_view three[] = {padded};
   EXPECT_FALSE(FindUploadChunk(three).has_value());
   EXPECT_FALSE(FindUploadChunk({}).has_value());
