@@ -28,8 +28,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/data_connection.h"
+#include "common/files.h"
+#include "common/raw_messages.h"
+#include "common/status_macros.h"
+#include "common/tensor_math.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "kernels/status_macros.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 
 namespace lossd {
@@ -204,22 +207,6 @@ void PrepareContext(const ClientOptions& options, grpc::Channel* channel,
   }
 }
 
-absl::StatusOr<std::string> ReadPemFile(const char* what,
-                                        const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": cannot read '", path, "': ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  if (contents.str().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": '", path, "' is empty"));
-  }
-  return contents.str();
-}
-
 // Whether the options ask for TLS.
 bool UsesTls(const ClientOptions& options) {
   return options.tls || !options.tls_ca_file.empty() ||
@@ -237,13 +224,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
   grpc::SslCredentialsOptions ssl;
   if (!options.tls_ca_file.empty()) {
     ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                     ReadPemFile("tls_ca_file", options.tls_ca_file));
+                     ReadNonEmptyFile("tls_ca_file", options.tls_ca_file));
   }
   if (!options.tls_cert_file.empty()) {
     ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                     ReadPemFile("tls_cert_file", options.tls_cert_file));
+                     ReadNonEmptyFile("tls_cert_file", options.tls_cert_file));
     ASSIGN_OR_RETURN(ssl.pem_private_key,
-                     ReadPemFile("tls_key_file", options.tls_key_file));
+                     ReadNonEmptyFile("tls_key_file", options.tls_key_file));
   }
   if (!options.tls_server_name.empty()) {
     args->SetSslTargetNameOverride(options.tls_server_name);
@@ -433,14 +420,8 @@ absl::StatusOr<v1::TensorInfo> SendUpload(
         [&](int64_t, const char* data, std::size_t bytes, bool in_scratch) {
           for (std::size_t done = 0; done < bytes;) {
             const std::size_t n = std::min(chunk_bytes, bytes - done);
-            // Field 2 (chunk), length-delimited, then the length as a varint.
-            uint8_t prefix[11] = {(2 << 3) | 2};
-            std::size_t prefix_bytes = 1;
-            for (uint64_t left = n;; left >>= 7) {
-              prefix[prefix_bytes++] = static_cast<uint8_t>(
-                  (left & 0x7f) | (left > 0x7f ? 0x80 : 0));
-              if (left <= 0x7f) break;
-            }
+            uint8_t prefix[kMaxChunkPrefixBytes];
+            const std::size_t prefix_bytes = EncodeChunkPrefix(n, prefix);
             grpc::Slice slices[2] = {
                 grpc::Slice(prefix, prefix_bytes),
                 in_scratch
@@ -475,22 +456,6 @@ absl::StatusOr<v1::TensorInfo> SendUpload(
     return absl::InternalError("a malformed UploadResponse");
   }
   return response.tensor();
-}
-
-// Elements [first, end) of a tensor.
-struct StripeRange {
-  int64_t first = 0;
-  int64_t end = 0;
-};
-
-// The elements stripe `index` of `count` carries, as lossd.v1.UploadStripe
-// defines them: [floor(index * elements / count), floor((index + 1) *
-// elements / count)), computed without overflow.
-StripeRange StripeElements(int64_t elements, int index, int count) {
-  const int64_t whole = elements / count;
-  const int64_t rest = elements % count;
-  auto boundary = [&](int64_t i) { return i * whole + (i * rest) / count; };
-  return StripeRange{boundary(index), boundary(index + 1)};
 }
 
 // A fresh upload_id: 32 hex digits, unique enough that two clients of one
@@ -573,29 +538,6 @@ v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
   header.set_targets_dtype(static_cast<v1::DType>(targets_dtype));
   ToProto(options.loss, options.class_weights, header.mutable_options());
   return header;
-}
-
-// product(shape) * DTypeSize(dtype), or INVALID_ARGUMENT on a negative
-// dimension or overflow.
-absl::StatusOr<uint64_t> TensorBytes(DType dtype,
-                                     absl::Span<const int64_t> shape) {
-  uint64_t bytes = DTypeSize(dtype);
-  if (bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
-  }
-  for (int64_t dim : shape) {
-    if (dim < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("negative dimension ", dim, " in shape"));
-    }
-    const uint64_t d = static_cast<uint64_t>(dim);
-    if (d != 0 && bytes > std::numeric_limits<uint64_t>::max() / d) {
-      return absl::InvalidArgumentError("tensor size overflows 64 bits");
-    }
-    bytes *= d;
-  }
-  return bytes;
 }
 
 absl::StatusOr<BackwardResult> FinishBackward(const ClientOptions& options,
@@ -867,8 +809,8 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                                           const void* data, std::size_t bytes,
                                           const std::string& label,
                                           const ProgressCallback& progress) {
-  ASSIGN_OR_RETURN(const uint64_t expected, TensorBytes(dtype, shape));
-  if (expected != bytes) {
+  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
+  if (static_cast<uint64_t>(expected) != bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
                      " and the shape need ", expected));
@@ -889,7 +831,7 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
 absl::StatusOr<TensorInfo> Client::UploadFrom(
     DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     const std::string& label, const ProgressCallback& progress) {
-  ASSIGN_OR_RETURN(const uint64_t bytes, TensorBytes(dtype, shape));
+  ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
   if (!source) return absl::InvalidArgumentError("no upload source");
   return UploadPieces(dtype, shape, static_cast<std::size_t>(bytes), source,
                       label, progress);
@@ -1096,7 +1038,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     for (int i = 0; i < connections; ++i) {
       senders.emplace_back([&, i] {
         const int fd = fds[static_cast<std::size_t>(i)];
-        const StripeRange range = StripeElements(elements, i, connections);
+        const ElementRange range = StripeElements(elements, i, connections);
         absl::Status status = SendDataPreamble(fd, token, i);
         if (status.ok()) {
           status = ForEachSourcePiece(
@@ -1161,7 +1103,7 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
       stripes, options_, static_cast<int64_t>(bytes), progress,
       [&](int i, grpc::ClientContext* context,
           const std::function<void(int64_t)>& count) {
-        const StripeRange range = StripeElements(elements, i, stripes);
+        const ElementRange range = StripeElements(elements, i, stripes);
         v1::TensorHeader stripe_header = header;
         stripe_header.mutable_stripe()->set_index(i);
         absl::StatusOr<v1::TensorInfo>& result =
@@ -1299,7 +1241,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
       for (int i = 0; i < connections; ++i) {
         receivers.emplace_back([&, i] {
           const int fd = fds[static_cast<std::size_t>(i)];
-          const StripeRange range = StripeElements(elements, i, connections);
+          const ElementRange range = StripeElements(elements, i, connections);
           const int64_t begin = range.first * element_bytes;
           const int64_t end = range.end * element_bytes;
           absl::Status& result = results[static_cast<std::size_t>(i)];
@@ -1444,7 +1386,7 @@ absl::StatusOr<bool> Client::DownloadInRanges(
       streams, options_, total, progress,
       [&](int i, grpc::ClientContext* context,
           const std::function<void(int64_t)>& count) {
-        const StripeRange range = StripeElements(elements, i, streams);
+        const ElementRange range = StripeElements(elements, i, streams);
         const int64_t offset = range.first * element_bytes;
         const int64_t length = (range.end - range.first) * element_bytes;
         // An empty range is nothing to fetch (length 0 would mean "to the
@@ -2011,17 +1953,6 @@ absl::StatusOr<DType> DTypeFromString(const std::string& name) {
   if (lower == "int64" || lower == "i64") return DType::kInt64;
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown dtype '", name, "' (float32, bf16, float16, int32, int64)"));
-}
-
-const char* TensorStateName(TensorState state) {
-  switch (state) {
-    case TensorState::kLogits:
-      return "LOGITS";
-    case TensorState::kGradient:
-      return "GRADIENT";
-    default:
-      return "UNSPECIFIED";
-  }
 }
 
 }  // namespace lossd

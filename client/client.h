@@ -17,7 +17,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "kernels/cross_entropy.h"
+#include "common/dtype.h"
+#include "common/loss_options.h"
 
 namespace lossd {
 
@@ -491,12 +492,12 @@ class Client {
 };
 
 // Readable names, for CLIs and logs: "float32", "bf16", "int64", ...: the
-// DTypeName of kernels/cross_entropy.h, but "bf16" for kBFloat16.
+// DTypeName of common/dtype.h, but "bf16" for kBFloat16.
 const char* DTypeString(DType dtype);
 // Parses "float32"/"fp32"/"f32", "bfloat16"/"bf16", "float16"/"fp16"/"half",
 // "int32", "int64". INVALID_ARGUMENT otherwise.
 absl::StatusOr<DType> DTypeFromString(const std::string& name);
-const char* TensorStateName(TensorState state);  // "LOGITS", "GRADIENT"
+// TensorStateName ("LOGITS", "GRADIENT") is common/dtype.h's.
 
 }  // namespace lossd
 

@@ -16,7 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/cross_entropy.h"
+#include "common/dtype.h"
 
 namespace lossd {
 

@@ -17,14 +17,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "kernels/status_macros.h"
+#include "common/data_wire.h"
+#include "common/status_macros.h"
 
 namespace lossd {
 
 namespace {
 
-constexpr char kMagic[] = "LOSSDDC1";
-constexpr std::size_t kTokenBytes = 16;
 // What one send() is given: progress is reported at this granularity.
 constexpr std::size_t kSendPiece = std::size_t{4} << 20;
 
@@ -87,7 +86,7 @@ std::optional<std::string> TargetHost(absl::string_view target) {
 }
 
 absl::StatusOr<std::string> RandomDataToken() {
-  std::string token(kTokenBytes, '\0');
+  std::string token(kDataTokenBytes, '\0');
   std::size_t got = 0;
   while (got < token.size()) {
     const ssize_t n = getrandom(token.data() + got, token.size() - got, 0);
@@ -160,22 +159,14 @@ absl::StatusOr<int> ConnectDataPort(const std::string& host, int port,
 }
 
 absl::Status SendDataPreamble(int fd, const std::string& token, int index) {
-  std::string preamble(kMagic, sizeof(kMagic) - 1);
-  preamble += token;
-  for (int shift = 0; shift < 32; shift += 8) {
-    preamble.push_back(
-        static_cast<char>((static_cast<uint32_t>(index) >> shift) & 0xff));
-  }
+  const std::string preamble = EncodeDataPreamble(token, index);
   return SendAll(fd, preamble.data(), preamble.size());
 }
 
 absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
                                absl::string_view targets) {
-  char head[8];
-  for (int i = 0; i < 8; ++i) {
-    head[i] =
-        static_cast<char>((static_cast<uint64_t>(rows) >> (8 * i)) & 0xff);
-  }
+  char head[kFrameHeaderBytes];
+  EncodeFrameRows(rows, head);
   RETURN_IF_ERROR(SendAll(fd, head, sizeof(head)));
   RETURN_IF_ERROR(SendAll(fd, logits.data(), logits.size()));
   return SendAll(fd, targets.data(), targets.size());

@@ -33,7 +33,7 @@
 #include "client/npy.h"
 #include "client/router.h"
 #include "client/tensor_file.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051",
           "lossd address host:port; several comma-separated, or "

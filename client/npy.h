@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/cross_entropy.h"
+#include "common/dtype.h"
 
 namespace lossd {
 

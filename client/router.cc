@@ -17,7 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace lossd {
 

@@ -20,7 +20,7 @@
 #include "client/convert.h"
 #include "client/npy.h"
 #include "client/safetensors.h"
-#include "kernels/cross_entropy.h"
+#include "common/dtype.h"
 
 namespace lossd {
 

@@ -2,10 +2,7 @@
 // to a tenant from its metadata and its TLS peer.
 #include "server/auth.h"
 
-#include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -13,29 +10,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "kernels/status_macros.h"
+#include "common/files.h"
+#include "common/status_macros.h"
 #include "server/tensor_store.h"
 
 namespace lossd {
 namespace {
 
 constexpr char kSanPrefix[] = "san:";
-
-absl::StatusOr<std::string> ReadFile(const char* flag,
-                                     const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": cannot read '", path, "': ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  if (contents.str().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": '", path, "' is empty"));
-  }
-  return contents.str();
-}
 
 // Compares in time that depends on the lengths only, so that response times
 // do not reveal how much of a guessed token was right.
@@ -103,17 +85,18 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(
   auth->cert_tenant_ = mode;
   if (!options.tls_cert_file.empty()) {
     ASSIGN_OR_RETURN(auth->cert_chain_,
-                     ReadFile("--tls_cert", options.tls_cert_file));
+                     ReadNonEmptyFile("--tls_cert", options.tls_cert_file));
     ASSIGN_OR_RETURN(auth->private_key_,
-                     ReadFile("--tls_key", options.tls_key_file));
+                     ReadNonEmptyFile("--tls_key", options.tls_key_file));
   }
   if (!options.tls_client_ca_file.empty()) {
-    ASSIGN_OR_RETURN(auth->client_ca_,
-                     ReadFile("--tls_client_ca", options.tls_client_ca_file));
+    ASSIGN_OR_RETURN(
+        auth->client_ca_,
+        ReadNonEmptyFile("--tls_client_ca", options.tls_client_ca_file));
   }
   if (!options.tokens_file.empty()) {
     ASSIGN_OR_RETURN(const std::string text,
-                     ReadFile("--tokens_file", options.tokens_file));
+                     ReadNonEmptyFile("--tokens_file", options.tokens_file));
     absl::StatusOr<std::vector<std::pair<std::string, std::string>>> tokens =
         ParseTokens(text);
     if (!tokens.ok()) {

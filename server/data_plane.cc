@@ -12,19 +12,19 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 #include "server/metrics.h"
 
 namespace lossd {
 
 namespace {
 
-constexpr size_t kMagicBytes = sizeof(kDataConnectionMagic) - 1;
 // How often the listener looks for overdue transfers.
 constexpr int kSweepMillis = 250;
 // The most one host window takes (a host-accessible device lends the
@@ -467,20 +467,17 @@ void DataPlane::Serve(int fd) {
              sizeof(preamble_limit));
   const timeval limit = absl::ToTimeval(timeout);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
-  char preamble[kMagicBytes + kDataTokenBytes + 4];
-  const bool announced = ReadFully(fd, preamble, sizeof(preamble));
+  char bytes[kDataPreambleBytes];
+  const bool announced = ReadFully(fd, bytes, sizeof(bytes));
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
-  if (announced &&
-      std::memcmp(preamble, kDataConnectionMagic, kMagicBytes) == 0) {
-    const std::string token(preamble + kMagicBytes, kDataTokenBytes);
-    const unsigned char* at = reinterpret_cast<const unsigned char*>(
-        preamble + kMagicBytes + kDataTokenBytes);
-    const uint32_t index = at[0] | (at[1] << 8) | (at[2] << 16) |
-                           (static_cast<uint32_t>(at[3]) << 24);
+  const std::optional<DataPreamble> preamble =
+      announced ? ParseDataPreamble(bytes) : std::nullopt;
+  if (preamble.has_value()) {
+    const uint32_t index = preamble->index;
     // The header may come a little after the connection.
     std::shared_ptr<DataTransfer> transfer =
         index < static_cast<uint32_t>(kMaxDataConnections)
-            ? Claim(token, static_cast<int>(index), fd,
+            ? Claim(preamble->token, static_cast<int>(index), fd,
                     absl::Now() + std::min(timeout, kRegistrationWait))
             : nullptr;
     if (transfer != nullptr) {

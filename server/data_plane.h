@@ -1,10 +1,13 @@
-// Data connections: the bytes of an Upload over plain TCP, received straight
-// into the device's host windows (pinned staging on CUDA), with no gRPC in
-// between. One gRPC stream carries the header with a 16-byte token and ends
-// with the upload's status; the connection carries "LOSSDDC1", the token and
-// exactly the tensor's bytes (lossd.v1 Upload; docs/design.md). The token is
-// the connection's only credential: it comes from an authenticated RPC, is
-// random, and is good for one connection.
+// Data connections: the bytes of an Upload, a Download or an Evaluate over
+// plain TCP, with no gRPC in between: an upload's received straight into the
+// device's host windows (pinned staging on CUDA), a download's sent from the
+// device, an evaluation's frames read into its lanes (evaluation.h). The RPC
+// carries the header with a 16-byte token and ends with the transfer's
+// status; each of its K connections opens with the 28-byte preamble
+// (common/data_wire.h: "LOSSDDC1", the token, its index), then carries its
+// part (lossd.v1; docs/design.md §3). The token is the connections' only
+// credential: it comes from an authenticated RPC, is random, and is good for
+// one transfer.
 #ifndef LOSSD_SERVER_DATA_PLANE_H_
 #define LOSSD_SERVER_DATA_PLANE_H_
 
@@ -21,17 +24,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/data_wire.h"
 #include "server/device.h"
 
 namespace lossd {
 
 class Metrics;
-
-// A data connection starts with these 8 bytes, the 16-byte token and its
-// index among the transfer's connections (4 bytes, little-endian).
-inline constexpr char kDataConnectionMagic[] = "LOSSDDC1";
-inline constexpr size_t kDataTokenBytes = 16;
-inline constexpr int kMaxDataConnections = 64;  // of one transfer
 
 // One expected transfer over `ranges.size()` connections, connection i
 // carrying the byte range `ranges[i]` (the elements of stripe i, as in a

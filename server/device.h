@@ -1,6 +1,6 @@
 // The memory + compute interface the server runs on. The tensor store and the
-// service only see this class, so that the CPU backend (CpuDevice) and the
-// CUDA backend (CudaDevice) are interchangeable behind --device.
+// service only see this class, so that the CPU device (cpu_device.h) and the
+// CUDA device (cuda_device.h) are interchangeable behind --device.
 #ifndef LOSSD_SERVER_DEVICE_H_
 #define LOSSD_SERVER_DEVICE_H_
 

@@ -13,8 +13,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/status_macros.h"
-#include "server/validation.h"
+#include "common/status_macros.h"
+#include "common/tensor_math.h"
 
 namespace lossd {
 namespace internal {
@@ -269,7 +269,7 @@ PendingTensor::PendingTensor(TensorStore* store, std::string tenant,
       dtype_(dtype),
       shape_(std::move(shape)),
       state_(state),
-      bytes_(*TensorBytes(dtype_, shape_)),
+      bytes_(*StoredTensorBytes(dtype_, shape_)),
       allocation_(std::move(allocation)) {}
 
 PendingTensor::~PendingTensor() = default;
@@ -334,7 +334,7 @@ std::string TensorStore::NewHandle() const {
 absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
     const std::string& tenant, DType dtype, std::vector<int64_t> shape,
     std::string label, TensorState state) {
-  ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
+  ASSIGN_OR_RETURN(const int64_t bytes, StoredTensorBytes(dtype, shape));
   MaybeSweep();
   // The tenant's quota first: a tenant over its own limit learns that, not
   // how full the device is.

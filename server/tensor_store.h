@@ -24,7 +24,8 @@
 
 namespace lossd {
 
-// The only tenant until authentication exists; every API takes a tenant.
+// The tenant of every caller when the server authenticates no one (no
+// --tokens_file, no mTLS); every API takes a tenant.
 inline constexpr char kDefaultTenant[] = "default";
 
 // A consistent snapshot of one tensor's metadata.

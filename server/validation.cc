@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/status_macros.h"
+#include "common/status_macros.h"
 
 namespace lossd {
 
@@ -25,14 +25,6 @@ absl::Status CheckFinite(double value, absl::string_view field) {
 }
 
 }  // namespace
-
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    absl::StrAppend(&text, i ? ", " : "", shape[i]);
-  }
-  return text + "]";
-}
 
 absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
                                  bool allow_unspecified) {
@@ -111,39 +103,13 @@ absl::StatusOr<GradientMode> ParseMode(int mode) {
   }
 }
 
-absl::StatusOr<int64_t> TensorBytes(DType dtype,
-                                    absl::Span<const int64_t> shape) {
-  if (DTypeSize(dtype) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("invalid dtype ", static_cast<int>(dtype)));
-  }
-  if (shape.empty() || shape.size() > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a tensor has 1 or 2 dimensions, got ", shape.size()));
-  }
-  int64_t bytes = static_cast<int64_t>(DTypeSize(dtype));
-  for (int64_t dim : shape) {
-    if (dim <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dimension ", dim, " must be > 0"));
-    }
-    if (bytes > std::numeric_limits<int64_t>::max() / dim) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor size ", DTypeName(dtype), " ",
-                       ShapeString(shape), " overflows int64"));
-    }
-    bytes *= dim;
-  }
-  return bytes;
-}
-
 absl::StatusOr<TensorSpec> ValidateTensorHeader(
     const pb::TensorHeader& header) {
   TensorSpec spec;
   ASSIGN_OR_RETURN(spec.dtype, ParseDType(header.dtype(), "header.dtype",
                                           /*allow_unspecified=*/false));
   spec.shape.assign(header.shape().begin(), header.shape().end());
-  ASSIGN_OR_RETURN(spec.bytes, TensorBytes(spec.dtype, spec.shape));
+  ASSIGN_OR_RETURN(spec.bytes, StoredTensorBytes(spec.dtype, spec.shape));
   return spec;
 }
 
@@ -178,15 +144,6 @@ absl::StatusOr<StripeSpec> ValidateUploadStripe(
   spec.index = stripe.index();
   spec.count = stripe.count();
   return spec;
-}
-
-ElementRange StripeElements(int64_t elements, int index, int count) {
-  // floor(i * E / K) = i * (E / K) + floor(i * (E % K) / K): no product
-  // of E with anything, so no overflow.
-  const int64_t whole = elements / count;
-  const int64_t rest = elements % count;
-  auto boundary = [&](int64_t i) { return i * whole + (i * rest) / count; };
-  return ElementRange{boundary(index), boundary(index + 1)};
 }
 
 absl::StatusOr<DownloadSpec> ValidateDownloadRequest(

@@ -1,6 +1,7 @@
 // Every check of a lossd.v1 request that needs neither the tensor store nor a
 // device, as pure functions: the service runs them before any work, and the
-// fuzzer (tests/fuzz) feeds them arbitrary messages.
+// fuzzer (tests/fuzz) feeds them arbitrary messages. Protobuf in, lossd types
+// out: only the RPC edge includes this (the store and devices use common/).
 #ifndef LOSSD_SERVER_VALIDATION_H_
 #define LOSSD_SERVER_VALIDATION_H_
 
@@ -12,13 +13,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/cross_entropy.h"
+#include "common/dtype.h"
+#include "common/loss_options.h"
+#include "common/tensor_math.h"
 #include "lossd/v1/lossd.pb.h"
 
 namespace lossd {
-
-// "[4, 5]". Thread-safe.
-std::string ShapeString(absl::Span<const int64_t> shape);
 
 // A lossd.v1.DType number as a DType. Success: the dtype, or kInvalid for
 // DTYPE_UNSPECIFIED when `allow_unspecified`. INVALID_ARGUMENT naming `field`:
@@ -37,12 +37,6 @@ absl::StatusOr<CrossEntropyOptions> ParseLossOptions(
 // for an unknown value. Thread-safe.
 absl::StatusOr<GradientMode> ParseMode(int mode);
 
-// Bytes of a tensor of `dtype` and `shape`. INVALID_ARGUMENT: an invalid
-// dtype, not 1 or 2 dimensions, a dimension <= 0, or a size that overflows
-// int64. Thread-safe.
-absl::StatusOr<int64_t> TensorBytes(DType dtype,
-                                    absl::Span<const int64_t> shape);
-
 // An Upload header, checked.
 struct TensorSpec {
   DType dtype = DType::kInvalid;
@@ -50,7 +44,8 @@ struct TensorSpec {
   int64_t bytes = 0;
 };
 
-// INVALID_ARGUMENT: as ParseDType (unspecified not allowed) and TensorBytes.
+// INVALID_ARGUMENT: as ParseDType (unspecified not allowed) and
+// StoredTensorBytes (common/tensor_math.h).
 // Thread-safe.
 absl::StatusOr<TensorSpec> ValidateTensorHeader(
     const lossd::v1::TensorHeader& header);
@@ -71,18 +66,6 @@ struct StripeSpec {
 // index outside [0, count). Thread-safe.
 absl::StatusOr<StripeSpec> ValidateUploadStripe(
     const lossd::v1::UploadStripe& stripe);
-
-// Elements [first, end) of a tensor.
-struct ElementRange {
-  int64_t first = 0;
-  int64_t end = 0;
-};
-
-// The elements stripe `index` of `count` carries of a tensor of `elements`
-// elements: [floor(index * elements / count), floor((index + 1) * elements /
-// count)), computed without overflow for any elements >= 0. Requires
-// 0 <= index < count <= kMaxUploadStripes (ValidateUploadStripe). Thread-safe.
-ElementRange StripeElements(int64_t elements, int index, int count);
 
 // A Download request, checked: `dtype` kInvalid means "as stored";
 // `chunk_bytes` 0 means "the server's default"; `offset`/`length` a byte range

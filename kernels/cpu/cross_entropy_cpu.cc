@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/float16.h"
 #include "kernels/cpu/cross_entropy_internal.h"
-#include "kernels/cpu/float16.h"
 
 namespace lossd {
 namespace {

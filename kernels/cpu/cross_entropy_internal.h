@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cpu/float16.h"
+#include "common/float16.h"
 #include "kernels/cross_entropy.h"
 
 namespace lossd {

@@ -1,6 +1,6 @@
 // ConvertScaleCudaLaunch: one grid-stride kernel per (source, destination)
 // float format pair. A memory-bound elementwise pass; rounding is done with
-// the CUDA intrinsics, which round to nearest even like kernels/cpu/float16.h.
+// the CUDA intrinsics, which round to nearest even like common/float16.h.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -15,13 +15,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
-#include "kernels/status_macros.h"
 
 namespace lossd {
 namespace {

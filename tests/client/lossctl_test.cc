@@ -13,9 +13,9 @@
 #include "absl/strings/strip.h"
 #include "client/client.h"
 #include "client/npy.h"
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 #include "tests/client/lossd_process.h"
 
 namespace lossd {

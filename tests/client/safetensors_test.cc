@@ -17,9 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/tensor_file.h"
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 
 namespace lossd {
 namespace {

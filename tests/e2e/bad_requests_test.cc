@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"

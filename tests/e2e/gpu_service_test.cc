@@ -9,11 +9,11 @@
 #include <thread>
 #include <vector>
 
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/convert.h"
-#include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/cuda_device.h"
 #include "server/server.h"

@@ -1,4 +1,5 @@
-// The raw Upload and Evaluate readers of server/service.cc, fed hand-built
+// The raw Upload and Evaluate readers (server/upload_reactor.cc and
+// server/evaluate_reactor.cc over common/raw_messages.h), fed hand-built
 // wire bytes (field order, unknown fields, repeated fields, slice splits,
 // truncation): each must mean what protobuf's parse of the same bytes means.
 #include <algorithm>

@@ -7,12 +7,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health_subset.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
-#include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/bytes.h"

@@ -27,9 +27,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/data_connection.h"
+#include "common/float16.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 

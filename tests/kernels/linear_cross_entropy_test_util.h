@@ -14,9 +14,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/float16.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
-#include "kernels/cpu/float16.h"
 #include "kernels/linear_cross_entropy.h"
 
 namespace lossd {

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "common/float16.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 
 namespace lossd {
 namespace {

@@ -15,8 +15,8 @@
 #include <tuple>
 #include <vector>
 
+#include "common/float16.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/float16.h"
 
 namespace lossd {
 namespace {

@@ -1,8 +1,9 @@
 // Bit-exact conversions between fp32 and the two 16-bit float formats lossd
 // stores (bfloat16, IEEE half). Host-only and header-only so every CPU-side
-// module can use them without a dependency on CUDA's headers.
-#ifndef LOSSD_KERNELS_CPU_FLOAT16_H_
-#define LOSSD_KERNELS_CPU_FLOAT16_H_
+// module (the CPU kernels, the server, the client) can use them without a
+// dependency on CUDA's headers.
+#ifndef LOSSD_COMMON_FLOAT16_H_
+#define LOSSD_COMMON_FLOAT16_H_
 
 #include <cstdint>
 #include <cstring>
@@ -81,4 +82,4 @@ inline uint16_t FloatToHalf(float value) {
 
 }  // namespace lossd
 
-#endif  // LOSSD_KERNELS_CPU_FLOAT16_H_
+#endif  // LOSSD_COMMON_FLOAT16_H_

@@ -1,8 +1,8 @@
 // RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status code: Abseil 20220623
-// ships neither. Lives in kernels/, the bottom layer, so that every module
+// ships neither. Lives in common/, the bottom layer, so that every module
 // (kernels, server, client) can use it.
-#ifndef LOSSD_KERNELS_STATUS_MACROS_H_
-#define LOSSD_KERNELS_STATUS_MACROS_H_
+#ifndef LOSSD_COMMON_STATUS_MACROS_H_
+#define LOSSD_COMMON_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -29,4 +29,4 @@
   if (!statusor.ok()) return statusor.status();      \
   lhs = std::move(statusor).value()
 
-#endif  // LOSSD_KERNELS_STATUS_MACROS_H_
+#endif  // LOSSD_COMMON_STATUS_MACROS_H_

@@ -1,0 +1,58 @@
+// The wire format of data connections (lossd.v1 Upload, Download and Evaluate
+// with a data_token; docs/design.md §3): the 28-byte preamble every connection
+// opens with and the frames of an Evaluate. Client and server both speak it
+// through these functions; no sockets here.
+#ifndef LOSSD_COMMON_DATA_WIRE_H_
+#define LOSSD_COMMON_DATA_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/strings/string_view.h"
+
+namespace lossd {
+
+// A data connection starts with these 8 bytes, the 16-byte token and its
+// index among the transfer's connections (4 bytes, little-endian).
+inline constexpr char kDataConnectionMagic[] = "LOSSDDC1";
+inline constexpr size_t kDataMagicBytes = sizeof(kDataConnectionMagic) - 1;
+inline constexpr size_t kDataTokenBytes = 16;
+inline constexpr size_t kDataPreambleBytes =
+    kDataMagicBytes + kDataTokenBytes + 4;
+// The most connections of one transfer (TensorHeader.data_connections).
+inline constexpr int kMaxDataConnections = 64;
+
+// The preamble of connection `index` of the transfer of `token`. Requires a
+// token of kDataTokenBytes and 0 <= index. Pure.
+std::string EncodeDataPreamble(absl::string_view token, int index);
+
+// What a preamble names.
+struct DataPreamble {
+  std::string token;
+  uint32_t index = 0;  // as sent: the caller checks the range
+};
+
+// The token and index of the kDataPreambleBytes at `bytes`; nullopt when they
+// do not start with kDataConnectionMagic. Pure.
+std::optional<DataPreamble> ParseDataPreamble(const char* bytes);
+
+// An Evaluate frame on a data connection: its row count R >= 1 as 8 bytes
+// little-endian, then R rows of logits and R targets.
+inline constexpr size_t kFrameHeaderBytes = 8;
+// The most bytes (logits and targets) one frame may carry, as one block
+// message on the stream.
+inline constexpr int64_t kMaxFrameBytes = int64_t{64} << 20;
+
+// The frame header of `rows` rows into `out`. Pure.
+void EncodeFrameRows(int64_t rows, char out[kFrameHeaderBytes]);
+// The row count of the frame header at `header`, as sent (unchecked). Pure.
+uint64_t DecodeFrameRows(const unsigned char header[kFrameHeaderBytes]);
+// The most rows a frame may carry when a row is `row_bytes` of logits and its
+// target `target_bytes` (both > 0): 0 when not even one row fits. Pure.
+int64_t MaxFrameRows(int64_t row_bytes, int64_t target_bytes);
+
+}  // namespace lossd
+
+#endif  // LOSSD_COMMON_DATA_WIRE_H_

@@ -1,0 +1,200 @@
+// The evaluation engine of Evaluate (forward-only losses of streamed row
+// blocks): the lanes that evaluate blocks on the device with O(block) memory,
+// the block-order sum that makes the result independent of how many lanes
+// carried the blocks, and the reading of data-connection frames into lanes.
+// No gRPC here: the Evaluate reactor (evaluate_reactor.h) feeds it.
+#ifndef LOSSD_SERVER_EVALUATION_H_
+#define LOSSD_SERVER_EVALUATION_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/dtype.h"
+#include "common/loss_options.h"
+#include "common/raw_messages.h"
+#include "server/data_plane.h"
+#include "server/metrics.h"
+#include "server/tensor_store.h"
+#include "server/validation.h"
+
+namespace lossd {
+
+// What an evaluation's blocks need besides their bytes: set from the header,
+// read-only afterwards (shared by the lanes).
+struct EvaluationConfig {
+  EvaluateSpec spec;
+  CrossEntropyOptions options;
+  int64_t vocab = 0;
+  DType logits_dtype = DType::kInvalid;
+  DType targets_dtype = DType::kInvalid;
+  const float* class_weights = nullptr;  // device memory, or null
+  std::vector<float> host_weights;       // the same on the host, or empty
+};
+
+// What an evaluation's blocks add up to.
+struct EvaluationSums {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  double weight = 0.0;  // of the valid targets (1 each without weights)
+  double copy_seconds = 0.0;
+  double kernel_seconds = 0.0;
+  int64_t rows = 0;
+  int64_t valid_tokens = 0;
+  int64_t correct_tokens = 0;
+  int64_t nonfinite_rows = 0;
+
+  void Add(const EvaluationSums& other) {
+    loss += other.loss;
+    z_loss += other.z_loss;
+    weight += other.weight;
+    copy_seconds += other.copy_seconds;
+    kernel_seconds += other.kernel_seconds;
+    rows += other.rows;
+    valid_tokens += other.valid_tokens;
+    correct_tokens += other.correct_tokens;
+    nonfinite_rows += other.nonfinite_rows;
+  }
+};
+
+// The loss an evaluation's sums reduce to, as the options' reduction says.
+struct EvaluationLoss {
+  double loss = 0.0;
+  double z_loss = 0.0;
+  double denominator = 0.0;  // of a mean; 0 otherwise
+};
+// The sums' mean (by the normalizer, or the weight of the valid targets; 0
+// without any) for Reduction::kMean, else the sums themselves. Pure.
+EvaluationLoss ReduceEvaluation(const EvaluationSums& total,
+                                const CrossEntropyOptions& options);
+
+// The most block sums BlockOrderSum holds for blocks that came before a
+// block of a lower number (a client that keeps its connections in step holds
+// a few).
+constexpr size_t kMaxWaitingBlocks = size_t{1} << 16;
+
+// The sums of an evaluation's blocks, added in block order: block b is frame
+// j = b / K of lane i = b mod K (K lanes; on the stream, one lane whose
+// blocks come in order). So the result is the same bits for the same blocks
+// however many lanes carried them. Blocks that come ahead of their turn wait
+// (at most kMaxWaitingBlocks); Total() adds those still waiting (a lane that
+// ended early) in their order. Thread-safe.
+class BlockOrderSum {
+ public:
+  explicit BlockOrderSum(int lanes) : lanes_(lanes) {}
+
+  absl::Status Add(int lane, int64_t frame, const EvaluationSums& block) {
+    const int64_t number = frame * lanes_ + lane;
+    absl::MutexLock lock(&mu_);
+    if (number != next_) {
+      if (waiting_.size() >= kMaxWaitingBlocks) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "data connection %d is %d frames ahead of the others; send block "
+            "b over connection b mod %d, in order",
+            lane, waiting_.size(), lanes_));
+      }
+      waiting_.emplace(number, block);
+      return absl::OkStatus();
+    }
+    total_.Add(block);
+    ++next_;
+    for (auto it = waiting_.begin(); it != waiting_.end() && it->first == next_;
+         it = waiting_.erase(it)) {
+      total_.Add(it->second);
+      ++next_;
+    }
+    return absl::OkStatus();
+  }
+
+  EvaluationSums Total() {
+    absl::MutexLock lock(&mu_);
+    EvaluationSums total = total_;
+    for (const auto& [number, block] : waiting_) total.Add(block);
+    return total;
+  }
+
+ private:
+  const int lanes_;
+  absl::Mutex mu_;
+  int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  EvaluationSums total_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, EvaluationSums> waiting_ ABSL_GUARDED_BY(mu_);
+};
+
+// One ordered stream of row blocks (the gRPC stream's, or one data
+// connection's frames): lane `index` of those whose sums `order` adds. Its
+// block buffers on the device are reused from block to block, so device
+// memory stays O(block). One thread at a time.
+class EvaluationLane {
+ public:
+  // `store` (its device and scratch memory), `metrics` (nullable), `config`
+  // and `order` are borrowed and outlive the lane.
+  EvaluationLane(TensorStore* store, Metrics* metrics,
+                 const EvaluationConfig* config, BlockOrderSum* order,
+                 int index)
+      : store_(store),
+        metrics_(metrics),
+        config_(config),
+        order_(order),
+        index_(index) {}
+  EvaluationLane(const EvaluationLane&) = delete;
+  EvaluationLane& operator=(const EvaluationLane&) = delete;
+  ~EvaluationLane() { FreeBuffers(); }
+
+  // One block, whose logits and targets are `logits` and `targets` of the
+  // concatenated `pieces`.
+  absl::Status Evaluate(BytePieces pieces, ByteRange logits, ByteRange targets);
+
+  // Frame `frame` of data connection `index` (`fd`), whose row count `rows`
+  // has been read: its logits are received straight into the block buffer
+  // through the device's host windows (the copy of one window overlapping
+  // the receipt of the next), then its targets.
+  absl::Status EvaluateFrame(int fd, int index, int64_t frame, int64_t rows);
+
+  // Lets go of the block buffers (they grow again for a next block).
+  void FreeBuffers();
+
+ private:
+  // A block of `logits` and `targets` bytes: checked and counted. Its rows.
+  absl::StatusOr<int64_t> Begin(size_t logits, size_t targets);
+  // The loss of the block of `rows` rows whose logits are in the block
+  // buffer and whose targets are in host_targets_: its sums, to `order_`.
+  absl::Status Run(int64_t rows);
+  // Grows the device buffer `*buffer` to hold `bytes`: the largest block so
+  // far, charged to the memory budget.
+  absl::Status Reserve(ScratchBuffer* buffer, size_t bytes);
+
+  TensorStore* const store_;
+  Metrics* const metrics_;
+  const EvaluationConfig* const config_;
+  ScratchBuffer logits_buffer_;
+  ScratchBuffer targets_buffer_;
+  std::string host_targets_;
+  BlockOrderSum* const order_;
+  const int index_;
+  int64_t blocks_ = 0;    // every block, empty ones too (for messages)
+  int64_t frames_ = 0;    // the blocks with rows: their order's frame numbers
+  EvaluationSums block_;  // of the block under way
+};
+
+// The work of data connection i of an evaluation over `lanes.size()`
+// connections: frames (an 8-byte little-endian row count R >= 1, then R rows
+// of `row_bytes` logits and R targets of `target_bytes`) evaluated into lane
+// i, in order, until the client ends its side between two frames. The lanes
+// are borrowed: they must exist while the transfer runs (free them only after
+// DataTransfer::Cancel, or after the transfer ended).
+DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
+                                       int64_t row_bytes, int64_t target_bytes);
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_EVALUATION_H_

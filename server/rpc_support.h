@@ -1,0 +1,208 @@
+// What every handler of the RPC edge shares, and what the streaming reactors
+// receive instead of the service: admission (the drain count, authentication,
+// the tenant's in-flight quota), the store, the striped uploads, metrics and
+// options; and the one absl::Status -> grpc::Status mapping (ToGrpcStatus).
+#ifndef LOSSD_SERVER_RPC_SUPPORT_H_
+#define LOSSD_SERVER_RPC_SUPPORT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/auth.h"
+#include "server/data_plane.h"
+#include "server/metrics.h"
+#include "server/quota.h"
+#include "server/tensor_store.h"
+
+namespace lossd {
+
+// The single absl::Status -> grpc::Status mapping (the codes are the same
+// canonical codes).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// UNAVAILABLE: the service drains.
+absl::Status DrainingError();
+
+struct ServiceOptions {
+  int64_t default_chunk_bytes = 1 << 20;  // Download chunk when not asked
+  int64_t max_chunk_bytes = 16 << 20;     // largest Download chunk allowed
+  std::string version = "0.1.0";
+  // Decides each call's tenant; null = every caller is kDefaultTenant. Must
+  // outlive the service.
+  const Authenticator* authenticator = nullptr;
+  // Per-tenant in-flight RPC limits; null = none. Must outlive the service.
+  TenantQuotas* quotas = nullptr;
+  // A striped upload whose stripes have not all arrived this long after the
+  // first is abandoned (every stripe fails ABORTED, nothing is kept).
+  absl::Duration stripe_timeout = absl::Seconds(60);
+  // Receives the bytes of uploads whose header has a data_token; null = the
+  // server offers no data connections. Must outlive the service's RPCs.
+  DataPlane* data_plane = nullptr;
+};
+
+// The striped uploads in progress (striped_uploads.h).
+class StripedUploads;
+
+// The RPC edge's shared state: the drain count and admission, and what the
+// handlers work on. Owned by the service; every reactor borrows it (it
+// outlives every RPC). Thread-safe.
+class RpcSupport {
+ public:
+  // `store` must outlive this; so must `metrics` (nullable: nothing is
+  // recorded) until every RPC has finished.
+  RpcSupport(TensorStore* store, ServiceOptions options, Metrics* metrics);
+  RpcSupport(const RpcSupport&) = delete;
+  RpcSupport& operator=(const RpcSupport&) = delete;
+  ~RpcSupport();
+
+  // From now on new RPCs fail with UNAVAILABLE; running ones continue.
+  void StartDraining() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until no RPC runs or `timeout` passes; returns whether none runs.
+  bool WaitForIdle(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t in_flight() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Admits one RPC: counts it as running for the drain, then authenticates it
+  // (its tenant goes to `*tenant`) and takes one of the tenant's in-flight
+  // slots (into `*slot`, to be reset before Leave). UNAVAILABLE when
+  // draining, UNAUTHENTICATED / PERMISSION_DENIED from the authenticator,
+  // RESOURCE_EXHAUSTED over the tenant's in-flight quota; on error nothing is
+  // counted (no Leave due). With `draining` given, a draining service admits
+  // the RPC too and sets `*draining` (Upload: a stripe may join an upload
+  // already started).
+  absl::Status Admit(const grpc::ServerContextBase& context,
+                     std::string* tenant, InFlightSlot* slot,
+                     bool* draining = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // The admitted RPC has finished.
+  void Leave() ABSL_LOCKS_EXCLUDED(mu_);
+
+  TensorStore* store() const { return store_; }
+  StripedUploads* stripes() const { return stripes_.get(); }
+  // Nullable.
+  Metrics* metrics() const { return metrics_; }
+  // Nullable: the server offers no data connections.
+  DataPlane* data_plane() const { return options_.data_plane; }
+  const ServiceOptions& options() const { return options_; }
+  // Reports one finished RPC to the metrics (if any). Called before its status
+  // is sent (a client that has the status sees it counted) and before Leave
+  // (a drained server has no report in flight).
+  void RecordRpc(const char* method, grpc::StatusCode code,
+                 absl::Time start) const;
+
+ private:
+  // Counts one RPC as running for the drain; false (and nothing counted) when
+  // draining, unless `draining` is given: then it is always counted and
+  // `*draining` says whether the service drains.
+  bool Enter(bool* draining) ABSL_LOCKS_EXCLUDED(mu_);
+
+  TensorStore* const store_;
+  const ServiceOptions options_;
+  Metrics* const metrics_;
+  const std::unique_ptr<StripedUploads> stripes_;
+
+  mutable absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The admission of a streaming RPC (RpcSupport::Admit) and its undoing,
+// which every reactor needs alike: admitted while the reactor is built,
+// released in its OnDone. Reactor threads only; one reaction at a time.
+class Admission {
+ public:
+  // Admits the RPC of `context` (`rpc` is borrowed; it outlives the RPC).
+  // With `allow_draining`, a draining service admits it too and draining()
+  // says so (an Upload stripe may still join an upload already started).
+  Admission(RpcSupport* rpc, const grpc::ServerContextBase& context,
+            bool allow_draining = false)
+      : rpc_(rpc),
+        status_(rpc->Admit(context, &tenant_, &slot_,
+                           allow_draining ? &draining_ : nullptr)) {}
+  Admission(const Admission&) = delete;
+  Admission& operator=(const Admission&) = delete;
+
+  // OK when admitted; otherwise Admit's error, to finish the RPC with.
+  const absl::Status& status() const { return status_; }
+  // The caller's tenant; empty when not admitted.
+  const std::string& tenant() const { return tenant_; }
+  // Admitted although the service drains (allow_draining only).
+  bool draining() const { return draining_; }
+
+  // Returns the tenant's in-flight slot, then leaves the drain count, if the
+  // RPC was admitted. Call once, from OnDone, after what must go before the
+  // drain completes (pending tensors, leases) is gone.
+  void Release() {
+    slot_ = InFlightSlot();
+    if (status_.ok()) rpc_->Leave();
+  }
+
+ private:
+  RpcSupport* const rpc_;
+  std::string tenant_;
+  InFlightSlot slot_;
+  bool draining_ = false;
+  const absl::Status status_;
+};
+
+// A stored tensor's metadata as the API's TensorInfo.
+void ToProto(const TensorRecord& info, lossd::v1::TensorInfo* out);
+
+// Serializes the response of a raw (ByteBuffer) reactor into `out`.
+template <typename Message>
+absl::Status SerializeResponse(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer)
+           .ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot serialize the ", Message::descriptor()->name()));
+  }
+  return absl::OkStatus();
+}
+
+// The bytes of a received raw message, as gRPC's slices (which hold them) and
+// views of those (what common/raw_messages.h reads).
+struct ReceivedBytes {
+  std::vector<grpc::Slice> slices;
+  std::vector<absl::string_view> pieces;
+};
+// INTERNAL when gRPC cannot hand out the bytes of `buffer`, a `message`
+// ("UploadRequest").
+absl::Status DumpBytes(grpc::ByteBuffer* buffer, const char* message,
+                       ReceivedBytes* out);
+
+// A refused request that named data connections: they are closed as they
+// come, instead of waiting for a registration that will not come.
+void RefuseDataToken(const RpcSupport& rpc, const std::string& token);
+
+// The data_token and data_connections of an Upload or Evaluate header or a
+// Download request: OK when there is no token (and no count), or a token the
+// data plane can take; `otherwise` says what the client can do instead.
+absl::Status CheckDataConnections(const RpcSupport& rpc,
+                                  const std::string& token, int connections,
+                                  const char* otherwise);
+
+// The byte ranges of `connections` data connections carrying `elements`
+// elements of `element_bytes` each: connection i the elements of stripe i.
+std::vector<DataTransfer::Range> DataRanges(int64_t elements,
+                                            int64_t element_bytes,
+                                            int connections);
+
+// A stored fp32 [vocab] class-weights tensor, leased for one computation.
+absl::StatusOr<ReadLease> LeaseClassWeights(TensorStore* store,
+                                            const std::string& tenant,
+                                            const std::string& handle,
+                                            int64_t vocab);
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_RPC_SUPPORT_H_

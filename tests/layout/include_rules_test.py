@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""The layout's dependency rules (docs/design.md §2), checked over the tree.
+
+Fails, naming each offending include, when
+- client/ includes kernels/ or server/;
+- kernels/ includes a generated protobuf or gRPC header (.pb.h), gRPC, server/
+  or client/;
+- server/ includes client/;
+- common/ includes kernels/, server/, client/, protobuf or gRPC;
+- the store and the devices (nothing below the service) reach a .pb.h or gRPC,
+  directly or through the project's headers;
+- the evaluation engine (server/evaluation.*) and the striped-upload assembly's
+  header reach gRPC;
+- a source file of server/ or common/ is longer than 1,000 lines.
+
+Usage: include_rules_test.py [ROOT] (default: the repository holding this file).
+"""
+import os
+import re
+import sys
+
+ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
+                       os.path.join(os.path.dirname(__file__), "..", ".."))
+SOURCES = (".h", ".cc", ".cu", ".cuh")
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.MULTILINE)
+MAX_LINES = 1000
+
+
+def files_under(directory):
+    top = os.path.join(ROOT, directory)
+    for parent, _, names in os.walk(top):
+        for name in sorted(names):
+            if name.endswith(SOURCES):
+                yield os.path.relpath(os.path.join(parent, name), ROOT)
+
+
+def includes(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+        return INCLUDE.findall(f.read())
+
+
+def is_protobuf(header):
+    return header.endswith(".pb.h") or header.startswith("google/protobuf/")
+
+
+def is_grpc(header):
+    return (header.startswith(("grpcpp/", "grpc/", "grpc++/")) or
+            header.endswith(".grpc.pb.h"))
+
+
+def closure(path):
+    """Every header `path` reaches: project headers followed, others listed."""
+    seen = set()
+    stack = [path]
+    while stack:
+        current = stack.pop()
+        for header in includes(current):
+            if header in seen:
+                continue
+            seen.add(header)
+            if os.path.isfile(os.path.join(ROOT, header)):
+                stack.append(header)
+    return seen
+
+
+violations = []
+
+
+def check_direct(directory, forbidden, why):
+    for path in files_under(directory):
+        for header in includes(path):
+            if forbidden(header):
+                violations.append(f"{path}: includes {header} ({why})")
+
+
+check_direct("client", lambda h: h.startswith(("kernels/", "server/")),
+             "the client never includes kernels or server")
+check_direct("kernels",
+             lambda h: is_protobuf(h) or is_grpc(h) or
+             h.startswith(("server/", "client/", "lossd/v1/")),
+             "kernels know no protobuf, gRPC, server or client")
+check_direct("server", lambda h: h.startswith("client/"),
+             "the server never includes the client")
+check_direct("common",
+             lambda h: is_protobuf(h) or is_grpc(h) or
+             h.startswith(("kernels/", "server/", "client/", "lossd/v1/")),
+             "common/ is below everything: no kernels, server, client, "
+             "protobuf or gRPC")
+
+BELOW_THE_SERVICE = re.compile(
+    r"^server/(tensor_store|device|cpu_device|cuda_device|quota)\.(h|cc)$")
+for path in files_under("server"):
+    if BELOW_THE_SERVICE.match(path):
+        for header in sorted(closure(path)):
+            if is_protobuf(header) or is_grpc(header):
+                violations.append(
+                    f"{path}: reaches {header} (nothing below the service "
+                    "knows protobuf or gRPC)")
+    if re.match(r"^server/(evaluation\.(h|cc)|striped_uploads\.h)$", path):
+        for header in sorted(closure(path)):
+            if is_grpc(header):
+                violations.append(f"{path}: reaches {header} (no gRPC here)")
+
+for directory in ("server", "common"):
+    for path in files_under(directory):
+        with open(os.path.join(ROOT, path), encoding="utf-8",
+                  errors="replace") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_LINES:
+            violations.append(
+                f"{path}: {lines} lines (at most {MAX_LINES} a source file)")
+
+if violations:
+    print(f"include_rules_test: {len(violations)} violation(s):")
+    for violation in violations:
+        print("  " + violation)
+    sys.exit(1)
+print("include_rules_test: ok")
