@@ -35,6 +35,8 @@ ABSL_DECLARE_FLAG(std::string, health_port_file);
 ABSL_DECLARE_FLAG(std::string, tenant_max_bytes);
 ABSL_DECLARE_FLAG(int64_t, tenant_max_tensors);
 ABSL_DECLARE_FLAG(int64_t, tenant_max_inflight);
+ABSL_DECLARE_FLAG(std::string, quota_file);
+ABSL_DECLARE_FLAG(absl::Duration, reload_interval);
 ABSL_DECLARE_FLAG(absl::Duration, stripe_timeout);
 ABSL_DECLARE_FLAG(int, data_max_connections);
 
