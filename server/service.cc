@@ -787,14 +787,14 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                    std::max(1, header.data_connections()));
     auto link = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(
-        transfer_, service_->options().data_plane->Expect(
-                       header.data_token(), std::move(ranges),
-                       ReceiveIntoDevice(service_->store()->device(),
-                                         pending_->data(), service_->metrics()),
-                       [link](const absl::Status& status) {
-                         if (link->Claim())
-                           link->reactor->EndFromTransfer(status);
-                       }));
+        transfer_,
+        service_->options().data_plane->Expect(
+            header.data_token(), std::move(ranges),
+            ReceiveIntoDevice(service_->store()->device(), pending_->data(),
+                              service_->metrics(), admission_.tenant()),
+            [link](const absl::Status& status) {
+              if (link->Claim()) link->reactor->EndFromTransfer(status);
+            }));
     link_ = std::move(link);
     return absl::OkStatus();
   }
@@ -865,7 +865,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       skip = 0;
     }
     if (service_->metrics() != nullptr) {
-      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length,
+                                            admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -902,7 +903,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       skip = 0;
     }
     if (service_->metrics() != nullptr) {
-      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+      service_->metrics()->AddTransferBytes(TransferDirection::kUpload, length,
+                                            admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -973,7 +975,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // Recorded before Finish, so that a client that has its status also sees it
   // counted.
   void FinishRpc(const grpc::Status& status) {
-    service_->RecordRpc("Upload", status.error_code(), start_);
+    service_->RecordRpc("Upload", status.error_code(), start_,
+                        admission_.tenant());
     Finish(status);
   }
 
@@ -1409,7 +1412,7 @@ class DownloadReactor final
     const ReadView* const view = &lease_.view();
     const int64_t piece = std::max(chunk_elements_, kDataPieceBytes / out_size);
     return [tensor, view, first, out_size, piece, dtype = dtype_,
-            metrics = service_->metrics()](
+            metrics = service_->metrics(), tenant = admission_.tenant()](
                int index, int fd,
                const DataTransfer::Range& range) -> absl::Status {
       const int64_t count = range.bytes / out_size;
@@ -1456,7 +1459,7 @@ class DownloadReactor final
         done += n;
         if (metrics != nullptr) {
           metrics->AddTransferBytes(TransferDirection::kDownload,
-                                    static_cast<int64_t>(bytes));
+                                    static_cast<int64_t>(bytes), tenant);
         }
       }
       return absl::OkStatus();
@@ -1484,8 +1487,9 @@ class DownloadReactor final
         dtype_));
     next_element_ += count;
     if (service_->metrics() != nullptr) {
-      service_->metrics()->AddTransferBytes(
-          TransferDirection::kDownload, static_cast<int64_t>(chunk->size()));
+      service_->metrics()->AddTransferBytes(TransferDirection::kDownload,
+                                            static_cast<int64_t>(chunk->size()),
+                                            admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -1495,7 +1499,8 @@ class DownloadReactor final
   void End(const grpc::Status& status) {
     // No data connection reads the tensor any more.
     if (transfer_ != nullptr) transfer_->Cancel();
-    service_->RecordRpc("Download", status.error_code(), start_);
+    service_->RecordRpc("Download", status.error_code(), start_,
+                        admission_.tenant());
     // The read lease ends before the client can see the status, so that an
     // RPC it sends next (Backward with materialize) does not find the tensor
     // still in use.
@@ -1690,6 +1695,7 @@ struct EvaluationConfig {
   DType targets_dtype = DType::kInvalid;
   const float* class_weights = nullptr;  // device memory, or null
   std::vector<float> host_weights;       // the same on the host, or empty
+  std::string tenant;                    // the caller's (metrics)
 };
 
 // What an evaluation's blocks add up to.
@@ -1900,7 +1906,8 @@ class EvaluationLane {
     Metrics* const metrics = service_->metrics();
     if (metrics != nullptr) {
       metrics->AddTransferBytes(TransferDirection::kEvaluate,
-                                static_cast<int64_t>(logits + targets));
+                                static_cast<int64_t>(logits + targets),
+                                config_->tenant);
     }
     return rows;
   }
@@ -2138,6 +2145,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                                          "send the blocks on the stream"));
     config_.options = config_.spec.options;
     config_.vocab = config_.spec.vocab;
+    config_.tenant = admission_.tenant();
     config_.logits_dtype = config_.spec.logits_dtype;
     config_.targets_dtype = config_.spec.targets_dtype;
     if (!header.options().class_weights().empty()) {
@@ -2279,7 +2287,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // Recorded before Finish, so that a client that has its status also sees it
   // counted.
   void FinishRpc(const grpc::Status& status) {
-    service_->RecordRpc("Evaluate", status.error_code(), start_);
+    service_->RecordRpc("Evaluate", status.error_code(), start_,
+                        admission_.tenant());
     Finish(status);
   }
 
@@ -2335,10 +2344,11 @@ LossdService::LossdService(TensorStore* store, ServiceOptions options,
 }
 
 void LossdService::RecordRpc(const char* method, grpc::StatusCode code,
-                             absl::Time start) const {
+                             absl::Time start,
+                             const std::string& tenant) const {
   if (metrics_ == nullptr) return;
   metrics_->ObserveRpc(method, static_cast<absl::StatusCode>(code),
-                       absl::Now() - start);
+                       absl::Now() - start, tenant);
 }
 
 LossdService::~LossdService() = default;
@@ -2417,20 +2427,20 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   do {                                                                         \
     const absl::Time lossd_rpc_start_ = absl::Now();                           \
     absl::Status lossd_rpc_status_;                                            \
+    std::string tenant;                                                        \
     {                                                                          \
-      std::string tenant;                                                      \
       InFlightSlot lossd_rpc_slot_;                                            \
       lossd_rpc_status_ = Admit(*(context), &tenant, &lossd_rpc_slot_);        \
       if (!lossd_rpc_status_.ok()) {                                           \
         RecordRpc(method,                                                      \
                   static_cast<grpc::StatusCode>(lossd_rpc_status_.code()),     \
-                  lossd_rpc_start_);                                           \
+                  lossd_rpc_start_, tenant);                                   \
         return FinishUnary(context, lossd_rpc_status_);                        \
       }                                                                        \
       lossd_rpc_status_ = (body);                                              \
     }                                                                          \
     RecordRpc(method, static_cast<grpc::StatusCode>(lossd_rpc_status_.code()), \
-              lossd_rpc_start_);                                               \
+              lossd_rpc_start_, tenant);                                       \
     Leave();                                                                   \
     return FinishUnary(context, lossd_rpc_status_);                            \
   } while (0)

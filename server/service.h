@@ -117,11 +117,12 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   StripedUploads* stripes() const { return stripes_.get(); }
   // Nullable.
   Metrics* metrics() const { return metrics_; }
-  // Reports one finished RPC to the metrics (if any). Called before its status
-  // is sent (a client that has the status sees it counted) and before Leave
-  // (a drained server has no report in flight).
-  void RecordRpc(const char* method, grpc::StatusCode code,
-                 absl::Time start) const;
+  // Reports one finished RPC of `tenant` (empty: not admitted) to the metrics
+  // (if any). Called before its status is sent (a client that has the status
+  // sees it counted) and before Leave (a drained server has no report in
+  // flight).
+  void RecordRpc(const char* method, grpc::StatusCode code, absl::Time start,
+                 const std::string& tenant = {}) const;
   const ServiceOptions& options() const { return options_; }
   void FillServerInfo(lossd::v1::ServerInfo* info) const;
 
