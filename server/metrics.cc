@@ -106,6 +106,18 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
                     "Bytes the tensors may use (--memory_budget)");
     budget.metric.push_back(GaugeSample(
         {{"device", device}}, static_cast<double>(stats.budget_bytes)));
+    {
+      absl::MutexLock lock(&metrics_->in_flight_mu_);
+      if (metrics_->in_flight_source_) {
+        prometheus::MetricFamily in_flight =
+            GaugeFamily("lossd_rpcs_in_flight",
+                        "lossd.v1.Lossd RPCs admitted and not yet finished "
+                        "(running or waiting for the device)");
+        in_flight.metric.push_back(GaugeSample(
+            {}, static_cast<double>(metrics_->in_flight_source_())));
+        families.push_back(std::move(in_flight));
+      }
+    }
     families.push_back(std::move(tensor_bytes));
     families.push_back(std::move(tensors));
     families.push_back(std::move(reserved));
@@ -273,6 +285,20 @@ std::string Metrics::TenantLabel(absl::string_view tenant) const {
   if (tenant.empty()) return kNoTenantLabel;
   absl::ReaderMutexLock lock(&tenants_mu_);
   return tenants_.contains(tenant) ? std::string(tenant) : kOtherTenantLabel;
+}
+
+void Metrics::InitReload(absl::string_view config) {
+  const std::string name(config);
+  reloads_total_->Add({{"config", name}, {"result", "success"}});
+  reloads_total_->Add({{"config", name}, {"result", "failure"}});
+  reload_successful_->Add({{"config", name}}).Set(1.0);
+  reload_success_time_->Add({{"config", name}})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+}
+
+void Metrics::SetInFlightSource(std::function<int64_t()> source) {
+  absl::MutexLock lock(&in_flight_mu_);
+  in_flight_source_ = std::move(source);
 }
 
 void Metrics::ObserveReload(absl::string_view config, bool ok) {

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,8 @@ inline constexpr char kNoTenantLabel[] = "_none";
 // The metrics of one instance:
 //   lossd_tensor_bytes{device,tenant}, lossd_tensors{device,tenant} (gauges),
 //   lossd_reserved_bytes{device}, lossd_memory_budget_bytes{device} (gauges),
+//   lossd_rpcs_in_flight (gauge: admitted and not finished; see
+//   SetInFlightSource),
 //   lossd_rpc_total{method,code}, lossd_rpc_duration_seconds{method,code},
 //   lossd_kernel_seconds_total{device,kernel},
 //   lossd_kernel_runs_total{device,kernel},
@@ -106,8 +109,17 @@ class Metrics {
   std::string TenantLabel(absl::string_view tenant) const
       ABSL_LOCKS_EXCLUDED(tenants_mu_);
 
-  // One reload of configuration `config` ("tls", "tokens", "quotas").
+  // Configuration `config` ("tls", "tokens", "quotas") was loaded at start:
+  // its reload series exist from now on (counters at 0, last reload
+  // successful).
+  void InitReload(absl::string_view config);
+  // One reload of configuration `config`.
   void ObserveReload(absl::string_view config, bool ok);
+
+  // What lossd_rpcs_in_flight reads when scraped (null: no such series).
+  // Set it to null before what it reads goes away.
+  void SetInFlightSource(std::function<int64_t()> source)
+      ABSL_LOCKS_EXCLUDED(in_flight_mu_);
 
   // The notAfter of `certificate` ("server", "client_ca"), seconds since the
   // epoch.
@@ -144,6 +156,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* reload_successful_;
   prometheus::Family<prometheus::Gauge>* reload_success_time_;
   prometheus::Family<prometheus::Gauge>* certificate_expiry_;
+  mutable absl::Mutex in_flight_mu_;
+  std::function<int64_t()> in_flight_source_ ABSL_GUARDED_BY(in_flight_mu_);
   mutable absl::Mutex tenants_mu_;
   absl::flat_hash_set<std::string> tenants_ ABSL_GUARDED_BY(tenants_mu_);
   absl::Mutex series_mu_;

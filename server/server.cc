@@ -282,6 +282,13 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
                          return raw->ReloadQuotas();
                        }});
   }
+  if (server->metrics_ != nullptr) {
+    for (const ReloadSource& source : sources) {
+      server->metrics_->InitReload(source.name);
+    }
+    server->metrics_->SetInFlightSource(
+        [raw = server->service_.get()] { return raw->in_flight(); });
+  }
   if (!sources.empty()) {
     server->watcher_ = std::make_unique<ConfigWatcher>(
         std::move(sources), config.reload_interval,
@@ -447,6 +454,8 @@ bool LossdServer::Drain() {
 }
 
 LossdServer::~LossdServer() {
+  // Scrapes may run until metrics_ goes, after the service.
+  if (metrics_ != nullptr) metrics_->SetInFlightSource(nullptr);
   // The handler refers to the health service, which goes before the device.
   if (device_ != nullptr) device_->SetFatalErrorHandler(nullptr);
   if (server_ != nullptr) Drain();
