@@ -72,7 +72,7 @@ class MonitoringNamesTest : public ::testing::Test {
     ssl.pem_cert_chain = pki->Read("alpha.pem");
     ssl.pem_private_key = pki->Read("alpha.key");
     stub_ = pb::Lossd::NewStub(
-        grpc::CreateChannel(absl::StrCat("localhost:", server_->port()),
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
                             grpc::SslCredentials(ssl)));
   }
 
