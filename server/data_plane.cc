@@ -181,8 +181,9 @@ absl::Status ReceiveThroughWindows(
 }
 
 DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
-                                     Metrics* metrics) {
-  return [device, buffer = static_cast<char*>(buffer), metrics](
+                                     Metrics* metrics,
+                                     const std::string& tenant) {
+  return [device, buffer = static_cast<char*>(buffer), metrics, tenant](
              int index, int fd, const DataTransfer::Range& range) {
     // The part's own write pipeline, keyed by its first byte (a part without
     // bytes never writes: its address may be the next part's).
@@ -193,9 +194,9 @@ DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
         [index, &range](int64_t received, ssize_t n) {
           return DataConnectionError(index, received, range.bytes, n);
         },
-        [metrics](int64_t n) {
+        [metrics, &tenant](int64_t n) {
           if (metrics != nullptr) {
-            metrics->AddTransferBytes(TransferDirection::kUpload, n);
+            metrics->AddTransferBytes(TransferDirection::kUpload, n, tenant);
           }
         });
     // Every copy is done (or failed) before the buffer is anyone else's.

@@ -101,9 +101,10 @@ class DataTransfer {
 // The work of an upload's transfer: part `index`'s bytes from the socket into
 // `buffer + range.offset` on `device`, through the device's host windows
 // (pinned staging on CUDA; no copy of its own), counted in `metrics` (may be
-// null). All of them on the device when it returns OK.
+// null) for `tenant`. All of them on the device when it returns OK.
 DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
-                                     Metrics* metrics);
+                                     Metrics* metrics,
+                                     const std::string& tenant = {});
 
 // Receives `bytes` bytes from socket `fd` into `base` on `device` through its
 // host windows, so that the device's copy of one window overlaps receiving

@@ -183,7 +183,7 @@ class DownloadReactor final
     const ReadView* const view = &lease_.view();
     const int64_t piece = std::max(chunk_elements_, kDataPieceBytes / out_size);
     return [tensor, view, first, out_size, piece, dtype = dtype_,
-            metrics = rpc_->metrics()](
+            metrics = rpc_->metrics(), tenant = admission_.tenant()](
                int index, int fd,
                const DataTransfer::Range& range) -> absl::Status {
       const int64_t count = range.bytes / out_size;
@@ -230,7 +230,7 @@ class DownloadReactor final
         done += n;
         if (metrics != nullptr) {
           metrics->AddTransferBytes(TransferDirection::kDownload,
-                                    static_cast<int64_t>(bytes));
+                                    static_cast<int64_t>(bytes), tenant);
         }
       }
       return absl::OkStatus();
@@ -259,7 +259,8 @@ class DownloadReactor final
     next_element_ += count;
     if (rpc_->metrics() != nullptr) {
       rpc_->metrics()->AddTransferBytes(TransferDirection::kDownload,
-                                        static_cast<int64_t>(chunk->size()));
+                                        static_cast<int64_t>(chunk->size()),
+                                        admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -269,7 +270,8 @@ class DownloadReactor final
   void End(const grpc::Status& status) {
     // No data connection reads the tensor any more.
     if (transfer_ != nullptr) transfer_->Cancel();
-    rpc_->RecordRpc("Download", status.error_code(), start_);
+    rpc_->RecordRpc("Download", status.error_code(), start_,
+                    admission_.tenant());
     // The read lease ends before the client can see the status, so that an
     // RPC it sends next (Backward with materialize) does not find the tensor
     // still in use.

@@ -160,6 +160,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
                                          header.data_connections(),
                                          "send the blocks on the stream"));
     config_.options = config_.spec.options;
+    config_.tenant = admission_.tenant();
     config_.vocab = config_.spec.vocab;
     config_.logits_dtype = config_.spec.logits_dtype;
     config_.targets_dtype = config_.spec.targets_dtype;
@@ -256,7 +257,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // Recorded before Finish, so that a client that has its status also sees it
   // counted.
   void FinishRpc(const grpc::Status& status) {
-    rpc_->RecordRpc("Evaluate", status.error_code(), start_);
+    rpc_->RecordRpc("Evaluate", status.error_code(), start_,
+                    admission_.tenant());
     Finish(status);
   }
 

@@ -144,7 +144,8 @@ absl::StatusOr<int64_t> EvaluationLane::Begin(size_t logits, size_t targets) {
   Metrics* const metrics = metrics_;
   if (metrics != nullptr) {
     metrics->AddTransferBytes(TransferDirection::kEvaluate,
-                              static_cast<int64_t>(logits + targets));
+                              static_cast<int64_t>(logits + targets),
+                              config_->tenant);
   }
   return rows;
 }

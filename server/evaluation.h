@@ -39,6 +39,7 @@ struct EvaluationConfig {
   DType targets_dtype = DType::kInvalid;
   const float* class_weights = nullptr;  // device memory, or null
   std::vector<float> host_weights;       // the same on the host, or empty
+  std::string tenant;                    // the caller's (metrics)
 };
 
 // What an evaluation's blocks add up to.

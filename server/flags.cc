@@ -61,6 +61,14 @@ ABSL_FLAG(int64_t, tenant_max_tensors, 0,
           "per-tenant quota of tensors held or being uploaded; 0 = none");
 ABSL_FLAG(int64_t, tenant_max_inflight, 0,
           "per-tenant quota of lossd RPCs running at once; 0 = none");
+ABSL_FLAG(std::string, quota_file, "",
+          "per-tenant quotas, lines 'TENANT max_bytes=4G max_tensors=N "
+          "max_inflight=N' ('*' = every other tenant), on top of the "
+          "--tenant_max_* flags; reloaded when it changes");
+ABSL_FLAG(absl::Duration, reload_interval, absl::Seconds(10),
+          "how often --tls_cert, --tls_key, --tls_client_ca, --tokens_file "
+          "and --quota_file are checked for changes (SIGHUP reloads them "
+          "at once)");
 
 ABSL_FLAG(int, data_port, 50052,
           "plain TCP port of upload data connections (an Upload's bytes "
@@ -79,41 +87,6 @@ ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
           "after the first is abandoned (every stripe fails ABORTED)");
 
 namespace lossd {
-
-absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
-  const std::string lower =
-      absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  if (lower == "auto") return 0;
-  size_t digits = 0;
-  while (digits < lower.size() && absl::ascii_isdigit(lower[digits])) ++digits;
-  int64_t value;
-  if (digits == 0 || !absl::SimpleAtoi(lower.substr(0, digits), &value)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", text, "' is not a byte count (e.g. 8G, 512M)"));
-  }
-  std::string suffix = lower.substr(digits);
-  if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();
-  if (suffix.size() == 2 && suffix[1] == 'i') suffix.pop_back();
-  int shift;
-  if (suffix.empty()) {
-    shift = 0;
-  } else if (suffix == "k") {
-    shift = 10;
-  } else if (suffix == "m") {
-    shift = 20;
-  } else if (suffix == "g") {
-    shift = 30;
-  } else if (suffix == "t") {
-    shift = 40;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", text, "': unknown suffix (K, M, G or T)"));
-  }
-  if (value > (std::numeric_limits<int64_t>::max() >> shift)) {
-    return absl::InvalidArgumentError(absl::StrCat("'", text, "' overflows"));
-  }
-  return value << shift;
-}
 
 absl::StatusOr<ServerConfig> ConfigFromFlags() {
   ServerConfig config;
@@ -190,6 +163,11 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
       config.tenant_limits.max_in_flight < 0) {
     return absl::InvalidArgumentError(
         "--tenant_max_tensors and --tenant_max_inflight must be >= 0");
+  }
+  config.quota_file = absl::GetFlag(FLAGS_quota_file);
+  config.reload_interval = absl::GetFlag(FLAGS_reload_interval);
+  if (config.reload_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--reload_interval must be positive");
   }
   config.data_port = absl::GetFlag(FLAGS_data_port);
   if (config.data_port < -1 || config.data_port > 65535) {

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "server/byte_size.h"
 #include "server/server.h"
 
 ABSL_DECLARE_FLAG(int, port);
@@ -35,15 +36,12 @@ ABSL_DECLARE_FLAG(std::string, health_port_file);
 ABSL_DECLARE_FLAG(std::string, tenant_max_bytes);
 ABSL_DECLARE_FLAG(int64_t, tenant_max_tensors);
 ABSL_DECLARE_FLAG(int64_t, tenant_max_inflight);
+ABSL_DECLARE_FLAG(std::string, quota_file);
+ABSL_DECLARE_FLAG(absl::Duration, reload_interval);
 ABSL_DECLARE_FLAG(absl::Duration, stripe_timeout);
 ABSL_DECLARE_FLAG(int, data_max_connections);
 
 namespace lossd {
-
-// Parses a byte count: digits with an optional binary suffix K, M, G or T
-// (also Ki/KiB/KB..., all powers of 1024), e.g. "8G", "512MiB", "1048576".
-// "auto" and "0" give 0. INVALID_ARGUMENT for anything else or an overflow.
-absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
 
 // The ServerConfig the flags describe. INVALID_ARGUMENT naming the flag when
 // one is malformed.

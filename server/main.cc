@@ -1,5 +1,6 @@
 // lossd: the GPU-resident cross-entropy service. Parses flags, serves until
-// SIGTERM/SIGINT, then drains and exits 0.
+// SIGTERM/SIGINT, then drains and exits 0. SIGHUP reloads the certificate,
+// token and quota files.
 #include <csignal>
 #include <cstdio>
 
@@ -31,6 +32,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<lossd::ServerConfig> config = lossd::ConfigFromFlags();
@@ -48,7 +50,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   int signal = 0;
-  sigwait(&signals, &signal);
+  while (sigwait(&signals, &signal) == 0 && signal == SIGHUP) {
+    // Failures are logged and counted by the server; the old files stay.
+    std::fprintf(stderr, "lossd: SIGHUP, reloading configuration files\n");
+    (*server)->Reload().IgnoreError();
+  }
   std::fprintf(stderr, "lossd: signal %d, draining (up to %s)\n", signal,
                absl::FormatDuration(config->drain_timeout).c_str());
   const bool clean = (*server)->Drain();

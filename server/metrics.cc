@@ -4,6 +4,7 @@
 #include "server/metrics.h"
 
 #include <exception>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
@@ -64,9 +66,11 @@ const char* DirectionName(TransferDirection direction) {
 
 // Reads the store's memory figures when scraped: tenants come and go, and
 // computing the gauges on demand keeps the store's hot paths free of metrics.
+// Tenants that are not configured are summed under one label value.
 class Metrics::StoreCollector final : public prometheus::Collectable {
  public:
-  explicit StoreCollector(const TensorStore* store) : store_(store) {}
+  StoreCollector(const TensorStore* store, const Metrics* metrics)
+      : store_(store), metrics_(metrics) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     std::vector<prometheus::MetricFamily> families;
@@ -77,12 +81,18 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
         GaugeFamily("lossd_tensor_bytes", "Bytes of tensors held");
     prometheus::MetricFamily tensors =
         GaugeFamily("lossd_tensors", "Tensors held");
+    std::map<std::string, TenantUsage> by_label;
     for (const TenantUsage& usage : store_->UsageByTenant()) {
+      TenantUsage& sum = by_label[metrics_->TenantLabel(usage.tenant)];
+      sum.bytes += usage.bytes;
+      sum.tensors += usage.tensors;
+    }
+    for (const auto& [label, usage] : by_label) {
       tensor_bytes.metric.push_back(
-          GaugeSample({{"device", device}, {"tenant", usage.tenant}},
+          GaugeSample({{"device", device}, {"tenant", label}},
                       static_cast<double>(usage.bytes)));
       tensors.metric.push_back(
-          GaugeSample({{"device", device}, {"tenant", usage.tenant}},
+          GaugeSample({{"device", device}, {"tenant", label}},
                       static_cast<double>(usage.tensors)));
     }
     prometheus::MetricFamily reserved = GaugeFamily(
@@ -96,6 +106,18 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
                     "Bytes the tensors may use (--memory_budget)");
     budget.metric.push_back(GaugeSample(
         {{"device", device}}, static_cast<double>(stats.budget_bytes)));
+    {
+      absl::MutexLock lock(&metrics_->in_flight_mu_);
+      if (metrics_->in_flight_source_) {
+        prometheus::MetricFamily in_flight =
+            GaugeFamily("lossd_rpcs_in_flight",
+                        "lossd.v1.Lossd RPCs admitted and not yet finished "
+                        "(running or waiting for the device)");
+        in_flight.metric.push_back(GaugeSample(
+            {}, static_cast<double>(metrics_->in_flight_source_())));
+        families.push_back(std::move(in_flight));
+      }
+    }
     families.push_back(std::move(tensor_bytes));
     families.push_back(std::move(tensors));
     families.push_back(std::move(reserved));
@@ -105,11 +127,12 @@ class Metrics::StoreCollector final : public prometheus::Collectable {
 
  private:
   const TensorStore* const store_;
+  const Metrics* const metrics_;
 };
 
 Metrics::Metrics(const TensorStore* store)
     : registry_(std::make_shared<prometheus::Registry>()),
-      store_collector_(std::make_shared<StoreCollector>(store)) {
+      store_collector_(std::make_shared<StoreCollector>(store, this)) {
   rpc_total_ = &prometheus::BuildCounter()
                     .Name("lossd_rpc_total")
                     .Help("Finished lossd.v1.Lossd RPCs by method and status")
@@ -139,6 +162,38 @@ Metrics::Metrics(const TensorStore* store)
     transfer_bytes_[static_cast<int>(direction)] =
         &transfer.Add({{"direction", DirectionName(direction)}});
   }
+  tenant_rpc_total_ =
+      &prometheus::BuildCounter()
+           .Name("lossd_tenant_rpc_total")
+           .Help("Finished lossd.v1.Lossd RPCs by tenant and status")
+           .Register(*registry_);
+  tenant_transfer_bytes_ = &prometheus::BuildCounter()
+                                .Name("lossd_tenant_transfer_bytes_total")
+                                .Help("Tensor bytes moved, by tenant")
+                                .Register(*registry_);
+  reloads_total_ = &prometheus::BuildCounter()
+                        .Name("lossd_config_reloads_total")
+                        .Help(
+                            "Reloads of a configuration file by result "
+                            "(a failed one leaves the old configuration)")
+                        .Register(*registry_);
+  reload_successful_ = &prometheus::BuildGauge()
+                            .Name("lossd_config_last_reload_successful")
+                            .Help(
+                                "1 when the last reload of the "
+                                "configuration succeeded, 0 when it failed")
+                            .Register(*registry_);
+  reload_success_time_ =
+      &prometheus::BuildGauge()
+           .Name("lossd_config_last_reload_success_timestamp_seconds")
+           .Help("When the configuration in force was loaded")
+           .Register(*registry_);
+  certificate_expiry_ =
+      &prometheus::BuildGauge()
+           .Name("lossd_tls_certificate_expiry_timestamp_seconds")
+           .Help("notAfter of the certificate in force, seconds since epoch")
+           .Register(*registry_);
+  SetTenants({});
 }
 
 Metrics::~Metrics() { exposer_.reset(); }
@@ -208,10 +263,60 @@ Metrics::RpcSeries Metrics::SeriesFor(absl::string_view method,
 }
 
 void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code,
-                         absl::Duration elapsed) {
+                         absl::Duration elapsed, absl::string_view tenant) {
   const RpcSeries series = SeriesFor(method, code);
   series.total->Increment();
   series.duration->Observe(absl::ToDoubleSeconds(elapsed));
+  tenant_rpc_total_
+      ->Add({{"tenant", TenantLabel(tenant)},
+             {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+}
+
+void Metrics::SetTenants(std::vector<std::string> tenants) {
+  absl::flat_hash_set<std::string> set(tenants.begin(), tenants.end());
+  // Anonymous callers are this tenant: always a label of its own.
+  set.insert(kDefaultTenant);
+  absl::MutexLock lock(&tenants_mu_);
+  tenants_ = std::move(set);
+}
+
+std::string Metrics::TenantLabel(absl::string_view tenant) const {
+  if (tenant.empty()) return kNoTenantLabel;
+  absl::ReaderMutexLock lock(&tenants_mu_);
+  return tenants_.contains(tenant) ? std::string(tenant) : kOtherTenantLabel;
+}
+
+void Metrics::InitReload(absl::string_view config) {
+  const std::string name(config);
+  reloads_total_->Add({{"config", name}, {"result", "success"}});
+  reloads_total_->Add({{"config", name}, {"result", "failure"}});
+  reload_successful_->Add({{"config", name}}).Set(1.0);
+  reload_success_time_->Add({{"config", name}})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+}
+
+void Metrics::SetInFlightSource(std::function<int64_t()> source) {
+  absl::MutexLock lock(&in_flight_mu_);
+  in_flight_source_ = std::move(source);
+}
+
+void Metrics::ObserveReload(absl::string_view config, bool ok) {
+  const std::string name(config);
+  reloads_total_
+      ->Add({{"config", name}, {"result", ok ? "success" : "failure"}})
+      .Increment();
+  reload_successful_->Add({{"config", name}}).Set(ok ? 1.0 : 0.0);
+  if (ok) {
+    reload_success_time_->Add({{"config", name}})
+        .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+  }
+}
+
+void Metrics::SetCertificateExpiry(absl::string_view certificate,
+                                   int64_t not_after_seconds) {
+  certificate_expiry_->Add({{"certificate", std::string(certificate)}})
+      .Set(static_cast<double>(not_after_seconds));
 }
 
 void Metrics::ObserveKernel(absl::string_view device, absl::string_view kernel,
@@ -222,9 +327,15 @@ void Metrics::ObserveKernel(absl::string_view device, absl::string_view kernel,
   kernel_runs_->Add(labels).Increment();
 }
 
-void Metrics::AddTransferBytes(TransferDirection direction, int64_t bytes) {
+void Metrics::AddTransferBytes(TransferDirection direction, int64_t bytes,
+                               absl::string_view tenant) {
   transfer_bytes_[static_cast<int>(direction)]->Increment(
       static_cast<double>(bytes));
+  if (tenant.empty()) return;
+  tenant_transfer_bytes_
+      ->Add({{"tenant", TenantLabel(tenant)},
+             {"direction", DirectionName(direction)}})
+      .Increment(static_cast<double>(bytes));
 }
 
 }  // namespace lossd

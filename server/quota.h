@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
 namespace lossd {
@@ -22,6 +24,23 @@ struct TenantLimits {
   int64_t max_tensors = 0;    // tensors being uploaded or held
   int64_t max_in_flight = 0;  // RPCs of lossd.v1.Lossd running at once
 };
+
+// The limits of a quota file (docs/operations.md, Quotas): one default for
+// every tenant it does not name, and the tenants it names.
+struct QuotaConfig {
+  TenantLimits defaults;
+  absl::flat_hash_map<std::string, TenantLimits> overrides;
+};
+
+// Parses the text of a quota file on top of `base` (the --tenant_max_* flags):
+// lines "TENANT KEY=VALUE..." with KEY one of max_bytes (a byte count such as
+// 4G), max_tensors, max_inflight; TENANT "*" is the default line, whose keys
+// replace `base`'s; a tenant's line starts from the defaults and replaces the
+// keys it names. '#' starts a comment. INVALID_ARGUMENT naming the line for an
+// unknown key, a malformed or negative value, a repeated tenant, or a line
+// without a key.
+absl::StatusOr<QuotaConfig> ParseQuotaFile(absl::string_view text,
+                                           TenantLimits base);
 
 // What a tenant uses now.
 struct QuotaUsage {
@@ -98,8 +117,15 @@ class TenantQuotas {
   // numbers) when the tenant already runs its limit.
   absl::StatusOr<InFlightSlot> EnterRpc(const std::string& tenant);
 
+  // Replaces every limit (live reload). Charges and slots already taken stay;
+  // the next ChargeTensor or EnterRpc is judged by the new limits.
+  void SetLimits(TenantLimits defaults,
+                 absl::flat_hash_map<std::string, TenantLimits> overrides);
+
   TenantLimits LimitsOf(const std::string& tenant) const;
   QuotaUsage UsageOf(const std::string& tenant) const;
+  // The tenants that have limits of their own, sorted.
+  std::vector<std::string> ConfiguredTenants() const;
 
  private:
   const std::shared_ptr<internal::QuotaLedger> ledger_;

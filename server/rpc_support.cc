@@ -90,10 +90,10 @@ absl::Status RpcSupport::Admit(const grpc::ServerContextBase& context,
 }
 
 void RpcSupport::RecordRpc(const char* method, grpc::StatusCode code,
-                           absl::Time start) const {
+                           absl::Time start, const std::string& tenant) const {
   if (metrics_ == nullptr) return;
   metrics_->ObserveRpc(method, static_cast<absl::StatusCode>(code),
-                       absl::Now() - start);
+                       absl::Now() - start, tenant);
 }
 
 namespace {

@@ -93,11 +93,12 @@ class RpcSupport {
   // Nullable: the server offers no data connections.
   DataPlane* data_plane() const { return options_.data_plane; }
   const ServiceOptions& options() const { return options_; }
-  // Reports one finished RPC to the metrics (if any). Called before its status
-  // is sent (a client that has the status sees it counted) and before Leave
-  // (a drained server has no report in flight).
-  void RecordRpc(const char* method, grpc::StatusCode code,
-                 absl::Time start) const;
+  // Reports one finished RPC of `tenant` (empty: not admitted) to the metrics
+  // (if any). Called before its status is sent (a client that has the status
+  // sees it counted) and before Leave (a drained server has no report in
+  // flight).
+  void RecordRpc(const char* method, grpc::StatusCode code, absl::Time start,
+                 const std::string& tenant = {}) const;
 
  private:
   // Counts one RPC as running for the drain; false (and nothing counted) when

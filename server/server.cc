@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -127,15 +129,24 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
       limits.max_in_flight < 0) {
     return absl::InvalidArgumentError("tenant quotas must be >= 0 (0 = none)");
   }
+  if (config.reload_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("reload_interval must be > 0");
+  }
   std::unique_ptr<LossdServer> server(new LossdServer());
   server->config_ = config;
+  AuthOptions auth_options = config.auth;
+  auth_options.tls_refresh = config.reload_interval;
   absl::StatusOr<std::unique_ptr<Authenticator>> authenticator =
-      Authenticator::Create(config.auth);
+      Authenticator::Create(auth_options);
   if (!authenticator.ok()) return authenticator.status();
   server->authenticator_ = std::move(*authenticator);
   if (limits.max_bytes > 0 || limits.max_tensors > 0 ||
-      limits.max_in_flight > 0) {
+      limits.max_in_flight > 0 || !config.quota_file.empty()) {
     server->quotas_ = std::make_shared<TenantQuotas>(limits);
+  }
+  if (!config.quota_file.empty()) {
+    const absl::Status status = server->ReloadQuotas();
+    if (!status.ok()) return status;
   }
   auto device = config.device_factory
                     ? config.device_factory()
@@ -174,6 +185,7 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   service_options.stripe_timeout = config.stripe_timeout;
   if (config.metrics_port >= 0) {
     server->metrics_ = std::make_unique<Metrics>(server->store_.get());
+    server->UpdateConfigMetrics();
     const absl::Status status =
         server->metrics_->Serve(config.host, config.metrics_port);
     if (!status.ok()) return status;
@@ -248,6 +260,44 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
 
   server->sweeper_ = std::thread([raw = server.get()] { raw->SweepLoop(); });
 
+  std::vector<ReloadSource> sources;
+  const AuthOptions& auth = config.auth;
+  if (server->authenticator_->tls()) {
+    std::vector<std::string> paths = {auth.tls_cert_file, auth.tls_key_file};
+    if (!auth.tls_client_ca_file.empty()) {
+      paths.push_back(auth.tls_client_ca_file);
+    }
+    sources.push_back(
+        {"tls", std::move(paths),
+         [raw = server->authenticator_.get()] { return raw->ReloadTls(); }});
+  }
+  if (server->authenticator_->tokens()) {
+    sources.push_back(
+        {"tokens", {auth.tokens_file}, [raw = server->authenticator_.get()] {
+           return raw->ReloadTokens();
+         }});
+  }
+  if (!config.quota_file.empty()) {
+    sources.push_back({"quotas", {config.quota_file}, [raw = server.get()] {
+                         return raw->ReloadQuotas();
+                       }});
+  }
+  if (server->metrics_ != nullptr) {
+    for (const ReloadSource& source : sources) {
+      server->metrics_->InitReload(source.name);
+    }
+    server->metrics_->SetInFlightSource(
+        [raw = server->service_.get()] { return raw->in_flight(); });
+  }
+  if (!sources.empty()) {
+    server->watcher_ = std::make_unique<ConfigWatcher>(
+        std::move(sources), config.reload_interval,
+        [raw = server.get()](const std::string& name,
+                             const absl::Status& status) {
+          raw->OnReload(name, status);
+        });
+  }
+
   // The metrics port file first: whoever waits for the gRPC port file then
   // finds both.
   if (server->metrics_ != nullptr && !config.metrics_port_file.empty()) {
@@ -303,6 +353,65 @@ void LossdServer::SetServing(const char* service, bool serving) {
   }
 }
 
+absl::Status LossdServer::ReloadQuotas() {
+  std::ifstream in(config_.quota_file, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--quota_file: cannot read '", config_.quota_file, "'"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<QuotaConfig> parsed =
+      ParseQuotaFile(text.str(), config_.tenant_limits);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--quota_file '", config_.quota_file,
+                     "': ", parsed.status().message()));
+  }
+  quotas_->SetLimits(parsed->defaults, std::move(parsed->overrides));
+  return absl::OkStatus();
+}
+
+absl::Status LossdServer::Reload() {
+  if (watcher_ == nullptr) return absl::OkStatus();
+  return watcher_->Reload();
+}
+
+void LossdServer::OnReload(const std::string& name,
+                           const absl::Status& status) {
+  if (status.ok()) {
+    std::fprintf(stderr, "lossd: reloaded %s\n", name.c_str());
+  } else {
+    std::fprintf(stderr,
+                 "lossd: reload of %s failed, the configuration in force "
+                 "stays: %s\n",
+                 name.c_str(), status.ToString().c_str());
+  }
+  std::fflush(stderr);
+  if (metrics_ == nullptr) return;
+  // Labels and expiry first: whoever sees the reload counted sees them.
+  if (status.ok()) UpdateConfigMetrics();
+  metrics_->ObserveReload(name, status.ok());
+}
+
+void LossdServer::UpdateConfigMetrics() {
+  if (metrics_ == nullptr) return;
+  std::vector<std::string> tenants = authenticator_->TokenTenants();
+  if (quotas_ != nullptr) {
+    for (std::string& tenant : quotas_->ConfiguredTenants()) {
+      tenants.push_back(std::move(tenant));
+    }
+  }
+  metrics_->SetTenants(std::move(tenants));
+  if (authenticator_->tls()) {
+    metrics_->SetCertificateExpiry("server", authenticator_->cert_not_after());
+  }
+  if (authenticator_->mutual_tls()) {
+    metrics_->SetCertificateExpiry("client_ca",
+                                   authenticator_->client_ca_not_after());
+  }
+}
+
 std::string LossdServer::address() const {
   return absl::StrCat("127.0.0.1:", port_);
 }
@@ -345,6 +454,8 @@ bool LossdServer::Drain() {
 }
 
 LossdServer::~LossdServer() {
+  // Scrapes may run until metrics_ goes, after the service.
+  if (metrics_ != nullptr) metrics_->SetInFlightSource(nullptr);
   // The handler refers to the health service, which goes before the device.
   if (device_ != nullptr) device_->SetFatalErrorHandler(nullptr);
   if (server_ != nullptr) Drain();

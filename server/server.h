@@ -20,6 +20,7 @@
 #include "server/device.h"
 #include "server/metrics.h"
 #include "server/quota.h"
+#include "server/reload.h"
 #include "server/service.h"
 #include "server/tensor_store.h"
 
@@ -62,6 +63,13 @@ struct ServerConfig {
   AuthOptions auth;
   // Every tenant's quota (0 = unlimited), on top of the device budget.
   TenantLimits tenant_limits;
+  // Per-tenant quotas (docs/operations.md, Quotas; ParseQuotaFile), on top
+  // of tenant_limits, reloaded when the file changes. Empty: none.
+  std::string quota_file;
+  // How often the certificate, key, client CA, tokens and quota files are
+  // checked for changes (and the TLS library re-reads the checked
+  // certificates, in whole seconds). LossdServer::Reload also reloads them.
+  absl::Duration reload_interval = absl::Seconds(10);
   // Plaintext grpc.health.v1 only (no lossd API) on host:health_port, for
   // probes that cannot present a client certificate; 0 = pick a free one,
   // -1 = off.
@@ -130,6 +138,14 @@ class LossdServer {
   TensorStore* store() const { return store_.get(); }
   LossdService* service() const { return service_.get(); }
 
+  // Reloads the certificate, key, client CA, tokens and quota files now
+  // (SIGHUP), whether they changed or not. Each failed file is logged,
+  // counted (lossd_config_reloads_total{result="failure"}) and leaves its
+  // configuration in force; returns the first error.
+  absl::Status Reload();
+  // Null without TLS.
+  const Authenticator* authenticator() const { return authenticator_.get(); }
+
   // Readiness -> NOT_SERVING, new RPCs -> UNAVAILABLE, waits up to the drain
   // timeout for running RPCs, then shuts the gRPC server down (cancelling
   // what still runs after a short grace period). Returns whether every RPC
@@ -141,6 +157,14 @@ class LossdServer {
   void SweepLoop();
   // Sets `service`'s health status on the main and the health server.
   void SetServing(const char* service, bool serving);
+  // Reads --quota_file into quotas_ (nothing changes on error).
+  absl::Status ReloadQuotas();
+  // Logs and counts a reload of `name`, and refreshes the metrics that
+  // depend on configuration (tenant labels, certificate expiry).
+  void OnReload(const std::string& name, const absl::Status& status);
+  // The tenant label set and the certificate expiry gauges, from the
+  // configuration in force.
+  void UpdateConfigMetrics();
 
   ServerConfig config_;
   int port_ = 0;
@@ -165,6 +189,9 @@ class LossdServer {
   absl::Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
   bool drain_result_ ABSL_GUARDED_BY(drain_mu_) = false;
+  // Last: it calls into authenticator_, quotas_ and metrics_, so it stops
+  // before they go. Null when nothing is reloadable.
+  std::unique_ptr<ConfigWatcher> watcher_;
 };
 
 // The process policy lossd's main installs as on_fatal_device_error: logs

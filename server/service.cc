@@ -143,21 +143,21 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   do {                                                                       \
     const absl::Time lossd_rpc_start_ = absl::Now();                         \
     absl::Status lossd_rpc_status_;                                          \
+    std::string tenant;                                                      \
     {                                                                        \
-      std::string tenant;                                                    \
       InFlightSlot lossd_rpc_slot_;                                          \
       lossd_rpc_status_ = rpc_.Admit(*(context), &tenant, &lossd_rpc_slot_); \
       if (!lossd_rpc_status_.ok()) {                                         \
         rpc_.RecordRpc(                                                      \
             method, static_cast<grpc::StatusCode>(lossd_rpc_status_.code()), \
-            lossd_rpc_start_);                                               \
+            lossd_rpc_start_, tenant);                                       \
         return FinishUnary(context, lossd_rpc_status_);                      \
       }                                                                      \
       lossd_rpc_status_ = (body);                                            \
     }                                                                        \
     rpc_.RecordRpc(method,                                                   \
                    static_cast<grpc::StatusCode>(lossd_rpc_status_.code()),  \
-                   lossd_rpc_start_);                                        \
+                   lossd_rpc_start_, tenant);                                \
     rpc_.Leave();                                                            \
     return FinishUnary(context, lossd_rpc_status_);                          \
   } while (0)

@@ -221,14 +221,15 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
         DataRanges(elements, pending_->bytes() / elements,
                    std::max(1, header.data_connections()));
     auto link = std::make_shared<StripeLink>(this);
-    ASSIGN_OR_RETURN(transfer_,
-                     rpc_->data_plane()->Expect(
-                         header.data_token(), std::move(ranges),
-                         ReceiveIntoDevice(rpc_->store()->device(),
-                                           pending_->data(), rpc_->metrics()),
-                         [link, reactor = this](const absl::Status& status) {
-                           if (link->Claim()) reactor->EndFromTransfer(status);
-                         }));
+    ASSIGN_OR_RETURN(
+        transfer_,
+        rpc_->data_plane()->Expect(
+            header.data_token(), std::move(ranges),
+            ReceiveIntoDevice(rpc_->store()->device(), pending_->data(),
+                              rpc_->metrics(), admission_.tenant()),
+            [link, reactor = this](const absl::Status& status) {
+              if (link->Claim()) reactor->EndFromTransfer(status);
+            }));
     link_ = std::move(link);
     return absl::OkStatus();
   }
@@ -292,7 +293,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
                                    return pending_->Append(piece, bytes);
                                  }));
     if (rpc_->metrics() != nullptr) {
-      rpc_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+      rpc_->metrics()->AddTransferBytes(TransferDirection::kUpload, length,
+                                        admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -325,7 +327,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
                        return absl::OkStatus();
                      }));
     if (rpc_->metrics() != nullptr) {
-      rpc_->metrics()->AddTransferBytes(TransferDirection::kUpload, length);
+      rpc_->metrics()->AddTransferBytes(TransferDirection::kUpload, length,
+                                        admission_.tenant());
     }
     return absl::OkStatus();
   }
@@ -396,7 +399,7 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
   // Recorded before Finish, so that a client that has its status also sees it
   // counted.
   void FinishRpc(const grpc::Status& status) {
-    rpc_->RecordRpc("Upload", status.error_code(), start_);
+    rpc_->RecordRpc("Upload", status.error_code(), start_, admission_.tenant());
     Finish(status);
   }
 

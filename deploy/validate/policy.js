@@ -173,6 +173,8 @@ function checkWorkload(doc, configMaps, services, fail) {
       }
     }
 
+    checkReloadableFiles(c, at, pod, flags, configMaps, fail);
+
     const gpus = Number((resources.limits || {})['nvidia.com/gpu'] || 0);
     if (flags.FLAGS_device === 'cuda') {
       if (!(gpus >= 1)) fail(`${at}.resources.limits["nvidia.com/gpu"]`, 'FLAGS_device=cuda needs at least one nvidia.com/gpu');
@@ -181,6 +183,35 @@ function checkWorkload(doc, configMaps, services, fail) {
       fail(`${at}.resources.limits["nvidia.com/gpu"]`, 'FLAGS_device=cpu would leave the requested GPU idle');
     }
   });
+}
+
+// The files lossd reloads while serving (FLAGS_* -> what they hold). Each must come from a
+// ConfigMap, Secret or projected volume mounted as a directory: the kubelet updates such a volume
+// by swapping its ..data symlink, which a subPath mount never sees (the pod would keep the old file
+// until it restarts, and a restart loses every tensor).
+const RELOADED_FILE_FLAGS = ['FLAGS_quota_file', 'FLAGS_tokens_file', 'FLAGS_tls_cert', 'FLAGS_tls_key', 'FLAGS_tls_client_ca'];
+
+function checkReloadableFiles(c, at, pod, flags, configMaps, fail) {
+  const volumes = new Map((pod.volumes || []).map((v) => [v.name, v]));
+  (pod.volumes || []).forEach((v, i) => {
+    if (v.configMap && v.configMap.optional !== true && !configMaps.has(v.configMap.name)) {
+      fail(`spec.template.spec.volumes[${i}].configMap.name`, `ConfigMap ${JSON.stringify(v.configMap.name)} is not among the rendered objects`);
+    }
+  });
+  for (const flag of RELOADED_FILE_FLAGS) {
+    const file = flags[flag];
+    if (typeof file !== 'string' || file === '') continue;
+    const mounts = (c.volumeMounts || []).filter((m) => typeof m.mountPath === 'string' &&
+      (file === m.mountPath || file.startsWith(m.mountPath.replace(/\/*$/, '/'))));
+    mounts.sort((a, b) => b.mountPath.length - a.mountPath.length);
+    const mount = mounts[0];
+    const volume = mount && volumes.get(mount.name);
+    if (!mount || !volume || !(volume.configMap || volume.secret || volume.projected)) {
+      fail(`${at}.volumeMounts`, `${flag}=${file} is not in a mounted ConfigMap, Secret or projected volume`);
+    } else if (mount.subPath || mount.subPathExpr) {
+      fail(`${at}.volumeMounts`, `${flag}=${file} comes through subPath mount ${JSON.stringify(mount.mountPath)}, which Kubernetes never updates: mount the volume's directory so lossd can reload the file`);
+    }
+  }
 }
 
 module.exports = { checkPolicy, durationSeconds, lossdBytes, quantityBytes };

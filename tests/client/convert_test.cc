@@ -1,5 +1,5 @@
 // The client's vectorized conversions (client/convert.h) against the scalar
-// reference of kernels/cpu/float16.h, bit for bit: every 16-bit input, a
+// reference of common/float16.h, bit for bit: every 16-bit input, a
 // sweep of fp32 bit patterns with the edge cases, and the pool's splitting.
 #include "client/convert.h"
 

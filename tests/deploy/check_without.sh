@@ -9,7 +9,7 @@ hidden="$1"
 shift
 bin="$(mktemp -d)"
 trap 'rm -rf "${bin}"' EXIT
-for tool in bash env dirname node npm kubectl flock sha256sum cut cat realpath; do
+for tool in bash env dirname node npm kubectl flock promtool sha256sum cut cat realpath mktemp rm; do
   [[ "${tool}" == "${hidden}" ]] && continue
   path="$(command -v "${tool}")" || { echo "check_without.sh: ${tool} is not installed" >&2; exit 1; }
   ln -s "${path}" "${bin}/${tool}"

@@ -12,7 +12,10 @@ dir="$3"
 validate_dir="$(dirname "${check}")"
 "${check}" "${dir}" >/dev/null  # also installs the node modules lossd-env.js needs
 
-described="$(kubectl kustomize "${dir}" | node "${validate_dir}/lossd-env.js")"
+work="$(mktemp -d)"
+trap 'kill "${pid:-}" 2>/dev/null || true; rm -rf "${work}"' EXIT
+# Mounted ConfigMaps (the quota file) go under ${work}/root, and the flags naming them follow.
+described="$(kubectl kustomize "${dir}" | node "${validate_dir}/lossd-env.js" --files-into="${work}/root")"
 env_vars=()
 args=()
 in_args=0
@@ -24,8 +27,6 @@ env_vars+=(FLAGS_port=0 FLAGS_host=127.0.0.1 FLAGS_device=cpu)
 echo "env: ${env_vars[*]}"
 echo "args: ${args[*]}"
 
-work="$(mktemp -d)"
-trap 'kill "${pid}" 2>/dev/null || true; rm -rf "${work}"' EXIT
 env -i PATH=/usr/bin:/bin "${env_vars[@]}" "${lossd}" "${args[@]}" \
   --port_file="${work}/port" --metrics_port=0 --data_port=0 >"${work}/log" 2>&1 &
 pid=$!

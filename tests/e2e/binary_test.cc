@@ -1,5 +1,6 @@
 // The lossd binary as deployed: --port=0 with --port_file, standard health
-// checking, server reflection, and a SIGTERM drain that exits 0.
+// checking, server reflection, a SIGTERM drain that exits 0, and SIGHUP
+// reloading the tokens and quota files.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/types.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -37,8 +39,9 @@ class LossdProcess {
     if (stderr_ != nullptr) fclose(stderr_);
   }
 
-  // Starts lossd and waits (by reading its stderr) until it serves.
-  void Start() {
+  // Starts lossd (with `extra_args` after the usual ones) and waits (by
+  // reading its stderr) until it serves.
+  void Start(const std::vector<std::string>& extra_args = {}) {
     char dir_template[] = "/tmp/lossd_binary_test.XXXXXX";
     ASSERT_NE(mkdtemp(dir_template), nullptr);
     port_file_ = std::string(dir_template) + "/port";
@@ -54,10 +57,17 @@ class LossdProcess {
       const std::string port_file_flag = "--port_file=" + port_file_;
       const std::string metrics_port_file_flag =
           "--metrics_port_file=" + metrics_port_file_;
-      execl(LOSSD_BINARY, LOSSD_BINARY, "--port=0", "--host=127.0.0.1",
-            "--device=cpu", "--memory_budget=64M", "--drain_timeout=20s",
-            port_file_flag.c_str(), "--metrics_port=0", "--data_port=0",
-            metrics_port_file_flag.c_str(), static_cast<char*>(nullptr));
+      std::vector<std::string> args = {
+          LOSSD_BINARY,          "--port=0",
+          "--host=127.0.0.1",    "--device=cpu",
+          "--memory_budget=64M", "--drain_timeout=20s",
+          port_file_flag,        "--metrics_port=0",
+          "--data_port=0",       metrics_port_file_flag};
+      args.insert(args.end(), extra_args.begin(), extra_args.end());
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      execv(LOSSD_BINARY, argv.data());
       _exit(127);
     }
     close(pipe_fds[1]);
@@ -93,6 +103,7 @@ class LossdProcess {
   }
 
   void SendSigterm() { kill(pid_, SIGTERM); }
+  void SendSignal(int signal) { kill(pid_, signal); }
 
   // Reads the stderr line that reports the signal (the drain has begun).
   bool AwaitLine(const std::string& needle) {
@@ -267,6 +278,53 @@ TEST(BinaryTest, SigtermDrainsAnUploadInFlight) {
   watch_context.TryCancel();
   EXPECT_EQ(lossd.Wait(), 0) << lossd.log();
   EXPECT_NE(lossd.log().find("stopped"), std::string::npos) << lossd.log();
+}
+
+grpc::Status ListWithToken(const std::shared_ptr<grpc::Channel>& channel,
+                           const std::string& token) {
+  auto stub = pb::Lossd::NewStub(channel);
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer " + token);
+  pb::ListResponse response;
+  return stub->List(&context, pb::ListRequest(), &response);
+}
+
+// SIGHUP reloads at once, whatever --reload_interval says (an hour here, so
+// that only the signal can be what reloads). The test waits for the log line
+// the reload writes.
+TEST(BinaryTest, SighupReloadsTokensAndQuotas) {
+  char dir_template[] = "/tmp/lossd_sighup_test.XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  std::ofstream(dir + "/tokens") << "tok-a alpha\ntok-b beta\n";
+  std::ofstream(dir + "/quotas") << "* max_tensors=4\n";
+  LossdProcess lossd;
+  ASSERT_NO_FATAL_FAILURE(
+      lossd.Start({"--tokens_file=" + dir + "/tokens",
+                   "--quota_file=" + dir + "/quotas", "--reload_interval=1h"}));
+  ASSERT_TRUE(ListWithToken(lossd.channel(), "tok-b").ok());
+
+  std::ofstream(dir + "/tokens", std::ios::trunc) << "tok-a alpha\n";
+  std::ofstream(dir + "/quotas", std::ios::trunc) << "* max_tensors=oops\n";
+  lossd.SendSignal(SIGHUP);
+  ASSERT_TRUE(lossd.AwaitLine("reloaded tokens")) << lossd.log();
+  ASSERT_TRUE(lossd.AwaitLine("reload of quotas failed")) << lossd.log();
+  EXPECT_EQ(ListWithToken(lossd.channel(), "tok-b").error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(ListWithToken(lossd.channel(), "tok-a").ok());
+  absl::StatusOr<std::vector<lossd::scrape::Sample>> samples =
+      lossd::scrape::Scrape(lossd.metrics_port());
+  ASSERT_TRUE(samples.ok()) << samples.status();
+  EXPECT_EQ(
+      lossd::scrape::FindSample(*samples, "lossd_config_reloads_total",
+                                {{"config", "tokens"}, {"result", "success"}}),
+      1.0);
+  EXPECT_EQ(
+      lossd::scrape::FindSample(*samples, "lossd_config_reloads_total",
+                                {{"config", "quotas"}, {"result", "failure"}}),
+      1.0);
+  EXPECT_EQ(lossd.TerminateAndWait(), 0) << lossd.log();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -62,7 +62,13 @@ Pki::Pki() {
       "openssl req ", key,
       " -nodes -keyout server.key -out server.csr -subj /CN=localhost\n",
       "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key "
-      "-CAcreateserial -days 2 -extfile server.ext -out server.pem\n");
+      "-CAcreateserial -days 2 -extfile server.ext -out server.pem\n",
+      // The certificate a rotation brings: another key, another CA, a later
+      // notAfter.
+      "openssl req ", key,
+      " -nodes -keyout server2.key -out server2.csr -subj /CN=localhost\n",
+      "openssl x509 -req -in server2.csr -CA rogue-ca.pem -CAkey rogue-ca.key "
+      "-CAcreateserial -days 5 -extfile server.ext -out server2.pem\n");
   for (const char* tenant : {"alpha", "beta"}) {
     absl::StrAppend(
         &script, "printf 'subjectAltName=URI:spiffe://lossd.test/tenant/",

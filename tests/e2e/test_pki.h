@@ -8,7 +8,8 @@
 
 namespace lossd {
 
-// Files in a scratch directory: ca.pem, server.{pem,key}, alpha.{pem,key}
+// Files in a scratch directory: ca.pem, server.{pem,key}, server2.{pem,key}
+// (CN=localhost from rogue-ca.pem, valid 5 days), alpha.{pem,key}
 // and beta.{pem,key} (CN = tenant, SANs URI:spiffe://lossd.test/tenant/NAME
 // and DNS:NAME.clients.test), rogue.{pem,key} (CN=alpha, from rogue-ca.pem).
 // Made once per process; removed by a global test environment at the end.
