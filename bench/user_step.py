@@ -35,14 +35,20 @@ def run_json(cmd, env=None, timeout=900):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print(os.path.basename(cmd[1] if cmd[0] == sys.executable else cmd[0]), cmd[2:], results,
+          flush=True)
+    return results
 
 
 def start_server(cmd, port_file, timeout=120):
-    """Starts a server that writes its port to `port_file`; returns (process, address)."""
+    """Starts a server that writes its port to `port_file`; returns (process, address). It runs
+    without PYTHONPATH: the lossd package there would hide the Python server's lossd.v1 stubs."""
     if os.path.exists(port_file):
         os.unlink(port_file)
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=env)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
@@ -118,6 +124,7 @@ def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
         call("rm", logits, targets)
         results.append({"step": step, "seconds": end - start, "upload": uploaded - start,
                         "download": end - computed})
+    print("lossctl", results, flush=True)
     for path in (logits_path, targets_path, gradient_path):
         if os.path.exists(path):
             os.unlink(path)

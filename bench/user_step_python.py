@@ -62,6 +62,8 @@ def torch_steps(client, args):
     import lossd.torch
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(0)
     logits = 3 * torch.randn(args.rows, args.vocab, generator=generator, device=device,
                              dtype=torch.bfloat16)
