@@ -107,9 +107,10 @@ ABSL_FLAG(int64_t, piece_bytes, int64_t{8} << 20,
 ABSL_FLAG(int, convert_threads, 0,
           "threads that convert dtypes and write files besides the "
           "transfer's own (0 = one per core)");
-ABSL_FLAG(std::string, write_mode, "pwrite",
-          "download: how pieces reach the file: pwrite (from a small buffer "
-          "per thread) or mmap (converted straight into a shared mapping)");
+ABSL_FLAG(std::string, write_mode, "mmap",
+          "download: how pieces reach the file: mmap (converted straight into "
+          "a shared mapping, by every thread at once) or pwrite (from a small "
+          "buffer per thread; tmpfs takes one file's pwrites one at a time)");
 ABSL_FLAG(int64_t, block_rows, 0,
           "eval: rows per message (0 = as many as fit --chunk_bytes)");
 

@@ -5,7 +5,7 @@ same rounding torch does, bit for bit.
 
 Each transfer runs four ways: over data connections in many small pieces (--stripe_min_bytes and
 --piece_bytes lowered, so that the pieces of 4 connections arrive concurrently and out of order),
-written with pwrite and through a mapping (--write_mode=mmap), over gRPC (--data_connection=false),
+written with pwrite (--write_mode=pwrite) and through a mapping (the default), over gRPC (--data_connection=false),
 and with the defaults. Seed random per run, printed, fixed with
 LOSSD_FILES_SEED=<seed>."""
 
@@ -27,7 +27,7 @@ import lossd_testing as lt
 SEED_ENV = "LOSSD_FILES_SEED"
 ROWS, VOCAB = 512, 3001  # vocab odd: pieces end inside rows
 TRANSPORTS = {
-    "pieces": ["--stripe_min_bytes=1", "--piece_bytes=65536"],
+    "pieces": ["--stripe_min_bytes=1", "--piece_bytes=65536", "--write_mode=pwrite"],
     "mapped": ["--stripe_min_bytes=1", "--piece_bytes=65536", "--write_mode=mmap"],
     "grpc": ["--data_connection=false"],
     "default": [],
