@@ -96,10 +96,10 @@ class OutputTensorFile {
   //
   // How the data reaches the file: kPwrite converts each slice into a small
   // buffer and pwrite()s it; kMapped sizes the file first and converts
-  // straight into a shared mapping of it. pwrite was the faster on tmpfs on
-  // a 2-core VM (bench/convert_bench), but tmpfs serializes the writes to one
-  // file on its inode lock while mapped page faults proceed in parallel, so
-  // on many cores the mapping may win: measure with convert_bench.
+  // straight into a shared mapping of it. tmpfs serializes the writes to one
+  // file on its inode lock while stores into a mapping proceed on every
+  // thread, so on many cores the mapping wins (lossctl's default; measured in
+  // bench/SERVICE_RESULTS.md), while on two cores pwrite can be faster.
   enum class WriteMode { kPwrite, kMapped };
   static absl::StatusOr<std::unique_ptr<OutputTensorFile>> Create(
       const std::string& arg, DType sent_dtype, absl::Span<const int64_t> shape,
