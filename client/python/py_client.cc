@@ -1,0 +1,338 @@
+// lossd.Client's methods (see py_client.h).
+#include "client/python/py_client.h"
+
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <functional>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/python/buffers.h"
+#include "client/python/errors.h"
+
+namespace py = pybind11;
+
+namespace lossd {
+namespace python {
+
+namespace {
+
+Reduction ParseReduction(const std::string& name) {
+  if (name == "mean") return Reduction::kMean;
+  if (name == "sum") return Reduction::kSum;
+  if (name == "none") return Reduction::kNone;
+  ThrowInvalid("reduction must be \"mean\", \"sum\" or \"none\", not \"" +
+               name + "\"");
+}
+
+GradientMode ParseMode(const std::string& name) {
+  if (name == "in_place") return GradientMode::kInPlace;
+  if (name == "out_of_place") return GradientMode::kOutOfPlace;
+  if (name == "none") return GradientMode::kNone;
+  ThrowInvalid(
+      "mode must be \"in_place\", \"out_of_place\" or \"none\", not \"" + name +
+      "\"");
+}
+
+// An fp32 [V] weight: a stored tensor's handle, or a buffer uploaded for one
+// call and released after it.
+class Weight {
+ public:
+  Weight(const std::shared_ptr<Client>& client, py::handle weight)
+      : client_(client) {
+    if (weight.is_none()) return;
+    if (py::isinstance<py::str>(weight)) {
+      handle_ = weight.cast<std::string>();
+      return;
+    }
+    Tensor tensor = TensorFromObject(weight, py::none(), py::none(), "weight");
+    if (tensor.dtype != DType::kFloat32 || tensor.shape.size() != 1) {
+      ThrowInvalid("weight must be a float32 [V] array or a handle");
+    }
+    absl::StatusOr<TensorInfo> info;
+    {
+      py::gil_scoped_release release;
+      info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
+                            tensor.buffer->bytes(), "weight");
+    }
+    handle_ = ValueOrThrow(std::move(info)).handle;
+    uploaded_ = true;
+  }
+  ~Weight() {
+    if (!uploaded_) return;
+    py::gil_scoped_release release;
+    client_->Release(handle_).IgnoreError();
+  }
+  Weight(const Weight&) = delete;
+  Weight& operator=(const Weight&) = delete;
+
+  const std::string& handle() const { return handle_; }
+
+ private:
+  std::shared_ptr<Client> client_;
+  std::string handle_;
+  bool uploaded_ = false;
+};
+
+CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
+                                const std::string& reduction,
+                                double z_loss_scale, double softcap,
+                                double normalizer, double grad_scale) {
+  CrossEntropyOptions loss;
+  loss.ignore_index = ignore_index;
+  loss.label_smoothing = static_cast<float>(label_smoothing);
+  loss.reduction = ParseReduction(reduction);
+  loss.z_loss_scale = static_cast<float>(z_loss_scale);
+  loss.softcap = static_cast<float>(softcap);
+  loss.normalizer = normalizer;
+  loss.grad_scale = static_cast<float>(grad_scale);
+  return loss;
+}
+
+}  // namespace
+
+TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
+                  py::handle shape, const std::string& label) {
+  std::shared_ptr<Client> client = self.Get();
+  Tensor tensor = TensorFromObject(data, dtype, shape, "upload");
+  absl::StatusOr<TensorInfo> info;
+  {
+    py::gil_scoped_release release;
+    info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
+                          tensor.buffer->bytes(), label);
+  }
+  return ValueOrThrow(std::move(info));
+}
+
+TensorInfo UploadFrom(PyClient& self, const py::function& source,
+                      py::handle dtype, const std::vector<int64_t>& shape,
+                      const std::string& label) {
+  std::shared_ptr<Client> client = self.Get();
+  const DType parsed = ParseDType(dtype);
+  if (parsed == DType::kInvalid) ThrowInvalid("upload_from needs a dtype");
+  CallbackFailure failure;
+  // Buffers a source returned instead of filling the scratch: held until the
+  // upload has sent them. Touched with the GIL held only.
+  std::vector<std::unique_ptr<Buffer>> returned;
+  UploadSource adapter = [&](int64_t offset, std::size_t bytes,
+                             void* scratch) -> absl::StatusOr<const void*> {
+    py::gil_scoped_acquire acquire;
+    if (failure.failed())
+      return absl::CancelledError("an earlier source call raised");
+    try {
+      ScopedMemoryView view(scratch, bytes, /*writable=*/true);
+      py::object result = source(offset, bytes, view.get());
+      if (result.is_none() || result.is(view.get())) return scratch;
+      auto buffer = std::make_unique<Buffer>(result, /*writable=*/false);
+      if (buffer->bytes() != bytes) {
+        throw py::value_error("upload_from: the source returned " +
+                              std::to_string(buffer->bytes()) +
+                              " bytes for a piece of " + std::to_string(bytes));
+      }
+      const void* data = buffer->data();
+      returned.push_back(std::move(buffer));
+      return data;
+    } catch (...) {
+      return failure.RecordCurrent("the upload source");
+    }
+  };
+  absl::StatusOr<TensorInfo> info;
+  {
+    py::gil_scoped_release release;
+    info = client->UploadFrom(parsed, shape, adapter, label);
+  }
+  failure.RaiseIfAny();
+  return ValueOrThrow(std::move(info));
+}
+
+py::object Download(PyClient& self, const std::string& handle, py::handle dtype,
+                    py::handle out) {
+  std::shared_ptr<Client> client = self.Get();
+  const DType as_dtype = ParseDType(dtype);
+  py::object target = py::reinterpret_borrow<py::object>(out);
+  if (target.is_none()) {
+    absl::StatusOr<TensorInfo> described;
+    {
+      py::gil_scoped_release release;
+      described = client->Describe(handle);
+    }
+    TensorInfo info = ValueOrThrow(std::move(described));
+    const DType sent = as_dtype != DType::kInvalid ? as_dtype : info.dtype;
+    target = py::module_::import("numpy").attr("empty")(
+        py::tuple(py::cast(info.shape)), NumpyDType(sent));
+  } else {
+    DType implied = DType::kInvalid;
+    target = AsBufferObject(target, &implied);
+  }
+  Buffer buffer(target, /*writable=*/true);
+  absl::StatusOr<TensorInfo> info;
+  {
+    py::gil_scoped_release release;
+    info =
+        client->DownloadInto(handle, as_dtype, buffer.data(), buffer.bytes());
+  }
+  TensorInfo received = ValueOrThrow(std::move(info));
+  if (static_cast<std::size_t>(received.bytes) != buffer.bytes()) {
+    ThrowInvalid("download: out has " + std::to_string(buffer.bytes()) +
+                 " bytes but " + handle + " sent " +
+                 std::to_string(received.bytes));
+  }
+  return out.is_none() ? target : py::reinterpret_borrow<py::object>(out);
+}
+
+TensorInfo DownloadTo(PyClient& self, const std::string& handle,
+                      const py::function& sink, py::handle dtype,
+                      py::handle on_header) {
+  std::shared_ptr<Client> client = self.Get();
+  const DType as_dtype = ParseDType(dtype);
+  CallbackFailure failure;
+  std::function<absl::Status(const TensorInfo&)> header_adapter;
+  if (!on_header.is_none()) {
+    header_adapter = [&](const TensorInfo& info) -> absl::Status {
+      py::gil_scoped_acquire acquire;
+      try {
+        on_header(info);
+        return absl::OkStatus();
+      } catch (...) {
+        return failure.RecordCurrent("on_header");
+      }
+    };
+  }
+  DownloadSink adapter = [&](int64_t offset, const void* data,
+                             std::size_t bytes) -> absl::Status {
+    py::gil_scoped_acquire acquire;
+    if (failure.failed())
+      return absl::CancelledError("an earlier sink call raised");
+    try {
+      ScopedMemoryView view(data, bytes, /*writable=*/false);
+      sink(offset, view.get());
+      return absl::OkStatus();
+    } catch (...) {
+      return failure.RecordCurrent("the download sink");
+    }
+  };
+  absl::StatusOr<TensorInfo> info;
+  {
+    py::gil_scoped_release release;
+    info = client->DownloadTo(handle, as_dtype, header_adapter, adapter);
+  }
+  failure.RaiseIfAny();
+  return ValueOrThrow(std::move(info));
+}
+
+ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
+                      py::handle weight, int64_t ignore_index,
+                      double label_smoothing, const std::string& reduction,
+                      double z_loss_scale, double softcap, double normalizer,
+                      double grad_scale, const std::string& mode,
+                      bool token_loss, bool token_lse, bool token_argmax,
+                      const std::string& gradient_label) {
+  std::shared_ptr<Client> client = self.Get();
+  ForwardOptions options;
+  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
+                             z_loss_scale, softcap, normalizer, grad_scale);
+  options.mode = ParseMode(mode);
+  options.token_loss = token_loss;
+  options.token_lse = token_lse;
+  options.token_argmax = token_argmax;
+  options.gradient_label = gradient_label;
+
+  std::string logits_handle;
+  if (py::isinstance<py::str>(logits)) {
+    logits_handle = logits.cast<std::string>();
+  } else {
+    logits_handle =
+        Upload(self, logits, py::none(), py::none(), "logits").handle;
+  }
+  Tensor targets_tensor;
+  Targets targets;
+  if (py::isinstance<py::str>(target)) {
+    targets = Targets::Handle(target.cast<std::string>());
+  } else {
+    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
+    if (!IsTargetsDType(targets_tensor.dtype)) {
+      ThrowInvalid("target must hold int32 or int64 class indices, not " +
+                   std::string(DTypeString(targets_tensor.dtype)));
+    }
+    targets =
+        Targets::Inline(targets_tensor.dtype, targets_tensor.buffer->data(),
+                        targets_tensor.buffer->bytes());
+  }
+  Weight class_weights(client, weight);
+  options.class_weights = class_weights.handle();
+  absl::StatusOr<ForwardResult> result;
+  {
+    py::gil_scoped_release release;
+    result = client->Forward(logits_handle, targets, options);
+  }
+  if (!result.ok() && !py::isinstance<py::str>(logits)) {
+    py::gil_scoped_release release;
+    client->Release(logits_handle).IgnoreError();
+  }
+  return ValueOrThrow(std::move(result));
+}
+
+BackwardResult Backward(PyClient& self, const std::string& handle,
+                        py::handle grad_output, bool materialize) {
+  std::shared_ptr<Client> client = self.Get();
+  absl::StatusOr<BackwardResult> result;
+  if (PyFloat_Check(grad_output.ptr()) || PyLong_Check(grad_output.ptr()) ||
+      (!PyObject_CheckBuffer(grad_output.ptr()) &&
+       py::hasattr(grad_output, "__float__") &&
+       !py::hasattr(grad_output, "numpy"))) {
+    const double scale = grad_output.cast<double>();
+    py::gil_scoped_release release;
+    result = client->Backward(handle, scale, materialize);
+  } else {
+    Tensor tensor =
+        TensorFromObject(grad_output, py::none(), py::none(), "grad_output");
+    if (tensor.dtype != DType::kFloat32) {
+      ThrowInvalid("a per-token grad_output must be float32, not " +
+                   std::string(DTypeString(tensor.dtype)));
+    }
+    absl::Span<const float> values(
+        static_cast<const float*>(tensor.buffer->data()),
+        tensor.buffer->bytes() / sizeof(float));
+    py::gil_scoped_release release;
+    result = client->Backward(handle, values, materialize);
+  }
+  return ValueOrThrow(std::move(result));
+}
+
+EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,
+                        py::handle dtype, py::handle weight,
+                        int64_t ignore_index, double label_smoothing,
+                        const std::string& reduction, double z_loss_scale,
+                        double softcap, double normalizer, int64_t block_rows) {
+  std::shared_ptr<Client> client = self.Get();
+  EvaluateOptions options;
+  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
+                             z_loss_scale, softcap, normalizer, 1.0);
+  Tensor logits_tensor = TensorFromObject(logits, dtype, py::none(), "logits");
+  if (logits_tensor.shape.size() != 2)
+    ThrowInvalid("evaluate: logits must be [N, V]");
+  Tensor targets_tensor =
+      TensorFromObject(target, py::none(), py::none(), "target");
+  if (!IsTargetsDType(targets_tensor.dtype) ||
+      targets_tensor.shape.size() != 1 ||
+      targets_tensor.shape[0] != logits_tensor.shape[0]) {
+    ThrowInvalid(
+        "evaluate: target must be int32 or int64 [N] for logits [N, V]");
+  }
+  Weight class_weights(client, weight);
+  options.class_weights = class_weights.handle();
+  absl::StatusOr<EvaluateResult> result;
+  {
+    py::gil_scoped_release release;
+    result = client->Evaluate(
+        logits_tensor.shape[0], logits_tensor.shape[1], logits_tensor.dtype,
+        logits_tensor.buffer->data(), targets_tensor.dtype,
+        targets_tensor.buffer->data(), options, block_rows);
+  }
+  return ValueOrThrow(std::move(result));
+}
+
+}  // namespace python
+}  // namespace lossd
