@@ -1,12 +1,17 @@
 // Host side of the cluster schedules: launching a kernel in clusters,
-// persistent (as many clusters as can be resident).
+// persistent (as many clusters as can be resident), and the dispatch of a
+// launcher on the logits' element type.
 
 #ifndef LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
 #define LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+
+#include "common/dtype.h"
 
 namespace lossd {
 namespace cuda_ce {
@@ -52,6 +57,29 @@ cudaError_t LaunchPersistentClusters(void (*kernel)(KernelArgs...),
   cfg.gridDim =
       dim3(static_cast<unsigned>(std::min<long long>(rows, clusters) * csize));
   return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// Names an element type for DispatchElementType's callers.
+template <typename T>
+struct ElementTag {
+  using type = T;
+};
+
+// Returns launch(ElementTag<T>()) for the element type T of `dtype` (float,
+// __nv_bfloat16, __half): `launch` instantiates the launcher of T.
+// cudaErrorInvalidValue for any other dtype.
+template <typename Launch>
+cudaError_t DispatchElementType(DType dtype, const Launch& launch) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch(ElementTag<float>());
+    case DType::kBFloat16:
+      return launch(ElementTag<__nv_bfloat16>());
+    case DType::kFloat16:
+      return launch(ElementTag<__half>());
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace cuda_ce

@@ -296,19 +296,10 @@ cudaError_t LaunchRegisterRows(const Params& p, bool general, int vpt,
 cudaError_t LaunchClusterRegisterRows(const Params& p, DType dtype,
                                       bool general, int vectors_per_thread,
                                       int cluster, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return LaunchRegisterRows<float>(p, general, vectors_per_thread, cluster,
-                                       stream);
-    case DType::kBFloat16:
-      return LaunchRegisterRows<__nv_bfloat16>(p, general, vectors_per_thread,
-                                               cluster, stream);
-    case DType::kFloat16:
-      return LaunchRegisterRows<__half>(p, general, vectors_per_thread, cluster,
-                                        stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return DispatchElementType(dtype, [&](auto element) {
+    return LaunchRegisterRows<typename decltype(element)::type>(
+        p, general, vectors_per_thread, cluster, stream);
+  });
 }
 
 }  // namespace cuda_ce

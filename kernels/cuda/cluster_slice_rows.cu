@@ -260,16 +260,9 @@ cudaError_t LaunchTma(const Params& p, int csize, cudaStream_t stream) {
 
 cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return LaunchTma<float>(p, cluster, stream);
-    case DType::kBFloat16:
-      return LaunchTma<__nv_bfloat16>(p, cluster, stream);
-    case DType::kFloat16:
-      return LaunchTma<__half>(p, cluster, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return DispatchElementType(dtype, [&](auto element) {
+    return LaunchTma<typename decltype(element)::type>(p, cluster, stream);
+  });
 }
 
 }  // namespace cuda_ce

@@ -287,16 +287,9 @@ cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
 
 cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return LaunchStream<float>(p, cluster, stream);
-    case DType::kBFloat16:
-      return LaunchStream<__nv_bfloat16>(p, cluster, stream);
-    case DType::kFloat16:
-      return LaunchStream<__half>(p, cluster, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return DispatchElementType(dtype, [&](auto element) {
+    return LaunchStream<typename decltype(element)::type>(p, cluster, stream);
+  });
 }
 
 }  // namespace cuda_ce
