@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
 #include "gtest/gtest.h"
@@ -266,6 +267,60 @@ struct Tolerance {
 // Runs the backend on `p` (host buffers in, host buffers out).
 using Runner = std::function<absl::Status(const LinearCrossEntropyArgs&,
                                           CrossEntropyResult*)>;
+
+// Runs `p`'s rows as `parts` equal calls of `run` (rows a multiple of parts)
+// with `normalizer`, the whole batch's denominator: dW and dbias overwritten
+// by the first call and added to by the others, as over a step's
+// micro-batches. Success: the summed loss; else the first call's error.
+inline absl::StatusOr<double> RunMicroBatches(Problem* p, int parts,
+                                              double normalizer,
+                                              const Runner& run) {
+  const Case& c = p->c;
+  const int64_t part_rows = c.rows / parts;
+  const size_t es = DTypeSize(c.dtype);
+  double loss = 0.0;
+  for (int part = 0; part < parts; ++part) {
+    LinearCrossEntropyArgs a = p->Args();
+    const int64_t row0 = part * part_rows;
+    a.rows = part_rows;
+    a.x = p->x.data() + row0 * c.hidden * es;
+    a.dx = p->dx.data() + row0 * c.hidden * es;
+    a.targets = p->targets64.data() + row0;
+    a.options.normalizer = normalizer;
+    a.accumulate =
+        part == 0 ? AccumulateMode::kOverwrite : AccumulateMode::kAdd;
+    CrossEntropyResult r;
+    const absl::Status status = run(a, &r);
+    if (!status.ok()) return status;
+    loss += r.loss;
+  }
+  return loss;
+}
+
+// Expects `parts`' dW and dbias (RunMicroBatches) within fp32 rounding of
+// `whole`'s: the sums differ only in their order.
+inline void ExpectSameWeightGradients(const Problem& parts,
+                                      const Problem& whole) {
+  const auto as_double = [](const std::vector<float>& v) {
+    return std::vector<double>(v.begin(), v.end());
+  };
+  EXPECT_LE(RelativeError(parts.grad_weight, as_double(whole.grad_weight)),
+            1e-6);
+  EXPECT_LE(RelativeError(parts.grad_bias, as_double(whole.grad_bias)), 1e-6);
+}
+
+// Expects two runs of one case to agree bit for bit: loss, dX, dW, dbias.
+inline void ExpectSameBits(const Problem& first,
+                           const CrossEntropyResult& first_result,
+                           const Problem& second,
+                           const CrossEntropyResult& second_result) {
+  EXPECT_EQ(first_result.loss, second_result.loss);
+  EXPECT_EQ(first.dx, second.dx);
+  EXPECT_EQ(0, std::memcmp(first.grad_weight.data(), second.grad_weight.data(),
+                           first.grad_weight.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(first.grad_bias.data(), second.grad_bias.data(),
+                           first.grad_bias.size() * sizeof(float)));
+}
 
 // Checks one case end to end against the reference.
 inline void CheckCase(const Case& c, const Runner& run, const Tolerance& tol) {

@@ -16,13 +16,11 @@ using linear_test::Case;
 using linear_test::CheckCase;
 using linear_test::Problem;
 
+const linear_test::Runner kCpu = LinearCrossEntropyCpu;
+
 TEST(LinearCrossEntropyCpuTest, MatchesFp64ReferenceOverTheSweep) {
-  const linear_test::Runner run = [](const LinearCrossEntropyArgs& a,
-                                     CrossEntropyResult* r) {
-    return LinearCrossEntropyCpu(a, r);
-  };
   for (const Case& c : linear_test::SweepCases()) {
-    CheckCase(c, run, linear_test::Tolerance());
+    CheckCase(c, kCpu, linear_test::Tolerance());
   }
 }
 
@@ -40,11 +38,7 @@ TEST(LinearCrossEntropyCpuTest, LargeVocabSpansSeveralChunksAndBlocks) {
   c.dx_mode = GradientMode::kInPlace;
   c.options.label_smoothing = 0.1f;
   c.options.z_loss_scale = 1e-4f;
-  const linear_test::Runner run = [](const LinearCrossEntropyArgs& a,
-                                     CrossEntropyResult* r) {
-    return LinearCrossEntropyCpu(a, r);
-  };
-  CheckCase(c, run, linear_test::Tolerance());
+  CheckCase(c, kCpu, linear_test::Tolerance());
 }
 
 TEST(LinearCrossEntropyCpuTest, FourMicroBatchesEqualOneBatch) {
@@ -65,40 +59,17 @@ TEST(LinearCrossEntropyCpuTest, FourMicroBatchesEqualOneBatch) {
   // The same rows as 4 calls of 16 with the whole batch's normalizer and
   // grad_scale 1 (mean over the batch), dW added to.
   Problem parts(c);
-  const double normalizer = whole_result.denominator;
-  const size_t es = DTypeSize(c.dtype);
-  double loss = 0.0;
-  for (int part = 0; part < 4; ++part) {
-    LinearCrossEntropyArgs a = parts.Args();
-    const int64_t row0 = part * 16;
-    a.rows = 16;
-    a.x = parts.x.data() + row0 * c.hidden * es;
-    a.dx = parts.dx.data() + row0 * c.hidden * es;
-    a.targets = parts.targets64.data() + row0;
-    a.options.normalizer = normalizer;
-    a.accumulate =
-        part == 0 ? AccumulateMode::kOverwrite : AccumulateMode::kAdd;
-    CrossEntropyResult r;
-    ASSERT_TRUE(LinearCrossEntropyCpu(a, &r).ok());
-    loss += r.loss;
-  }
-  EXPECT_NEAR(loss, whole_result.loss, 1e-6 * std::fabs(whole_result.loss));
+  const absl::StatusOr<double> loss =
+      linear_test::RunMicroBatches(&parts, 4, whole_result.denominator, kCpu);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_NEAR(*loss, whole_result.loss, 1e-6 * std::fabs(whole_result.loss));
   for (int64_t i = 0; i < c.rows * c.hidden; ++i) {
     // Rows are independent; bf16 dX may differ by one rounding at most.
     const float a = linear_test::Decode(parts.dx, c.dtype, i);
     const float b = linear_test::Decode(whole.dx, c.dtype, i);
     EXPECT_NEAR(a, b, 8e-3f * std::fabs(b) + 1e-7f) << i;
   }
-  // Within fp32 rounding: the sums differ only in their order.
-  const auto as_double = [](const std::vector<float>& v) {
-    return std::vector<double>(v.begin(), v.end());
-  };
-  EXPECT_LE(linear_test::RelativeError(parts.grad_weight,
-                                       as_double(whole.grad_weight)),
-            1e-6);
-  EXPECT_LE(
-      linear_test::RelativeError(parts.grad_bias, as_double(whole.grad_bias)),
-      1e-6);
+  linear_test::ExpectSameWeightGradients(parts, whole);
 }
 
 TEST(LinearCrossEntropyCpuTest, RepeatsBitForBit) {
@@ -115,12 +86,7 @@ TEST(LinearCrossEntropyCpuTest, RepeatsBitForBit) {
   CrossEntropyResult r1, r2;
   ASSERT_TRUE(LinearCrossEntropyCpu(first.Args(), &r1).ok());
   ASSERT_TRUE(LinearCrossEntropyCpu(second.Args(), &r2).ok());
-  EXPECT_EQ(r1.loss, r2.loss);
-  EXPECT_EQ(first.dx, second.dx);
-  EXPECT_EQ(0, std::memcmp(first.grad_weight.data(), second.grad_weight.data(),
-                           first.grad_weight.size() * sizeof(float)));
-  EXPECT_EQ(0, std::memcmp(first.grad_bias.data(), second.grad_bias.data(),
-                           first.grad_bias.size() * sizeof(float)));
+  linear_test::ExpectSameBits(first, r1, second, r2);
 }
 
 TEST(LinearCrossEntropyCpuTest, OverwriteWithNoRowsZeroesTheAccumulator) {

@@ -191,40 +191,14 @@ TEST(LinearCrossEntropyCudaTest, FourMicroBatchesEqualOneBatchAndRepeat) {
   Problem again(c);
   CrossEntropyResult again_result;
   ASSERT_TRUE(CudaRunner(config)(again.Args(), &again_result).ok());
-  EXPECT_EQ(whole_result.loss, again_result.loss);
-  EXPECT_EQ(whole.dx, again.dx);
-  EXPECT_EQ(0, std::memcmp(whole.grad_weight.data(), again.grad_weight.data(),
-                           whole.grad_weight.size() * sizeof(float)));
-  EXPECT_EQ(0, std::memcmp(whole.grad_bias.data(), again.grad_bias.data(),
-                           whole.grad_bias.size() * sizeof(float)));
+  linear_test::ExpectSameBits(whole, whole_result, again, again_result);
 
   Problem parts(c);
-  const size_t es = DTypeSize(c.dtype);
-  double loss = 0.0;
-  for (int part = 0; part < 4; ++part) {
-    LinearCrossEntropyArgs a = parts.Args();
-    const int64_t row0 = part * 64;
-    a.rows = 64;
-    a.x = parts.x.data() + row0 * c.hidden * es;
-    a.dx = parts.dx.data() + row0 * c.hidden * es;
-    a.targets = parts.targets64.data() + row0;
-    a.options.normalizer = whole_result.denominator;
-    a.accumulate =
-        part == 0 ? AccumulateMode::kOverwrite : AccumulateMode::kAdd;
-    CrossEntropyResult r;
-    ASSERT_TRUE(CudaRunner(config)(a, &r).ok());
-    loss += r.loss;
-  }
-  EXPECT_NEAR(loss, whole_result.loss, 1e-6 * std::fabs(whole_result.loss));
-  const auto as_double = [](const std::vector<float>& v) {
-    return std::vector<double>(v.begin(), v.end());
-  };
-  EXPECT_LE(linear_test::RelativeError(parts.grad_weight,
-                                       as_double(whole.grad_weight)),
-            1e-6);
-  EXPECT_LE(
-      linear_test::RelativeError(parts.grad_bias, as_double(whole.grad_bias)),
-      1e-6);
+  const absl::StatusOr<double> loss = linear_test::RunMicroBatches(
+      &parts, 4, whole_result.denominator, CudaRunner(config));
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  EXPECT_NEAR(*loss, whole_result.loss, 1e-6 * std::fabs(whole_result.loss));
+  linear_test::ExpectSameWeightGradients(parts, whole);
 }
 
 TEST(LinearCrossEntropyCudaTest, BadTargetChangesNothing) {
