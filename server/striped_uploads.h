@@ -22,8 +22,8 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "server/end_link.h"
+#include "server/stripe_spec.h"
 #include "server/tensor_store.h"
-#include "server/validation.h"
 
 namespace lossd {
 

@@ -17,6 +17,7 @@
 #include "common/loss_options.h"
 #include "common/tensor_math.h"
 #include "lossd/v1/lossd.pb.h"
+#include "server/stripe_spec.h"
 
 namespace lossd {
 
@@ -53,13 +54,6 @@ absl::StatusOr<TensorSpec> ValidateTensorHeader(
 // Limits of a striped upload (lossd.v1.UploadStripe).
 inline constexpr int kMaxUploadStripes = 64;
 inline constexpr size_t kMaxUploadIdLength = 64;
-
-// A striped upload's stripe, checked.
-struct StripeSpec {
-  std::string upload_id;
-  int index = 0;
-  int count = 1;
-};
 
 // INVALID_ARGUMENT: upload_id empty, longer than kMaxUploadIdLength or with a
 // character outside [A-Za-z0-9_-]; count outside [1, kMaxUploadStripes];

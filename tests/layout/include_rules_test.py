@@ -10,7 +10,7 @@ Fails, naming each offending include, when
 - the store and the devices (nothing below the service) reach a .pb.h or gRPC,
   directly or through the project's headers;
 - the evaluation engine (server/evaluation.*) and the striped-upload assembly's
-  header reach gRPC;
+  header reach gRPC, or that header reaches protobuf;
 - a source file anywhere in the tree (C++, CUDA, Python, shell: by ending, or
   by a shell or Python #! line) is longer than 1,000 lines, but for the test
   files LONG_TESTS names with the reason each may be longer.
@@ -102,6 +102,12 @@ for path in files_under("server"):
         for header in sorted(closure(path)):
             if is_grpc(header):
                 violations.append(f"{path}: reaches {header} (no gRPC here)")
+    if path == "server/striped_uploads.h":
+        for header in sorted(closure(path)):
+            if is_protobuf(header):
+                violations.append(
+                    f"{path}: reaches {header} (the assembly knows no "
+                    "protobuf: a stripe is a StripeSpec)")
 
 # Files of code by their ending; files without one count when their #! line
 # runs a shell or Python (scripts/test, bench/run-service-bench).
