@@ -33,7 +33,7 @@ std::string RawUpload(const std::shared_ptr<grpc::Channel>& channel,
                       pb::DType dtype, std::vector<int64_t> shape,
                       const std::string& data, size_t chunk, double* seconds);
 
-// A striped upload as lossd::Client sends one (client/client.cc,
+// A striped upload as lossd::Client sends one (client/client_uploads.cc,
 // Client::UploadStriped): stripe i of K on channels[i] from its own thread,
 // carrying elements [floor(i * E / K), floor((i + 1) * E / K)).
 std::string RawStripedUpload(
