@@ -90,8 +90,9 @@ class RoutingClient {
 
   const ClientOptions& options() const { return options_.client; }
 
-  // The instance id inside `handle` (the part before the first '-').
-  // NOT_FOUND "malformed handle" when there is none or it is not hex.
+  // The instance id inside `handle` (the part before the '-').
+  // INVALID_ARGUMENT "empty handle" or "malformed handle" (as the server's)
+  // when `handle` is not of the shape of common/handle.h.
   static absl::StatusOr<std::string> InstanceOf(const std::string& handle);
 
   // Client::Upload on the instance with the most free memory (ties: the

@@ -1044,6 +1044,86 @@ TEST_F(BadRequestsTest, EachGetsItsCodeAndChangesNothing) {
   EXPECT_EQ(Diff(initial, Take()), "");
 }
 
+// List in pages of 5 over the fixture's 13 tensors: every tensor once, in the
+// order of one page of 1000, with a token on every page but the last.
+TEST_F(BadRequestsTest, ListPagesSeeEveryTensorOnce) {
+  pb::ListRequest whole;
+  whole.set_page_size(1000);
+  pb::ListResponse all;
+  ASSERT_TRUE(List(whole, &all).ok());
+  ASSERT_EQ(all.tensors_size(), 13);
+  EXPECT_EQ(all.next_page_token(), "");
+  pb::ListRequest request;
+  request.set_page_size(5);
+  std::vector<std::string> handles;
+  int pages = 0;
+  do {
+    pb::ListResponse page;
+    const grpc::Status status = List(request, &page);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ++pages;
+    EXPECT_LE(page.tensors_size(), 5);
+    EXPECT_EQ(page.server().tensors(), 13);
+    for (const pb::TensorInfo& info : page.tensors()) {
+      handles.push_back(info.handle());
+    }
+    request.set_page_token(page.next_page_token());
+  } while (!request.page_token().empty() && pages < 10);
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(handles.size(), 13u);
+  for (int i = 0; i < 13; ++i) EXPECT_EQ(handles[i], all.tensors(i).handle());
+  // Page size 0 is the default (100): all 13 at once.
+  pb::ListResponse defaulted;
+  ASSERT_TRUE(List(pb::ListRequest(), &defaulted).ok());
+  EXPECT_EQ(defaulted.tensors_size(), 13);
+}
+
+// The memory attack in miniature: under a 64 KiB tenant quota, one-element
+// uploads with labels of the largest size are refused RESOURCE_EXHAUSTED
+// once their labels and bookkeeping fill the quota (before, 16 MiB labels
+// passed it at 4 bytes each), and a label over the bound is refused outright.
+TEST(LabelQuotaTest, LabelsCountAgainstTheTenantQuota) {
+  ServerConfig config;
+  config.host = "127.0.0.1";
+  config.port = 0;
+  config.device = "cpu";
+  config.memory_budget = kBudget;
+  config.threads = 2;
+  config.tenant_limits.max_bytes = 64 << 10;
+  auto server = LossdServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = pb::Lossd::NewStub(grpc::CreateChannel(
+      (*server)->address(), grpc::InsecureChannelCredentials()));
+  auto upload = [&stub](const std::string& label) {
+    grpc::ClientContext context;
+    pb::UploadResponse response;
+    auto writer = stub->Upload(&context, &response);
+    pb::UploadRequest header = Header(pb::DTYPE_FLOAT32, {1});
+    header.mutable_header()->set_label(label);
+    writer->Write(header);
+    writer->Write(Chunk(4));
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  EXPECT_EQ(upload(std::string(16 << 20, 'L')).error_code(),
+            Code::INVALID_ARGUMENT);
+  const std::string label(kMaxLabelBytes, 'L');
+  const int64_t per_tensor = 4 + kMaxLabelBytes + kTensorBookkeepingBytes;
+  const int64_t fit = config.tenant_limits.max_bytes / per_tensor;
+  for (int64_t i = 0; i < fit; ++i) {
+    const grpc::Status status = upload(label);
+    ASSERT_TRUE(status.ok()) << i << ": " << status.error_message();
+  }
+  const grpc::Status over = upload(label);
+  EXPECT_EQ(over.error_code(), Code::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(over.error_message(), HasSubstr("byte quota exceeded"));
+  EXPECT_THAT(over.error_message(), HasSubstr("its label's (1024)"));
+  EXPECT_EQ((*server)->quotas()->UsageOf(kDefaultTenant).bytes,
+            fit * per_tensor);
+  // The device budget counts tensor bytes only.
+  EXPECT_EQ((*server)->store()->Stats().used_bytes, fit * 4);
+}
+
 // Non-finite logits are data, not errors: the loss is NaN (or inf) exactly
 // where torch.nn.functional.cross_entropy gives NaN (or inf), the rows are
 // counted, ignored rows stay out of it, and nothing crashes. The expected

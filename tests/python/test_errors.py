@@ -45,7 +45,7 @@ def assert_raises(cls, call):
 
 
 def test_server_errors(client):
-    assert_raises(lossd.NotFound, lambda: client.describe("00000000-0123456789abcdef"))
+    assert_raises(lossd.NotFound, lambda: client.describe("00000000-0123456789abcdef0123456789abcdef"))
     logits = np.random.default_rng(0).standard_normal((4, 10), dtype=np.float32)
     targets = np.arange(4)
     handle = client.upload(logits).handle
