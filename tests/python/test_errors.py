@@ -65,6 +65,22 @@ def test_server_errors(client):
     client.release(handle)
 
 
+def test_malformed_handles_long_labels_and_list_pages(client):
+    error = assert_raises(lossd.InvalidArgument, lambda: client.describe("not-a-handle"))
+    assert "malformed handle 'not-a-handle'" in error.message
+    error = assert_raises(lossd.InvalidArgument, lambda: client.describe("x" * 7000))
+    assert "(7000 bytes)" in error.message and len(error.message) < 400
+    one = np.zeros(1, np.float32)
+    error = assert_raises(lossd.InvalidArgument, lambda: client.upload(one, label="L" * 1025))
+    assert "header.label has 1025 bytes; at most 1024" in error.message
+    handles = [client.upload(one, label="t%d" % i).handle for i in range(7)]
+    for page_size in (2, 7, 1000):
+        assert [t.handle for t in client.list(page_size=page_size).tensors] == handles
+    assert_raises(lossd.InvalidArgument, lambda: client.list(page_size=0))
+    for handle in handles:
+        client.release(handle)
+
+
 def test_resource_exhausted():
     with LossdServer(lossd_binary(), "cpu", ["--memory_budget=1M"]) as server:
         with lossd.Client(server.address) as client:
