@@ -163,9 +163,10 @@ class RoutingClient {
       DType targets_dtype, const void* targets, const EvaluateOptions& options,
       int64_t block_rows = 0, const ProgressCallback& progress = nullptr);
 
-  // The caller's tensors on every endpoint, merged in endpoint order. An
-  // endpoint that fails is reported in `instances` and skipped; the call
-  // fails (with the first endpoint's error) only when every endpoint fails.
+  // The caller's tensors on every endpoint (every page of each: Client::List),
+  // merged in endpoint order. An endpoint that fails is reported in
+  // `instances` and skipped; the call fails (with the first endpoint's error)
+  // only when every endpoint fails.
   absl::StatusOr<RoutedListResult> List();
 
   // Re-resolves DNS names and asks every endpoint for its ServerInfo now.
