@@ -315,17 +315,28 @@ absl::StatusOr<TensorInfo> Client::Describe(const std::string& handle) {
   return info;
 }
 
-absl::StatusOr<ListResult> Client::List() {
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  v1::ListResponse response;
-  RETURN_IF_ERROR(
-      ToAbsl(channel_->lossd->List(&context, v1::ListRequest(), &response)));
-  ListResult result;
-  for (const v1::TensorInfo& tensor : response.tensors()) {
-    result.tensors.push_back(FromProto(tensor));
+absl::StatusOr<ListResult> Client::List(int page_size) {
+  if (page_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("List: page_size = ", page_size, " must be > 0"));
   }
-  result.server = FromProto(response.server());
+  ListResult result;
+  v1::ListRequest request;
+  request.set_page_size(page_size);
+  // Page after page until the server says there is no more; the last page's
+  // figures are the freshest.
+  do {
+    grpc::ClientContext context;
+    PrepareContext(options_, channel_->channel.get(), &context);
+    v1::ListResponse response;
+    RETURN_IF_ERROR(
+        ToAbsl(channel_->lossd->List(&context, request, &response)));
+    for (const v1::TensorInfo& tensor : response.tensors()) {
+      result.tensors.push_back(FromProto(tensor));
+    }
+    result.server = FromProto(response.server());
+    request.set_page_token(response.next_page_token());
+  } while (!request.page_token().empty());
   return result;
 }
 

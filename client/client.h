@@ -107,6 +107,10 @@ struct ServerInfo {
   int data_port = 0;  // the data-connection port; 0 = none
 };
 
+// Tensors per List RPC that Client::List asks for: the server's largest page
+// (lossd.v1.ListRequest.page_size).
+inline constexpr int kListPageSize = 1000;
+
 struct ListResult {
   std::vector<TensorInfo> tensors;
   ServerInfo server;
@@ -348,8 +352,13 @@ class Client {
   // Metadata of one tensor. NOT_FOUND: unknown, released, expired, foreign.
   absl::StatusOr<TensorInfo> Describe(const std::string& handle);
 
-  // The caller's tensors and the instance's memory figures.
-  absl::StatusOr<ListResult> List();
+  // The caller's tensors, oldest first, and the instance's memory figures:
+  // every page of the List RPC, asked for `page_size` tensors at a time (the
+  // server's largest page by default). A tensor added or released while the
+  // pages come may be missing or, when released, still listed.
+  // INVALID_ARGUMENT for page_size <= 0; otherwise the first failing page's
+  // status.
+  absl::StatusOr<ListResult> List(int page_size = kListPageSize);
 
   // Frees a tensor; returns the bytes released. NOT_FOUND as Describe.
   absl::StatusOr<int64_t> Release(const std::string& handle);

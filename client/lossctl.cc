@@ -66,7 +66,8 @@ ABSL_FLAG(bool, progress, false,
 ABSL_FLAG(std::string, dtype, "",
           "upload/eval: convert the logits to this dtype while sending "
           "(float32, bf16, float16); download: ask the server for this dtype");
-ABSL_FLAG(std::string, label, "", "upload: label of the tensor");
+ABSL_FLAG(std::string, label, "",
+          "upload: label of the tensor (at most 1024 bytes, one line)");
 ABSL_FLAG(bool, data_connection, true,
           "upload a tensor of at least --stripe_min_bytes, and send eval's "
           "blocks, over --upload_streams plain TCP connections to the "
@@ -142,7 +143,7 @@ commands:
                                  (written as sent, bf16 included; NAME
                                  defaults to the tensor's label, else
                                  "gradient" or "tensor")
-  ls                             list tensors
+  ls                             list tensors (all pages)
   rm HANDLE...                   release tensors
   eval LOGITS TARGETS            stream the files to Evaluate; prints loss
          [loss options] [--block_rows] [--dtype] [--progress]

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/handle.h"
 #include "common/status_macros.h"
 
 namespace lossd {
@@ -201,16 +202,8 @@ RoutingClient::SnapshotLocked() const {
 
 absl::StatusOr<std::string> RoutingClient::InstanceOf(
     const std::string& handle) {
-  const size_t dash = handle.find('-');
-  const std::string instance =
-      handle.substr(0, dash == std::string::npos ? 0 : dash);
-  if (instance.empty() ||
-      !std::all_of(instance.begin(), instance.end(),
-                   [](char c) { return absl::ascii_isxdigit(c); })) {
-    return absl::NotFoundError(
-        absl::StrCat("malformed handle '", handle, "' (no instance id)"));
-  }
-  return instance;
+  RETURN_IF_ERROR(CheckHandle(handle, "handle"));
+  return handle.substr(0, kHandleInstanceHexDigits);
 }
 
 void RoutingClient::Resolve(bool force) {

@@ -90,8 +90,9 @@ class RoutingClient {
 
   const ClientOptions& options() const { return options_.client; }
 
-  // The instance id inside `handle` (the part before the first '-').
-  // NOT_FOUND "malformed handle" when there is none or it is not hex.
+  // The instance id inside `handle` (the part before the '-').
+  // INVALID_ARGUMENT "empty handle" or "malformed handle" (as the server's)
+  // when `handle` is not of the shape of common/handle.h.
   static absl::StatusOr<std::string> InstanceOf(const std::string& handle);
 
   // Client::Upload on the instance with the most free memory (ties: the
@@ -162,9 +163,10 @@ class RoutingClient {
       DType targets_dtype, const void* targets, const EvaluateOptions& options,
       int64_t block_rows = 0, const ProgressCallback& progress = nullptr);
 
-  // The caller's tensors on every endpoint, merged in endpoint order. An
-  // endpoint that fails is reported in `instances` and skipped; the call
-  // fails (with the first endpoint's error) only when every endpoint fails.
+  // The caller's tensors on every endpoint (every page of each: Client::List),
+  // merged in endpoint order. An endpoint that fails is reported in
+  // `instances` and skipped; the call fails (with the first endpoint's error)
+  // only when every endpoint fails.
   absl::StatusOr<RoutedListResult> List();
 
   // Re-resolves DNS names and asks every endpoint for its ServerInfo now.

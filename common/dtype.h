@@ -61,6 +61,27 @@ constexpr const char* DTypeName(DType dtype) {
   }
 }
 
+// The proto's name without its prefix ("FLOAT32", "BFLOAT16", "FLOAT16",
+// "INT32", "INT64"), for messages about a lossd.v1.DType field; "UNSPECIFIED"
+// for kInvalid or any value outside the enum. Returns a static string. Pure;
+// thread-safe.
+constexpr const char* DTypeProtoName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "FLOAT32";
+    case DType::kBFloat16:
+      return "BFLOAT16";
+    case DType::kFloat16:
+      return "FLOAT16";
+    case DType::kInt32:
+      return "INT32";
+    case DType::kInt64:
+      return "INT64";
+    default:
+      return "UNSPECIFIED";
+  }
+}
+
 // "LOGITS", "GRADIENT", or "UNSPECIFIED" for anything else (the proto's
 // names without their prefix). Returns a static string. Pure; thread-safe.
 constexpr const char* TensorStateName(TensorState state) {

@@ -186,9 +186,9 @@ grpc::ServerUnaryReactor* LossdService::Describe(
 }
 
 grpc::ServerUnaryReactor* LossdService::List(
-    grpc::CallbackServerContext* context, const pb::ListRequest* /*request*/,
+    grpc::CallbackServerContext* context, const pb::ListRequest* request,
     pb::ListResponse* response) {
-  LOSSD_UNARY("List", context, DoList(tenant, response));
+  LOSSD_UNARY("List", context, DoList(tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::Release(
@@ -228,9 +228,21 @@ absl::Status LossdService::DoDescribe(const std::string& tenant,
 }
 
 absl::Status LossdService::DoList(const std::string& tenant,
+                                  const pb::ListRequest& request,
                                   pb::ListResponse* response) {
-  for (const TensorRecord& info : rpc_.store()->List(tenant)) {
+  ASSIGN_OR_RETURN(const ListSpec spec, ValidateListRequest(request));
+  ListPosition after;
+  after.created_unix_nanos = spec.after_created_unix_nanos;
+  after.handle = spec.after_handle;
+  bool more = false;
+  const std::vector<TensorRecord> page = rpc_.store()->List(
+      tenant, after, static_cast<size_t>(spec.page_size), &more);
+  for (const TensorRecord& info : page) {
     ToProto(info, response->add_tensors());
+  }
+  if (more && !page.empty()) {
+    response->set_next_page_token(ListPageToken(
+        absl::ToUnixNanos(page.back().created), page.back().handle));
   }
   FillServerInfo(response->mutable_server());
   return absl::OkStatus();

@@ -86,6 +86,7 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
                           const lossd::v1::DescribeRequest& request,
                           lossd::v1::TensorInfo* response);
   absl::Status DoList(const std::string& tenant,
+                      const lossd::v1::ListRequest& request,
                       lossd::v1::ListResponse* response);
   absl::Status DoRelease(const std::string& tenant,
                          const lossd::v1::ReleaseRequest& request,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/echo.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "server/rpc_support.h"
@@ -37,10 +38,10 @@ absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
       header.label != header_.label || header.count != header_.count) {
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe ", index, " of striped upload ", upload_id_, " says ",
-        DTypeName(header.dtype), " ", ShapeString(header.shape), " label '",
-        header.label, "' in ", header.count, " stripes; the upload is ",
-        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label '",
-        header_.label, "' in ", header_.count, " stripes"));
+        DTypeName(header.dtype), " ", ShapeString(header.shape), " label ",
+        Echo(header.label), " in ", header.count, " stripes; the upload is ",
+        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label ",
+        Echo(header_.label), " in ", header_.count, " stripes"));
   }
   if (links_[static_cast<size_t>(index)] != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(

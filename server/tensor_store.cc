@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/handle.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 
@@ -91,8 +92,8 @@ class Allocation {
 
 namespace {
 
-constexpr int kInstanceIdHexDigits = 8;
-constexpr int kHandleRandomBytes = 16;  // 128 bits
+constexpr int kInstanceIdHexDigits = kHandleInstanceHexDigits;
+constexpr int kHandleRandomBytes = kHandleRandomHexDigits / 2;  // 128 bits
 constexpr absl::Duration kMaxSweepInterval = absl::Seconds(1);
 constexpr char kReleased[] = "released";
 constexpr char kExpired[] = "expired";
@@ -109,10 +110,11 @@ std::string RandomHex(size_t bytes) {
   return absl::BytesToHexString(raw);
 }
 
-bool IsHex(absl::string_view text) {
-  return std::all_of(text.begin(), text.end(), [](char c) {
-    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-  });
+// Where a tensor stands in List's order: by creation time (to the
+// nanosecond, as page tokens carry it), then by handle.
+bool ListsBefore(int64_t created_a, const std::string& handle_a,
+                 int64_t created_b, const std::string& handle_b) {
+  return created_a != created_b ? created_a < created_b : handle_a < handle_b;
 }
 
 }  // namespace
@@ -337,10 +339,24 @@ absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
   ASSIGN_OR_RETURN(const int64_t bytes, StoredTensorBytes(dtype, shape));
   MaybeSweep();
   // The tenant's quota first: a tenant over its own limit learns that, not
-  // how full the device is.
+  // how full the device is. The quota counts what the tensor keeps on the
+  // host too (its label and bookkeeping): many tiny tensors with long labels
+  // would otherwise hold host memory no limit sees.
   QuotaCharge charge;
   if (options_.quotas != nullptr) {
-    ASSIGN_OR_RETURN(charge, options_.quotas->ChargeTensor(tenant, bytes));
+    const int64_t charged =
+        bytes + static_cast<int64_t>(label.size()) + kTensorBookkeepingBytes;
+    absl::StatusOr<QuotaCharge> charged_or =
+        options_.quotas->ChargeTensor(tenant, charged);
+    if (!charged_or.ok()) {
+      return absl::Status(
+          charged_or.status().code(),
+          absl::StrCat(charged_or.status().message(), "; a tensor counts ",
+                       "its bytes (", bytes, "), its label's (", label.size(),
+                       ") and ", kTensorBookkeepingBytes,
+                       " bytes of bookkeeping"));
+    }
+    charge = *std::move(charged_or);
   }
   RETURN_IF_ERROR(account_->Reserve(bytes));
   absl::StatusOr<void*> data = device_->Allocate(static_cast<size_t>(bytes));
@@ -389,21 +405,16 @@ absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::Publish(
 
 absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::Get(
     const std::string& tenant, const std::string& handle) {
+  // Before any lookup: a handle of the wrong shape was never issued by any
+  // instance, and is the caller's mistake rather than a tensor gone.
+  RETURN_IF_ERROR(CheckHandle(handle, "handle"));
   MaybeSweep();
-  if (handle.empty()) return absl::NotFoundError("empty handle");
-  const size_t dash = handle.find('-');
-  if (dash == std::string::npos) {
-    return absl::NotFoundError(absl::StrCat("malformed handle '", handle, "'"));
-  }
-  const absl::string_view instance = absl::string_view(handle).substr(0, dash);
+  const absl::string_view instance =
+      absl::string_view(handle).substr(0, kHandleInstanceHexDigits);
   if (instance != instance_id_) {
     return absl::NotFoundError(absl::StrCat(
         "handle ", handle, " belongs to instance ", instance,
         ", this is instance ", instance_id_, " (restarted or other pod)"));
-  }
-  const absl::string_view random = absl::string_view(handle).substr(dash + 1);
-  if (random.size() != 2 * kHandleRandomBytes || !IsHex(random)) {
-    return absl::NotFoundError(absl::StrCat("malformed handle '", handle, "'"));
   }
   std::shared_ptr<Tensor> tensor;
   {
@@ -453,22 +464,45 @@ void TensorStore::ForgetLocked(const std::string& handle, const char* reason) {
 }
 
 std::vector<TensorRecord> TensorStore::List(const std::string& tenant) {
+  bool more = false;
+  return List(tenant, ListPosition(), std::numeric_limits<size_t>::max(),
+              &more);
+}
+
+std::vector<TensorRecord> TensorStore::List(const std::string& tenant,
+                                            const ListPosition& after,
+                                            size_t limit, bool* more) {
   MaybeSweep();
+  // Only the handles and creation times (immutable) are read under the
+  // store lock; the records of the page alone are built, outside it.
   std::vector<std::shared_ptr<Tensor>> mine;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [handle, tensor] : tensors_) {
-      if (tensor->tenant() == tenant) mine.push_back(tensor);
+      if (tensor->tenant() != tenant) continue;
+      if (!after.handle.empty() &&
+          !ListsBefore(after.created_unix_nanos, after.handle,
+                       absl::ToUnixNanos(tensor->created_), handle)) {
+        continue;
+      }
+      mine.push_back(tensor);
     }
+  }
+  const auto before = [](const std::shared_ptr<Tensor>& a,
+                         const std::shared_ptr<Tensor>& b) {
+    return ListsBefore(absl::ToUnixNanos(a->created_), a->handle(),
+                       absl::ToUnixNanos(b->created_), b->handle());
+  };
+  *more = mine.size() > limit;
+  if (*more) {
+    std::partial_sort(mine.begin(), mine.begin() + limit, mine.end(), before);
+    mine.resize(limit);
+  } else {
+    std::sort(mine.begin(), mine.end(), before);
   }
   std::vector<TensorRecord> infos;
   infos.reserve(mine.size());
   for (const auto& tensor : mine) infos.push_back(tensor->Info());
-  std::sort(infos.begin(), infos.end(),
-            [](const TensorRecord& a, const TensorRecord& b) {
-              return a.created != b.created ? a.created < b.created
-                                            : a.handle < b.handle;
-            });
   return infos;
 }
 

@@ -44,6 +44,19 @@ struct TensorRecord {
   bool pending_token_scale = false;  // per-token factors recorded
 };
 
+// What a tensor keeps on the host besides its label (the Tensor, its handle
+// twice, the map entry, the allocation record and the handle remembered after
+// it goes), rounded up. Counted with the tensor's and its label's bytes
+// against its tenant's max_bytes quota.
+inline constexpr int64_t kTensorBookkeepingBytes = 1024;
+
+// A place in List's order (creation time to the nanosecond, then handle):
+// List pages start after it. An empty handle is the start of the list.
+struct ListPosition {
+  int64_t created_unix_nanos = 0;
+  std::string handle;
+};
+
 // Memory figures of a store.
 struct StoreStats {
   int64_t budget_bytes = 0;
@@ -270,7 +283,8 @@ class TensorStore {
     std::function<absl::Time()> clock;
     // How many released/expired handles are remembered to explain NOT_FOUND.
     size_t remembered_handles = 1 << 16;
-    // Fixed instance id (tests); empty = 8 random hex digits.
+    // Fixed instance id (tests): 8 lower-case hex digits (common/handle.h);
+    // empty = 8 random ones.
     std::string instance_id;
     // Per-tenant byte and tensor quotas, charged by Create on top of the
     // budget; null = none. Shared: tensors may outlive the store.
@@ -292,8 +306,9 @@ class TensorStore {
   // for an invalid dtype, not 1 or 2 dims, a dimension <= 0 or a size
   // overflow; RESOURCE_EXHAUSTED (naming requested, used and budget bytes)
   // when it does not fit the budget or the device, or (naming the tenant and
-  // its numbers) when it passes the tenant's quota. The caller owns the
-  // result.
+  // its numbers) when it passes the tenant's quota, which is charged the
+  // tensor's bytes, the label's bytes and kTensorBookkeepingBytes. The label
+  // is the caller's to bound. The caller owns the result.
   absl::StatusOr<std::unique_ptr<PendingTensor>> Create(
       const std::string& tenant, DType dtype, std::vector<int64_t> shape,
       std::string label, TensorState state = TensorState::kLogits);
@@ -302,9 +317,11 @@ class TensorStore {
   // budget. RESOURCE_EXHAUSTED as Create.
   absl::StatusOr<ScratchBuffer> AllocateScratch(int64_t bytes);
 
-  // The tensor `handle` of `tenant`, touched as used. NOT_FOUND when the
-  // handle is malformed, unknown, of another tenant, of another instance,
-  // released or expired (the message says which when it can).
+  // The tensor `handle` of `tenant`, touched as used. INVALID_ARGUMENT (before
+  // any lookup) when the handle is empty or not of the shape of
+  // common/handle.h; NOT_FOUND when it is unknown, of another tenant, of
+  // another instance, released or expired (the message says which when it
+  // can).
   absl::StatusOr<std::shared_ptr<Tensor>> Get(const std::string& tenant,
                                               const std::string& handle);
 
@@ -313,8 +330,16 @@ class TensorStore {
   absl::StatusOr<int64_t> Release(const std::string& tenant,
                                   const std::string& handle);
 
-  // The tensors of `tenant`, oldest first.
+  // The tensors of `tenant`, oldest first (ties by handle).
   std::vector<TensorRecord> List(const std::string& tenant);
+
+  // One page of List's order: at most `limit` tensors of `tenant` that come
+  // after `after`; `*more` says whether others follow the page. Paging on
+  // from a page's last tensor sees every tensor once when none is added or
+  // removed meanwhile (a tensor created meanwhile comes on a later page).
+  std::vector<TensorRecord> List(const std::string& tenant,
+                                 const ListPosition& after, size_t limit,
+                                 bool* more);
 
   StoreStats Stats() const;
 

@@ -3,11 +3,17 @@
 // functions see raw fuzz input.
 #include "server/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "common/echo.h"
+#include "common/handle.h"
 #include "common/status_macros.h"
 
 namespace lossd {
@@ -24,18 +30,93 @@ absl::Status CheckFinite(double value, absl::string_view field) {
   return absl::OkStatus();
 }
 
+// Opens every page token, so that a token of another server version or a
+// made-up one is refused rather than read as a position.
+constexpr absl::string_view kPageTokenMagic = "lossd.List.v1:";
+
 }  // namespace
 
 absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
-                                 bool allow_unspecified) {
+                                 bool allow_unspecified,
+                                 absl::Span<const DType> allowed) {
   if (value == pb::DTYPE_UNSPECIFIED && allow_unspecified) {
     return DType::kInvalid;
   }
-  if (value < pb::DTYPE_FLOAT32 || value > pb::DTYPE_INT64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", value == 0 ? "missing dtype" : "unknown dtype ", value));
+  const bool known = pb::DType_IsValid(value);
+  for (DType dtype : allowed) {
+    if (known && value == static_cast<int>(dtype)) return dtype;
   }
-  return static_cast<DType>(value);
+  const std::string received =
+      known ? pb::DType_Name(static_cast<pb::DType>(value))
+            : absl::StrCat(value, ", which is no DType");
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " is ", received, "; expected one of ",
+                   absl::StrJoin(allowed, ", ",
+                                 [](std::string* out, DType dtype) {
+                                   out->append(DTypeProtoName(dtype));
+                                 }),
+                   allow_unspecified ? " or DTYPE_UNSPECIFIED" : ""));
+}
+
+absl::Status CheckLabel(absl::string_view label, absl::string_view field) {
+  if (label.size() > kMaxLabelBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " has ", label.size(), " bytes; at most ",
+                     kMaxLabelBytes, " are allowed (", Echo(label), ")"));
+  }
+  for (size_t i = 0; i < label.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(label[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s holds the control character 0x%02x at byte %d; a label is one "
+          "line of printable text (%s)",
+          field, c, i, Echo(label)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ListSpec> ValidateListRequest(const pb::ListRequest& request) {
+  ListSpec spec;
+  if (request.page_size() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_size = ", request.page_size(), " is < 0 (0 = the default, ",
+        kDefaultListPageSize, "; at most ", kMaxListPageSize, ")"));
+  }
+  if (request.page_size() > 0) {
+    spec.page_size = std::min(request.page_size(), kMaxListPageSize);
+  }
+  if (request.page_token().empty()) return spec;
+  std::string raw;
+  const absl::Status invalid = absl::InvalidArgumentError(absl::StrCat(
+      "page_token (", request.page_token().size(),
+      " bytes) is not a next_page_token of this server's List; start again "
+      "without one"));
+  if (!absl::WebSafeBase64Unescape(request.page_token(), &raw)) return invalid;
+  absl::string_view rest = raw;
+  if (!absl::ConsumePrefix(&rest, kPageTokenMagic) ||
+      rest.size() != 8 + kHandleLength) {
+    return invalid;
+  }
+  uint64_t nanos = 0;
+  for (int i = 0; i < 8; ++i) {
+    nanos |= uint64_t{static_cast<unsigned char>(rest[i])} << (8 * i);
+  }
+  const absl::string_view handle = rest.substr(8);
+  if (!IsWellFormedHandle(handle)) return invalid;
+  spec.after_created_unix_nanos = static_cast<int64_t>(nanos);
+  spec.after_handle = std::string(handle);
+  return spec;
+}
+
+std::string ListPageToken(int64_t created_unix_nanos,
+                          absl::string_view handle) {
+  std::string raw(kPageTokenMagic);
+  const uint64_t nanos = static_cast<uint64_t>(created_unix_nanos);
+  for (int i = 0; i < 8; ++i)
+    raw.push_back(static_cast<char>(nanos >> (8 * i)));
+  raw.append(handle.data(), handle.size());
+  return absl::WebSafeBase64Escape(raw);
 }
 
 absl::StatusOr<CrossEntropyOptions> ParseLossOptions(
@@ -110,6 +191,7 @@ absl::StatusOr<TensorSpec> ValidateTensorHeader(
                                           /*allow_unspecified=*/false));
   spec.shape.assign(header.shape().begin(), header.shape().end());
   ASSIGN_OR_RETURN(spec.bytes, StoredTensorBytes(spec.dtype, spec.shape));
+  RETURN_IF_ERROR(CheckLabel(header.label(), "header.label"));
   return spec;
 }
 
@@ -149,6 +231,7 @@ absl::StatusOr<StripeSpec> ValidateUploadStripe(
 absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
     const pb::DownloadRequest& request, int64_t max_chunk_bytes) {
   DownloadSpec spec;
+  RETURN_IF_ERROR(CheckHandle(request.handle(), "handle"));
   ASSIGN_OR_RETURN(spec.dtype, ParseDType(request.dtype(), "dtype",
                                           /*allow_unspecified=*/true));
   if (request.chunk_bytes() < 0 || request.chunk_bytes() > max_chunk_bytes) {
@@ -206,24 +289,28 @@ absl::StatusOr<int64_t> DownloadChunkElements(DType stored, DType sent,
 absl::StatusOr<ForwardSpec> ValidateForwardRequest(
     const pb::ForwardRequest& request) {
   ForwardSpec spec;
+  RETURN_IF_ERROR(CheckHandle(request.logits(), "logits"));
   ASSIGN_OR_RETURN(spec.options, ParseLossOptions(request.options()));
+  if (!request.options().class_weights().empty()) {
+    RETURN_IF_ERROR(CheckHandle(request.options().class_weights(),
+                                "options.class_weights"));
+  }
   ASSIGN_OR_RETURN(spec.mode, ParseMode(request.mode()));
+  RETURN_IF_ERROR(CheckLabel(request.gradient_label(), "gradient_label"));
   switch (request.targets_case()) {
     case pb::ForwardRequest::kTargetsHandle:
+      RETURN_IF_ERROR(CheckHandle(request.targets_handle(), "targets_handle"));
       break;
     case pb::ForwardRequest::kTargetsInline: {
-      ASSIGN_OR_RETURN(spec.inline_targets_dtype,
-                       ParseDType(request.targets_inline().dtype(),
-                                  "targets_inline.dtype", false));
-      if (!IsTargetsDType(spec.inline_targets_dtype)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("targets must be int32 or int64, got ",
-                         DTypeName(spec.inline_targets_dtype)));
-      }
+      ASSIGN_OR_RETURN(
+          spec.inline_targets_dtype,
+          ParseDType(request.targets_inline().dtype(), "targets_inline.dtype",
+                     false, kTargetsDTypes));
       break;
     }
     default:
-      return absl::InvalidArgumentError("targets missing (handle or inline)");
+      return absl::InvalidArgumentError(
+          "targets missing: set targets_handle or targets_inline");
   }
   return spec;
 }
@@ -246,6 +333,7 @@ absl::Status CheckInlineTargets(const pb::InlineTensor& targets, DType dtype,
 absl::StatusOr<GradOutput> ValidateBackwardRequest(
     const pb::BackwardRequest& request) {
   GradOutput out;
+  RETURN_IF_ERROR(CheckHandle(request.gradient(), "gradient"));
   switch (request.grad_output_case()) {
     case pb::BackwardRequest::kScalar:
       out.scale = request.scalar();
@@ -286,6 +374,10 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     const pb::EvaluateHeader& header) {
   EvaluateSpec spec;
   ASSIGN_OR_RETURN(spec.options, ParseLossOptions(header.options()));
+  if (!header.options().class_weights().empty()) {
+    RETURN_IF_ERROR(CheckHandle(header.options().class_weights(),
+                                "header.options.class_weights"));
+  }
   if (spec.options.reduction == Reduction::kNone) {
     return absl::InvalidArgumentError(
         "Evaluate reduces: reduction NONE is not allowed");
@@ -296,19 +388,11 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
   }
   spec.vocab = header.vocab();
   ASSIGN_OR_RETURN(spec.logits_dtype,
-                   ParseDType(header.logits_dtype(), "logits_dtype", false));
-  if (!IsLogitsDType(spec.logits_dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("logits_dtype must be a float dtype, got ",
-                     DTypeName(spec.logits_dtype)));
-  }
+                   ParseDType(header.logits_dtype(), "header.logits_dtype",
+                              false, kLogitsDTypes));
   ASSIGN_OR_RETURN(spec.targets_dtype,
-                   ParseDType(header.targets_dtype(), "targets_dtype", false));
-  if (!IsTargetsDType(spec.targets_dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("targets_dtype must be int32 or int64, got ",
-                     DTypeName(spec.targets_dtype)));
-  }
+                   ParseDType(header.targets_dtype(), "header.targets_dtype",
+                              false, kTargetsDTypes));
   const int64_t element = static_cast<int64_t>(DTypeSize(spec.logits_dtype));
   if (spec.vocab > std::numeric_limits<int64_t>::max() / element) {
     return absl::InvalidArgumentError(

@@ -21,11 +21,57 @@
 
 namespace lossd {
 
+// Every DType, in the proto's order.
+inline constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kBFloat16,
+                                       DType::kFloat16, DType::kInt32,
+                                       DType::kInt64};
+inline constexpr DType kLogitsDTypes[] = {DType::kFloat32, DType::kBFloat16,
+                                          DType::kFloat16};
+inline constexpr DType kTargetsDTypes[] = {DType::kInt32, DType::kInt64};
+
 // A lossd.v1.DType number as a DType. Success: the dtype, or kInvalid for
-// DTYPE_UNSPECIFIED when `allow_unspecified`. INVALID_ARGUMENT naming `field`:
-// missing (unspecified and not allowed) or unknown value. Thread-safe.
+// DTYPE_UNSPECIFIED when `allow_unspecified`. INVALID_ARGUMENT naming `field`,
+// what it holds and the values of `allowed`, e.g. "header.dtype is
+// DTYPE_UNSPECIFIED; expected one of FLOAT32, ...": unspecified (and not
+// allowed), a number outside the enum, or a dtype not in `allowed`.
+// Thread-safe.
 absl::StatusOr<DType> ParseDType(int value, absl::string_view field,
-                                 bool allow_unspecified);
+                                 bool allow_unspecified,
+                                 absl::Span<const DType> allowed = kAllDTypes);
+
+// The longest label (TensorHeader.label, ForwardRequest.gradient_label) in
+// bytes: a label is kept with its tensor and sent back by every List.
+inline constexpr size_t kMaxLabelBytes = 1024;
+
+// OK for a label of at most kMaxLabelBytes bytes without ASCII control
+// characters (bytes below 0x20, and 0x7f: a label is one line of text).
+// INVALID_ARGUMENT naming `field`, the rule and what was received otherwise.
+// Thread-safe.
+absl::Status CheckLabel(absl::string_view label, absl::string_view field);
+
+// The page size of a List without one (page_size 0), and the largest: a page
+// of kMaxListPageSize tensors with labels of kMaxLabelBytes stays far below
+// gRPC's default 4 MiB message limit.
+inline constexpr int kDefaultListPageSize = 100;
+inline constexpr int kMaxListPageSize = 1000;
+
+// A List request, checked: the page's size, and where it starts (after the
+// tensor created at `after_created_unix_nanos` with handle `after_handle`;
+// from the first tensor when `after_handle` is empty).
+struct ListSpec {
+  int page_size = kDefaultListPageSize;
+  int64_t after_created_unix_nanos = 0;
+  std::string after_handle;
+};
+
+// INVALID_ARGUMENT: page_size < 0 (one above kMaxListPageSize is cut to it);
+// a page_token that is not one ListPageToken made. Thread-safe.
+absl::StatusOr<ListSpec> ValidateListRequest(
+    const lossd::v1::ListRequest& request);
+
+// The opaque next_page_token of a page whose last tensor is `handle`, created
+// at `created_unix_nanos`. Thread-safe.
+std::string ListPageToken(int64_t created_unix_nanos, absl::string_view handle);
 
 // LossOptions (all but class_weights, a handle the caller resolves) as
 // CrossEntropyOptions. INVALID_ARGUMENT: label_smoothing outside [0, 1];
@@ -45,9 +91,8 @@ struct TensorSpec {
   int64_t bytes = 0;
 };
 
-// INVALID_ARGUMENT: as ParseDType (unspecified not allowed) and
-// StoredTensorBytes (common/tensor_math.h).
-// Thread-safe.
+// INVALID_ARGUMENT: as ParseDType (unspecified not allowed),
+// StoredTensorBytes (common/tensor_math.h) and CheckLabel. Thread-safe.
 absl::StatusOr<TensorSpec> ValidateTensorHeader(
     const lossd::v1::TensorHeader& header);
 
@@ -71,8 +116,8 @@ struct DownloadSpec {
   int64_t length = 0;
 };
 
-// INVALID_ARGUMENT: an unknown dtype; chunk_bytes < 0 or > max_chunk_bytes;
-// offset or length < 0. Thread-safe.
+// INVALID_ARGUMENT: a malformed handle (common/handle.h); an unknown dtype;
+// chunk_bytes < 0 or > max_chunk_bytes; offset or length < 0. Thread-safe.
 absl::StatusOr<DownloadSpec> ValidateDownloadRequest(
     const lossd::v1::DownloadRequest& request, int64_t max_chunk_bytes);
 
@@ -100,8 +145,10 @@ struct ForwardSpec {
   DType inline_targets_dtype = DType::kInvalid;
 };
 
-// INVALID_ARGUMENT: as ParseLossOptions and ParseMode; no targets; inline
-// targets whose dtype is missing, unknown or not int32/int64. Thread-safe.
+// INVALID_ARGUMENT: as ParseLossOptions and ParseMode; a malformed logits,
+// targets_handle or options.class_weights handle (common/handle.h); no
+// targets; inline targets whose dtype is missing, unknown or not int32/int64;
+// a gradient_label CheckLabel refuses. Thread-safe.
 absl::StatusOr<ForwardSpec> ValidateForwardRequest(
     const lossd::v1::ForwardRequest& request);
 
@@ -117,7 +164,8 @@ struct GradOutput {
   std::vector<float> token_scale;
 };
 
-// INVALID_ARGUMENT: no grad_output; an empty per-token list; a non-finite
+// INVALID_ARGUMENT: a malformed gradient handle (common/handle.h); no
+// grad_output; an empty per-token list; a non-finite
 // value; a scalar outside float32's range (factors are applied in float32).
 // Whether per-token values fit the gradient is the store's check (it needs
 // the tensor). Thread-safe.
@@ -133,9 +181,10 @@ struct EvaluateSpec {
   int64_t row_bytes = 0;  // vocab * the size of logits_dtype
 };
 
-// INVALID_ARGUMENT: as ParseLossOptions; reduction NONE; vocab <= 0; logits
-// dtype missing, unknown or not a float type; targets dtype missing, unknown
-// or not int32/int64; a row size that overflows int64. Thread-safe.
+// INVALID_ARGUMENT: as ParseLossOptions; a malformed options.class_weights
+// handle (common/handle.h); reduction NONE; vocab <= 0; logits dtype missing,
+// unknown or not a float type; targets dtype missing, unknown or not
+// int32/int64; a row size that overflows int64. Thread-safe.
 absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     const lossd::v1::EvaluateHeader& header);
 

@@ -392,13 +392,16 @@ PYBIND11_MODULE(_lossd, m) {
           py::arg("handle"))
       .def(
           "list",
-          [](PyClient& self) {
+          [](PyClient& self, int page_size) {
             std::shared_ptr<Client> client = self.Get();
-            return ValueOrThrow(WithoutGil([&] { return client->List(); }));
+            return ValueOrThrow(
+                WithoutGil([&] { return client->List(page_size); }));
           },
-          "list() -> ListResult\n\nThe caller's tensors (.tensors) and the "
-          "instance's memory "
-          "(.server).")
+          "list(page_size=1000) -> ListResult\n\nAll the caller's tensors "
+          "(.tensors, oldest first) and the instance's memory (.server), "
+          "fetched page_size tensors per RPC. Raises InvalidArgument for "
+          "page_size <= 0.",
+          py::arg("page_size") = kListPageSize)
       .def(
           "release",
           [](PyClient& self, const std::string& handle) {

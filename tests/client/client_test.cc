@@ -4,6 +4,7 @@
 // codes.
 #include "client/client.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -254,6 +255,37 @@ TEST_F(ClientTest, DescribeListRelease) {
   EXPECT_TRUE(list->tensors.empty());
 }
 
+// List gathers every page: 11 tensors in pages of 3 come back whole, oldest
+// first.
+TEST_F(ClientTest, ListGathersEveryPage) {
+  std::vector<std::string> handles;
+  for (int i = 0; i < 11; ++i) {
+    const int32_t value = i;
+    absl::StatusOr<TensorInfo> up = client_->Upload(
+        DType::kInt32, {1}, &value, sizeof(value), "t" + std::to_string(i));
+    ASSERT_TRUE(up.ok()) << up.status();
+    handles.push_back(up->handle);
+  }
+  for (int page_size : {3, 11, kListPageSize}) {
+    SCOPED_TRACE(page_size);
+    absl::StatusOr<ListResult> list = client_->List(page_size);
+    ASSERT_TRUE(list.ok()) << list.status();
+    ASSERT_EQ(list->tensors.size(), handles.size());
+    std::vector<std::string> listed;
+    for (const TensorInfo& info : list->tensors) listed.push_back(info.handle);
+    std::sort(listed.begin(), listed.end());
+    std::vector<std::string> expected = handles;
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(listed, expected);
+    for (size_t i = 1; i < list->tensors.size(); ++i) {
+      EXPECT_LE(list->tensors[i - 1].created, list->tensors[i].created);
+    }
+    EXPECT_EQ(list->server.tensors, 11);
+  }
+  EXPECT_EQ(client_->List(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(ClientTest, ForwardInPlaceBackwardDownloadGradient) {
   const int64_t rows = 37, vocab = 101;
   std::vector<float> logits = RandomLogits(rows * vocab);
@@ -494,12 +526,17 @@ TEST_F(ClientTest, ErrorsMapToAbslCodes) {
   // Server-side codes.
   EXPECT_EQ(client_->Upload(DType::kFloat32, {0}, nullptr, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
-  absl::StatusOr<TensorInfo> missing = client_->Describe("no-such-handle");
+  absl::StatusOr<TensorInfo> missing =
+      client_->Describe("00000000-0123456789abcdef0123456789abcdef");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(missing.status().message().empty());
-  EXPECT_EQ(client_->Download("no-such-handle").status().code(),
+  EXPECT_EQ(client_->Download("00000000-0123456789abcdef0123456789abcdef")
+                .status()
+                .code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(client_->Backward("no-such-handle", 1.0).status().code(),
+  EXPECT_EQ(client_->Backward("00000000-0123456789abcdef0123456789abcdef", 1.0)
+                .status()
+                .code(),
             absl::StatusCode::kNotFound);
   std::vector<float> logits = RandomLogits(4 * 5);
   const std::string handle =
@@ -520,10 +557,13 @@ TEST_F(ClientTest, ErrorsMapToAbslCodes) {
           .status()
           .code(),
       absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(client_->Forward(handle, Targets::Handle("no-such-handle"))
-                .status()
-                .code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      client_
+          ->Forward(handle, Targets::Handle(
+                                "00000000-0123456789abcdef0123456789abcdef"))
+          .status()
+          .code(),
+      absl::StatusCode::kNotFound);
   // Nothing changed: the logits are still logits.
   absl::StatusOr<TensorInfo> info = client_->Describe(handle);
   ASSERT_TRUE(info.ok());

@@ -302,7 +302,8 @@ TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {
   CommandResult bad = Lossctl({"describe-nothing"});
   EXPECT_NE(bad.exit_code, 0);
   CommandResult no_handle =
-      Lossctl({"download", "no-such-handle", dir_.File("x.npy")});
+      Lossctl({"download", "00000000-0123456789abcdef0123456789abcdef",
+               dir_.File("x.npy")});
   EXPECT_EQ(no_handle.exit_code, 1);
   EXPECT_THAT(no_handle.err, HasSubstr("NOT_FOUND"));
   // Targets of the wrong length for the logits.

@@ -273,7 +273,7 @@ TEST_F(RoutingTest, UploadsFollowFreeMemoryAndRpcsReachTheirOwner) {
   EXPECT_EQ(stranger.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(stranger.status().message(), HasSubstr("none of the 3"));
   EXPECT_EQ(router_->Describe("no-such-handle").status().code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(RoutingTest, RestartedInstanceHandlesAreNotFoundAndItTakesNewUploads) {
@@ -478,11 +478,15 @@ TEST(RoutingConnectTest, RejectsBadTargets) {
   options.probe_deadline = absl::ZeroDuration();
   EXPECT_EQ(RoutingClient::Connect({"127.0.0.1:1"}, options).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(*RoutingClient::InstanceOf("0a1b2c3d-00ff"), "0a1b2c3d");
+  EXPECT_EQ(
+      *RoutingClient::InstanceOf("0a1b2c3d-00ff00ff00ff00ff00ff00ff00ff00ff"),
+      "0a1b2c3d");
+  EXPECT_EQ(RoutingClient::InstanceOf("0a1b2c3d-00ff").status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RoutingClient::InstanceOf("no-dash-hex").status().code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RoutingClient::InstanceOf("nodash").status().code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -40,6 +40,15 @@ TEST(DTypeTest, TensorStateNamesAreTheProtosWithoutPrefix) {
       std::string("TENSOR_STATE_") + TensorStateName(TensorState::kLogits));
 }
 
+TEST(DTypeTest, ProtoNamesAreTheProtosWithoutPrefix) {
+  for (int value = pb::DTYPE_UNSPECIFIED; value <= pb::DTYPE_INT64; ++value) {
+    EXPECT_EQ(
+        pb::DType_Name(static_cast<pb::DType>(value)),
+        std::string("DTYPE_") + DTypeProtoName(static_cast<DType>(value)));
+  }
+  EXPECT_EQ(std::string(DTypeProtoName(static_cast<DType>(99))), "UNSPECIFIED");
+}
+
 TEST(DTypeTest, ValuesMatchTheProto) {
   EXPECT_EQ(static_cast<int>(DType::kFloat32), pb::DTYPE_FLOAT32);
   EXPECT_EQ(static_cast<int>(DType::kBFloat16), pb::DTYPE_BFLOAT16);

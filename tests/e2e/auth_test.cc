@@ -40,6 +40,9 @@ constexpr int64_t kRows = 4;
 constexpr int64_t kVocab = 8;
 constexpr int64_t kLogitsBytes = kRows * kVocab * 4;
 constexpr int64_t kTargetsBytes = kRows * 8;
+// What each charges a tenant's byte quota (no label).
+constexpr int64_t kLogitsCharge = kLogitsBytes + kTensorBookkeepingBytes;
+constexpr int64_t kTargetsCharge = kTargetsBytes + kTensorBookkeepingBytes;
 
 // Where a connection goes and what it presents: TLS files and a token.
 struct Identity {
@@ -479,7 +482,8 @@ TEST_F(AuthTest, TenantsCannotSeeOrTouchEachOthersTensors) {
 TEST_F(AuthTest, ByteQuotaOfOneTenantLeavesTheOtherUnaffected) {
   ServerConfig config = BaseConfig();
   config.auth.tokens_file = WriteTokens("secret-a alpha\nsecret-b beta\n");
-  config.tenant_limits.max_bytes = 2 * kLogitsBytes + kLogitsBytes / 2;
+  // Two logits and one targets tensor, not three logits.
+  config.tenant_limits.max_bytes = 2 * kLogitsCharge + kTargetsCharge;
   Start(config);
   std::unique_ptr<Caller> alpha = Connect(Token("secret-a"));
   std::unique_ptr<Caller> beta = Connect(Token("secret-b"));
@@ -491,11 +495,11 @@ TEST_F(AuthTest, ByteQuotaOfOneTenantLeavesTheOtherUnaffected) {
   EXPECT_EQ(over.error_code(), StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(over.error_message(), HasSubstr("tenant 'alpha'"));
   EXPECT_THAT(over.error_message(),
-              HasSubstr(absl::StrCat("requested ", kLogitsBytes)));
+              HasSubstr(absl::StrCat("requested ", kLogitsCharge)));
   EXPECT_THAT(over.error_message(),
-              HasSubstr(absl::StrCat(2 * kLogitsBytes, " of ",
+              HasSubstr(absl::StrCat(2 * kLogitsCharge, " of ",
                                      config.tenant_limits.max_bytes)));
-  EXPECT_EQ(server_->quotas()->UsageOf("alpha").bytes, 2 * kLogitsBytes);
+  EXPECT_EQ(server_->quotas()->UsageOf("alpha").bytes, 2 * kLogitsCharge);
   EXPECT_TRUE(
       server_->store()->AwaitUsedBytes(before.used_bytes, absl::Seconds(20)));
 

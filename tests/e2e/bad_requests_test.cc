@@ -1,6 +1,7 @@
 // Issue 6: every kind of bad request, against a real in-process server on
 // 127.0.0.1:0. Each gets its documented code and message, and leaves the store
 // exactly as it was: same bytes, same tensors, same states, same contents.
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "server/validation.h"
 #include "tests/e2e/bytes.h"
 
 namespace lossd {
@@ -359,6 +361,28 @@ class BadRequestsTest : public ::testing::Test {
     return [this, messages] { return Upload(messages); };
   }
 
+  grpc::Status List(const pb::ListRequest& request,
+                    pb::ListResponse* response = nullptr) {
+    grpc::ClientContext context;
+    pb::ListResponse ignored;
+    return stub_->List(&context, request,
+                       response != nullptr ? response : &ignored);
+  }
+
+  // `run`, failed as UNKNOWN when its message is long: a message quotes a
+  // client's value only by a short prefix, whatever its size.
+  static std::function<grpc::Status()> Short(
+      std::function<grpc::Status()> run) {
+    return [run] {
+      const grpc::Status status = run();
+      if (status.error_message().size() <= 512) return status;
+      return grpc::Status(grpc::StatusCode::UNKNOWN,
+                          "a message of " +
+                              std::to_string(status.error_message().size()) +
+                              " characters");
+    };
+  }
+
   std::vector<Case> Cases();
 
   const unsigned seed_ = TestSeed();
@@ -388,11 +412,15 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
   // ------------------------------------------------------------ Upload
   add("upload: empty stream", Code::INVALID_ARGUMENT, "ended before a header",
       UploadWith({}));
-  add("upload: missing dtype", Code::INVALID_ARGUMENT, "missing dtype",
+  add("upload: missing dtype", Code::INVALID_ARGUMENT,
+      "header.dtype is DTYPE_UNSPECIFIED; expected one of FLOAT32, BFLOAT16, "
+      "FLOAT16, INT32, INT64",
       UploadWith({Header(pb::DTYPE_UNSPECIFIED, {2}), Chunk(8)}));
-  add("upload: unknown dtype", Code::INVALID_ARGUMENT, "unknown dtype 17",
+  add("upload: unknown dtype", Code::INVALID_ARGUMENT,
+      "header.dtype is 17, which is no DType",
       UploadWith({Header(static_cast<pb::DType>(17), {2}), Chunk(8)}));
-  add("upload: negative dtype", Code::INVALID_ARGUMENT, "unknown dtype -1",
+  add("upload: negative dtype", Code::INVALID_ARGUMENT,
+      "header.dtype is -1, which is no DType",
       UploadWith({Header(static_cast<pb::DType>(-1), {2})}));
   add("upload: no dims", Code::INVALID_ARGUMENT, "1 or 2 dimensions, got 0",
       UploadWith({Header(pb::DTYPE_FLOAT32, {})}));
@@ -458,13 +486,14 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
   // ------------------------------------------------------------ Download
   add("download: unknown handle", Code::NOT_FOUND, "unknown handle",
       [this] { return Download(unknown_, pb::DTYPE_UNSPECIFIED, 0); });
-  add("download: malformed handle", Code::NOT_FOUND, "malformed handle",
+  add("download: malformed handle", Code::INVALID_ARGUMENT,
+      "handle: malformed handle",
       [this] { return Download(malformed_, pb::DTYPE_UNSPECIFIED, 0); });
   add("download: released handle", Code::NOT_FOUND, "was released",
       [this] { return Download(released_, pb::DTYPE_UNSPECIFIED, 0); });
   add("download: foreign handle", Code::NOT_FOUND, "belongs to instance",
       [this] { return Download(foreign_, pb::DTYPE_UNSPECIFIED, 0); });
-  add("download: empty handle", Code::NOT_FOUND, "empty handle",
+  add("download: empty handle", Code::INVALID_ARGUMENT, "handle: empty handle",
       [this] { return Download("", pb::DTYPE_UNSPECIFIED, 0); });
   add("download: int64 -> float32", Code::INVALID_ARGUMENT,
       "cannot convert int64 to float32",
@@ -478,7 +507,8 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
   add("download: int64 -> int32", Code::INVALID_ARGUMENT,
       "cannot convert int64 to int32",
       [this] { return Download(targets64_, pb::DTYPE_INT32, 0); });
-  add("download: unknown dtype", Code::INVALID_ARGUMENT, "unknown dtype 42",
+  add("download: unknown dtype", Code::INVALID_ARGUMENT,
+      "dtype is 42, which is no DType",
       [this] { return Download(logits_, static_cast<pb::DType>(42), 0); });
   add("download: negative chunk_bytes", Code::INVALID_ARGUMENT,
       "chunk_bytes = -1 is outside",
@@ -495,31 +525,32 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
   // ------------------------------------------------------------ Describe
   add("describe: unknown", Code::NOT_FOUND, "unknown handle",
       [this] { return Describe(unknown_); });
-  add("describe: malformed", Code::NOT_FOUND, "malformed handle",
+  add("describe: malformed", Code::INVALID_ARGUMENT, "malformed handle",
       [this] { return Describe(malformed_); });
   add("describe: released", Code::NOT_FOUND, "was released",
       [this] { return Describe(released_); });
   add("describe: foreign", Code::NOT_FOUND, "belongs to instance",
       [this] { return Describe(foreign_); });
-  add("describe: no dash", Code::NOT_FOUND, "malformed handle",
+  add("describe: no dash", Code::INVALID_ARGUMENT, "malformed handle",
       [this] { return Describe("nope"); });
 
   // ------------------------------------------------------------ Release
   add("release: unknown", Code::NOT_FOUND, "unknown handle",
       [this] { return Release(unknown_); });
-  add("release: malformed", Code::NOT_FOUND, "malformed handle",
+  add("release: malformed", Code::INVALID_ARGUMENT, "malformed handle",
       [this] { return Release(malformed_); });
   add("release: released twice", Code::NOT_FOUND, "was released",
       [this] { return Release(released_); });
   add("release: foreign", Code::NOT_FOUND, "belongs to instance",
       [this] { return Release(foreign_); });
-  add("release: empty", Code::NOT_FOUND, "empty handle",
+  add("release: empty", Code::INVALID_ARGUMENT, "empty handle",
       [this] { return Release(""); });
 
   // ------------------------------------------------------------ Forward
   add("forward: unknown logits", Code::NOT_FOUND, "unknown handle",
       ForwardWith([this](auto* r) { r->set_logits(unknown_); }));
-  add("forward: malformed logits", Code::NOT_FOUND, "malformed handle",
+  add("forward: malformed logits", Code::INVALID_ARGUMENT,
+      "logits: malformed handle",
       ForwardWith([this](auto* r) { r->set_logits(malformed_); }));
   add("forward: released logits", Code::NOT_FOUND, "was released",
       ForwardWith([this](auto* r) { r->set_logits(released_); }));
@@ -539,9 +570,10 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
       ForwardWith([this](auto* r) {
         r->mutable_options()->set_class_weights(foreign_);
       }));
-  add("forward: malformed class_weights", Code::NOT_FOUND, "malformed handle",
-      ForwardWith(
-          [this](auto* r) { r->mutable_options()->set_class_weights("x"); }));
+  add("forward: malformed class_weights", Code::INVALID_ARGUMENT,
+      "options.class_weights: malformed handle", ForwardWith([this](auto* r) {
+        r->mutable_options()->set_class_weights("x");
+      }));
   add("forward: logits are int64 targets", Code::INVALID_ARGUMENT,
       "logits must be a 2-D float tensor, got int64 [4]",
       ForwardWith([this](auto* r) { r->set_logits(targets64_); }));
@@ -559,16 +591,18 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
       "got float32 [4, 5]",
       ForwardWith([this](auto* r) { r->set_targets_handle(gradient_mean_); }));
   add("forward: inline targets without dtype", Code::INVALID_ARGUMENT,
-      "missing dtype", ForwardWith([](auto* r) {
+      "targets_inline.dtype is DTYPE_UNSPECIFIED; expected one of INT32, INT64",
+      ForwardWith([](auto* r) {
         r->mutable_targets_inline()->set_data(std::string(32, '\0'));
       }));
   add("forward: inline float targets", Code::INVALID_ARGUMENT,
-      "targets must be int32 or int64, got float32", ForwardWith([](auto* r) {
+      "targets_inline.dtype is DTYPE_FLOAT32; expected one of INT32, INT64",
+      ForwardWith([](auto* r) {
         r->mutable_targets_inline()->set_dtype(pb::DTYPE_FLOAT32);
         r->mutable_targets_inline()->set_data(std::string(16, '\0'));
       }));
   add("forward: inline targets unknown dtype", Code::INVALID_ARGUMENT,
-      "unknown dtype 99", ForwardWith([](auto* r) {
+      "targets_inline.dtype is 99, which is no DType", ForwardWith([](auto* r) {
         r->mutable_targets_inline()->set_dtype(static_cast<pb::DType>(99));
       }));
   add("forward: inline int64 targets too long", Code::INVALID_ARGUMENT,
@@ -745,7 +779,8 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
                    [](auto* r) { r->set_scalar(3.0); }));
   add("backward: unknown", Code::NOT_FOUND, "unknown handle",
       BackwardWith(unknown_, [](auto* r) { r->set_scalar(1.0); }));
-  add("backward: malformed", Code::NOT_FOUND, "malformed handle",
+  add("backward: malformed", Code::INVALID_ARGUMENT,
+      "gradient: malformed handle",
       BackwardWith(malformed_, [](auto* r) { r->set_scalar(1.0); }));
   add("backward: released", Code::NOT_FOUND, "was released",
       BackwardWith(released_, [](auto* r) { r->set_scalar(1.0); }));
@@ -795,17 +830,19 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
       EvaluateWith({EvalHeader(kMax, pb::DTYPE_BFLOAT16, pb::DTYPE_INT64),
                     EvalBlock(row, target32)}));
   add("evaluate: missing logits dtype", Code::INVALID_ARGUMENT,
-      "logits_dtype: missing dtype",
+      "header.logits_dtype is DTYPE_UNSPECIFIED; expected one of FLOAT32, "
+      "BFLOAT16, FLOAT16",
       EvaluateWith(
           {EvalHeader(kVocab, pb::DTYPE_UNSPECIFIED, pb::DTYPE_INT32)}));
   add("evaluate: int logits", Code::INVALID_ARGUMENT,
-      "logits_dtype must be a float dtype, got int64",
+      "header.logits_dtype is DTYPE_INT64; expected one of FLOAT32, BFLOAT16, "
+      "FLOAT16",
       EvaluateWith({EvalHeader(kVocab, pb::DTYPE_INT64, pb::DTYPE_INT32)}));
   add("evaluate: float targets", Code::INVALID_ARGUMENT,
-      "targets_dtype must be int32 or int64, got float16",
+      "header.targets_dtype is DTYPE_FLOAT16; expected one of INT32, INT64",
       EvaluateWith({EvalHeader(kVocab, pb::DTYPE_FLOAT32, pb::DTYPE_FLOAT16)}));
   add("evaluate: unknown targets dtype", Code::INVALID_ARGUMENT,
-      "targets_dtype: unknown dtype 6",
+      "header.targets_dtype is 6, which is no DType",
       EvaluateWith(
           {EvalHeader(kVocab, pb::DTYPE_FLOAT32, static_cast<pb::DType>(6))}));
   add("evaluate: partial row", Code::INVALID_ARGUMENT,
@@ -834,6 +871,152 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
         return Evaluate({with_options(
             [this](auto* o) { o->set_class_weights(short_weights_); })});
       });
+  // ------------------------------------------------------------ Labels,
+  // handles, List pages Labels are bounded on every way into the store; handles
+  // are checked for their shape before any lookup; a client's value comes back
+  // in a message only as a short prefix (Short fails a row whose message is
+  // long).
+  const std::string long_label(kMaxLabelBytes + 1, 'L');
+  const std::string huge(1 << 20, 'h');
+  auto with_label = [](pb::UploadRequest header, std::string label) {
+    header.mutable_header()->set_label(std::move(label));
+    return header;
+  };
+  add("labels: 1025-byte label", Code::INVALID_ARGUMENT,
+      "header.label has 1025 bytes; at most 1024 are allowed",
+      Short(UploadWith(
+          {with_label(Header(pb::DTYPE_FLOAT32, {1}), long_label), Chunk(4)})));
+  add("labels: 2 MiB label", Code::INVALID_ARGUMENT,
+      "header.label has 2097152 bytes",
+      Short(UploadWith({with_label(Header(pb::DTYPE_FLOAT32, {1}),
+                                   std::string(2 << 20, 'L'))})));
+  add("labels: newline in a label", Code::INVALID_ARGUMENT,
+      "header.label holds the control character 0x0a at byte 3",
+      UploadWith(
+          {with_label(Header(pb::DTYPE_FLOAT32, {1}), "abc\ndef"), Chunk(4)}));
+  add("labels: a label of 1024 bytes is fine, two headers are not",
+      Code::INVALID_ARGUMENT, "a second header",
+      UploadWith({with_label(Header(pb::DTYPE_FLOAT32, {1}),
+                             std::string(kMaxLabelBytes, 'L')),
+                  Chunk(4), Header(pb::DTYPE_FLOAT32, {1})}));
+  add("labels: striped upload, label too long", Code::INVALID_ARGUMENT,
+      "header.label has 1025 bytes", Short([this, long_label] {
+        pb::UploadRequest header = Header(pb::DTYPE_FLOAT32, {2});
+        header.mutable_header()->set_label(long_label);
+        header.mutable_header()->mutable_stripe()->set_upload_id("long-label");
+        header.mutable_header()->mutable_stripe()->set_count(1);
+        return Upload({header, Chunk(8)});
+      }));
+  add("labels: data-connection upload, label too long", Code::INVALID_ARGUMENT,
+      "header.label has 1025 bytes", Short([this, long_label] {
+        pb::UploadRequest header = Header(pb::DTYPE_FLOAT32, {2});
+        header.mutable_header()->set_label(long_label);
+        header.mutable_header()->set_data_token(std::string(16, 't'));
+        return Upload({header});
+      }));
+  add("labels: stripes with different long labels", Code::INVALID_ARGUMENT,
+      "label 'BBBB", Short([this] {
+        auto stripe = [](int index, char fill) {
+          pb::UploadRequest header = Header(pb::DTYPE_FLOAT32, {2});
+          header.mutable_header()->set_label(std::string(1000, fill));
+          header.mutable_header()->mutable_stripe()->set_upload_id("labels");
+          header.mutable_header()->mutable_stripe()->set_index(index);
+          header.mutable_header()->mutable_stripe()->set_count(2);
+          return header;
+        };
+        grpc::ClientContext first_context;
+        pb::UploadResponse first_response;
+        auto first = stub_->Upload(&first_context, &first_response);
+        const int64_t before = server_->store()->Stats().used_bytes;
+        first->Write(stripe(0, 'A'));
+        // The first stripe reserves the whole tensor when it attaches.
+        EXPECT_TRUE(
+            server_->store()->AwaitUsedBytes(before + 8, absl::Seconds(10)));
+        const grpc::Status second = Upload({stripe(1, 'B'), Chunk(4)});
+        first->WritesDone();
+        const grpc::Status aborted = first->Finish();
+        EXPECT_EQ(aborted.error_code(), Code::ABORTED);
+        EXPECT_LT(aborted.error_message().size(), 1000u);
+        return second;
+      }));
+  add("labels: out-of-place gradient_label too long", Code::INVALID_ARGUMENT,
+      "gradient_label has 1025 bytes", Short(ForwardWith([long_label](auto* r) {
+        r->set_mode(pb::GRADIENT_MODE_OUT_OF_PLACE);
+        r->set_gradient_label(long_label);
+      })));
+  add("handles: 1 MiB handle (Describe)", Code::INVALID_ARGUMENT,
+      "handle: malformed handle 'hhhh",
+      Short([this, huge] { return Describe(huge); }));
+  add("handles: 7000-byte handle names its size", Code::INVALID_ARGUMENT,
+      "...' (7000 bytes)",
+      Short([this] { return Describe(std::string(7000, 'x')); }));
+  add("handles: not-a-handle is malformed, not another instance's",
+      Code::INVALID_ARGUMENT,
+      "handle: malformed handle 'not-a-handle'; a handle is 8 "
+      "lower-case hex digits",
+      [this] { return Describe("not-a-handle"); });
+  add("handles: upper-case hex", Code::INVALID_ARGUMENT, "malformed handle",
+      [this] {
+        std::string upper = unknown_;
+        for (char& c : upper) c = static_cast<char>(std::toupper(c));
+        return Describe(upper);
+      });
+  add("handles: one character short", Code::INVALID_ARGUMENT,
+      "malformed handle",
+      [this] { return Describe(logits_.substr(0, logits_.size() - 1)); });
+  add("handles: control bytes are escaped", Code::INVALID_ARGUMENT,
+      "malformed handle '\\n\\x01'", [this] { return Describe("\n\x01"); });
+  add("handles: 1 MiB handle (Download)", Code::INVALID_ARGUMENT,
+      "handle: malformed handle",
+      Short([this, huge] { return Download(huge, pb::DTYPE_UNSPECIFIED, 0); }));
+  add("handles: 1 MiB handle (Release)", Code::INVALID_ARGUMENT,
+      "handle: malformed handle",
+      Short([this, huge] { return Release(huge); }));
+  add("handles: 1 MiB logits (Forward)", Code::INVALID_ARGUMENT,
+      "logits: malformed handle",
+      Short(ForwardWith([huge](auto* r) { r->set_logits(huge); })));
+  add("handles: malformed targets_handle (Forward)", Code::INVALID_ARGUMENT,
+      "targets_handle: malformed handle",
+      Short(ForwardWith([huge](auto* r) { r->set_targets_handle(huge); })));
+  add("handles: 1 MiB class_weights (Forward)", Code::INVALID_ARGUMENT,
+      "options.class_weights: malformed handle",
+      Short(ForwardWith(
+          [huge](auto* r) { r->mutable_options()->set_class_weights(huge); })));
+  add("handles: empty logits (Forward)", Code::INVALID_ARGUMENT,
+      "logits: empty handle", ForwardWith([](auto* r) { r->clear_logits(); }));
+  add("handles: 1 MiB gradient (Backward)", Code::INVALID_ARGUMENT,
+      "gradient: malformed handle",
+      Short(BackwardWith(huge, [](auto* r) { r->set_scalar(1.0); })));
+  add("handles: malformed class_weights (Evaluate)", Code::INVALID_ARGUMENT,
+      "header.options.class_weights: malformed handle",
+      Short([this, with_options, huge] {
+        return Evaluate(
+            {with_options([huge](auto* o) { o->set_class_weights(huge); })});
+      }));
+  add("list: negative page_size", Code::INVALID_ARGUMENT,
+      "page_size = -1 is < 0", [this] {
+        pb::ListRequest request;
+        request.set_page_size(-1);
+        return List(request);
+      });
+  add("list: made-up page_token", Code::INVALID_ARGUMENT,
+      "page_token (12 bytes) is not a next_page_token", [this] {
+        pb::ListRequest request;
+        request.set_page_token("not-a-token!");
+        return List(request);
+      });
+  add("list: page_token of valid base64 but not ours", Code::INVALID_ARGUMENT,
+      "is not a next_page_token", [this] {
+        pb::ListRequest request;
+        request.set_page_token("bG9zc2QuTGlzdC52MTp4");
+        return List(request);
+      });
+  add("list: 1 MiB page_token", Code::INVALID_ARGUMENT,
+      "is not a next_page_token", Short([this, huge] {
+        pb::ListRequest request;
+        request.set_page_token(huge);
+        return List(request);
+      }));
   return cases;
 }
 

@@ -727,7 +727,7 @@ TEST_F(DataConnectionTest, RefusedRequestsCloseTheirConnectionsAtOnce) {
     const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
     const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
     EvaluateOptions options;
-    options.class_weights = "no-such-handle";
+    options.class_weights = "00000000-0123456789abcdef0123456789abcdef";
     const absl::Time start = absl::Now();
     absl::StatusOr<EvaluateResult> result =
         client->Evaluate(rows, vocab, DType::kFloat32, logits.data(),

@@ -258,12 +258,12 @@ TEST_F(ReloadTest, NewQuotaAppliesToTheNextRequest) {
   ASSERT_TRUE(alpha.Upload(2).ok());
   EXPECT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
 
-  // alpha gets three tensors and 1 KiB, the rest keep one tensor of 64
-  // bytes at most.
+  // alpha gets three tensors and 4 KiB, the rest keep one tensor of 64
+  // bytes at most (each tensor also counts kTensorBookkeepingBytes, 1024).
   config_map.Update({{"quotas",
                       "# tenant  limits\n"
-                      "*      max_tensors=1 max_bytes=64\n"
-                      "alpha  max_tensors=3 max_bytes=1K\n"}});
+                      "*      max_tensors=1 max_bytes=1088\n"
+                      "alpha  max_tensors=3 max_bytes=4K\n"}});
   ASSERT_TRUE(AwaitReloads("quotas", "success", 1));
   EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 3);
   EXPECT_TRUE(alpha.Upload(2).ok());
@@ -277,7 +277,7 @@ TEST_F(ReloadTest, NewQuotaAppliesToTheNextRequest) {
   config_map.Update({{"quotas", "alpha max_tensors=lots\n"}});
   ASSERT_TRUE(AwaitReloads("quotas", "failure", 1));
   EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 3);
-  EXPECT_EQ(server_->quotas()->LimitsOf("beta").max_bytes, 64);
+  EXPECT_EQ(server_->quotas()->LimitsOf("beta").max_bytes, 1088);
   EXPECT_EQ(
       Metric("lossd_config_last_reload_successful", {{"config", "quotas"}}), 0);
   // Per-tenant gauges: configured tenants by name.

@@ -270,7 +270,8 @@ TEST_F(RpcTest, DownloadErrors) {
   EXPECT_EQ(
       Download(logits, pb::DTYPE_FLOAT32, int64_t{1} << 40).status.error_code(),
       grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(Download("nope").status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Download("nope").status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);  // not a handle's shape
 }
 
 TEST_F(RpcTest, UploadErrorsLeaveNothingBehind) {
@@ -388,9 +389,10 @@ TEST_F(RpcTest, DescribeListReleaseAndNotFound) {
   grpc::Status status = Describe(foreign, &info);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(status.error_message(), HasSubstr("belongs to instance"));
-  EXPECT_EQ(Describe("", &info).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Describe("", &info).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Describe(handle + "0", &info).error_code(),
-            grpc::StatusCode::NOT_FOUND);
+            grpc::StatusCode::INVALID_ARGUMENT);
 
   pb::ReleaseRequest release;
   release.set_handle(handle);
@@ -613,9 +615,9 @@ TEST_F(RpcTest, ForwardValidatesEverythingAndChangesNothing) {
     r->mutable_options()->set_class_weights(logits.substr(0, 9) +
                                             std::string(32, 'a'));
   });
-  add("targets unknown", C::NOT_FOUND,
+  add("targets malformed", C::INVALID_ARGUMENT,
       [&](auto* r) { r->set_targets_handle("x"); });
-  add("logits unknown", C::NOT_FOUND, [&](auto* r) { r->set_logits(""); });
+  add("logits empty", C::INVALID_ARGUMENT, [&](auto* r) { r->set_logits(""); });
 
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -698,7 +700,7 @@ TEST_F(RpcTest, BackwardRecordsTheFactorAndDownloadAppliesIt) {
   EXPECT_EQ(Backward(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   bad.set_gradient("unknown");
   bad.set_scalar(1.0);
-  EXPECT_EQ(Backward(bad).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Backward(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 
   // Materialize: applied in place; the download then applies nothing more.
   backward.set_scalar(-3.0);

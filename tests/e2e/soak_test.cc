@@ -970,8 +970,8 @@ class SoakClient {
         pb::DescribeRequest request;
         request.set_handle(absl::StrCat("nope-", id_));
         pb::TensorInfo info;
-        Check("Describe unknown", stub_->Describe(&context, request, &info),
-              {Code::NOT_FOUND});
+        Check("Describe malformed", stub_->Describe(&context, request, &info),
+              {Code::INVALID_ARGUMENT});
         return;
       }
       case 2: {

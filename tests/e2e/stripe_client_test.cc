@@ -311,7 +311,7 @@ TEST_F(StripeTest, ClientDownloadsInRanges) {
                 absl::StatusCode::kOutOfRange);
     }
     EXPECT_EQ(client->Download("00000000-nope").status().code(),
-              absl::StatusCode::kNotFound);
+              absl::StatusCode::kInvalidArgument);
   }
 }
 

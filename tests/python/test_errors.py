@@ -45,7 +45,7 @@ def assert_raises(cls, call):
 
 
 def test_server_errors(client):
-    assert_raises(lossd.NotFound, lambda: client.describe("00000000-0123456789abcdef"))
+    assert_raises(lossd.NotFound, lambda: client.describe("00000000-0123456789abcdef0123456789abcdef"))
     logits = np.random.default_rng(0).standard_normal((4, 10), dtype=np.float32)
     targets = np.arange(4)
     handle = client.upload(logits).handle
@@ -63,6 +63,22 @@ def test_server_errors(client):
     small = np.empty((2, 10), np.float32)
     assert_raises(lossd.OutOfRange, lambda: client.download(handle, out=small))
     client.release(handle)
+
+
+def test_malformed_handles_long_labels_and_list_pages(client):
+    error = assert_raises(lossd.InvalidArgument, lambda: client.describe("not-a-handle"))
+    assert "malformed handle 'not-a-handle'" in error.message
+    error = assert_raises(lossd.InvalidArgument, lambda: client.describe("x" * 7000))
+    assert "(7000 bytes)" in error.message and len(error.message) < 400
+    one = np.zeros(1, np.float32)
+    error = assert_raises(lossd.InvalidArgument, lambda: client.upload(one, label="L" * 1025))
+    assert "header.label has 1025 bytes; at most 1024" in error.message
+    handles = [client.upload(one, label="t%d" % i).handle for i in range(7)]
+    for page_size in (2, 7, 1000):
+        assert [t.handle for t in client.list(page_size=page_size).tensors] == handles
+    assert_raises(lossd.InvalidArgument, lambda: client.list(page_size=0))
+    for handle in handles:
+        client.release(handle)
 
 
 def test_resource_exhausted():

@@ -522,5 +522,97 @@ TEST_F(TensorStoreTest, ReleaseDuringAConcurrentRead) {
   EXPECT_EQ(store_->Stats().used_bytes, 0);
 }
 
+TEST_F(TensorStoreTest, MalformedHandlesAreInvalidBeforeAnyLookup) {
+  MakeStore(1 << 20);
+  auto tensor = UploadFloats({1, 2}, 1, 2);
+  ASSERT_NE(tensor, nullptr);
+  for (const std::string& bad :
+       {std::string(), std::string("not-a-handle"),
+        tensor->handle().substr(0, 40), tensor->handle() + "0",
+        std::string(1 << 20, 'a')}) {
+    SCOPED_TRACE(bad.substr(0, 64));
+    const absl::Status status = store_->Get(kDefaultTenant, bad).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_LT(status.message().size(), 400u);
+    EXPECT_EQ(store_->Release(kDefaultTenant, bad).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(store_->Stats().tensors, 1);
+}
+
+// Label bytes and bookkeeping count against the tenant's byte quota: many
+// one-element tensors with long labels stop at the quota instead of growing
+// the host's memory unseen.
+TEST_F(TensorStoreTest, QuotaChargesLabelsAndBookkeeping) {
+  TensorStore::Options options;
+  options.budget_bytes = 1 << 20;
+  options.clock = [this] { return clock_.Now(); };
+  TenantLimits limits;
+  // Room for 4 tensors with 1000-byte labels and one without a label.
+  limits.max_bytes = 4 * (4 + 1000 + kTensorBookkeepingBytes) + 1500;
+  options.quotas = std::make_shared<TenantQuotas>(limits);
+  store_ = std::make_unique<TensorStore>(&device_, options);
+  const std::string label(1000, 'L');
+  const int64_t per_tensor = 4 + 1000 + kTensorBookkeepingBytes;
+  std::vector<std::unique_ptr<PendingTensor>> held;
+  for (int i = 0; i < 4; ++i) {
+    auto pending = store_->Create("t", DType::kFloat32, {1}, label);
+    ASSERT_TRUE(pending.ok()) << i << ": " << pending.status();
+    held.push_back(*std::move(pending));
+  }
+  EXPECT_EQ(options.quotas->UsageOf("t").bytes, 4 * per_tensor);
+  // A fifth passes the quota: refused, naming what a tensor counts.
+  auto over = store_->Create("t", DType::kFloat32, {1}, label);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(),
+              HasSubstr("its bytes (4), its label's (1000) and 1024 bytes of "
+                        "bookkeeping"));
+  // Without the label it fits.
+  EXPECT_TRUE(store_->Create("t", DType::kFloat32, {1}, "").ok());
+  held.clear();
+  EXPECT_EQ(options.quotas->UsageOf("t").bytes, 0);
+  // The device budget still counts tensor bytes only.
+  EXPECT_EQ(store_->Stats().used_bytes, 0);
+}
+
+TEST_F(TensorStoreTest, ListPagesSeeEveryTensorOnceInOrder) {
+  MakeStore(1 << 20);
+  std::vector<std::string> handles;
+  for (int i = 0; i < 23; ++i) {
+    // Runs of equal creation times: ties are ordered by handle.
+    if (i % 4 == 0) clock_.Advance(absl::Seconds(1));
+    auto tensor = UploadFloats({1}, 1, 1);
+    ASSERT_NE(tensor, nullptr);
+    handles.push_back(tensor->handle());
+  }
+  UploadFloats({1}, 1, 1, "other");
+  const std::vector<TensorRecord> all = store_->List(kDefaultTenant);
+  ASSERT_EQ(all.size(), handles.size());
+  std::vector<std::string> paged;
+  ListPosition after;
+  int pages = 0;
+  bool more = true;
+  while (more) {
+    const std::vector<TensorRecord> page =
+        store_->List(kDefaultTenant, after, 5, &more);
+    ++pages;
+    ASSERT_LE(page.size(), 5u);
+    for (const TensorRecord& record : page) paged.push_back(record.handle);
+    if (page.empty()) break;
+    after.created_unix_nanos = absl::ToUnixNanos(page.back().created);
+    after.handle = page.back().handle;
+  }
+  EXPECT_EQ(pages, 5);
+  ASSERT_EQ(paged.size(), all.size());
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(paged[i], all[i].handle);
+  EXPECT_EQ(std::set<std::string>(paged.begin(), paged.end()),
+            std::set<std::string>(handles.begin(), handles.end()));
+  for (size_t i = 1; i < all.size(); ++i) {
+    EXPECT_TRUE(all[i - 1].created < all[i].created ||
+                (all[i - 1].created == all[i].created &&
+                 all[i - 1].handle < all[i].handle));
+  }
+}
+
 }  // namespace
 }  // namespace lossd
