@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
@@ -349,6 +350,26 @@ absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
         rows, targets_bytes, target_size));
   }
   return rows;
+}
+
+absl::Status ValidateIdempotencyKey(const std::string& key) {
+  if (key.size() > kMaxIdempotencyKeyLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "idempotency_key must have at most ", kMaxIdempotencyKeyLength,
+        " characters, got ", key.size()));
+  }
+  for (size_t i = 0; i < key.size(); ++i) {
+    const char c = key[i];
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "idempotency_key may only hold the characters [A-Za-z0-9_-], got '",
+          absl::CHexEscape(absl::string_view(&key[i], 1)), "' at position ",
+          i));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace lossd
