@@ -442,21 +442,24 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 // ---- the methods of lossd.Client ----
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
-                  py::handle shape, const std::string& label) {
+                  py::handle shape, const std::string& label,
+                  const std::optional<std::string>& idempotency_key) {
   std::shared_ptr<Client> client = self.Get();
   Tensor tensor = TensorFromObject(data, dtype, shape, "upload");
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
     info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
-                          tensor.buffer->bytes(), label);
+                          tensor.buffer->bytes(), label, nullptr,
+                          idempotency_key.value_or(""));
   }
   return ValueOrThrow(std::move(info));
 }
 
 TensorInfo UploadFrom(PyClient& self, const py::function& source,
                       py::handle dtype, const std::vector<int64_t>& shape,
-                      const std::string& label) {
+                      const std::string& label,
+                      const std::optional<std::string>& idempotency_key) {
   std::shared_ptr<Client> client = self.Get();
   const DType parsed = ParseDType(dtype);
   if (parsed == DType::kInvalid) ThrowInvalid("upload_from needs a dtype");
@@ -489,7 +492,8 @@ TensorInfo UploadFrom(PyClient& self, const py::function& source,
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
-    info = client->UploadFrom(parsed, shape, adapter, label);
+    info = client->UploadFrom(parsed, shape, adapter, label, nullptr,
+                              idempotency_key.value_or(""));
   }
   failure.RaiseIfAny();
   return ValueOrThrow(std::move(info));
@@ -724,7 +728,7 @@ the gRPC code and message. Methods may be called from several threads.
 Usable as a context manager (close() on exit).)doc";
 
 constexpr char kUploadDoc[] =
-    R"doc(upload(data, *, dtype=None, shape=None, label="") -> TensorInfo
+    R"doc(upload(data, *, dtype=None, shape=None, label="", idempotency_key=None) -> TensorInfo
 
 Stores a tensor on the server and returns its TensorInfo (.handle names it).
 data: any C-contiguous buffer (numpy array, memoryview, bytes) or CPU
@@ -732,13 +736,19 @@ torch.Tensor; its memory is sent as it lies, without a copy. dtype: "float32",
 "bf16", "float16", "int32", "int64" (or a numpy/torch dtype); default from
 the buffer (a torch.bfloat16 tensor is bf16; bf16 in a numpy uint16/int16
 array needs dtype="bf16"). shape: default the buffer's ([N, V] logits,
-[N] targets, [V] weights).
+[N] targets, [V] weights). idempotency_key: names the upload (1-128 chars of
+[A-Za-z0-9_-], per tenant; None = none): an upload retried with the same key
+after an error whose outcome was unknown (DeadlineExceeded, Unavailable)
+returns the tensor the first attempt stored, if it did, instead of storing
+a second one.
 
-Raises InvalidArgument (dtype, shape or byte count), ResourceExhausted (over
-the memory budget or a quota), Unavailable, ... On any error nothing stays.)doc";
+Raises InvalidArgument (dtype, shape, byte count or key), ResourceExhausted
+(over the memory budget or a quota), AlreadyExists (the key names a stored
+tensor of another dtype, shape or label), Aborted (an upload with the key is
+in flight), Unavailable, ... On any error nothing stays.)doc";
 
 constexpr char kUploadFromDoc[] =
-    R"doc(upload_from(source, dtype, shape, *, label="") -> TensorInfo
+    R"doc(upload_from(source, dtype, shape, *, label="", idempotency_key=None) -> TensorInfo
 
 Stores a tensor whose bytes `source` produces piece by piece, for data not
 in host memory (a GPU tensor, a file being converted). source(offset, size,
@@ -750,7 +760,8 @@ buffer of `size` bytes to send instead (held until the upload returns).
 Calls come from the transfer's threads, holding the GIL, and together cover
 the tensor once; the next piece is produced while the previous one is sent.
 An exception from `source` stops the upload, nothing stays on the server,
-and the exception is raised here. Other errors as upload().)doc";
+and the exception is raised here. idempotency_key and other errors as
+upload().)doc";
 
 constexpr char kDownloadDoc[] =
     R"doc(download(handle, *, dtype=None, out=None) -> numpy.ndarray | out
@@ -1019,10 +1030,10 @@ PYBIND11_MODULE(_lossd, m) {
            "before its scratch buffers are freed.")
       .def("upload", &Upload, kUploadDoc, py::arg("data"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("shape") = py::none(),
-           py::arg("label") = "")
+           py::arg("label") = "", py::arg("idempotency_key") = py::none())
       .def("upload_from", &UploadFrom, kUploadFromDoc, py::arg("source"),
            py::arg("dtype"), py::arg("shape"), py::kw_only(),
-           py::arg("label") = "")
+           py::arg("label") = "", py::arg("idempotency_key") = py::none())
       .def("download", &Download, kDownloadDoc, py::arg("handle"),
            py::kw_only(), py::arg("dtype") = py::none(),
            py::arg("out") = py::none())
