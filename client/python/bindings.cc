@@ -596,7 +596,8 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
     logits_handle = logits.cast<std::string>();
   } else {
     logits_handle =
-        Upload(self, logits, py::none(), py::none(), "logits").handle;
+        Upload(self, logits, py::none(), py::none(), "logits", std::nullopt)
+            .handle;
   }
   Tensor targets_tensor;
   Targets targets;
