@@ -421,6 +421,11 @@ void TensorStore::BindUploadKey(const std::string& tenant,
                                 const std::string& handle) {
   absl::MutexLock lock(&mu_);
   UploadKey name(tenant, key);
+  // Released (or expired) between Publish and here: the key goes with it.
+  if (!tensors_.contains(handle)) {
+    upload_keys_.erase(name);
+    return;
+  }
   upload_keys_[name] = handle;
   handle_keys_.emplace(handle, std::move(name));
 }
