@@ -288,22 +288,33 @@ class Client {
   // striped upload, the first stripe's error that is not ABORTED or
   // CANCELLED by the others' failure). On any error the server keeps nothing.
   // `data` is only read during the call.
+  //
+  // `idempotency_key` (0-128 chars of [A-Za-z0-9_-], empty = none; see
+  // docs/api.md, Idempotency keys) names the upload: calling again with the
+  // same key after an error whose outcome was unknown (DEADLINE_EXCEEDED,
+  // UNAVAILABLE, a broken connection) returns the tensor the first call
+  // stored, if it did, instead of storing a second one (the server may answer
+  // before all bytes are sent). ALREADY_EXISTS: the key names a stored tensor
+  // of another dtype, shape or label; ABORTED: an upload with the key is
+  // still in flight.
   absl::StatusOr<TensorInfo> Upload(DType dtype,
                                     absl::Span<const int64_t> shape,
                                     const void* data, std::size_t bytes,
                                     const std::string& label = "",
-                                    const ProgressCallback& progress = nullptr);
+                                    const ProgressCallback& progress = nullptr,
+                                    const std::string& idempotency_key = "");
 
   // Uploads a tensor of `dtype` and `shape` whose bytes come from `source`
   // (see UploadSource), with Upload's transport choice: data connections for
   // one of at least stripe_min_bytes when the server offers them, else
   // stripes or one stream. While one piece is sent, the next piece of the
   // same connection is being produced. Errors as Upload, and the source's
-  // error; on any error the server keeps nothing.
+  // error; on any error the server keeps nothing. `idempotency_key` as
+  // Upload's.
   absl::StatusOr<TensorInfo> UploadFrom(
       DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-      const std::string& label = "",
-      const ProgressCallback& progress = nullptr);
+      const std::string& label = "", const ProgressCallback& progress = nullptr,
+      const std::string& idempotency_key = "");
 
   // Downloads a tensor, converted to `as_dtype` (kInvalid = as stored) and
   // with its pending grad_output applied, into `sink` (see DownloadSink),
@@ -478,22 +489,20 @@ class Client {
   std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
       DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
       std::size_t bytes, const std::string& label,
-      const ProgressCallback& progress);
+      const ProgressCallback& progress, const std::string& idempotency_key);
 
   // Upload as `stripes` parallel streams (stripes >= 2).
   absl::StatusOr<TensorInfo> UploadStriped(
       DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
       std::size_t bytes, const std::string& label, int stripes,
-      const ProgressCallback& progress);
+      const ProgressCallback& progress, const std::string& idempotency_key);
 
   // Upload and UploadFrom after their checks: `bytes` bytes from `source`
   // over data connections, stripes or one stream.
-  absl::StatusOr<TensorInfo> UploadPieces(DType dtype,
-                                          absl::Span<const int64_t> shape,
-                                          std::size_t bytes,
-                                          const UploadSource& source,
-                                          const std::string& label,
-                                          const ProgressCallback& progress);
+  absl::StatusOr<TensorInfo> UploadPieces(
+      DType dtype, absl::Span<const int64_t> shape, std::size_t bytes,
+      const UploadSource& source, const std::string& label,
+      const ProgressCallback& progress, const std::string& idempotency_key);
 
   const std::string target_;
   const ClientOptions options_;

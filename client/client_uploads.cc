@@ -81,7 +81,8 @@ absl::Status ForEachSourcePiece(
 // `chunk_bytes`, calling `on_sent` with each message's size once it is
 // written. Success: the stored tensor's metadata. Errors: the server's
 // status; the source's; DATA_LOSS when the server ended the stream OK before
-// taking every byte.
+// taking every byte (unless the header has an idempotency key: a retry is
+// answered from its header alone).
 absl::StatusOr<v1::TensorInfo> SendUpload(
     grpc::Channel* channel, grpc::ClientContext* context,
     const v1::TensorHeader& header, const UploadSource& source, int64_t begin,
@@ -141,7 +142,8 @@ absl::StatusOr<v1::TensorInfo> SendUpload(
   const grpc::Status finished = writer->Finish();
   if (!produced.ok() && sending) return produced;
   RETURN_IF_ERROR(ToAbsl(finished));
-  if (sent != end - begin) {
+  // A retry under an idempotency key may be answered from its header alone.
+  if (sent != end - begin && header.idempotency_key().empty()) {
     return absl::DataLossError(
         absl::StrCat("the server ended the upload after ", sent, " of ",
                      end - begin, " bytes"));
@@ -174,7 +176,8 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                                           absl::Span<const int64_t> shape,
                                           const void* data, std::size_t bytes,
                                           const std::string& label,
-                                          const ProgressCallback& progress) {
+                                          const ProgressCallback& progress,
+                                          const std::string& idempotency_key) {
   ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
   if (static_cast<uint64_t>(expected) != bytes) {
     return absl::InvalidArgumentError(
@@ -191,32 +194,34 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
       dtype, shape, bytes,
       [base](int64_t offset, std::size_t,
              void*) -> absl::StatusOr<const void*> { return base + offset; },
-      label, progress);
+      label, progress, idempotency_key);
 }
 
 absl::StatusOr<TensorInfo> Client::UploadFrom(
     DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-    const std::string& label, const ProgressCallback& progress) {
+    const std::string& label, const ProgressCallback& progress,
+    const std::string& idempotency_key) {
   ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
   if (!source) return absl::InvalidArgumentError("no upload source");
   return UploadPieces(dtype, shape, static_cast<std::size_t>(bytes), source,
-                      label, progress);
+                      label, progress, idempotency_key);
 }
 
 absl::StatusOr<TensorInfo> Client::UploadPieces(
     DType dtype, absl::Span<const int64_t> shape, std::size_t bytes,
     const UploadSource& source, const std::string& label,
-    const ProgressCallback& progress) {
+    const ProgressCallback& progress, const std::string& idempotency_key) {
   if (options_.data_connection && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
     std::optional<absl::StatusOr<TensorInfo>> uploaded =
-        UploadOverDataConnection(dtype, shape, source, bytes, label, progress);
+        UploadOverDataConnection(dtype, shape, source, bytes, label, progress,
+                                 idempotency_key);
     if (uploaded.has_value()) return *std::move(uploaded);
   }
   if (options_.upload_streams > 1 && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
     return UploadStriped(dtype, shape, source, bytes, label,
-                         options_.upload_streams, progress);
+                         options_.upload_streams, progress, idempotency_key);
   }
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
@@ -224,6 +229,7 @@ absl::StatusOr<TensorInfo> Client::UploadPieces(
   header.set_dtype(static_cast<v1::DType>(dtype));
   header.mutable_shape()->Add(shape.begin(), shape.end());
   header.set_label(label);
+  header.set_idempotency_key(idempotency_key);
   std::size_t sent = 0;
   Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
   ASSIGN_OR_RETURN(
@@ -246,7 +252,7 @@ absl::StatusOr<TensorInfo> Client::UploadPieces(
 std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
     DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     std::size_t bytes, const std::string& label,
-    const ProgressCallback& progress) {
+    const ProgressCallback& progress, const std::string& idempotency_key) {
   std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
   if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
@@ -261,6 +267,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   header->set_dtype(static_cast<v1::DType>(dtype));
   header->mutable_shape()->Add(shape.begin(), shape.end());
   header->set_label(label);
+  header->set_idempotency_key(idempotency_key);
   header->set_data_token(token);
   header->set_data_connections(connections);
   v1::UploadResponse response;
@@ -324,7 +331,10 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   const grpc::Status finished =
       FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
   closer.Close();
-  if (!sent.ok() &&
+  // A retry under an idempotency key may be answered OK from its header
+  // alone, the data connections closed unread.
+  const bool answered = finished.ok() && !idempotency_key.empty();
+  if (!sent.ok() && !answered &&
       (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
     return absl::StatusOr<TensorInfo>(sent);
   }
@@ -337,7 +347,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
 absl::StatusOr<TensorInfo> Client::UploadStriped(
     DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     std::size_t bytes, const std::string& label, int stripes,
-    const ProgressCallback& progress) {
+    const ProgressCallback& progress, const std::string& idempotency_key) {
   const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
   const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
   const int64_t piece = PieceBytes(options_, element_bytes);
@@ -346,6 +356,7 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
   header.set_dtype(static_cast<v1::DType>(dtype));
   header.mutable_shape()->Add(shape.begin(), shape.end());
   header.set_label(label);
+  header.set_idempotency_key(idempotency_key);
   header.mutable_stripe()->set_upload_id(RandomUploadId());
   header.mutable_stripe()->set_count(stripes);
 

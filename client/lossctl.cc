@@ -68,6 +68,10 @@ ABSL_FLAG(std::string, dtype, "",
           "(float32, bf16, float16); download: ask the server for this dtype");
 ABSL_FLAG(std::string, label, "",
           "upload: label of the tensor (at most 1024 bytes, one line)");
+ABSL_FLAG(std::string, idempotency_key, "",
+          "upload: names the upload (0-128 chars of [A-Za-z0-9_-]): running "
+          "the same upload again with the same key returns the tensor the "
+          "first run stored instead of storing a second one");
 ABSL_FLAG(bool, data_connection, true,
           "upload a tensor of at least --stripe_min_bytes, and send eval's "
           "blocks, over --upload_streams plain TCP connections to the "
@@ -130,7 +134,9 @@ commands:
   upload FILE                    store a tensor; prints its handle. FILE is
          [--dtype=bf16]          FILE.npy, FILE.safetensors (its only
          [--label=TEXT]          tensor) or FILE.safetensors:NAME; --dtype
-         [--near=HANDLE]         converts float data on the way (all cores)
+         [--near=HANDLE]         converts float data on the way (all cores);
+         [--idempotency_key=K]   the same K again returns the first run's
+                                 tensor instead of storing a second one
   forward LOGITS TARGETS         cross entropy; TARGETS is a handle or an
          [--reduction --ignore_index --label_smoothing --z_loss_scale
           --softcap --weights --mode --normalizer --grad_scale]
@@ -395,7 +401,8 @@ absl::Status Upload(RoutingClient& client,
                    client.UploadFrom(dtype, input->shape(),
                                      MakeUploadSource(*input, dtype, &Pool()),
                                      absl::GetFlag(FLAGS_label), bar.Callback(),
-                                     absl::GetFlag(FLAGS_near)));
+                                     absl::GetFlag(FLAGS_near),
+                                     absl::GetFlag(FLAGS_idempotency_key)));
   bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::fprintf(stderr,

@@ -508,17 +508,18 @@ absl::StatusOr<TensorInfo> RoutingClient::UploadColocated(
 absl::StatusOr<TensorInfo> RoutingClient::UploadFrom(
     DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
     const std::string& label, const ProgressCallback& progress,
-    const std::string& near) {
+    const std::string& near, const std::string& idempotency_key) {
   if (!near.empty()) {
     return OnOwner<TensorInfo>(near, [&](Client& client) {
-      return client.UploadFrom(dtype, shape, source, label, progress);
+      return client.UploadFrom(dtype, shape, source, label, progress,
+                               idempotency_key);
     });
   }
   return OnBest<TensorInfo>(
       [&](Endpoint& endpoint) -> absl::StatusOr<TensorInfo> {
-        ASSIGN_OR_RETURN(
-            TensorInfo info,
-            endpoint.client->UploadFrom(dtype, shape, source, label, progress));
+        ASSIGN_OR_RETURN(TensorInfo info, endpoint.client->UploadFrom(
+                                              dtype, shape, source, label,
+                                              progress, idempotency_key));
         NoteUpload(endpoint, info);
         return info;
       });

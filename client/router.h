@@ -114,10 +114,12 @@ class RoutingClient {
   // Client::UploadFrom, placed as Upload (the source may be asked again for
   // the same pieces when an instance is found UNAVAILABLE and the next one is
   // tried), or on the instance holding `near` when it is not empty.
+  // `idempotency_key` as Client::Upload's (an instance found UNAVAILABLE
+  // stored nothing, so the next one gets the same key).
   absl::StatusOr<TensorInfo> UploadFrom(
       DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
       const std::string& label = "", const ProgressCallback& progress = nullptr,
-      const std::string& near = "");
+      const std::string& near = "", const std::string& idempotency_key = "");
 
   // The handle methods of Client, sent to the handle's owner.
   absl::StatusOr<TensorInfo> DownloadTo(

@@ -14,6 +14,7 @@
 #include "server/end_link.h"
 #include "server/evaluation.h"
 #include "server/pipelined_read_reactor.h"
+#include "server/unparsed_request.h"
 #include "server/validation.h"
 
 namespace lossd {
@@ -47,7 +48,6 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       absl::MutexLock lock(&mu_);
       lanes_.clear();
     }
-    weights_ = ReadLease();
     admission_.Release();
     delete this;
   }
@@ -111,7 +111,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     if (!grpc::SerializationTraits<pb::EvaluateRequest>::Deserialize(buffer,
                                                                      &request)
              .ok()) {
-      return absl::InvalidArgumentError("a malformed EvaluateRequest");
+      return UnparsedRequestError(
+          "Evaluate", pb::EvaluateRequest::descriptor()->full_name());
     }
     switch (request.kind_case()) {
       case pb::EvaluateRequest::kHeader:
@@ -255,10 +256,15 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   }
 
   // Recorded before Finish, so that a client that has its status also sees it
-  // counted.
+  // counted. The class weights' lease ends before the client can see the
+  // status too: a Release it sends next frees their memory at once, instead
+  // of when gRPC gets round to OnDone. (Every path here has stopped the
+  // lanes' work: Complete and EndFromTransfer cleared them, Abandon cancelled
+  // the transfer first.)
   void FinishRpc(const grpc::Status& status) {
     rpc_->RecordRpc("Evaluate", status.error_code(), start_,
                     admission_.tenant());
+    weights_ = ReadLease();
     Finish(status);
   }
 

@@ -14,6 +14,7 @@
 #include "common/tensor_math.h"
 #include "server/download_reactor.h"
 #include "server/evaluate_reactor.h"
+#include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
 #include "server/validation.h"
 
@@ -84,6 +85,13 @@ LossdService::LossdService(TensorStore* store, ServiceOptions options,
   // (upload_reactor.h, evaluate_reactor.h).
   InstallRawClientStreaming("Upload", &NewUploadReactor);
   InstallRawClientStreaming("Evaluate", &NewEvaluateReactor);
+  InstallServerStreaming("Download", &LossdService::Download);
+  InstallUnary("Describe", &LossdService::Describe);
+  InstallUnary("List", &LossdService::List);
+  InstallUnary("Release", &LossdService::Release);
+  InstallUnary("Forward", &LossdService::Forward);
+  InstallUnary("Backward", &LossdService::Backward);
+  InstallUnary("GetServerInfo", &LossdService::GetServerInfo);
 }
 
 LossdService::~LossdService() = default;
@@ -121,6 +129,61 @@ void LossdService::InstallRawClientStreaming(const char* method,
                           grpc::ByteBuffer* response) {
             return factory(&rpc_, context, response);
           }));
+}
+
+template <typename Request, typename Response>
+void LossdService::InstallUnary(
+    const char* method,
+    grpc::ServerUnaryReactor* (LossdService::*serve)(
+        grpc::CallbackServerContext*, const Request*, Response*)) {
+  const int index = MethodIndex(method);
+  if (index < 0) return;  // never: the names are the proto's
+  using Handler = grpc::internal::CallbackUnaryHandler<Request, Response>;
+  MarkMethodCallback(
+      index,
+      new RefuseUnparsedHandler<Handler>(
+          std::make_unique<Handler>(
+              [this, serve](grpc::CallbackServerContext* context,
+                            const Request* request, Response* response) {
+                return (this->*serve)(context, request, response);
+              }),
+          std::make_unique<Handler>(
+              [this, method](grpc::CallbackServerContext* context,
+                             const Request* /*unparsed*/,
+                             Response* /*response*/) {
+                rpc_.RecordRpc(method, grpc::StatusCode::INTERNAL, absl::Now());
+                return FinishUnary(
+                    context, UnparsedRequestError(
+                                 method, Request::descriptor()->full_name()));
+              })));
+}
+
+template <typename Request, typename Response>
+void LossdService::InstallServerStreaming(
+    const char* method,
+    grpc::ServerWriteReactor<Response>* (LossdService::*serve)(
+        grpc::CallbackServerContext*, const Request*)) {
+  const int index = MethodIndex(method);
+  if (index < 0) return;  // never: the names are the proto's
+  using Handler =
+      grpc::internal::CallbackServerStreamingHandler<Request, Response>;
+  MarkMethodCallback(
+      index, new RefuseUnparsedHandler<Handler>(
+                 std::make_unique<Handler>(
+                     [this, serve](grpc::CallbackServerContext* context,
+                                   const Request* request) {
+                       return (this->*serve)(context, request);
+                     }),
+                 std::make_unique<Handler>(
+                     [this, method](grpc::CallbackServerContext* /*context*/,
+                                    const Request* /*unparsed*/)
+                         -> grpc::ServerWriteReactor<Response>* {
+                       rpc_.RecordRpc(method, grpc::StatusCode::INTERNAL,
+                                      absl::Now());
+                       return new RefusingWriteReactor<Response>(
+                           ToGrpcStatus(UnparsedRequestError(
+                               method, Request::descriptor()->full_name())));
+                     })));
 }
 
 void LossdService::FillServerInfo(pb::ServerInfo* info) const {

@@ -80,6 +80,20 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   // Serves the client-streaming method `method` on raw ByteBuffers with the
   // reactors `factory` makes, in place of the generated (parsing) handler.
   void InstallRawClientStreaming(const char* method, RawReactorFactory factory);
+  // Serves the unary (server-streaming) method `method` with `serve`, and
+  // answers a request that does not parse with UnparsedRequestError
+  // (unparsed_request.h) instead of gRPC's bare UNIMPLEMENTED. Every method
+  // with a parsed request is installed through one of these.
+  template <typename Request, typename Response>
+  void InstallUnary(const char* method,
+                    grpc::ServerUnaryReactor* (LossdService::*serve)(
+                        grpc::CallbackServerContext*, const Request*,
+                        Response*));
+  template <typename Request, typename Response>
+  void InstallServerStreaming(
+      const char* method,
+      grpc::ServerWriteReactor<Response>* (LossdService::*serve)(
+          grpc::CallbackServerContext*, const Request*));
 
   void FillServerInfo(lossd::v1::ServerInfo* info) const;
   absl::Status DoDescribe(const std::string& tenant,

@@ -35,13 +35,16 @@ absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
         "; a new upload needs a new upload_id"));
   }
   if (header.dtype != header_.dtype || header.shape != header_.shape ||
-      header.label != header_.label || header.count != header_.count) {
+      header.label != header_.label || header.count != header_.count ||
+      header.idempotency_key != header_.idempotency_key) {
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe ", index, " of striped upload ", upload_id_, " says ",
         DTypeName(header.dtype), " ", ShapeString(header.shape), " label ",
-        Echo(header.label), " in ", header.count, " stripes; the upload is ",
+        Echo(header.label), " idempotency_key ", Echo(header.idempotency_key),
+        " in ", header.count, " stripes; the upload is ",
         DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label ",
-        Echo(header_.label), " in ", header_.count, " stripes"));
+        Echo(header_.label), " idempotency_key ",
+        Echo(header_.idempotency_key), " in ", header_.count, " stripes"));
   }
   if (links_[static_cast<size_t>(index)] != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -145,7 +148,8 @@ absl::StatusOr<StripedUploads::Attached> StripedUploads::Attach(
       if (!may_create) return DrainingError();
       ASSIGN_OR_RETURN(
           std::unique_ptr<PendingTensor> pending,
-          store_->Create(tenant, header.dtype, header.shape, header.label));
+          store_->Create(tenant, header.dtype, header.shape, header.label,
+                         TensorState::kLogits, header.idempotency_key));
       auto assembly = std::make_shared<StripeAssembly>(
           key, stripe.upload_id, header,
           std::shared_ptr<PendingTensor>(std::move(pending)),

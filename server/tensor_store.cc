@@ -274,7 +274,11 @@ PendingTensor::PendingTensor(TensorStore* store, std::string tenant,
       bytes_(*StoredTensorBytes(dtype_, shape_)),
       allocation_(std::move(allocation)) {}
 
-PendingTensor::~PendingTensor() = default;
+PendingTensor::~PendingTensor() {
+  if (!committed_ && !idempotency_key_.empty()) {
+    store_->FreeUploadKey(tenant_, idempotency_key_);
+  }
+}
 
 void* PendingTensor::data() const { return allocation_->data(); }
 
@@ -308,8 +312,13 @@ absl::StatusOr<std::shared_ptr<Tensor>> PendingTensor::Commit(
   }
   RETURN_IF_ERROR(allocation_->device()->FinishWrites(allocation_->data()));
   committed_ = true;
-  return store_->Publish(tenant_, label_, dtype_, shape_, state_,
-                         std::move(allocation_), gradient_reduction);
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
+                   store_->Publish(tenant_, label_, dtype_, shape_, state_,
+                                   std::move(allocation_), gradient_reduction));
+  if (!idempotency_key_.empty()) {
+    store_->BindUploadKey(tenant_, idempotency_key_, tensor->handle());
+  }
+  return tensor;
 }
 
 // ---------------------------------------------------------------- store
@@ -335,9 +344,28 @@ std::string TensorStore::NewHandle() const {
 
 absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
     const std::string& tenant, DType dtype, std::vector<int64_t> shape,
-    std::string label, TensorState state) {
+    std::string label, TensorState state, const std::string& idempotency_key) {
   ASSIGN_OR_RETURN(const int64_t bytes, StoredTensorBytes(dtype, shape));
   MaybeSweep();
+  if (!idempotency_key.empty()) {
+    absl::MutexLock lock(&mu_);
+    auto [it, claimed] =
+        upload_keys_.try_emplace(UploadKey(tenant, idempotency_key), "");
+    if (!claimed) {
+      return absl::AbortedError(absl::StrCat(
+          "idempotency_key '", idempotency_key, "' ",
+          it->second.empty()
+              ? "is taken by an upload in flight; retry when it has ended"
+              : "was just taken by an upload that completed; retry to get "
+                "its tensor"));
+    }
+  }
+  // From here on a failure frees the key again (the pending tensor that
+  // would hold it is not made).
+  auto free_key = [&](absl::Status status) {
+    if (!idempotency_key.empty()) FreeUploadKey(tenant, idempotency_key);
+    return status;
+  };
   // The tenant's quota first: a tenant over its own limit learns that, not
   // how full the device is. The quota counts what the tensor keeps on the
   // host too (its label and bookkeeping): many tiny tensors with long labels
@@ -349,26 +377,76 @@ absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Create(
     absl::StatusOr<QuotaCharge> charged_or =
         options_.quotas->ChargeTensor(tenant, charged);
     if (!charged_or.ok()) {
-      return absl::Status(
+      return free_key(absl::Status(
           charged_or.status().code(),
           absl::StrCat(charged_or.status().message(), "; a tensor counts ",
                        "its bytes (", bytes, "), its label's (", label.size(),
                        ") and ", kTensorBookkeepingBytes,
-                       " bytes of bookkeeping"));
+                       " bytes of bookkeeping")));
     }
     charge = *std::move(charged_or);
   }
-  RETURN_IF_ERROR(account_->Reserve(bytes));
+  if (absl::Status reserved = account_->Reserve(bytes); !reserved.ok()) {
+    return free_key(reserved);
+  }
   absl::StatusOr<void*> data = device_->Allocate(static_cast<size_t>(bytes));
   if (!data.ok()) {
     account_->Return(bytes);
-    return data.status();
+    return free_key(data.status());
   }
   auto allocation = std::make_shared<internal::Allocation>(
       device_, *data, bytes, account_, std::move(charge));
-  return std::unique_ptr<PendingTensor>(
+  std::unique_ptr<PendingTensor> pending(
       new PendingTensor(this, tenant, std::move(label), dtype, std::move(shape),
                         state, std::move(allocation)));
+  pending->idempotency_key_ = idempotency_key;
+  return pending;
+}
+
+absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::FindUpload(
+    const std::string& tenant, const std::string& idempotency_key, DType dtype,
+    const std::vector<int64_t>& shape, const std::string& label) {
+  MaybeSweep();
+  std::string handle;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = upload_keys_.find(UploadKey(tenant, idempotency_key));
+    if (it == upload_keys_.end() || it->second.empty()) return nullptr;
+    handle = it->second;
+  }
+  // Touches it; a Release or expiry since the lookup took the key with it.
+  absl::StatusOr<std::shared_ptr<Tensor>> tensor = Get(tenant, handle);
+  if (!tensor.ok()) return nullptr;
+  const TensorRecord info = (*tensor)->Info();
+  if (info.dtype != dtype || info.shape != shape || info.label != label) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "idempotency_key '", idempotency_key, "' names tensor ", handle, ", ",
+        DTypeName(info.dtype), " ", ShapeString(info.shape), " label '",
+        info.label, "'; this upload is ", DTypeName(dtype), " ",
+        ShapeString(shape), " label '", label,
+        "' (a new upload needs a new key)"));
+  }
+  return tensor;
+}
+
+void TensorStore::BindUploadKey(const std::string& tenant,
+                                const std::string& key,
+                                const std::string& handle) {
+  absl::MutexLock lock(&mu_);
+  UploadKey name(tenant, key);
+  // Released (or expired) between Publish and here: the key goes with it.
+  if (!tensors_.contains(handle)) {
+    upload_keys_.erase(name);
+    return;
+  }
+  upload_keys_[name] = handle;
+  handle_keys_.emplace(handle, std::move(name));
+}
+
+void TensorStore::FreeUploadKey(const std::string& tenant,
+                                const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  upload_keys_.erase(UploadKey(tenant, key));
 }
 
 absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(int64_t bytes) {
@@ -455,6 +533,11 @@ absl::StatusOr<int64_t> TensorStore::Release(const std::string& tenant,
 }
 
 void TensorStore::ForgetLocked(const std::string& handle, const char* reason) {
+  // An idempotency key names its tensor for the tensor's life only.
+  if (auto keyed = handle_keys_.find(handle); keyed != handle_keys_.end()) {
+    upload_keys_.erase(keyed->second);
+    handle_keys_.erase(keyed);
+  }
   if (options_.remembered_handles == 0) return;
   if (gone_.emplace(handle, reason).second) gone_order_.push_back(handle);
   while (gone_order_.size() > options_.remembered_handles) {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -256,6 +257,10 @@ class PendingTensor {
 
  private:
   friend class TensorStore;
+  // The upload's idempotency key (empty: none), claimed in the store from
+  // Create on: the committed tensor takes it over; otherwise destruction
+  // frees it.
+  std::string idempotency_key_;
   PendingTensor(TensorStore* store, std::string tenant, std::string label,
                 DType dtype, std::vector<int64_t> shape, TensorState state,
                 std::shared_ptr<internal::Allocation> allocation);
@@ -309,9 +314,26 @@ class TensorStore {
   // its numbers) when it passes the tenant's quota, which is charged the
   // tensor's bytes, the label's bytes and kTensorBookkeepingBytes. The label
   // is the caller's to bound. The caller owns the result.
+  //
+  // With an `idempotency_key` (an upload's, non-empty), the pending tensor
+  // claims the key among `tenant`'s: its tensor, once committed, is what the
+  // key names until it is released or expires (FindUpload); a pending tensor
+  // destroyed uncommitted frees the key. ABORTED (nothing reserved) when the
+  // key is claimed already: by an upload in flight, or by a stored tensor
+  // (an upload that committed after the caller's FindUpload).
   absl::StatusOr<std::unique_ptr<PendingTensor>> Create(
       const std::string& tenant, DType dtype, std::vector<int64_t> shape,
-      std::string label, TensorState state = TensorState::kLogits);
+      std::string label, TensorState state = TensorState::kLogits,
+      const std::string& idempotency_key = "");
+
+  // The stored tensor that `tenant`'s upload with `idempotency_key` committed
+  // (touched as used), or null when the key names none (never used, its
+  // tensor released or expired, or its upload still in flight: Create then
+  // says ABORTED). ALREADY_EXISTS when the tensor's dtype, shape or label are
+  // not `dtype`, `shape` and `label` (the message names both).
+  absl::StatusOr<std::shared_ptr<Tensor>> FindUpload(
+      const std::string& tenant, const std::string& idempotency_key,
+      DType dtype, const std::vector<int64_t>& shape, const std::string& label);
 
   // Allocates `bytes` (> 0) of working memory on the device under the
   // budget. RESOURCE_EXHAUSTED as Create.
@@ -385,6 +407,12 @@ class TensorStore {
       std::shared_ptr<internal::Allocation> allocation, Reduction reduction);
   void ForgetLocked(const std::string& handle, const char* reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pending tensor with an idempotency key was committed as `handle`
+  // (BindUploadKey) or dropped (FreeUploadKey).
+  void BindUploadKey(const std::string& tenant, const std::string& key,
+                     const std::string& handle) ABSL_LOCKS_EXCLUDED(mu_);
+  void FreeUploadKey(const std::string& tenant, const std::string& key)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void MaybeSweep() ABSL_LOCKS_EXCLUDED(mu_);
 
   Device* const device_;
@@ -400,6 +428,12 @@ class TensorStore {
   absl::flat_hash_map<std::string, const char*> gone_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_);
+  // Uploads' idempotency keys, per tenant: (tenant, key) -> the handle of
+  // the tensor committed under it, or "" while its upload is in flight; and
+  // back from handle to (tenant, key), to forget a key with its tensor.
+  using UploadKey = std::pair<std::string, std::string>;
+  absl::flat_hash_map<UploadKey, std::string> upload_keys_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, UploadKey> handle_keys_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace lossd

@@ -17,6 +17,7 @@
 #include "server/data_plane.h"
 #include "server/pipelined_read_reactor.h"
 #include "server/striped_uploads.h"
+#include "server/unparsed_request.h"
 #include "server/validation.h"
 
 namespace lossd {
@@ -165,7 +166,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     if (!grpc::SerializationTraits<pb::UploadRequest>::Deserialize(buffer,
                                                                    &request)
              .ok()) {
-      return absl::InvalidArgumentError("a malformed UploadRequest");
+      return UnparsedRequestError("Upload",
+                                  pb::UploadRequest::descriptor()->full_name());
     }
     switch (request.kind_case()) {
       case pb::UploadRequest::kHeader: {
@@ -201,13 +203,36 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     }
     if (admission_.draining()) return DrainingError();
     ASSIGN_OR_RETURN(TensorSpec spec, ValidateTensorHeader(header));
+    RETURN_IF_ERROR(ValidateIdempotencyKey(header.idempotency_key()));
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the bytes as chunks"));
+    if (!header.idempotency_key().empty()) {
+      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> stored,
+                       rpc_->store()->FindUpload(
+                           admission_.tenant(), header.idempotency_key(),
+                           spec.dtype, spec.shape, header.label()));
+      if (stored != nullptr) return AnswerWithStored(*stored, header);
+    }
     ASSIGN_OR_RETURN(
-        pending_, rpc_->store()->Create(admission_.tenant(), spec.dtype,
-                                        std::move(spec.shape), header.label()));
+        pending_,
+        rpc_->store()->Create(admission_.tenant(), spec.dtype,
+                              std::move(spec.shape), header.label(),
+                              TensorState::kLogits, header.idempotency_key()));
     if (!header.data_token().empty()) return ExpectData(header);
+    return absl::OkStatus();
+  }
+
+  // A retry of an upload that stored `stored` under the header's
+  // idempotency_key: answered with that tensor at once, whatever bytes the
+  // client still sends (its data connections are closed as they come).
+  absl::Status AnswerWithStored(const Tensor& stored,
+                                const pb::TensorHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    RefuseDataToken(*rpc_, header.data_token());
+    RETURN_IF_ERROR(Respond(stored.Info()));
+    MarkFinished();
+    End(grpc::Status::OK);
     return absl::OkStatus();
   }
 
@@ -242,16 +267,36 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
                      ValidateUploadStripe(header.stripe()));
     StripedUploads* const stripes = rpc_->stripes();
     absl::StatusOr<TensorSpec> spec = ValidateTensorHeader(header);
+    if (spec.ok()) {
+      if (absl::Status key = ValidateIdempotencyKey(header.idempotency_key());
+          !key.ok()) {
+        spec = key;
+      }
+    }
     if (!spec.ok()) {
       stripes->FailIfOpen(admission_.tenant(), stripe.upload_id,
                           StripeCause(stripe.index, spec.status()));
       return spec.status();
+    }
+    if (!header.idempotency_key().empty()) {
+      // Each stripe of a retry is answered with the stored tensor alone.
+      absl::StatusOr<std::shared_ptr<Tensor>> stored =
+          rpc_->store()->FindUpload(admission_.tenant(),
+                                    header.idempotency_key(), spec->dtype,
+                                    spec->shape, header.label());
+      if (!stored.ok()) {
+        stripes->FailIfOpen(admission_.tenant(), stripe.upload_id,
+                            StripeCause(stripe.index, stored.status()));
+        return stored.status();
+      }
+      if (*stored != nullptr) return AnswerWithStored(**stored, header);
     }
     StripeHeader shared;
     shared.dtype = spec->dtype;
     shared.shape = std::move(spec->shape);
     shared.label = header.label();
     shared.count = stripe.count;
+    shared.idempotency_key = header.idempotency_key();
     link_ = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(StripedUploads::Attached attached,
                      stripes->Attach(admission_.tenant(), stripe, shared, link_,

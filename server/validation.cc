@@ -435,4 +435,24 @@ absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
   return rows;
 }
 
+absl::Status ValidateIdempotencyKey(const std::string& key) {
+  if (key.size() > kMaxIdempotencyKeyLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "idempotency_key must have at most ", kMaxIdempotencyKeyLength,
+        " characters, got ", key.size()));
+  }
+  for (size_t i = 0; i < key.size(); ++i) {
+    const char c = key[i];
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "idempotency_key may only hold the characters [A-Za-z0-9_-], got '",
+          absl::CHexEscape(absl::string_view(&key[i], 1)), "' at position ",
+          i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace lossd

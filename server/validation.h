@@ -202,6 +202,15 @@ absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
                                               int64_t targets_bytes,
                                               int64_t index);
 
+// The longest TensorHeader.idempotency_key (a UUID has 36 characters).
+inline constexpr size_t kMaxIdempotencyKeyLength = 128;
+
+// INVALID_ARGUMENT: an idempotency_key longer than kMaxIdempotencyKeyLength
+// or with a character outside [A-Za-z0-9_-] (empty is allowed: no key). The
+// message names the length or the first such character and its position.
+// Thread-safe.
+absl::Status ValidateIdempotencyKey(const std::string& key);
+
 }  // namespace lossd
 
 #endif  // LOSSD_SERVER_VALIDATION_H_

@@ -69,7 +69,7 @@ the gRPC code and message. Methods may be called from several threads.
 Usable as a context manager (close() on exit).)doc";
 
 constexpr char kUploadDoc[] =
-    R"doc(upload(data, *, dtype=None, shape=None, label="") -> TensorInfo
+    R"doc(upload(data, *, dtype=None, shape=None, label="", idempotency_key=None) -> TensorInfo
 
 Stores a tensor on the server and returns its TensorInfo (.handle names it).
 data: any C-contiguous buffer (numpy array, memoryview, bytes) or CPU
@@ -77,13 +77,19 @@ torch.Tensor; its memory is sent as it lies, without a copy. dtype: "float32",
 "bf16", "float16", "int32", "int64" (or a numpy/torch dtype); default from
 the buffer (a torch.bfloat16 tensor is bf16; bf16 in a numpy uint16/int16
 array needs dtype="bf16"). shape: default the buffer's ([N, V] logits,
-[N] targets, [V] weights).
+[N] targets, [V] weights). idempotency_key: names the upload (1-128 chars of
+[A-Za-z0-9_-], per tenant; None = none): an upload retried with the same key
+after an error whose outcome was unknown (DeadlineExceeded, Unavailable)
+returns the tensor the first attempt stored, if it did, instead of storing
+a second one.
 
-Raises InvalidArgument (dtype, shape or byte count), ResourceExhausted (over
-the memory budget or a quota), Unavailable, ... On any error nothing stays.)doc";
+Raises InvalidArgument (dtype, shape, byte count or key), ResourceExhausted
+(over the memory budget or a quota), AlreadyExists (the key names a stored
+tensor of another dtype, shape or label), Aborted (an upload with the key is
+in flight), Unavailable, ... On any error nothing stays.)doc";
 
 constexpr char kUploadFromDoc[] =
-    R"doc(upload_from(source, dtype, shape, *, label="") -> TensorInfo
+    R"doc(upload_from(source, dtype, shape, *, label="", idempotency_key=None) -> TensorInfo
 
 Stores a tensor whose bytes `source` produces piece by piece, for data not
 in host memory (a GPU tensor, a file being converted). source(offset, size,
@@ -95,7 +101,8 @@ buffer of `size` bytes to send instead (held until the upload returns).
 Calls come from the transfer's threads, holding the GIL, and together cover
 the tensor once; the next piece is produced while the previous one is sent.
 An exception from `source` stops the upload, nothing stays on the server,
-and the exception is raised here. Other errors as upload().)doc";
+and the exception is raised here. idempotency_key and other errors as
+upload().)doc";
 
 constexpr char kDownloadDoc[] =
     R"doc(download(handle, *, dtype=None, out=None) -> numpy.ndarray | out
@@ -353,10 +360,10 @@ PYBIND11_MODULE(_lossd, m) {
            "before its scratch buffers are freed.")
       .def("upload", &Upload, kUploadDoc, py::arg("data"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("shape") = py::none(),
-           py::arg("label") = "")
+           py::arg("label") = "", py::arg("idempotency_key") = py::none())
       .def("upload_from", &UploadFrom, kUploadFromDoc, py::arg("source"),
            py::arg("dtype"), py::arg("shape"), py::kw_only(),
-           py::arg("label") = "")
+           py::arg("label") = "", py::arg("idempotency_key") = py::none())
       .def("download", &Download, kDownloadDoc, py::arg("handle"),
            py::kw_only(), py::arg("dtype") = py::none(),
            py::arg("out") = py::none())

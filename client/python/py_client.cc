@@ -94,21 +94,24 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 }  // namespace
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
-                  py::handle shape, const std::string& label) {
+                  py::handle shape, const std::string& label,
+                  const std::optional<std::string>& idempotency_key) {
   std::shared_ptr<Client> client = self.Get();
   Tensor tensor = TensorFromObject(data, dtype, shape, "upload");
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
     info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
-                          tensor.buffer->bytes(), label);
+                          tensor.buffer->bytes(), label, nullptr,
+                          idempotency_key.value_or(""));
   }
   return ValueOrThrow(std::move(info));
 }
 
 TensorInfo UploadFrom(PyClient& self, const py::function& source,
                       py::handle dtype, const std::vector<int64_t>& shape,
-                      const std::string& label) {
+                      const std::string& label,
+                      const std::optional<std::string>& idempotency_key) {
   std::shared_ptr<Client> client = self.Get();
   const DType parsed = ParseDType(dtype);
   if (parsed == DType::kInvalid) ThrowInvalid("upload_from needs a dtype");
@@ -141,7 +144,8 @@ TensorInfo UploadFrom(PyClient& self, const py::function& source,
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
-    info = client->UploadFrom(parsed, shape, adapter, label);
+    info = client->UploadFrom(parsed, shape, adapter, label, nullptr,
+                              idempotency_key.value_or(""));
   }
   failure.RaiseIfAny();
   return ValueOrThrow(std::move(info));
@@ -244,7 +248,8 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
     logits_handle = logits.cast<std::string>();
   } else {
     logits_handle =
-        Upload(self, logits, py::none(), py::none(), "logits").handle;
+        Upload(self, logits, py::none(), py::none(), "logits", std::nullopt)
+            .handle;
   }
   Tensor targets_tensor;
   Targets targets;

