@@ -2,9 +2,12 @@
 // device-to-device copy bandwidth, then each configuration as a ratio to it,
 // with the share of each measurement the board spent at its power limit.
 // Usage: cross_entropy_bench [--sweep] [--profile] [--forward | --gradient]
-//                            [--bf16] [--out=RESULTS.md]
+//                            [--bf16] [--label_smoothing=EPS]
+//                            [--out=RESULTS.md]
 // --sweep also runs every schedule that can take each configuration (the
 // variants and knobs of the experiments are gone: bench/NOTES.md).
+// --label_smoothing runs every configuration with that option, i.e. on the
+// schedules of general options.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -173,6 +176,7 @@ int main(int argc, char** argv) {
   bool forward = false;        // forward-only configurations only
   bool gradient_only = false;  // forward+gradient configurations only
   bool bf16_only = false;      // bf16 configurations only
+  float label_smoothing = 0.0f;
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
@@ -181,6 +185,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
     if (std::strcmp(argv[i], "--forward") == 0) forward = true;
     if (std::strcmp(argv[i], "--bf16") == 0) bf16_only = true;
+    if (std::strncmp(argv[i], "--label_smoothing=", 18) == 0) {
+      label_smoothing = std::strtof(argv[i] + 18, nullptr);
+    }
   }
   const int kWarmup = 3;
   const int kRuns = profile ? 2 : 25;
@@ -358,6 +365,7 @@ int main(int argc, char** argv) {
     args.targets = targets;
     args.targets_dtype = DType::kInt64;
     args.mode = c.mode;
+    args.options.label_smoothing = label_smoothing;
     args.gradient = c.mode == GradientMode::kInPlace ? work : grad;
     // (name, config): auto first, then with --sweep every schedule by name
     // (those that cannot take the configuration say so).
@@ -466,7 +474,8 @@ int main(int argc, char** argv) {
         "Median of %d runs after %d warm-ups (and at least 100 ms of them), "
         "CUDA events, random "
         "logits in [-8, 8), a fresh copy of the logits before every "
-        "run (not timed), 2%% ignored rows, mean reduction. Bytes: one "
+        "run (not timed), 2%% ignored rows, mean reduction, label smoothing "
+        "%g. Bytes: one "
         "read + one write of the logits (forward-only: one read).\n\n"
         "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s** "
         "(power-capped %s); for "
@@ -476,9 +485,9 @@ int main(int argc, char** argv) {
         "\"power-capped\": the share of the measurement's time (warm-up "
         "included) that the board spent held at its power limit (NVML's "
         "power violation time), which lowers the SM clock.\n\n%s",
-        date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
-        CappedText(copy_capped_pct).c_str(), read_gbs,
-        100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
+        date, prop.name, prop.multiProcessorCount, kRuns, kWarmup,
+        label_smoothing, copy_gbs, CappedText(copy_capped_pct).c_str(),
+        read_gbs, 100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
     std::fclose(f);
   }
   return 0;

@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
         const int c = e + j;
         const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
-        float gz = Exp2(fmaf(z, kLog2e, -lse_log2e)) * rm.a + rm.b * wc;
+        float gz = OtherGrad<T>(rm, z, wc);
         if (q == yq && j == yj) gz = rm.gy;
         g[j] = valid ? gz * dfac : 0.0f;
       } else {

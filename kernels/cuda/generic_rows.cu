@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
     float z = Tr::Load(in + i);
     if (c > 0) z = SoftcapZ(z, c, &dfac);
     const float wc = p.weights ? p.weights[i] : 1.0f;
-    float gz = Exp2(fmaf(z, kLog2e, -rm.lse_l2)) * rm.a + rm.b * wc;
+    float gz = OtherGrad<T>(rm, z, wc);
     if (valid && i == y) gz = rm.gy;
     Tr::Store(out + i, valid ? gz * dfac : 0.0f);
   }

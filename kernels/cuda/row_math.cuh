@@ -112,6 +112,12 @@ struct RowMath {
   float gy;      // dz_y, computed without cancellation
   float loss;
   float zloss;
+  // Label smoothing: dz_c = -b w_c expm1(z_c - cut - ln w_c) with cut = lse +
+  // ln(eps / (A V)) as cut_hi + cut_lo, for the c where p_c A and eps w_c / V
+  // cancel (CancelledGrad); cancel_b = |b|, or 0 where nothing cancels.
+  float cut_hi;
+  float cut_lo;
+  float cancel_b;
 };
 
 __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
@@ -155,12 +161,60 @@ __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
   const bool use_em1 =
       fabsf(big_a * em1) + fabsf(a_minus_b) <= fabsf(big_a * py) + fabsf(big_b);
   r.gy = s * (use_em1 ? fmaf(big_a, em1, a_minus_b) : fmaf(big_a, py, -big_b));
+  r.cut_hi = 0.0f;
+  r.cut_lo = 0.0f;
+  r.cancel_b = 0.0f;
+  if (p.eps > 0.0f && valid) {
+    // In fp64, once a row: the fp32 rounding of log1p(t) alone is ~1e-7 of
+    // lse, which a cancellation of 1e-5 makes 1e-2 of dz_c (2 bf16 ulps).
+    const double lse =
+        static_cast<double>(st.m) + log1p(static_cast<double>(st.t));
+    const double v = static_cast<double>(p.vocab);
+    const double big_a_d = (1.0 - p.eps) * static_cast<double>(wy) +
+                           p.eps * static_cast<double>(h.weight_total) / v +
+                           2.0 * static_cast<double>(p.zls) * lse;
+    const double cut = lse + log(p.eps / (big_a_d * v));
+    // A <= 0: p_c A and -eps w_c / V have one sign, nothing cancels.
+    if (big_a_d > 0.0 && isfinite(cut)) {
+      r.cut_hi = static_cast<float>(cut);
+      r.cut_lo = static_cast<float>(cut - static_cast<double>(r.cut_hi));
+      r.cancel_b = fabsf(r.b);
+    }
+  }
   r.zloss = valid ? p.zls * r.lse * r.lse : 0.0f;
   r.loss = valid ? -(1.0f - p.eps) * wy * zy_minus_lse +
                        p.eps * inv_v * (r.lse * h.weight_total - st.sum_wz) +
                        r.zloss
                  : 0.0f;
   return r;
+}
+
+// dz_c = p_c a + b w_c where the two cancel (|dz_c| < |b w_c| / 64 or so):
+// p_c carries the rounding of its exponent's argument (up to 2^-20 of p_c at
+// |log2 p_c| ~ 20) and of Exp2, which the cancellation multiplies by
+// |b w_c / dz_c|. The same value as -b w_c (A V p_c / (eps w_c) - 1) =
+// -b w_c expm1(d), d = (z_c - cut) - ln w_c, has z_c - cut_hi exact (Sterbenz)
+// and keeps the digits of d. Out of line: rare, and the hot loops keep their
+// registers (plain values: a reference would put RowMath on the stack).
+inline __device__ __noinline__ float CancelledGrad(float b, float cut_hi,
+                                                   float cut_lo, float z,
+                                                   float wc, float fast) {
+  if (!(wc > 0.0f)) return fast;
+  float d = __fsub_rn(__fsub_rn(z, cut_hi), cut_lo);
+  if (wc != 1.0f) d = __fsub_rn(d, logf(wc));
+  return -b * wc * expm1f(d);
+}
+
+// dz_c for c != y (before the softcap factor): the fast form, and where it
+// cancels by more than the dtype's Traits<T>::kCancelCut, CancelledGrad.
+template <typename T>
+__device__ __forceinline__ float OtherGrad(const RowMath& r, float z,
+                                           float wc) {
+  const float fast = Exp2(fmaf(z, kLog2e, -r.lse_l2)) * r.a + r.b * wc;
+  if (fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut) {
+    return CancelledGrad(r.b, r.cut_hi, r.cut_lo, z, wc, fast);
+  }
+  return fast;
 }
 
 __device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
