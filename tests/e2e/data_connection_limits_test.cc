@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -292,6 +293,42 @@ TEST_F(DataConnectionLimitsTest, IdleConnectionsDoNotDelayUploads) {
   }
   EXPECT_GE(absl::Now() - opened, absl::Milliseconds(900));
   EXPECT_TRUE(AwaitUnauthenticated(*server_->data_plane(), 0));
+}
+
+// An Evaluate whose rows are INT64_MAX - 3 bytes of fp32 logits (vocab
+// INT64_MAX / 4, a valid header) and 8 of target: a frame over a data
+// connection cannot hold one row, and the message gives the two sizes as they
+// are, not their wrapped sum.
+TEST_F(DataConnectionLimitsTest, EvaluateRowsAtTheInt64Limit) {
+  Start();
+  const std::string token = Token('v');
+  grpc::ClientContext context;
+  pb::EvaluateResponse response;
+  std::unique_ptr<grpc::ClientWriter<pb::EvaluateRequest>> writer =
+      stub_->Evaluate(&context, &response);
+  pb::EvaluateRequest request;
+  pb::EvaluateHeader* header = request.mutable_header();
+  header->set_vocab(std::numeric_limits<int64_t>::max() / 4);
+  header->set_logits_dtype(pb::DTYPE_FLOAT32);
+  header->set_targets_dtype(pb::DTYPE_INT64);
+  header->set_data_token(token);
+  header->set_data_connections(1);
+  ASSERT_TRUE(writer->Write(request));
+  ASSERT_TRUE(writer->WritesDone());
+  const int fd = ConnectData();
+  char rows[kFrameHeaderBytes];
+  EncodeFrameRows(1, rows);
+  ASSERT_TRUE(SendAll(
+      fd, EncodeDataPreamble(token, 0) + std::string(rows, sizeof(rows))));
+  EXPECT_TRUE(EndDataSending(fd).ok());
+  const grpc::Status status = writer->Finish();
+  close(fd);
+  EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT)
+      << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("a row of 9223372036854775804 bytes of logits and 8 "
+                        "of target is more than a frame may hold"));
+  ExpectNothingKept();
 }
 
 // More idle connections than the per-peer cap (from another loopback
