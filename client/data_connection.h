@@ -50,7 +50,8 @@ absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
                                absl::string_view targets);
 absl::Status EndDataSending(int fd);
 // `bytes` bytes of `data` on a data connection whose preamble went before
-// (an upload's bytes, piece by piece). Statuses as SendOverDataConnection's.
+// (an upload's bytes, piece by piece; EndDataSending after the last, which
+// the server waits for). Statuses as SendOverDataConnection's.
 absl::Status SendDataBytes(int fd, const char* data, std::size_t bytes);
 
 // Sends the preamble ("LOSSDDC1", the token, `index` as 4 bytes

@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "common/checked_math.h"
+
 namespace lossd {
 
 std::string EncodeDataPreamble(absl::string_view token, int index) {
@@ -43,7 +45,11 @@ uint64_t DecodeFrameRows(const unsigned char header[kFrameHeaderBytes]) {
 }
 
 int64_t MaxFrameRows(int64_t row_bytes, int64_t target_bytes) {
-  return kMaxFrameBytes / (row_bytes + target_bytes);
+  // A row of a vocab near the int64 limit: its bytes and the target's may
+  // not add up in int64, and such a row fits no frame either way.
+  const std::optional<int64_t> row = CheckedAdd(row_bytes, target_bytes);
+  if (!row.has_value() || *row > kMaxFrameBytes) return 0;
+  return kMaxFrameBytes / *row;
 }
 
 }  // namespace lossd

@@ -15,7 +15,11 @@
 namespace lossd {
 
 // A data connection starts with these 8 bytes, the 16-byte token and its
-// index among the transfer's connections (4 bytes, little-endian).
+// index among the transfer's connections (4 bytes, little-endian). An
+// upload's connection then carries exactly its part's bytes and closes its
+// sending side (shutdown SHUT_WR): the server reads past the last byte to
+// know that no more follow, and a byte more fails the upload like a byte
+// less.
 inline constexpr char kDataConnectionMagic[] = "LOSSDDC1";
 inline constexpr size_t kDataMagicBytes = sizeof(kDataConnectionMagic) - 1;
 inline constexpr size_t kDataTokenBytes = 16;
@@ -50,7 +54,8 @@ void EncodeFrameRows(int64_t rows, char out[kFrameHeaderBytes]);
 // The row count of the frame header at `header`, as sent (unchecked). Pure.
 uint64_t DecodeFrameRows(const unsigned char header[kFrameHeaderBytes]);
 // The most rows a frame may carry when a row is `row_bytes` of logits and its
-// target `target_bytes` (both > 0): 0 when not even one row fits. Pure.
+// target `target_bytes` (both > 0): 0 when not even one row fits (their sum
+// beyond int64 included). Pure.
 int64_t MaxFrameRows(int64_t row_bytes, int64_t target_bytes);
 
 }  // namespace lossd

@@ -1,10 +1,11 @@
 // Tensor byte math and the stripe split (tensor_math.h).
 #include "common/tensor_math.h"
 
-#include <limits>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/checked_math.h"
 
 namespace lossd {
 
@@ -40,12 +41,13 @@ absl::StatusOr<int64_t> Bytes(DType dtype, absl::Span<const int64_t> shape,
       return absl::InvalidArgumentError(
           absl::StrCat("negative dimension ", dim, " in shape"));
     }
-    if (dim != 0 && bytes > std::numeric_limits<int64_t>::max() / dim) {
+    const std::optional<int64_t> product = CheckedMul(bytes, dim);
+    if (!product.has_value()) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor size ", DTypeName(dtype), " ",
                        ShapeString(shape), " overflows int64"));
     }
-    bytes *= dim;
+    bytes = *product;
   }
   return bytes;
 }

@@ -30,29 +30,68 @@ constexpr int kSweepMillis = 250;
 // The most one host window takes (a host-accessible device lends the
 // destination itself): progress reaches the metrics at least this often.
 constexpr int64_t kMaxWindowBytes = int64_t{16} << 20;
-// How long a connection may take to send its preamble, and then waits for
-// its token to be registered.
+// How long a refused token is remembered: its connections are closed at once
+// meanwhile, rather than waiting for a registration that will not come.
 constexpr absl::Duration kRegistrationWait = absl::Seconds(10);
 constexpr size_t kMaxRefusedTokens = 4096;
+// What AwaitEndOfSending reads at once when more bytes come: enough to say
+// how many at least, without reading an unbounded amount.
+constexpr size_t kOverrunProbeBytes = 4096;
 
 absl::Status ErrnoStatus(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// Reads exactly `bytes` into `out` (a preamble): false on anything else.
-bool ReadFully(int fd, char* out, size_t bytes) {
+// Reads exactly `bytes` into `out` (a preamble) by `deadline`, however the
+// peer spreads them: DEADLINE_EXCEEDED when they do not all come in time,
+// INVALID_ARGUMENT when the connection ends or fails first.
+absl::Status ReadBy(int fd, char* out, size_t bytes, absl::Time deadline) {
   size_t got = 0;
   while (got < bytes) {
-    const ssize_t n = recv(fd, out + got, bytes - got, 0);
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "%d of the %d preamble bytes came in time", got, bytes));
+    }
+    pollfd ready = {fd, POLLIN, 0};
+    const int polled =
+        poll(&ready, 1,
+             static_cast<int>(absl::ToInt64Milliseconds(absl::Ceil(
+                 std::min(left, absl::Seconds(60)), absl::Milliseconds(1)))));
+    if (polled <= 0) {
+      if (polled == 0 || errno == EINTR) continue;
+      return ErrnoStatus("data connection poll");
+    }
+    const ssize_t n = recv(fd, out + got, bytes - got, MSG_DONTWAIT);
     if (n > 0) {
       got += static_cast<size_t>(n);
-    } else if (n < 0 && errno == EINTR) {
+    } else if (n < 0 &&
+               (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
       continue;
     } else {
-      return false;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the connection ended after %d of the %d preamble bytes", got,
+          bytes));
     }
   }
-  return true;
+  return absl::OkStatus();
+}
+
+// The peer address `address` counts under for the unauthenticated
+// connections' cap: an IPv4 address (mapped into IPv6 or not), or an IPv6
+// address's /64, which one host usually holds whole.
+std::string PeerKey(const sockaddr_storage& address) {
+  if (address.ss_family == AF_INET) {
+    const auto& in = reinterpret_cast<const sockaddr_in&>(address);
+    return std::string(reinterpret_cast<const char*>(&in.sin_addr), 4);
+  }
+  if (address.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(address);
+    const char* bytes = reinterpret_cast<const char*>(&in6.sin6_addr);
+    if (IN6_IS_ADDR_V4MAPPED(&in6.sin6_addr)) return std::string(bytes + 12, 4);
+    return std::string(bytes, 8);
+  }
+  return std::string();  // a Unix socket or the like: one peer for all
 }
 
 }  // namespace
@@ -71,6 +110,28 @@ absl::Status DataConnectionError(int index, int64_t done, int64_t bytes,
   return absl::UnavailableError(
       absl::StrFormat("data connection %d failed after %d of %d bytes: %s",
                       index, done, bytes, std::strerror(errno)));
+}
+
+absl::Status AwaitEndOfSending(int fd, int index, int64_t bytes) {
+  char extra[kOverrunProbeBytes];
+  for (;;) {
+    const ssize_t n = recv(fd, extra, sizeof(extra), 0);
+    if (n == 0) return absl::OkStatus();
+    if (n > 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "data connection %d carries %d bytes, but more arrived (at least "
+          "%d); send exactly the part's bytes, then close the sending side",
+          index, bytes, bytes + static_cast<int64_t>(n)));
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "data connection %d sent its %d bytes but did not close its "
+          "sending side",
+          index, bytes));
+    }
+    return DataConnectionError(index, bytes, bytes, n);
+  }
 }
 
 absl::Status SendOnDataConnection(int fd, int index, const char* data,
@@ -188,8 +249,8 @@ DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
     // The part's own write pipeline, keyed by its first byte (a part without
     // bytes never writes: its address may be the next part's).
     char* const base = buffer + range.offset;
-    if (range.bytes == 0) return absl::OkStatus();
-    const absl::Status status = ReceiveThroughWindows(
+    if (range.bytes == 0) return AwaitEndOfSending(fd, index, 0);
+    absl::Status status = ReceiveThroughWindows(
         device, base, range.bytes, fd,
         [index, &range](int64_t received, ssize_t n) {
           return DataConnectionError(index, received, range.bytes, n);
@@ -199,6 +260,9 @@ DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
             metrics->AddTransferBytes(TransferDirection::kUpload, n, tenant);
           }
         });
+    // The end of sending overlaps the device's last copies; a byte more fails
+    // the upload like a byte less.
+    if (status.ok()) status = AwaitEndOfSending(fd, index, range.bytes);
     // Every copy is done (or failed) before the buffer is anyone else's.
     const absl::Status finished = device->FinishWrites(base);
     return status.ok() ? finished : status;
@@ -320,7 +384,7 @@ void DataPlane::Stop() {
   {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
-        +[](int* connections) { return *connections == 0; }, &connections_));
+        +[](int* threads) { return *threads == 0; }, &threads_));
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
@@ -358,14 +422,51 @@ absl::StatusOr<std::shared_ptr<DataTransfer>> DataPlane::Expect(
   return transfer;
 }
 
-std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
-                                               int index, int fd,
-                                               absl::Time deadline) {
+absl::StatusOr<DataPreamble> DataPlane::Authenticate(int fd,
+                                                     absl::Time deadline) {
+  char bytes[kDataPreambleBytes];
+  RETURN_IF_ERROR(ReadBy(fd, bytes, sizeof(bytes), deadline));
+  std::optional<DataPreamble> preamble = ParseDataPreamble(bytes);
+  if (!preamble.has_value() ||
+      preamble->index >= static_cast<uint32_t>(kMaxDataConnections)) {
+    return absl::InvalidArgumentError("not a data connection preamble");
+  }
   absl::MutexLock lock(&mu_);
+  const std::string& token = preamble->token;
   auto registered = [this, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || expected_.contains(token) || refused_.contains(token);
   };
-  mu_.AwaitWithDeadline(absl::Condition(&registered), deadline);
+  if (!mu_.AwaitWithDeadline(absl::Condition(&registered), deadline)) {
+    return absl::DeadlineExceededError("the token was not registered in time");
+  }
+  if (stopping_ || !expected_.contains(token)) {
+    return absl::InvalidArgumentError("the token's request was refused");
+  }
+  return *std::move(preamble);
+}
+
+void DataPlane::EndUnauthenticated(const std::string& peer) {
+  absl::MutexLock lock(&mu_);
+  auto it = unauthenticated_by_peer_.find(peer);
+  if (it != unauthenticated_by_peer_.end() && --it->second <= 0) {
+    unauthenticated_by_peer_.erase(it);
+  }
+  if (unauthenticated_-- == options_.max_unauthenticated) {
+    // The listener accepts again. Under mu_, so that Stop has not closed it.
+    const uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof(one)) < 0) {
+      // The listener still looks again at its next sweep tick.
+    }
+  }
+}
+
+int DataPlane::unauthenticated() const {
+  absl::MutexLock lock(&mu_);
+  return unauthenticated_;
+}
+
+std::shared_ptr<DataTransfer> DataPlane::Claim(const std::string& token,
+                                               int index, int fd) {
   auto it = expected_.find(token);
   if (stopping_ || it == expected_.end()) return nullptr;
   std::shared_ptr<DataTransfer> transfer = it->second.transfer;
@@ -426,16 +527,18 @@ void DataPlane::AcceptLoop() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      // At the cap, new connections wait in the listen backlog (their
-      // transfers' data_timeout still runs) until a served one ends.
+      // At the cap of unauthenticated connections, new ones wait in the
+      // listen backlog until one of those is authenticated or closed (within
+      // the auth timeout).
       fds[0].events =
-          connections_ < options_.max_connections ? POLLIN : short{0};
+          unauthenticated_ < options_.max_unauthenticated ? POLLIN : short{0};
     }
     const int ready = poll(fds, 2, kSweepMillis);
     Expire(/*all=*/false);
     if (ready < 0 && errno != EINTR) return;
     if ((fds[1].revents & POLLIN) != 0) {
-      // Stop, or a served connection ended at the cap: the loop's head says.
+      // Stop, or an unauthenticated connection ended at the cap: the loop's
+      // head says.
       uint64_t count = 0;
       if (read(wake_fd_, &count, sizeof(count)) < 0) {
         // Nothing to drain: the head of the loop decides either way.
@@ -443,61 +546,85 @@ void DataPlane::AcceptLoop() {
       continue;
     }
     if (ready <= 0 || (fds[0].revents & POLLIN) == 0) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    sockaddr_storage from{};
+    socklen_t from_length = sizeof(from);
+    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from),
+                           &from_length, SOCK_CLOEXEC);
     if (fd < 0) continue;
+    std::string peer = PeerKey(from);
+    bool over_peer_limit = false;
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
         close(fd);
         continue;
       }
-      ++connections_;
-      open_fds_[fd] = true;
+      int& count = unauthenticated_by_peer_[peer];
+      if (count >= options_.max_unauthenticated_per_peer) {
+        over_peer_limit = true;
+      } else {
+        ++count;
+        ++unauthenticated_;
+        ++threads_;
+        open_fds_[fd] = true;
+      }
     }
-    std::thread(&DataPlane::Serve, this, fd).detach();
+    if (over_peer_limit) {
+      // Closed at once: waiting in the backlog would let one peer's idle
+      // connections delay everyone else's.
+      close(fd);
+      if (options_.metrics != nullptr) {
+        options_.metrics->CountRefusedDataConnection(
+            DataConnectionRefusal::kPeerLimit);
+      }
+      continue;
+    }
+    std::thread(&DataPlane::Serve, this, fd, std::move(peer)).detach();
   }
 }
 
-void DataPlane::Serve(int fd) {
+void DataPlane::Serve(int fd, std::string peer) {
   const absl::Duration timeout = std::min(options_.timeout, absl::Hours(24));
-  // Clients send the preamble as soon as their RPC is under way: a connection
-  // that stays silent gives its slot back after the registration wait.
-  const timeval preamble_limit =
-      absl::ToTimeval(std::min(timeout, kRegistrationWait));
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &preamble_limit,
-             sizeof(preamble_limit));
-  const timeval limit = absl::ToTimeval(timeout);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
-  char bytes[kDataPreambleBytes];
-  const bool announced = ReadFully(fd, bytes, sizeof(bytes));
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
-  const std::optional<DataPreamble> preamble =
-      announced ? ParseDataPreamble(bytes) : std::nullopt;
-  if (preamble.has_value()) {
-    const uint32_t index = preamble->index;
-    // The header may come a little after the connection.
-    std::shared_ptr<DataTransfer> transfer =
-        index < static_cast<uint32_t>(kMaxDataConnections)
-            ? Claim(preamble->token, static_cast<int>(index), fd,
-                    absl::Now() + std::min(timeout, kRegistrationWait))
-            : nullptr;
+  // Until it names a registered token, the connection is a stranger's: it
+  // gets the auth timeout, counts against its peer's cap and holds no slot.
+  const absl::StatusOr<DataPreamble> preamble =
+      Authenticate(fd, absl::Now() + std::min(timeout, options_.auth_timeout));
+  EndUnauthenticated(peer);
+  if (!preamble.ok() && options_.metrics != nullptr) {
+    options_.metrics->CountRefusedDataConnection(
+        preamble.status().code() == absl::StatusCode::kDeadlineExceeded
+            ? DataConnectionRefusal::kAuthTimeout
+            : DataConnectionRefusal::kInvalid);
+  }
+  if (preamble.ok()) {
+    const timeval limit = absl::ToTimeval(timeout);
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+    const int index = static_cast<int>(preamble->index);
+    std::shared_ptr<DataTransfer> transfer;
+    {
+      // At the cap, an authenticated connection waits for a served one to
+      // end (its transfer's data_timeout still runs).
+      absl::MutexLock lock(&mu_);
+      auto slot = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || connections_ < options_.max_connections;
+      };
+      mu_.Await(absl::Condition(&slot));
+      transfer = Claim(preamble->token, index, fd);
+      if (transfer != nullptr) ++connections_;
+    }
     if (transfer != nullptr) {
-      const absl::Status status = transfer->Run(static_cast<int>(index), fd);
+      const absl::Status status = transfer->Run(index, fd);
       if (status.ok()) completed_.fetch_add(1);
-      transfer->PartDone(static_cast<int>(index), status);
+      transfer->PartDone(index, status);
+      absl::MutexLock lock(&mu_);
+      --connections_;
     }
   }
   absl::MutexLock lock(&mu_);
   open_fds_.erase(fd);
   close(fd);
-  if (connections_-- == options_.max_connections) {
-    // A slot is free: the listener takes the next waiting connection. Under
-    // mu_, so that Stop (which waits for no connection) has not closed it.
-    const uint64_t one = 1;
-    if (write(wake_fd_, &one, sizeof(one)) < 0) {
-      // The listener still looks again at its next sweep tick.
-    }
-  }
+  --threads_;
 }
 
 }  // namespace lossd

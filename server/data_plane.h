@@ -7,7 +7,10 @@
 // (common/data_wire.h: "LOSSDDC1", the token, its index), then carries its
 // part (lossd.v1; docs/design.md §3). The token is the connections' only
 // credential: it comes from an authenticated RPC, is random, and is good for
-// one transfer.
+// one transfer. A connection that has not presented a registered token is
+// unauthenticated: it gets a short time to do so and is counted apart (per
+// peer address too), so that such connections cannot hold the slots that
+// serve transfers.
 #ifndef LOSSD_SERVER_DATA_PLANE_H_
 #define LOSSD_SERVER_DATA_PLANE_H_
 
@@ -101,7 +104,8 @@ class DataTransfer {
 // The work of an upload's transfer: part `index`'s bytes from the socket into
 // `buffer + range.offset` on `device`, through the device's host windows
 // (pinned staging on CUDA; no copy of its own), counted in `metrics` (may be
-// null) for `tenant`. All of them on the device when it returns OK.
+// null) for `tenant`, then the end of the client's sending
+// (AwaitEndOfSending). All of them on the device when it returns OK.
 DataTransfer::Work ReceiveIntoDevice(Device* device, void* buffer,
                                      Metrics* metrics,
                                      const std::string& tenant = {});
@@ -118,6 +122,14 @@ absl::Status ReceiveThroughWindows(
     const std::function<absl::Status(int64_t received, ssize_t n)>& error,
     const std::function<void(int64_t)>& on_received,
     double* device_seconds = nullptr);
+
+// After the `bytes` bytes of upload connection `index`: waits for the client
+// to close its sending side (common/data_wire.h), the only way to know that
+// no more bytes follow. OK at the end; INVALID_ARGUMENT when more bytes
+// arrive (the message gives `bytes` and how many came at least);
+// DEADLINE_EXCEEDED when the sending side stays open for the socket's
+// receive timeout; UNAVAILABLE when the connection fails.
+absl::Status AwaitEndOfSending(int fd, int index, int64_t bytes);
 
 // The status of data connection `index` whose recv or send returned `result`
 // (0: the peer closed; -1: errno says why) after `done` of its `bytes` bytes:
@@ -136,13 +148,27 @@ class DataPlane {
   struct Options {
     std::string host = "0.0.0.0";
     int port = 0;  // 0 = pick a free one
-    // A registered transfer without a connection, a connection without its
-    // preamble, or one that sends nothing, fails after this long.
+    // A registered transfer without a connection, or a connection that
+    // sends nothing, fails after this long.
     absl::Duration timeout = absl::Seconds(60);
-    // Connections served at once; more wait in the listen backlog (128)
-    // until one ends. Each upload connection holds two pinned staging
-    // buffers on CUDA (8 MiB at the default staging size).
+    // Authenticated connections served at once; more wait, connected, until
+    // one ends. Each upload connection holds two pinned staging buffers on
+    // CUDA (8 MiB at the default staging size).
     int max_connections = 64;
+    // A connection must send its preamble, naming a registered token, within
+    // this long of being accepted (capped at `timeout`), or it is closed.
+    absl::Duration auth_timeout = absl::Seconds(1);
+    // Connections of one peer address (an IPv6 one by its /64) that have not
+    // presented a registered token yet; more from it are closed at once.
+    // At least kMaxDataConnections, so that one transfer whose connections
+    // come before its header never meets it.
+    int max_unauthenticated_per_peer = 128;
+    // Such connections of all peers; more wait in the listen backlog (128)
+    // until one is authenticated or closed.
+    int max_unauthenticated = 1024;
+    // Counts the connections refused before authentication (may be null;
+    // must outlive the plane).
+    Metrics* metrics = nullptr;
   };
 
   // Listens on host:port. UNAVAILABLE when the address cannot be bound.
@@ -156,6 +182,8 @@ class DataPlane {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   int port() const { return port_; }
+  // Connections that have not presented a registered token yet.
+  int unauthenticated() const ABSL_LOCKS_EXCLUDED(mu_);
   // Data connections whose bytes all arrived, since the start.
   int64_t completed() const { return completed_.load(); }
   // Transfers registered and still waiting for a connection. A cancelled
@@ -175,8 +203,9 @@ class DataPlane {
 
   // Connections that come with `token` (unregistered: its RPC was refused)
   // are closed at once for the next kRegistrationWait, instead of waiting
-  // that long for a registration that will not come, so the client learns
-  // of the refusal at once. Remembers up to kMaxRefusedTokens at a time.
+  // the auth timeout for a registration that will not come, so the client
+  // learns of the refusal at once. Remembers up to kMaxRefusedTokens at a
+  // time.
   void Refuse(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -187,14 +216,23 @@ class DataPlane {
 
   explicit DataPlane(Options options) : options_(std::move(options)) {}
   void AcceptLoop();
-  void Serve(int fd);
-  // Claims part `index` of the transfer of `token` for `fd`, waiting up to
-  // `deadline` for it to be registered (the header may arrive after the
-  // connection); the transfer leaves the registry once every part has its
-  // connection. Null when there is no such transfer or part to claim.
-  std::shared_ptr<DataTransfer> Claim(const std::string& token, int index,
-                                      int fd, absl::Time deadline)
+  // Serves accepted connection `fd` from peer address `peer` (counted as
+  // unauthenticated until it presents a registered token).
+  void Serve(int fd, std::string peer);
+  // Reads the preamble and waits up to `deadline` for its token to be
+  // registered (the header may arrive after the connection): the index of a
+  // part of a registered transfer that no connection has claimed yet, or
+  // why not.
+  absl::StatusOr<DataPreamble> Authenticate(int fd, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Connection `fd` of `peer` stops counting as unauthenticated.
+  void EndUnauthenticated(const std::string& peer) ABSL_LOCKS_EXCLUDED(mu_);
+  // Claims part `index` of the transfer of `token` for `fd`; the transfer
+  // leaves the registry once every part has its connection. Null when there
+  // is no such transfer or part to claim.
+  std::shared_ptr<DataTransfer> Claim(const std::string& token, int index,
+                                      int fd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the registered transfers whose connection is overdue (all of them
   // with `all`).
   void Expire(bool all) ABSL_LOCKS_EXCLUDED(mu_);
@@ -202,8 +240,8 @@ class DataPlane {
   const Options options_;
   absl::Mutex stop_mu_;  // Stop runs once at a time
   int listen_fd_ = -1;
-  // An eventfd that wakes AcceptLoop: to stop, or to take a waiting
-  // connection once a served one ended at the cap.
+  // An eventfd that wakes AcceptLoop: to stop, or to accept again once an
+  // unauthenticated connection ended at the cap.
   int wake_fd_ = -1;
   int port_ = 0;
   std::thread acceptor_;
@@ -212,7 +250,13 @@ class DataPlane {
   absl::flat_hash_map<std::string, Expected> expected_ ABSL_GUARDED_BY(mu_);
   // Refused tokens and until when.
   absl::flat_hash_map<std::string, absl::Time> refused_ ABSL_GUARDED_BY(mu_);
+  // Connections being served (authenticated, holding a slot), connections
+  // not yet authenticated (all, and by peer address), and Serve threads.
   int connections_ ABSL_GUARDED_BY(mu_) = 0;
+  int unauthenticated_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int> unauthenticated_by_peer_
+      ABSL_GUARDED_BY(mu_);
+  int threads_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<int, bool> open_fds_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -239,10 +239,11 @@ DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
       if (rows < 1 || rows > static_cast<uint64_t>(max_rows)) {
         return absl::InvalidArgumentError(
             max_rows < 1
-                ? absl::StrFormat("data connection %d: a row of %d bytes is "
-                                  "more than a frame may hold (%d MiB); "
-                                  "send the blocks on the stream",
-                                  index, row_bytes + target_bytes,
+                ? absl::StrFormat("data connection %d: a row of %d bytes "
+                                  "of logits and %d of target is more than "
+                                  "a frame may hold (%d MiB); send the "
+                                  "blocks on the stream",
+                                  index, row_bytes, target_bytes,
                                   kMaxFrameBytes >> 20)
                 : absl::StrFormat("data connection %d, frame %d: %d rows; a "
                                   "frame holds 1 to %d rows (%d MiB)",

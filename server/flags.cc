@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/data_wire.h"
 
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (see --port_file)");
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
@@ -79,9 +80,17 @@ ABSL_FLAG(absl::Duration, data_timeout, absl::Seconds(60),
           "an upload whose data connection does not come, or sends nothing, "
           "for this long fails DEADLINE_EXCEEDED");
 ABSL_FLAG(int, data_max_connections, 64,
-          "data connections served at once, each on a thread of its own "
-          "(an Evaluate's for the whole evaluation); further ones wait in "
-          "the listen backlog until one ends. In [1, 4096]");
+          "authenticated data connections served at once, each on a thread "
+          "of its own (an Evaluate's for the whole evaluation); further ones "
+          "wait until one ends. In [1, 4096]");
+ABSL_FLAG(absl::Duration, data_auth_timeout, absl::Seconds(1),
+          "a data connection that has not sent its preamble naming a "
+          "registered token this long after it was accepted is closed "
+          "(capped at --data_timeout)");
+ABSL_FLAG(int, data_max_unauthenticated_per_peer, 128,
+          "data connections of one peer address (IPv6: its /64) that have "
+          "not yet named a registered token; further ones are closed at "
+          "once. In [64, 65536] (one transfer has up to 64 connections)");
 ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
           "a striped Upload whose stripes have not all arrived this long "
           "after the first is abandoned (every stripe fails ABORTED)");
@@ -184,6 +193,19 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--data_max_connections=", config.data_max_connections,
                      " is outside [1, 4096]"));
+  }
+  config.data_auth_timeout = absl::GetFlag(FLAGS_data_auth_timeout);
+  if (config.data_auth_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--data_auth_timeout must be positive");
+  }
+  config.data_max_unauthenticated_per_peer =
+      absl::GetFlag(FLAGS_data_max_unauthenticated_per_peer);
+  if (config.data_max_unauthenticated_per_peer < kMaxDataConnections ||
+      config.data_max_unauthenticated_per_peer > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data_max_unauthenticated_per_peer=",
+                     config.data_max_unauthenticated_per_peer, " is outside [",
+                     kMaxDataConnections, ", 65536]"));
   }
   config.stripe_timeout = absl::GetFlag(FLAGS_stripe_timeout);
   if (config.stripe_timeout <= absl::ZeroDuration()) {

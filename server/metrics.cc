@@ -162,6 +162,19 @@ Metrics::Metrics(const TensorStore* store)
     transfer_bytes_[static_cast<int>(direction)] =
         &transfer.Add({{"direction", DirectionName(direction)}});
   }
+  auto& refused =
+      prometheus::BuildCounter()
+          .Name("lossd_data_connections_refused_total")
+          .Help(
+              "Data connections closed before they presented a registered "
+              "token")
+          .Register(*registry_);
+  data_refused_[static_cast<int>(DataConnectionRefusal::kPeerLimit)] =
+      &refused.Add({{"reason", "peer_limit"}});
+  data_refused_[static_cast<int>(DataConnectionRefusal::kAuthTimeout)] =
+      &refused.Add({{"reason", "auth_timeout"}});
+  data_refused_[static_cast<int>(DataConnectionRefusal::kInvalid)] =
+      &refused.Add({{"reason", "invalid"}});
   tenant_rpc_total_ =
       &prometheus::BuildCounter()
            .Name("lossd_tenant_rpc_total")
@@ -336,6 +349,10 @@ void Metrics::AddTransferBytes(TransferDirection direction, int64_t bytes,
       ->Add({{"tenant", TenantLabel(tenant)},
              {"direction", DirectionName(direction)}})
       .Increment(static_cast<double>(bytes));
+}
+
+void Metrics::CountRefusedDataConnection(DataConnectionRefusal reason) {
+  data_refused_[static_cast<int>(reason)]->Increment();
 }
 
 }  // namespace lossd

@@ -38,6 +38,12 @@ class TensorStore;
 // lossd_transfer_bytes_total).
 enum class TransferDirection { kUpload, kDownload, kEvaluate };
 
+// Why a data connection was closed before it presented a registered token
+// (label `reason` of lossd_data_connections_refused_total): its peer address
+// already held the most such connections, it sent no valid preamble and
+// token within the auth timeout, or what it sent was not one.
+enum class DataConnectionRefusal { kPeerLimit, kAuthTimeout, kInvalid };
+
 // The label value of calls whose tenant is not among the configured ones
 // (SetTenants), and of calls refused before they had a tenant.
 inline constexpr char kOtherTenantLabel[] = "_other";
@@ -52,6 +58,8 @@ inline constexpr char kNoTenantLabel[] = "_none";
 //   lossd_kernel_seconds_total{device,kernel},
 //   lossd_kernel_runs_total{device,kernel},
 //   lossd_transfer_bytes_total{direction},
+//   lossd_data_connections_refused_total{reason} (peer_limit, auth_timeout,
+//   invalid),
 //   lossd_tenant_rpc_total{tenant,code},
 //   lossd_tenant_transfer_bytes_total{tenant,direction},
 //   lossd_config_reloads_total{config,result},
@@ -98,6 +106,9 @@ class Metrics {
   // for `tenant` when given.
   void AddTransferBytes(TransferDirection direction, int64_t bytes,
                         absl::string_view tenant = {});
+
+  // One data connection closed before it presented a registered token.
+  void CountRefusedDataConnection(DataConnectionRefusal reason);
 
   // The tenants that get a label value of their own (from configuration:
   // tokens and quota files; never from requests). Replaces the previous set;
@@ -150,6 +161,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* kernel_seconds_;
   prometheus::Family<prometheus::Counter>* kernel_runs_;
   prometheus::Counter* transfer_bytes_[3];
+  prometheus::Counter* data_refused_[3];
   prometheus::Family<prometheus::Counter>* tenant_rpc_total_;
   prometheus::Family<prometheus::Counter>* tenant_transfer_bytes_;
   prometheus::Family<prometheus::Counter>* reloads_total_;

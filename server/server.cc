@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/data_wire.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/cpu_device.h"
@@ -124,6 +125,16 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
                                                    config.data_max_connections,
                                                    " is outside [1, 4096]"));
   }
+  if (config.data_auth_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data_auth_timeout must be > 0");
+  }
+  if (config.data_max_unauthenticated_per_peer < kMaxDataConnections ||
+      config.data_max_unauthenticated_per_peer > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_max_unauthenticated_per_peer ",
+                     config.data_max_unauthenticated_per_peer, " is outside [",
+                     kMaxDataConnections, ", 65536]"));
+  }
   const TenantLimits& limits = config.tenant_limits;
   if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
       limits.max_in_flight < 0) {
@@ -200,6 +211,10 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     data_options.port = config.data_port;
     data_options.timeout = config.data_timeout;
     data_options.max_connections = config.data_max_connections;
+    data_options.auth_timeout = config.data_auth_timeout;
+    data_options.max_unauthenticated_per_peer =
+        config.data_max_unauthenticated_per_peer;
+    data_options.metrics = server->metrics_.get();
     absl::StatusOr<std::unique_ptr<DataPlane>> plane =
         DataPlane::Start(data_options);
     if (!plane.ok()) return plane.status();

@@ -87,8 +87,15 @@ struct ServerConfig {
   // A registered data transfer whose connection does not come, or sends
   // nothing, for this long fails DEADLINE_EXCEEDED.
   absl::Duration data_timeout = absl::Seconds(60);
-  // Data connections served at once; further ones wait in the backlog.
+  // Authenticated data connections served at once; further ones wait.
   int data_max_connections = 64;
+  // A data connection must name a registered token within this long of
+  // being accepted, or it is closed.
+  absl::Duration data_auth_timeout = absl::Seconds(1);
+  // Data connections of one peer address (an IPv6 one by its /64) not yet
+  // authenticated; further ones are closed at once. In [64, 65536]: one
+  // transfer's connections (at most 64) may all come before its header.
+  int data_max_unauthenticated_per_peer = 128;
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION

@@ -6,12 +6,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/checked_math.h"
 #include "common/echo.h"
 #include "common/handle.h"
 #include "common/status_macros.h"
@@ -261,10 +264,15 @@ absl::StatusOr<ElementRange> DownloadElements(const DownloadSpec& spec,
   const int64_t first = spec.offset / size;
   const int64_t count = spec.length / size;
   if (first > elements || count > elements - first) {
+    // The range as received: offset + length may not fit in int64.
+    const std::optional<int64_t> end = CheckedAdd(spec.offset, spec.length);
+    const std::string range =
+        end.has_value() ? absl::StrCat("bytes [", spec.offset, ", ", *end, ")")
+                        : absl::StrCat("offset = ", spec.offset,
+                                       " and length = ", spec.length);
     return absl::OutOfRangeError(
-        absl::StrCat("bytes [", spec.offset, ", ", spec.offset + spec.length,
-                     ") are past the end of the tensor (", elements * size,
-                     " bytes as ", DTypeName(sent), ")"));
+        absl::StrCat(range, " are past the end of the tensor (",
+                     elements * size, " bytes as ", DTypeName(sent), ")"));
   }
   return ElementRange{first, count == 0 ? elements : first + count};
 }
@@ -319,13 +327,13 @@ absl::Status CheckInlineTargets(const pb::InlineTensor& targets, DType dtype,
                                 int64_t rows) {
   const int64_t size = static_cast<int64_t>(DTypeSize(dtype));
   const int64_t bytes = static_cast<int64_t>(targets.data().size());
-  int64_t need = 0;
-  const bool overflow = __builtin_mul_overflow(rows, size, &need);
-  if (size == 0 || rows < 0 || overflow || bytes != need) {
+  const std::optional<int64_t> need = CheckedMul(rows, size);
+  const bool overflow = !need.has_value();
+  if (size == 0 || rows < 0 || overflow || bytes != *need) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "inline targets have %d bytes, %d rows of %s need %s", bytes, rows,
         DTypeName(dtype),
-        overflow ? "more than int64 holds" : absl::StrCat(need)));
+        overflow ? "more than int64 holds" : absl::StrCat(*need)));
   }
   return absl::OkStatus();
 }
@@ -427,7 +435,8 @@ absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
         index, logits_bytes, spec.row_bytes));
   }
   const int64_t rows = logits_bytes / spec.row_bytes;
-  if (targets_bytes != rows * target_size) {
+  const std::optional<int64_t> need = CheckedMul(rows, target_size);
+  if (!need.has_value() || targets_bytes != *need) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "block %d: %d rows of logits but %d bytes of targets (%d each)", index,
         rows, targets_bytes, target_size));

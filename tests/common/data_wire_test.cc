@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace lossd {
@@ -69,6 +70,17 @@ TEST(FrameRowsTest, MaxFrameRowsFitsSixtyFourMiB) {
   EXPECT_LE(rows * (128000 + 8), kMaxFrameBytes);
   EXPECT_GT((rows + 1) * (128000 + 8), kMaxFrameBytes);
   EXPECT_EQ(MaxFrameRows(kMaxFrameBytes, 8), 0);
+  EXPECT_EQ(MaxFrameRows(kMaxFrameBytes - 8, 8), 1);
+}
+
+// A row of a vocab near the int64 limit: its logits and target bytes do not
+// add up in int64, and no such row fits a frame.
+TEST(FrameRowsTest, MaxFrameRowsAtTheInt64Limit) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(MaxFrameRows(kMax - 3, 8), 0);  // fp32 logits of vocab kMax / 4
+  EXPECT_EQ(MaxFrameRows(kMax, 8), 0);
+  EXPECT_EQ(MaxFrameRows(kMax, kMax), 0);
+  EXPECT_EQ(MaxFrameRows(int64_t{1} << 62, int64_t{1} << 62), 0);
   EXPECT_EQ(MaxFrameRows(kMaxFrameBytes - 8, 8), 1);
 }
 

@@ -1123,6 +1123,64 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
             method->input_type()->full_name(),
         [this, path] { return SendRaw(path, std::string(4, '\xff')); });
   }
+
+  // ------------------------------------ Download ranges at the int64 limits
+  // offset + length may not fit in int64: the message gives the values as
+  // received, never a wrapped sum (and nothing overflows on the way).
+  auto ranged = [this](int64_t offset, int64_t length,
+                       int64_t chunk_bytes = 0) {
+    return [this, offset, length, chunk_bytes] {
+      grpc::ClientContext context;
+      pb::DownloadRequest request;
+      request.set_handle(logits_);
+      request.set_offset(offset);
+      request.set_length(length);
+      request.set_chunk_bytes(chunk_bytes);
+      auto reader = stub_->Download(&context, request);
+      pb::DownloadResponse response;
+      while (reader->Read(&response)) {
+      }
+      return reader->Finish();
+    };
+  };
+  const int64_t k2p62 = int64_t{1} << 62;
+  const int64_t kMin = std::numeric_limits<int64_t>::min();
+  add("download: offset 2^62 and length 2^62", Code::OUT_OF_RANGE,
+      "offset = 4611686018427387904 and length = 4611686018427387904 are "
+      "past the end of the tensor (80 bytes",
+      ranged(k2p62, k2p62));
+  add("download: offset and length INT64_MAX - 3", Code::OUT_OF_RANGE,
+      "offset = 9223372036854775804 and length = 9223372036854775804 are "
+      "past the end",
+      ranged(kMax - 3, kMax - 3));
+  add("download: offset 4, length INT64_MAX - 3", Code::OUT_OF_RANGE,
+      "offset = 4 and length = 9223372036854775804 are past the end",
+      ranged(4, kMax - 3));
+  add("download: offset 2^62 to the end", Code::OUT_OF_RANGE,
+      "bytes [4611686018427387904, 4611686018427387904) are past the end",
+      ranged(k2p62, 0));
+  add("download: length 2^62", Code::OUT_OF_RANGE,
+      "bytes [0, 4611686018427387904) are past the end", ranged(0, k2p62));
+  add("download: offset INT64_MAX", Code::INVALID_ARGUMENT,
+      "offset = 9223372036854775807 and length = 0 must be whole elements",
+      ranged(kMax, 0));
+  add("download: offset INT64_MIN", Code::INVALID_ARGUMENT,
+      "offset = -9223372036854775808 and length = 0 must be >= 0",
+      ranged(kMin, 0));
+  add("download: length -1", Code::INVALID_ARGUMENT,
+      "offset = 0 and length = -1 must be >= 0", ranged(0, -1));
+  add("download: length INT64_MIN", Code::INVALID_ARGUMENT,
+      "length = -9223372036854775808 must be >= 0", ranged(4, kMin));
+  add("download: chunk_bytes INT64_MIN", Code::INVALID_ARGUMENT,
+      "chunk_bytes = -9223372036854775808 is outside", ranged(0, 4, kMin));
+  add("download: chunk_bytes 2^62", Code::INVALID_ARGUMENT,
+      "chunk_bytes = 4611686018427387904 is outside", ranged(0, 4, k2p62));
+  add("evaluate: vocab INT64_MAX / 4 (a row of INT64_MAX - 3 bytes)",
+      Code::INVALID_ARGUMENT,
+      "are not a whole number of rows of "
+      "9223372036854775804 bytes",
+      EvaluateWith({EvalHeader(kMax / 4, pb::DTYPE_FLOAT32, pb::DTYPE_INT64),
+                    EvalBlock(row, target32)}));
   return cases;
 }
 

@@ -408,6 +408,7 @@ TEST_F(DataConnectionTest, RawUploadCompletes) {
   const int fd = ConnectData();
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(SendAll(fd, Preamble(Token('b')) + bytes));
+  shutdown(fd, SHUT_WR);  // the end of the part's bytes
   const grpc::Status status = upload.Finish();
   close(fd);
   ASSERT_TRUE(status.ok()) << status.error_message();
@@ -443,6 +444,7 @@ TEST_F(DataConnectionTest, RawUploadOverSeveralConnections) {
         }
       }
     }
+    for (int fd : fds) shutdown(fd, SHUT_WR);
     const grpc::Status status = upload.Finish();
     for (int fd : fds) close(fd);
     ASSERT_TRUE(status.ok()) << status.error_message();
@@ -494,6 +496,8 @@ TEST_F(DataConnectionTest, OneOfSeveralConnectionsFails) {
     const int second = ConnectData();
     ASSERT_TRUE(SendAll(first, RandomBytes(128, 3)));
     ASSERT_TRUE(SendAll(second, Preamble(Token('q'), 1) + RandomBytes(128, 4)));
+    shutdown(first, SHUT_WR);
+    shutdown(second, SHUT_WR);
     const grpc::Status status = upload.Finish();
     close(first);
     close(second);
@@ -508,6 +512,7 @@ TEST_F(DataConnectionTest, ConnectionBeforeHeader) {
   const int fd = ConnectData();
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(SendAll(fd, Preamble(Token('c')) + bytes));
+  shutdown(fd, SHUT_WR);
   absl::SleepFor(absl::Milliseconds(200));
   RawDataUpload upload(stub_.get(), Token('c'), {64});
   ASSERT_TRUE(upload.SendHeader());
@@ -585,6 +590,7 @@ TEST_F(DataConnectionTest, DuplicateToken) {
       << refused.error_message();
   const int fd = ConnectData();
   ASSERT_TRUE(SendAll(fd, Preamble(Token('h')) + RandomBytes(32, 1)));
+  shutdown(fd, SHUT_WR);
   const grpc::Status status = first.Finish();
   close(fd);
   EXPECT_TRUE(status.ok()) << status.error_message();

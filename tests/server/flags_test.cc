@@ -1,5 +1,5 @@
 // ParseByteSize: the --memory_budget and --chunk_bytes syntax; ConfigFromFlags
-// for --staging_bytes and --data_max_connections.
+// for --staging_bytes and the data connections' bounds.
 #include "server/flags.h"
 
 #include <string>
@@ -71,6 +71,29 @@ TEST(ConfigFromFlagsTest, DataMaxConnectionsIsBounded) {
   for (int bad : {0, -1, 4097}) {
     absl::SetFlag(&FLAGS_data_max_connections, bad);
     ExpectRefused("--data_max_connections", std::to_string(bad));
+  }
+}
+
+TEST(ConfigFromFlagsTest, DataAuthFlagsAreBounded) {
+  absl::FlagSaver saver;
+  absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->data_auth_timeout, absl::Seconds(1));
+  EXPECT_EQ(config->data_max_unauthenticated_per_peer, 128);
+  absl::SetFlag(&FLAGS_data_auth_timeout, absl::Milliseconds(250));
+  absl::SetFlag(&FLAGS_data_max_unauthenticated_per_peer, 64);
+  config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->data_auth_timeout, absl::Milliseconds(250));
+  EXPECT_EQ(config->data_max_unauthenticated_per_peer, 64);
+  for (absl::Duration bad : {absl::ZeroDuration(), absl::Seconds(-1)}) {
+    absl::SetFlag(&FLAGS_data_auth_timeout, bad);
+    ExpectRefused("--data_auth_timeout", absl::FormatDuration(bad));
+  }
+  absl::SetFlag(&FLAGS_data_auth_timeout, absl::Seconds(1));
+  for (int bad : {0, -1, 63, 65537}) {
+    absl::SetFlag(&FLAGS_data_max_unauthenticated_per_peer, bad);
+    ExpectRefused("--data_max_unauthenticated_per_peer", std::to_string(bad));
   }
 }
 
