@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/echo.h"
 #include "common/handle.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
@@ -421,10 +422,10 @@ absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::FindUpload(
   if (info.dtype != dtype || info.shape != shape || info.label != label) {
     return absl::AlreadyExistsError(absl::StrCat(
         "idempotency_key '", idempotency_key, "' names tensor ", handle, ", ",
-        DTypeName(info.dtype), " ", ShapeString(info.shape), " label '",
-        info.label, "'; this upload is ", DTypeName(dtype), " ",
-        ShapeString(shape), " label '", label,
-        "' (a new upload needs a new key)"));
+        DTypeName(info.dtype), " ", ShapeString(info.shape), " label ",
+        Echo(info.label), "; this upload is ", DTypeName(dtype), " ",
+        ShapeString(shape), " label ", Echo(label),
+        " (a new upload needs a new key)"));
   }
   return tensor;
 }
