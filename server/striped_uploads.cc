@@ -34,13 +34,16 @@ absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
         "; a new upload needs a new upload_id"));
   }
   if (header.dtype != header_.dtype || header.shape != header_.shape ||
-      header.label != header_.label || header.count != header_.count) {
+      header.label != header_.label || header.count != header_.count ||
+      header.overwrite_handle != header_.overwrite_handle) {
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe ", index, " of striped upload ", upload_id_, " says ",
         DTypeName(header.dtype), " ", ShapeString(header.shape), " label '",
-        header.label, "' in ", header.count, " stripes; the upload is ",
-        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label '",
-        header_.label, "' in ", header_.count, " stripes"));
+        header.label, "' in ", header.count, " stripes overwriting '",
+        header.overwrite_handle, "'; the upload is ", DTypeName(header_.dtype),
+        " ", ShapeString(header_.shape), " label '", header_.label, "' in ",
+        header_.count, " stripes overwriting '", header_.overwrite_handle,
+        "'"));
   }
   if (links_[static_cast<size_t>(index)] != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -144,7 +147,10 @@ absl::StatusOr<StripedUploads::Attached> StripedUploads::Attach(
       if (!may_create) return DrainingError();
       ASSIGN_OR_RETURN(
           std::unique_ptr<PendingTensor> pending,
-          store_->Create(tenant, header.dtype, header.shape, header.label));
+          header.overwrite_handle.empty()
+              ? store_->Create(tenant, header.dtype, header.shape, header.label)
+              : store_->Overwrite(tenant, header.overwrite_handle, header.dtype,
+                                  header.shape));
       auto assembly = std::make_shared<StripeAssembly>(
           key, stripe.upload_id, header,
           std::shared_ptr<PendingTensor>(std::move(pending)),

@@ -51,8 +51,9 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
       StopStripeWrites();
     }
     // A deadline or cancellation that raced the reply: the client never got
-    // the handle, so the tensor must not stay behind.
-    if (!committed_.empty() && context_->IsCancelled()) {
+    // the handle, so the tensor must not stay behind (an overwritten one is
+    // the client's already).
+    if (!committed_.empty() && !overwrite_ && context_->IsCancelled()) {
       rpc_->store()->Release(admission_.tenant(), committed_).IgnoreError();
     }
     assembly_.reset();
@@ -204,9 +205,17 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the bytes as chunks"));
-    ASSIGN_OR_RETURN(
-        pending_, rpc_->store()->Create(admission_.tenant(), spec.dtype,
-                                        std::move(spec.shape), header.label()));
+    overwrite_ = !header.overwrite_handle().empty();
+    if (overwrite_) {
+      ASSIGN_OR_RETURN(pending_,
+                       rpc_->store()->Overwrite(admission_.tenant(),
+                                                header.overwrite_handle(),
+                                                spec.dtype, spec.shape));
+    } else {
+      ASSIGN_OR_RETURN(pending_, rpc_->store()->Create(
+                                     admission_.tenant(), spec.dtype,
+                                     std::move(spec.shape), header.label()));
+    }
     if (!header.data_token().empty()) return ExpectData(header);
     return absl::OkStatus();
   }
@@ -252,6 +261,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     shared.shape = std::move(spec->shape);
     shared.label = header.label();
     shared.count = stripe.count;
+    shared.overwrite_handle = header.overwrite_handle();
+    overwrite_ = !shared.overwrite_handle.empty();
     link_ = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(StripedUploads::Attached attached,
                      stripes->Attach(admission_.tenant(), stripe, shared, link_,
@@ -407,7 +418,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
   const absl::Time start_ = absl::Now();
   grpc::ByteBuffer* const response_;
   std::unique_ptr<PendingTensor> pending_;
-  std::string committed_;  // the handle, once published
+  std::string committed_;   // the handle, once published
+  bool overwrite_ = false;  // the header named a tensor to overwrite
   // An upload over a data connection: its transfer (the link_ then ties the
   // transfer's outcome to this RPC), and why the stream failed, if it did.
   std::shared_ptr<DataTransfer> transfer_;
