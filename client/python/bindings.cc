@@ -442,14 +442,21 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 // ---- the methods of lossd.Client ----
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
-                  py::handle shape, const std::string& label) {
+                  py::handle shape, const std::string& label,
+                  py::handle overwrite = py::none()) {
   std::shared_ptr<Client> client = self.Get();
   Tensor tensor = TensorFromObject(data, dtype, shape, "upload");
+  const std::string target =
+      overwrite.is_none() ? std::string() : overwrite.cast<std::string>();
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
-    info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
-                          tensor.buffer->bytes(), label);
+    info =
+        overwrite.is_none()
+            ? client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
+                             tensor.buffer->bytes(), label)
+            : client->Overwrite(target, tensor.dtype, tensor.shape,
+                                tensor.buffer->data(), tensor.buffer->bytes());
   }
   return ValueOrThrow(std::move(info));
 }
@@ -622,6 +629,90 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
   return ValueOrThrow(std::move(result));
 }
 
+LinearAccumulate ParseAccumulate(py::handle accumulate) {
+  if (accumulate.is_none()) return LinearAccumulate::kDefault;
+  const std::string name = accumulate.cast<std::string>();
+  if (name == "add") return LinearAccumulate::kAdd;
+  if (name == "overwrite") return LinearAccumulate::kOverwrite;
+  if (name == "none") return LinearAccumulate::kNone;
+  ThrowInvalid(
+      "accumulate must be \"add\", \"overwrite\", \"none\" or "
+      "None, not \"" +
+      name + "\"");
+}
+
+LinearForwardResult LinearForward(
+    PyClient& self, py::handle hidden, const std::string& weight,
+    py::handle target, const std::string& bias, const std::string& weight_grad,
+    const std::string& bias_grad, py::handle accumulate,
+    py::handle class_weights, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, double z_loss_scale, double softcap,
+    double normalizer, double grad_scale, const std::string& mode,
+    bool token_loss, bool token_lse, bool token_argmax,
+    py::handle token_grad_output, const std::string& gradient_label,
+    const std::string& weight_grad_label, const std::string& bias_grad_label) {
+  std::shared_ptr<Client> client = self.Get();
+  LinearForwardOptions options;
+  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
+                             z_loss_scale, softcap, normalizer, grad_scale);
+  options.mode = ParseMode(mode);
+  options.token_loss = token_loss;
+  options.token_lse = token_lse;
+  options.token_argmax = token_argmax;
+  options.gradient_label = gradient_label;
+  options.bias = bias;
+  options.accumulate = ParseAccumulate(accumulate);
+  options.weight_grad = weight_grad;
+  options.bias_grad = bias_grad;
+  options.weight_grad_label = weight_grad_label;
+  options.bias_grad_label = bias_grad_label;
+  if (!token_grad_output.is_none()) {
+    Tensor tensor = TensorFromObject(token_grad_output, py::none(), py::none(),
+                                     "token_grad_output");
+    if (tensor.dtype != DType::kFloat32) {
+      ThrowInvalid("token_grad_output must be float32, not " +
+                   std::string(DTypeString(tensor.dtype)));
+    }
+    const float* values = static_cast<const float*>(tensor.buffer->data());
+    options.token_grad_output.assign(
+        values, values + tensor.buffer->bytes() / sizeof(float));
+  }
+
+  std::string hidden_handle;
+  if (py::isinstance<py::str>(hidden)) {
+    hidden_handle = hidden.cast<std::string>();
+  } else {
+    hidden_handle =
+        Upload(self, hidden, py::none(), py::none(), "hidden").handle;
+  }
+  Tensor targets_tensor;
+  Targets targets;
+  if (py::isinstance<py::str>(target)) {
+    targets = Targets::Handle(target.cast<std::string>());
+  } else {
+    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
+    if (!IsTargetsDType(targets_tensor.dtype)) {
+      ThrowInvalid("target must hold int32 or int64 class indices, not " +
+                   std::string(DTypeString(targets_tensor.dtype)));
+    }
+    targets =
+        Targets::Inline(targets_tensor.dtype, targets_tensor.buffer->data(),
+                        targets_tensor.buffer->bytes());
+  }
+  Weight weights(client, class_weights);
+  options.class_weights = weights.handle();
+  absl::StatusOr<LinearForwardResult> result;
+  {
+    py::gil_scoped_release release;
+    result = client->LinearForward(hidden_handle, weight, targets, options);
+  }
+  if (!result.ok() && !py::isinstance<py::str>(hidden)) {
+    py::gil_scoped_release release;
+    client->Release(hidden_handle).IgnoreError();
+  }
+  return ValueOrThrow(std::move(result));
+}
+
 BackwardResult Backward(PyClient& self, const std::string& handle,
                         py::handle grad_output, bool materialize) {
   std::shared_ptr<Client> client = self.Get();
@@ -724,7 +815,7 @@ the gRPC code and message. Methods may be called from several threads.
 Usable as a context manager (close() on exit).)doc";
 
 constexpr char kUploadDoc[] =
-    R"doc(upload(data, *, dtype=None, shape=None, label="") -> TensorInfo
+    R"doc(upload(data, *, dtype=None, shape=None, label="", overwrite=None) -> TensorInfo
 
 Stores a tensor on the server and returns its TensorInfo (.handle names it).
 data: any C-contiguous buffer (numpy array, memoryview, bytes) or CPU
@@ -734,8 +825,35 @@ the buffer (a torch.bfloat16 tensor is bf16; bf16 in a numpy uint16/int16
 array needs dtype="bf16"). shape: default the buffer's ([N, V] logits,
 [N] targets, [V] weights).
 
+overwrite: a handle whose contents the data replaces in place (same dtype
+and shape; the handle, its memory and label stay; its state becomes LOGITS),
+e.g. a weight after an optimizer step.
+
 Raises InvalidArgument (dtype, shape or byte count), ResourceExhausted (over
-the memory budget or a quota), Unavailable, ... On any error nothing stays.)doc";
+the memory budget or a quota), Unavailable, ... On any error nothing stays
+(overwrite: NotFound, InvalidArgument for another dtype or shape,
+FailedPrecondition while the tensor is in use).)doc";
+
+constexpr char kLinearForwardDoc[] =
+    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="") -> LinearForwardResult
+
+The LM head and the cross-entropy in one call: hidden states [N, H] (a
+handle, or a buffer uploaded for the call) times the stored weight [V, H]
+(`weight`, a handle; `bias` a [V] handle) into logits that never leave the
+server, their loss as forward() computes it, and the gradients. mode:
+"in_place" (the hidden handle becomes dX, state GRADIENT; backward() scales it
+lazily), "out_of_place" (a new handle) or "none". The weight gradient (and
+with a bias the bias gradient) accumulates in fp32 into `weight_grad` /
+`bias_grad`, created on first use: result.weight_grad / .bias_grad name them,
+download them as float32 or bf16. accumulate: "add" (default when a gradient
+is formed), "overwrite" or "none". grad_scale multiplies every gradient (fold
+1/micro-batches in); pass the whole batch's `normalizer` when a mean spans
+micro-batches. class_weights: fp32 [V], as forward()'s `weight`.
+reduction="none" with a gradient needs token_grad_output (float32 [N]).
+
+Raises NotFound, InvalidArgument (shapes, dtypes, options, one tensor in two
+roles), FailedPrecondition (hidden holds a gradient, a tensor in use),
+ResourceExhausted. On any error nothing changes.)doc";
 
 constexpr char kUploadFromDoc[] =
     R"doc(upload_from(source, dtype, shape, *, label="") -> TensorInfo
@@ -928,6 +1046,65 @@ PYBIND11_MODULE(_lossd, m) {
                ", gradient='" + r.gradient + "')";
       });
 
+  py::class_<LinearForwardResult>(m, "LinearForwardResult",
+                                  "The result of Client.linear_forward.")
+      .def_property_readonly(
+          "loss", [](const LinearForwardResult& r) { return r.forward.loss; })
+      .def_property_readonly(
+          "z_loss",
+          [](const LinearForwardResult& r) { return r.forward.z_loss; })
+      .def_property_readonly(
+          "valid_tokens",
+          [](const LinearForwardResult& r) { return r.forward.valid_tokens; })
+      .def_property_readonly(
+          "correct_tokens",
+          [](const LinearForwardResult& r) { return r.forward.correct_tokens; })
+      .def_property_readonly(
+          "nonfinite_rows",
+          [](const LinearForwardResult& r) { return r.forward.nonfinite_rows; })
+      .def_property_readonly(
+          "gradient",
+          [](const LinearForwardResult& r) { return r.forward.gradient; },
+          "dX's handle (\"\" for mode=\"none\")")
+      .def_property_readonly("token_loss",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_loss.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_loss,
+                                                      "<f4");
+                             })
+      .def_property_readonly("token_lse",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_lse.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_lse,
+                                                      "<f4");
+                             })
+      .def_property_readonly("token_argmax",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_argmax.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_argmax,
+                                                      "<i4");
+                             })
+      .def_property_readonly(
+          "kernel_seconds",
+          [](const LinearForwardResult& r) { return r.forward.kernel_seconds; })
+      .def_property_readonly(
+          "denominator",
+          [](const LinearForwardResult& r) { return r.forward.denominator; })
+      .def_readonly("weight_grad", &LinearForwardResult::weight_grad,
+                    "the fp32 [V, H] weight-gradient accumulator's handle")
+      .def_readonly("bias_grad", &LinearForwardResult::bias_grad,
+                    "the fp32 [V] bias-gradient accumulator's handle (\"\" "
+                    "without a bias)")
+      .def("__repr__", [](const LinearForwardResult& r) {
+        return "LinearForwardResult(loss=" + std::to_string(r.forward.loss) +
+               ", valid_tokens=" + std::to_string(r.forward.valid_tokens) +
+               ", gradient='" + r.forward.gradient + "', weight_grad='" +
+               r.weight_grad + "')";
+      });
+
   py::class_<BackwardResult>(m, "BackwardResult",
                              "The result of Client.backward.")
       .def_readonly("tensor", &BackwardResult::tensor)
@@ -1019,7 +1196,7 @@ PYBIND11_MODULE(_lossd, m) {
            "before its scratch buffers are freed.")
       .def("upload", &Upload, kUploadDoc, py::arg("data"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("shape") = py::none(),
-           py::arg("label") = "")
+           py::arg("label") = "", py::arg("overwrite") = py::none())
       .def("upload_from", &UploadFrom, kUploadFromDoc, py::arg("source"),
            py::arg("dtype"), py::arg("shape"), py::kw_only(),
            py::arg("label") = "")
@@ -1037,6 +1214,20 @@ PYBIND11_MODULE(_lossd, m) {
            py::arg("grad_scale") = 1.0, py::arg("mode") = "in_place",
            py::arg("token_loss") = false, py::arg("token_lse") = false,
            py::arg("token_argmax") = false, py::arg("gradient_label") = "")
+      .def("linear_forward", &LinearForward, kLinearForwardDoc,
+           py::arg("hidden"), py::arg("weight"), py::arg("target"),
+           py::kw_only(), py::arg("bias") = "", py::arg("weight_grad") = "",
+           py::arg("bias_grad") = "", py::arg("accumulate") = py::none(),
+           py::arg("class_weights") = py::none(),
+           py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
+           py::arg("reduction") = "mean", py::arg("z_loss_scale") = 0.0,
+           py::arg("softcap") = 0.0, py::arg("normalizer") = 0.0,
+           py::arg("grad_scale") = 1.0, py::arg("mode") = "in_place",
+           py::arg("token_loss") = false, py::arg("token_lse") = false,
+           py::arg("token_argmax") = false,
+           py::arg("token_grad_output") = py::none(),
+           py::arg("gradient_label") = "", py::arg("weight_grad_label") = "",
+           py::arg("bias_grad_label") = "")
       .def("backward", &Backward, kBackwardDoc, py::arg("handle"),
            py::arg("grad_output") = 1.0, py::kw_only(),
            py::arg("materialize") = false)
