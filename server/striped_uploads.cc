@@ -36,14 +36,21 @@ absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
   if (header.dtype != header_.dtype || header.shape != header_.shape ||
       header.label != header_.label || header.count != header_.count ||
       header.overwrite_handle != header_.overwrite_handle) {
+    // The overwrite target is named only when one of them has one.
+    const bool overwrites =
+        !header.overwrite_handle.empty() || !header_.overwrite_handle.empty();
+    const auto target = [overwrites](const std::string& handle) {
+      return overwrites ? absl::StrCat(" overwriting '", handle, "'")
+                        : std::string();
+    };
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe ", index, " of striped upload ", upload_id_, " says ",
         DTypeName(header.dtype), " ", ShapeString(header.shape), " label '",
-        header.label, "' in ", header.count, " stripes overwriting '",
-        header.overwrite_handle, "'; the upload is ", DTypeName(header_.dtype),
-        " ", ShapeString(header_.shape), " label '", header_.label, "' in ",
-        header_.count, " stripes overwriting '", header_.overwrite_handle,
-        "'"));
+        header.label, "' in ", header.count, " stripes",
+        target(header.overwrite_handle), "; the upload is ",
+        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label '",
+        header_.label, "' in ", header_.count, " stripes",
+        target(header_.overwrite_handle)));
   }
   if (links_[static_cast<size_t>(index)] != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(

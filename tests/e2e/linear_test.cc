@@ -2,6 +2,8 @@
 // dX, dW and dbias against a float64 reference computed here; the dX modes;
 // micro-batch accumulation; overwrite uploads; and bad requests, each with its
 // code and nothing changed.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "client/data_connection.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
@@ -43,6 +46,7 @@ class LinearTest : public ::testing::Test {
     server_.reset();
     ServerConfig config =
         e2e_test::LoopbackConfig("cpu", kBudget, absl::Seconds(10));
+    config.data_port = 0;  // a free port: overwrites over data connections
     if (!tokens.empty()) {
       const std::string path = absl::StrCat(
           ::testing::TempDir(), "linear-tokens-",
@@ -366,6 +370,48 @@ TEST_F(LinearTest, StripedOverwrite) {
     ASSERT_TRUE(status.ok()) << status.error_message();
     EXPECT_EQ(responses[index].tensor().handle(), weight);
   }
+  EXPECT_EQ(Get(weight), q.weight);
+  EXPECT_EQ(server_->store()->Stats().used_bytes, before.used_bytes);
+  EXPECT_EQ(server_->store()->Stats().tensors, before.tensors);
+}
+
+// An overwrite whose bytes come over a data connection lands in the same
+// tensor too.
+TEST_F(LinearTest, OverwriteOverADataConnection) {
+  namespace pb = ::lossd::v1;
+  const Problem p = MakeProblem(4, 6, 8, 13);
+  const std::string weight = Put(p.weight, {p.vocab, p.width});
+  const Problem q = MakeProblem(4, 6, 8, 14);
+  const StoreStats before = server_->store()->Stats();
+  const std::string token(16, 'o');
+  std::unique_ptr<pb::Lossd::Stub> stub =
+      pb::Lossd::NewStub(e2e_test::LargeMessageChannel(server_->address()));
+  grpc::ClientContext context;
+  pb::UploadResponse response;
+  std::unique_ptr<grpc::ClientWriter<pb::UploadRequest>> writer =
+      stub->Upload(&context, &response);
+  pb::UploadRequest request;
+  pb::TensorHeader* header = request.mutable_header();
+  header->set_dtype(pb::DTYPE_FLOAT32);
+  header->add_shape(p.vocab);
+  header->add_shape(p.width);
+  header->set_overwrite_handle(weight);
+  header->set_data_token(token);
+  header->set_data_connections(1);
+  ASSERT_TRUE(writer->Write(request));
+  ASSERT_TRUE(writer->WritesDone());
+  absl::StatusOr<int> fd =
+      ConnectDataPort("127.0.0.1", server_->data_port(), absl::Seconds(5));
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  ASSERT_TRUE(SendDataPreamble(*fd, token, 0).ok());
+  ASSERT_TRUE(SendDataBytes(*fd, reinterpret_cast<const char*>(q.weight.data()),
+                            q.weight.size() * sizeof(float))
+                  .ok());
+  ASSERT_TRUE(EndDataSending(*fd).ok());
+  const grpc::Status status = writer->Finish();
+  close(*fd);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.tensor().handle(), weight);
   EXPECT_EQ(Get(weight), q.weight);
   EXPECT_EQ(server_->store()->Stats().used_bytes, before.used_bytes);
   EXPECT_EQ(server_->store()->Stats().tensors, before.tensors);
