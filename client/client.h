@@ -149,6 +149,41 @@ struct ForwardResult {
   double denominator = 0.0;
 };
 
+// How LinearForward's weight (and bias) gradient meets its accumulator.
+// Values match lossd.v1.AccumulateMode.
+enum class LinearAccumulate : int {
+  kDefault = 0,  // kAdd when a gradient is formed, kNone for mode kNone
+  kAdd = 1,
+  kOverwrite = 2,
+  kNone = 3,
+};
+
+// Options of LinearForward: Forward's, plus the bias and the accumulators.
+struct LinearForwardOptions {
+  CrossEntropyOptions loss;
+  std::string class_weights;  // handle of a fp32 [V] tensor; empty = none
+  GradientMode mode = GradientMode::kInPlace;  // of dX
+  bool token_loss = false;
+  bool token_lse = false;
+  bool token_argmax = false;
+  std::string gradient_label;  // label of an out-of-place dX
+  std::string bias;            // handle of a [V] tensor; empty = none
+  LinearAccumulate accumulate = LinearAccumulate::kDefault;
+  // fp32 accumulators of earlier calls; empty = the server makes them.
+  std::string weight_grad;
+  std::string bias_grad;
+  std::string weight_grad_label;
+  std::string bias_grad_label;
+  // Reduction kNone with a gradient: the per-row grad_output [N].
+  std::vector<float> token_grad_output;
+};
+
+struct LinearForwardResult {
+  ForwardResult forward;    // `gradient` is dX's handle
+  std::string weight_grad;  // the accumulators' handles (empty when none)
+  std::string bias_grad;
+};
+
 struct BackwardResult {
   TensorInfo tensor;
   bool kernel_launched = false;
@@ -381,6 +416,26 @@ class Client {
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
+
+  // The LM head and the cross-entropy in one call (see the LinearForward
+  // RPC): stored hidden states [N, H] times the stored weight [V, H]; dX as
+  // options.mode says, the weight gradient accumulated in fp32 into
+  // result.weight_grad. INVALID_ARGUMENT (client side) as Forward. Server
+  // errors as the LinearForward RPC.
+  absl::StatusOr<LinearForwardResult> LinearForward(
+      const std::string& hidden, const std::string& weight,
+      const Targets& targets, const LinearForwardOptions& options = {});
+
+  // Replaces the contents of the stored tensor `handle` with `bytes` bytes at
+  // `data` (same dtype and shape; the handle stays, no memory is allocated),
+  // e.g. a weight after an optimizer step. One stream, in chunks of
+  // options().chunk_bytes. INVALID_ARGUMENT (client side) as Upload. Server
+  // errors as the Upload RPC's overwrite: NOT_FOUND, INVALID_ARGUMENT (other
+  // dtype or shape), FAILED_PRECONDITION (in use).
+  absl::StatusOr<TensorInfo> Overwrite(
+      const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+      const void* data, std::size_t bytes,
+      const ProgressCallback& progress = nullptr);
 
   // Records a scalar grad_output for a gradient (applied on download, or now
   // with `materialize`). NOT_FOUND, FAILED_PRECONDITION (holds logits),

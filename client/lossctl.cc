@@ -102,6 +102,16 @@ ABSL_FLAG(double, grad_scale, 1.0, "grad_output folded into the gradient");
 ABSL_FLAG(std::string, gradient_label, "",
           "forward: label of an out-of-place gradient");
 
+ABSL_FLAG(std::string, bias, "", "linear: handle of the [V] bias");
+ABSL_FLAG(std::string, weight_grad, "",
+          "linear: fp32 [V, H] accumulator of the weight gradient (empty = "
+          "create one)");
+ABSL_FLAG(std::string, bias_grad, "",
+          "linear: fp32 [V] accumulator of the bias gradient (empty = create "
+          "one when --bias is set)");
+ABSL_FLAG(std::string, accumulate, "",
+          "linear: add, overwrite or none (empty = add with a gradient)");
+
 ABSL_FLAG(std::string, grad_output, "1",
           "backward: a number, or a float32 [N] .npy of per-token factors");
 ABSL_FLAG(bool, materialize, false,
@@ -141,6 +151,11 @@ commands:
          [--reduction --ignore_index --label_smoothing --z_loss_scale
           --softcap --weights --mode --normalizer --grad_scale]
                                  int32/int64 tensor file sent inline
+  linear HIDDEN WEIGHT TARGETS    the LM head and cross entropy: hidden
+         [loss options --mode    states [N, H] times the weight [V, H];
+          --bias --weight_grad   dX as --mode says, dW (and dbias) added
+          --bias_grad            into fp32 accumulators (printed)
+          --accumulate]
   backward HANDLE                record grad_output for a gradient
          [--grad_output=X|FILE]  (FILE: a float32 [N] tensor file)
          [--materialize]
@@ -447,6 +462,61 @@ absl::Status Forward(RoutingClient& client,
   return absl::OkStatus();
 }
 
+absl::Status Linear(RoutingClient& client,
+                    const std::vector<std::string>& args) {
+  if (args.size() != 3) {
+    return UsageError(
+        "lossctl linear HIDDEN_HANDLE WEIGHT_HANDLE "
+        "TARGETS(handle|.npy|.safetensors)");
+  }
+  LinearForwardOptions options;
+  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
+  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
+  options.class_weights = absl::GetFlag(FLAGS_weights);
+  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  options.bias = absl::GetFlag(FLAGS_bias);
+  options.weight_grad = absl::GetFlag(FLAGS_weight_grad);
+  options.bias_grad = absl::GetFlag(FLAGS_bias_grad);
+  const std::string accumulate = absl::GetFlag(FLAGS_accumulate);
+  if (accumulate == "add") {
+    options.accumulate = LinearAccumulate::kAdd;
+  } else if (accumulate == "overwrite") {
+    options.accumulate = LinearAccumulate::kOverwrite;
+  } else if (accumulate == "none") {
+    options.accumulate = LinearAccumulate::kNone;
+  } else if (!accumulate.empty()) {
+    return UsageError(absl::StrCat("--accumulate=", accumulate,
+                                   ": add, overwrite, none or empty"));
+  }
+  std::unique_ptr<InputTensor> targets_file;
+  Targets targets = Targets::Handle(args[2]);
+  if (LooksLikeTensorFile(args[2])) {
+    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[2]));
+    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
+                              targets_file->bytes());
+  }
+  ASSIGN_OR_RETURN(const LinearForwardResult linear,
+                   client.LinearForward(args[0], args[1], targets, options));
+  const ForwardResult& result = linear.forward;
+  std::printf(
+      "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
+      "denominator %.17g kernel_seconds %.6f\n",
+      result.loss, result.z_loss, static_cast<long long>(result.valid_tokens),
+      static_cast<long long>(result.correct_tokens),
+      static_cast<long long>(result.nonfinite_rows), result.denominator,
+      result.kernel_seconds);
+  if (!result.gradient.empty()) {
+    std::printf("gradient %s\n", result.gradient.c_str());
+  }
+  if (!linear.weight_grad.empty()) {
+    std::printf("weight_grad %s\n", linear.weight_grad.c_str());
+  }
+  if (!linear.bias_grad.empty()) {
+    std::printf("bias_grad %s\n", linear.bias_grad.c_str());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Backward(RoutingClient& client,
                       const std::vector<std::string>& args) {
   if (args.size() != 1) return UsageError("lossctl backward HANDLE");
@@ -718,6 +788,7 @@ absl::Status Run(const std::vector<std::string>& positional) {
   }
   if (command == "upload") return Upload(*client, args);
   if (command == "forward") return Forward(*client, args);
+  if (command == "linear") return Linear(*client, args);
   if (command == "backward") return Backward(*client, args);
   if (command == "download") return Download(*client, args);
   if (command == "ls") return List(*client, args);

@@ -598,6 +598,32 @@ absl::StatusOr<ForwardResult> RoutingClient::Forward(
   });
 }
 
+absl::StatusOr<LinearForwardResult> RoutingClient::LinearForward(
+    const std::string& hidden, const std::string& weight,
+    const Targets& targets, const LinearForwardOptions& options) {
+  absl::StatusOr<std::string> home = InstanceOf(hidden);
+  const std::pair<const char*, const std::string*> named[] = {
+      {"weight", &weight},
+      {"bias", &options.bias},
+      {"targets", &targets.handle},
+      {"class_weights", &options.class_weights},
+      {"weight_grad", &options.weight_grad},
+      {"bias_grad", &options.bias_grad}};
+  for (const auto& [what, handle] : named) {
+    if (handle->empty() || !home.ok()) continue;
+    absl::StatusOr<std::string> instance = InstanceOf(*handle);
+    if (!instance.ok() || *instance == *home) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " ", *handle, " lives on instance ", *instance,
+        ", the hidden states ", hidden, " on instance ", *home,
+        ": a LinearForward's tensors must share one instance (upload them "
+        "with UploadColocated)"));
+  }
+  return OnOwner<LinearForwardResult>(hidden, [&](Client& client) {
+    return client.LinearForward(hidden, weight, targets, options);
+  });
+}
+
 absl::StatusOr<BackwardResult> RoutingClient::Backward(
     const std::string& gradient, double grad_output, bool materialize) {
   return OnOwner<BackwardResult>(gradient, [&](Client& client) {

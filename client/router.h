@@ -145,6 +145,12 @@ class RoutingClient {
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
+  // INVALID_ARGUMENT before any RPC when a handle it names (weight, bias,
+  // targets, class weights, accumulators) lives on another instance than
+  // the hidden states.
+  absl::StatusOr<LinearForwardResult> LinearForward(
+      const std::string& hidden, const std::string& weight,
+      const Targets& targets, const LinearForwardOptions& options = {});
   absl::StatusOr<BackwardResult> Backward(const std::string& gradient,
                                           double grad_output,
                                           bool materialize = false);

@@ -1,4 +1,4 @@
-// The linear cross-entropy contract (issue 19): hidden states X [N, H] times a
+// The linear cross-entropy contract: hidden states X [N, H] times a
 // resident LM head W [V, H] (+ bias [V]) into the cross-entropy of
 // kernels/cross_entropy.h, with dX, dW and dbias formed in one call. Plain C++.
 #ifndef LOSSD_KERNELS_LINEAR_CROSS_ENTROPY_H_

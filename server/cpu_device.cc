@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cpu/linear_cross_entropy_cpu.h"
 
 namespace lossd {
 namespace {
@@ -86,6 +87,11 @@ absl::Status CpuDevice::ScaleInPlace(void* buffer, DType dtype, int64_t count,
 absl::Status CpuDevice::CrossEntropy(const CrossEntropyArgs& args,
                                      CrossEntropyResult* result) {
   return CrossEntropyCpu(args, result, num_threads_);
+}
+
+absl::Status CpuDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
+                                           CrossEntropyResult* result) {
+  return LinearCrossEntropyCpu(args, result);
 }
 
 }  // namespace lossd

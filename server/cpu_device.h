@@ -37,6 +37,9 @@ class CpuDevice final : public Device {
                             const float* host_row_scale) override;
   absl::Status CrossEntropy(const CrossEntropyArgs& args,
                             CrossEntropyResult* result) override;
+  // LinearCrossEntropyCpu (OpenBLAS).
+  absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
+                                  CrossEntropyResult* result) override;
 
  private:
   const int num_threads_;

@@ -20,6 +20,7 @@
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/linear_cross_entropy_cuda.h"
 
 namespace lossd {
 namespace {
@@ -694,6 +695,79 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   const absl::Status synced =
       Check(cudaStreamSynchronize(stream), "cross_entropy free");
   ReleaseStaging(*staging);
+  ReleaseStream(stream);
+  RETURN_IF_ERROR(synced);
+  return status;
+}
+
+absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
+                                            CrossEntropyResult* result) {
+  if (result == nullptr) {
+    return absl::InvalidArgumentError(
+        "linear_cross_entropy: result is nullptr");
+  }
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+
+  // One block for the host arrays the kernel reads or writes on the device.
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
+  size_t offset = 0;
+  const size_t grad_output_offset = offset;
+  if (args.token_grad_output != nullptr) offset += AlignUp(rows * 4);
+  const size_t loss_offset = offset;
+  if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
+  const size_t lse_offset = offset;
+  if (args.token_lse != nullptr) offset += AlignUp(rows * sizeof(float));
+  const size_t argmax_offset = offset;
+  if (args.token_argmax != nullptr) offset += AlignUp(rows * sizeof(int32_t));
+  const size_t block_bytes = offset;
+
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  char* block = nullptr;
+  absl::Status status;
+  if (block_bytes > 0) {
+    status = AllocateOn(reinterpret_cast<void**>(&block), block_bytes, stream);
+  }
+  LinearCrossEntropyArgs device_args = args;
+  if (status.ok() && args.token_grad_output != nullptr) {
+    float* staged = reinterpret_cast<float*>(block + grad_output_offset);
+    // From pageable memory: staged by the driver before the call returns.
+    status = Check(
+        cudaMemcpyAsync(staged, args.token_grad_output, rows * sizeof(float),
+                        cudaMemcpyHostToDevice, stream),
+        "token_grad_output copy");
+    device_args.token_grad_output = staged;
+  }
+  if (status.ok()) {
+    if (args.token_loss != nullptr) {
+      device_args.token_loss = reinterpret_cast<float*>(block + loss_offset);
+    }
+    if (args.token_lse != nullptr) {
+      device_args.token_lse = reinterpret_cast<float*>(block + lse_offset);
+    }
+    if (args.token_argmax != nullptr) {
+      device_args.token_argmax =
+          reinterpret_cast<int32_t*>(block + argmax_offset);
+    }
+    // Its INTERNAL errors are looked at again below (Check of the final
+    // synchronize), where a sticky one is fatal.
+    status = LinearCrossEntropyCuda(device_args, result, stream);
+    if (!status.ok()) cudaGetLastError();
+  }
+  if (status.ok() && args.token_loss != nullptr) {
+    status = CopyToHost(args.token_loss, device_args.token_loss,
+                        rows * sizeof(float), stream);
+  }
+  if (status.ok() && args.token_lse != nullptr) {
+    status = CopyToHost(args.token_lse, device_args.token_lse,
+                        rows * sizeof(float), stream);
+  }
+  if (status.ok() && args.token_argmax != nullptr) {
+    status = CopyToHost(args.token_argmax, device_args.token_argmax,
+                        rows * sizeof(int32_t), stream);
+  }
+  if (block != nullptr) cudaFreeAsync(block, stream);
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(stream), "linear_cross_entropy free");
   ReleaseStream(stream);
   RETURN_IF_ERROR(synced);
   return status;

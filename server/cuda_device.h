@@ -95,6 +95,10 @@ class CudaDevice final : public Device {
                             const float* host_row_scale) override;
   absl::Status CrossEntropy(const CrossEntropyArgs& args,
                             CrossEntropyResult* result) override;
+  // LinearCrossEntropyCuda (cuBLASLt) on a stream of the pool, the per-token
+  // arrays staged through one device block.
+  absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
+                                  CrossEntropyResult* result) override;
 
  private:
   // A pinned host buffer of staging_bytes and the event of the last copy that

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/linear_cross_entropy.h"
 
 namespace lossd {
 
@@ -133,6 +134,19 @@ class Device {
   // failure. Blocks until the result is ready.
   virtual absl::Status CrossEntropy(const CrossEntropyArgs& args,
                                     CrossEntropyResult* result) = 0;
+
+  // Runs the linear cross-entropy contract of kernels/linear_cross_entropy.h
+  // (LinearForward). x, weight, bias, targets, class_weights, dx, grad_weight
+  // and grad_bias are device pointers; token_grad_output and the per-token
+  // outputs are HOST pointers (staged by the device when it must).
+  // INVALID_ARGUMENT for bad arguments or a target out of range (then no
+  // buffer is changed); RESOURCE_EXHAUSTED when its working memory does not
+  // fit; INTERNAL for a device failure. Blocks until the result is ready.
+  // UNIMPLEMENTED on a device without it.
+  virtual absl::Status LinearCrossEntropy(
+      const LinearCrossEntropyArgs& /*args*/, CrossEntropyResult* /*result*/) {
+    return absl::UnimplementedError("this device has no linear cross-entropy");
+  }
 };
 
 }  // namespace lossd

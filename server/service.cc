@@ -14,6 +14,8 @@
 #include "common/tensor_math.h"
 #include "server/download_reactor.h"
 #include "server/evaluate_reactor.h"
+#include "server/linear_evaluation.h"
+#include "server/staged.h"
 #include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
 #include "server/validation.h"
@@ -23,37 +25,6 @@ namespace lossd {
 namespace pb = ::lossd::v1;
 
 namespace {
-
-// Host bytes made visible to the device: the bytes themselves on a
-// host-accessible device, else a device copy freed on destruction.
-class Staged {
- public:
-  Staged() = default;
-  Staged(const Staged&) = delete;
-  Staged& operator=(const Staged&) = delete;
-  ~Staged() {
-    if (device_ != nullptr) device_->Free(owned_, bytes_);
-  }
-
-  absl::Status Stage(Device* device, const void* host, size_t bytes) {
-    if (device->host_accessible() || bytes == 0) {
-      pointer_ = host;
-      return absl::OkStatus();
-    }
-    ASSIGN_OR_RETURN(owned_, device->Allocate(bytes));
-    device_ = device;
-    bytes_ = bytes;
-    pointer_ = owned_;
-    return device->CopyFromHost(owned_, 0, host, bytes);
-  }
-  const void* get() const { return pointer_; }
-
- private:
-  Device* device_ = nullptr;
-  void* owned_ = nullptr;
-  size_t bytes_ = 0;
-  const void* pointer_ = nullptr;
-};
 
 // Finishes a unary RPC with `status` (the caller left the drain count).
 grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context,
@@ -92,6 +63,7 @@ LossdService::LossdService(TensorStore* store, ServiceOptions options,
   InstallUnary("Forward", &LossdService::Forward);
   InstallUnary("Backward", &LossdService::Backward);
   InstallUnary("GetServerInfo", &LossdService::GetServerInfo);
+  InstallUnary("LinearForward", &LossdService::LinearForward);
 }
 
 LossdService::~LossdService() = default;
@@ -270,6 +242,14 @@ grpc::ServerUnaryReactor* LossdService::Backward(
     grpc::CallbackServerContext* context, const pb::BackwardRequest* request,
     pb::BackwardResponse* response) {
   LOSSD_UNARY("Backward", context, DoBackward(tenant, *request, response));
+}
+
+grpc::ServerUnaryReactor* LossdService::LinearForward(
+    grpc::CallbackServerContext* context,
+    const pb::LinearForwardRequest* request,
+    pb::LinearForwardResponse* response) {
+  LOSSD_UNARY("LinearForward", context,
+              RunLinearForward(&rpc_, tenant, *request, response));
 }
 
 grpc::ServerUnaryReactor* LossdService::GetServerInfo(

@@ -64,6 +64,10 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
       grpc::CallbackServerContext* context,
       const lossd::v1::BackwardRequest* request,
       lossd::v1::BackwardResponse* response) override;
+  grpc::ServerUnaryReactor* LinearForward(
+      grpc::CallbackServerContext* context,
+      const lossd::v1::LinearForwardRequest* request,
+      lossd::v1::LinearForwardResponse* response) override;
   grpc::ServerReadReactor<lossd::v1::EvaluateRequest>* Evaluate(
       grpc::CallbackServerContext* context,
       lossd::v1::EvaluateResponse* response) override;

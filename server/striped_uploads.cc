@@ -36,15 +36,24 @@ absl::StatusOr<std::shared_ptr<PendingTensor>> StripeAssembly::Join(
   }
   if (header.dtype != header_.dtype || header.shape != header_.shape ||
       header.label != header_.label || header.count != header_.count ||
-      header.idempotency_key != header_.idempotency_key) {
+      header.idempotency_key != header_.idempotency_key ||
+      header.overwrite_handle != header_.overwrite_handle) {
+    // The overwrite target is named only when one of them has one.
+    const bool overwrites =
+        !header.overwrite_handle.empty() || !header_.overwrite_handle.empty();
+    const auto target = [overwrites](const std::string& handle) {
+      return overwrites ? absl::StrCat(" overwriting ", Echo(handle))
+                        : std::string();
+    };
     return absl::InvalidArgumentError(absl::StrCat(
         "stripe ", index, " of striped upload ", upload_id_, " says ",
         DTypeName(header.dtype), " ", ShapeString(header.shape), " label ",
         Echo(header.label), " idempotency_key ", Echo(header.idempotency_key),
-        " in ", header.count, " stripes; the upload is ",
-        DTypeName(header_.dtype), " ", ShapeString(header_.shape), " label ",
-        Echo(header_.label), " idempotency_key ",
-        Echo(header_.idempotency_key), " in ", header_.count, " stripes"));
+        " in ", header.count, " stripes", target(header.overwrite_handle),
+        "; the upload is ", DTypeName(header_.dtype), " ",
+        ShapeString(header_.shape), " label ", Echo(header_.label),
+        " idempotency_key ", Echo(header_.idempotency_key), " in ",
+        header_.count, " stripes", target(header_.overwrite_handle)));
   }
   if (links_[static_cast<size_t>(index)] != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -148,8 +157,11 @@ absl::StatusOr<StripedUploads::Attached> StripedUploads::Attach(
       if (!may_create) return DrainingError();
       ASSIGN_OR_RETURN(
           std::unique_ptr<PendingTensor> pending,
-          store_->Create(tenant, header.dtype, header.shape, header.label,
-                         TensorState::kLogits, header.idempotency_key));
+          header.overwrite_handle.empty()
+              ? store_->Create(tenant, header.dtype, header.shape, header.label,
+                               TensorState::kLogits, header.idempotency_key)
+              : store_->Overwrite(tenant, header.overwrite_handle, header.dtype,
+                                  header.shape));
       auto assembly = std::make_shared<StripeAssembly>(
           key, stripe.upload_id, header,
           std::shared_ptr<PendingTensor>(std::move(pending)),

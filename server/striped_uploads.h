@@ -65,7 +65,8 @@ struct StripeHeader {
   std::vector<int64_t> shape;
   std::string label;
   int count = 1;
-  std::string idempotency_key;  // empty: none
+  std::string idempotency_key;   // empty: none
+  std::string overwrite_handle;  // empty = a new tensor
 };
 
 // One striped upload being assembled: the reserved tensor and its stripes.

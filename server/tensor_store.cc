@@ -249,6 +249,18 @@ void ForwardLease::FinishInPlace(Reduction reduction) {
   tensor_->materialized_ = false;
 }
 
+void ForwardLease::FinishOverwrite() {
+  if (tensor_ == nullptr || !in_place_) return;
+  absl::MutexLock lock(&tensor_->mu_);
+  tensor_->state_ = TensorState::kLogits;
+  tensor_->reduction_ = Reduction::kMean;
+  tensor_->pending_scale_ = 1.0;
+  tensor_->pending_token_scale_.clear();
+  tensor_->materialized_ = false;
+  tensor_->applied_scale_ = 1.0;
+  tensor_->applied_token_scale_.clear();
+}
+
 void ForwardLease::Reset() {
   if (tensor_ == nullptr) return;
   {
@@ -278,6 +290,11 @@ PendingTensor::PendingTensor(TensorStore* store, std::string tenant,
 PendingTensor::~PendingTensor() {
   if (!committed_ && !idempotency_key_.empty()) {
     store_->FreeUploadKey(tenant_, idempotency_key_);
+  }
+  // An abandoned overwrite: its copies must land before others may use the
+  // buffer again (a new tensor's Free waits by itself).
+  if (overwrite_.tensor() != nullptr && !committed_) {
+    allocation_->device()->FinishWrites(allocation_->data()).IgnoreError();
   }
 }
 
@@ -313,6 +330,12 @@ absl::StatusOr<std::shared_ptr<Tensor>> PendingTensor::Commit(
   }
   RETURN_IF_ERROR(allocation_->device()->FinishWrites(allocation_->data()));
   committed_ = true;
+  if (overwrite_.tensor() != nullptr) {
+    std::shared_ptr<Tensor> tensor = overwrite_.tensor();
+    overwrite_.FinishOverwrite();
+    overwrite_ = ForwardLease();
+    return tensor;
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
                    store_->Publish(tenant_, label_, dtype_, shape_, state_,
                                    std::move(allocation_), gradient_reduction));
@@ -660,6 +683,62 @@ absl::StatusOr<ForwardLease> TensorStore::BeginForward(
     tensor->TouchLocked(clock_());
   }
   return ForwardLease(std::move(tensor), in_place, clock_);
+}
+
+absl::StatusOr<ForwardLease> TensorStore::BeginWrite(
+    std::shared_ptr<Tensor> tensor) {
+  {
+    absl::MutexLock lock(&tensor->mu_);
+    if (tensor->forward_running_ || tensor->writing_ || tensor->readers_ > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "handle ", tensor->handle(),
+          " is in use by another RPC (a Forward, LinearForward, Download or "
+          "overwrite); it cannot be written now"));
+    }
+    tensor->forward_running_ = true;
+    tensor->writing_ = true;
+    tensor->TouchLocked(clock_());
+  }
+  return ForwardLease(std::move(tensor), /*in_place=*/true, clock_);
+}
+
+absl::StatusOr<ReadLease> TensorStore::TryBeginRead(
+    std::shared_ptr<Tensor> tensor) {
+  ReadView view;
+  {
+    absl::MutexLock lock(&tensor->mu_);
+    if (tensor->writing_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("handle ", tensor->handle(),
+                       " is being written (an in-place Forward, LinearForward "
+                       "or overwrite); it cannot be read now"));
+    }
+    ++tensor->readers_;
+    tensor->TouchLocked(clock_());
+    if (tensor->state_ == TensorState::kGradient) {
+      view.scale = tensor->pending_scale_;
+      view.row_scale = tensor->pending_token_scale_;
+    }
+  }
+  return ReadLease(std::move(tensor), std::move(view), clock_);
+}
+
+absl::StatusOr<std::unique_ptr<PendingTensor>> TensorStore::Overwrite(
+    const std::string& tenant, const std::string& handle, DType dtype,
+    const std::vector<int64_t>& shape) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor, Get(tenant, handle));
+  if (tensor->dtype() != dtype || tensor->shape() != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "overwrite_handle ", handle, " is ", DTypeName(tensor->dtype()), " ",
+        ShapeString(tensor->shape()), "; the header says ", DTypeName(dtype),
+        " ", ShapeString(shape), " (an overwrite keeps dtype and shape)"));
+  }
+  ASSIGN_OR_RETURN(ForwardLease lease, BeginWrite(tensor));
+  std::unique_ptr<PendingTensor> pending(
+      new PendingTensor(this, tenant, tensor->label_, dtype, shape,
+                        TensorState::kLogits, tensor->allocation_));
+  pending->overwrite_ = std::move(lease);
+  return pending;
 }
 
 absl::Status TensorStore::RecordGradOutput(

@@ -201,6 +201,11 @@ class ForwardLease {
   // tensor moves to GRADIENT with no pending factor. Only for in-place leases.
   void FinishInPlace(Reduction reduction);
 
+  // Records that the buffer holds new values (an overwrite): the tensor moves
+  // to LOGITS, and a gradient's pending or applied factors are dropped. Only
+  // for in-place leases.
+  void FinishOverwrite();
+
  private:
   friend class TensorStore;
   ForwardLease(std::shared_ptr<Tensor> tensor, bool in_place,
@@ -252,6 +257,8 @@ class PendingTensor {
   // Publishes the tensor under its handle. INVALID_ARGUMENT when fewer bytes
   // than the header said were received (the pending tensor is then still
   // discarded on destruction). May be called once.
+  // An overwrite (TensorStore::Overwrite) returns the overwritten tensor,
+  // now in state LOGITS, under its own handle.
   absl::StatusOr<std::shared_ptr<Tensor>> Commit(
       Reduction gradient_reduction = Reduction::kMean);
 
@@ -275,6 +282,9 @@ class PendingTensor {
   std::shared_ptr<internal::Allocation> allocation_;
   int64_t received_ = 0;
   bool committed_ = false;
+  // An overwrite: the exclusive write lease on the tensor whose buffer this
+  // is (empty otherwise).
+  ForwardLease overwrite_;
 };
 
 // All the tensors of one instance on one device. Thread-safe; lock order is
@@ -377,6 +387,26 @@ class TensorStore {
   // being read.
   absl::StatusOr<ForwardLease> BeginForward(std::shared_ptr<Tensor> tensor,
                                             bool in_place);
+
+  // Starts an exclusive write of `tensor`'s buffer whatever its state (an
+  // accumulator of LinearForward, an overwrite): FAILED_PRECONDITION while
+  // anything else reads or writes it. The lease's FinishOverwrite (or
+  // nothing) decides the state; dropping it ends the write.
+  absl::StatusOr<ForwardLease> BeginWrite(std::shared_ptr<Tensor> tensor);
+
+  // As BeginRead, but FAILED_PRECONDITION instead of waiting while the
+  // tensor is being written (a call that must not wait on a client's upload).
+  absl::StatusOr<ReadLease> TryBeginRead(std::shared_ptr<Tensor> tensor);
+
+  // Starts overwriting the stored tensor `handle` of `tenant` with new bytes
+  // of the same `dtype` and `shape`: the PendingTensor's buffer is the
+  // tensor's own (no memory is reserved), its Commit returns the tensor.
+  // NOT_FOUND as Get; INVALID_ARGUMENT for another dtype or shape;
+  // FAILED_PRECONDITION as BeginWrite. Until the PendingTensor goes, the tensor
+  // is written (other users fail or wait as for an in-place Forward).
+  absl::StatusOr<std::unique_ptr<PendingTensor>> Overwrite(
+      const std::string& tenant, const std::string& handle, DType dtype,
+      const std::vector<int64_t>& shape);
 
   // Records grad_output for a gradient (Backward): `token_scale` empty means
   // the scalar `scale`. With `materialize`, applies it to the buffer on the

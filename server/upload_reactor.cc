@@ -52,8 +52,9 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
       StopStripeWrites();
     }
     // A deadline or cancellation that raced the reply: the client never got
-    // the handle, so the tensor must not stay behind.
-    if (!committed_.empty() && context_->IsCancelled()) {
+    // the handle, so the tensor must not stay behind (an overwritten one is
+    // the client's already).
+    if (!committed_.empty() && !overwrite_ && context_->IsCancelled()) {
       rpc_->store()->Release(admission_.tenant(), committed_).IgnoreError();
     }
     assembly_.reset();
@@ -207,18 +208,26 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the bytes as chunks"));
-    if (!header.idempotency_key().empty()) {
-      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> stored,
-                       rpc_->store()->FindUpload(
-                           admission_.tenant(), header.idempotency_key(),
-                           spec.dtype, spec.shape, header.label()));
-      if (stored != nullptr) return AnswerWithStored(*stored, header);
+    overwrite_ = !header.overwrite_handle().empty();
+    if (overwrite_) {
+      ASSIGN_OR_RETURN(pending_,
+                       rpc_->store()->Overwrite(admission_.tenant(),
+                                                header.overwrite_handle(),
+                                                spec.dtype, spec.shape));
+    } else {
+      if (!header.idempotency_key().empty()) {
+        ASSIGN_OR_RETURN(std::shared_ptr<Tensor> stored,
+                         rpc_->store()->FindUpload(
+                             admission_.tenant(), header.idempotency_key(),
+                             spec.dtype, spec.shape, header.label()));
+        if (stored != nullptr) return AnswerWithStored(*stored, header);
+      }
+      ASSIGN_OR_RETURN(
+          pending_, rpc_->store()->Create(admission_.tenant(), spec.dtype,
+                                          std::move(spec.shape), header.label(),
+                                          TensorState::kLogits,
+                                          header.idempotency_key()));
     }
-    ASSIGN_OR_RETURN(
-        pending_,
-        rpc_->store()->Create(admission_.tenant(), spec.dtype,
-                              std::move(spec.shape), header.label(),
-                              TensorState::kLogits, header.idempotency_key()));
     if (!header.data_token().empty()) return ExpectData(header);
     return absl::OkStatus();
   }
@@ -297,6 +306,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
     shared.label = header.label();
     shared.count = stripe.count;
     shared.idempotency_key = header.idempotency_key();
+    shared.overwrite_handle = header.overwrite_handle();
+    overwrite_ = !shared.overwrite_handle.empty();
     link_ = std::make_shared<StripeLink>(this);
     ASSIGN_OR_RETURN(StripedUploads::Attached attached,
                      stripes->Attach(admission_.tenant(), stripe, shared, link_,
@@ -452,7 +463,8 @@ class UploadReactor final : public PipelinedReadReactor<grpc::ByteBuffer>,
   const absl::Time start_ = absl::Now();
   grpc::ByteBuffer* const response_;
   std::unique_ptr<PendingTensor> pending_;
-  std::string committed_;  // the handle, once published
+  std::string committed_;   // the handle, once published
+  bool overwrite_ = false;  // the header named a tensor to overwrite
   // An upload over a data connection: its transfer (the link_ then ties the
   // transfer's outcome to this RPC), and why the stream failed, if it did.
   std::shared_ptr<DataTransfer> transfer_;

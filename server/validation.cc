@@ -195,6 +195,17 @@ absl::StatusOr<TensorSpec> ValidateTensorHeader(
   spec.shape.assign(header.shape().begin(), header.shape().end());
   ASSIGN_OR_RETURN(spec.bytes, StoredTensorBytes(spec.dtype, spec.shape));
   RETURN_IF_ERROR(CheckLabel(header.label(), "header.label"));
+  if (!header.overwrite_handle().empty()) {
+    RETURN_IF_ERROR(
+        CheckHandle(header.overwrite_handle(), "header.overwrite_handle"));
+    // An overwrite names its tensor already, and repeating it is harmless.
+    if (!header.idempotency_key().empty()) {
+      return absl::InvalidArgumentError(
+          "header.idempotency_key and header.overwrite_handle are exclusive: "
+          "an overwrite names its tensor already and may simply be sent "
+          "again");
+    }
+  }
   return spec;
 }
 

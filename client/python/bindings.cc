@@ -69,7 +69,7 @@ the gRPC code and message. Methods may be called from several threads.
 Usable as a context manager (close() on exit).)doc";
 
 constexpr char kUploadDoc[] =
-    R"doc(upload(data, *, dtype=None, shape=None, label="", idempotency_key=None) -> TensorInfo
+    R"doc(upload(data, *, dtype=None, shape=None, label="", idempotency_key=None, overwrite=None) -> TensorInfo
 
 Stores a tensor on the server and returns its TensorInfo (.handle names it).
 data: any C-contiguous buffer (numpy array, memoryview, bytes) or CPU
@@ -83,10 +83,38 @@ after an error whose outcome was unknown (DeadlineExceeded, Unavailable)
 returns the tensor the first attempt stored, if it did, instead of storing
 a second one.
 
+overwrite: a handle whose contents the data replaces in place (same dtype
+and shape; the handle, its memory and label stay; its state becomes LOGITS),
+e.g. a weight after an optimizer step. It takes no idempotency_key: sending
+it again is harmless.
+
 Raises InvalidArgument (dtype, shape, byte count or key), ResourceExhausted
 (over the memory budget or a quota), AlreadyExists (the key names a stored
 tensor of another dtype, shape or label), Aborted (an upload with the key is
-in flight), Unavailable, ... On any error nothing stays.)doc";
+in flight), Unavailable, ... On any error nothing stays (overwrite: NotFound,
+InvalidArgument for another dtype or shape, FailedPrecondition while the
+tensor is in use).)doc";
+
+constexpr char kLinearForwardDoc[] =
+    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="") -> LinearForwardResult
+
+The LM head and the cross-entropy in one call: hidden states [N, H] (a
+handle, or a buffer uploaded for the call) times the stored weight [V, H]
+(`weight`, a handle; `bias` a [V] handle) into logits that never leave the
+server, their loss as forward() computes it, and the gradients. mode:
+"in_place" (the hidden handle becomes dX, state GRADIENT; backward() scales it
+lazily), "out_of_place" (a new handle) or "none". The weight gradient (and
+with a bias the bias gradient) accumulates in fp32 into `weight_grad` /
+`bias_grad`, created on first use: result.weight_grad / .bias_grad name them,
+download them as float32 or bf16. accumulate: "add" (default when a gradient
+is formed), "overwrite" or "none". grad_scale multiplies every gradient (fold
+1/micro-batches in); pass the whole batch's `normalizer` when a mean spans
+micro-batches. class_weights: fp32 [V], as forward()'s `weight`.
+reduction="none" with a gradient needs token_grad_output (float32 [N]).
+
+Raises NotFound, InvalidArgument (shapes, dtypes, options, one tensor in two
+roles), FailedPrecondition (hidden holds a gradient, a tensor in use),
+ResourceExhausted. On any error nothing changes.)doc";
 
 constexpr char kUploadFromDoc[] =
     R"doc(upload_from(source, dtype, shape, *, label="", idempotency_key=None) -> TensorInfo
@@ -269,6 +297,65 @@ PYBIND11_MODULE(_lossd, m) {
                ", gradient='" + r.gradient + "')";
       });
 
+  py::class_<LinearForwardResult>(m, "LinearForwardResult",
+                                  "The result of Client.linear_forward.")
+      .def_property_readonly(
+          "loss", [](const LinearForwardResult& r) { return r.forward.loss; })
+      .def_property_readonly(
+          "z_loss",
+          [](const LinearForwardResult& r) { return r.forward.z_loss; })
+      .def_property_readonly(
+          "valid_tokens",
+          [](const LinearForwardResult& r) { return r.forward.valid_tokens; })
+      .def_property_readonly(
+          "correct_tokens",
+          [](const LinearForwardResult& r) { return r.forward.correct_tokens; })
+      .def_property_readonly(
+          "nonfinite_rows",
+          [](const LinearForwardResult& r) { return r.forward.nonfinite_rows; })
+      .def_property_readonly(
+          "gradient",
+          [](const LinearForwardResult& r) { return r.forward.gradient; },
+          "dX's handle (\"\" for mode=\"none\")")
+      .def_property_readonly("token_loss",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_loss.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_loss,
+                                                      "<f4");
+                             })
+      .def_property_readonly("token_lse",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_lse.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_lse,
+                                                      "<f4");
+                             })
+      .def_property_readonly("token_argmax",
+                             [](const LinearForwardResult& r) -> py::object {
+                               return r.forward.token_argmax.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.forward.token_argmax,
+                                                      "<i4");
+                             })
+      .def_property_readonly(
+          "kernel_seconds",
+          [](const LinearForwardResult& r) { return r.forward.kernel_seconds; })
+      .def_property_readonly(
+          "denominator",
+          [](const LinearForwardResult& r) { return r.forward.denominator; })
+      .def_readonly("weight_grad", &LinearForwardResult::weight_grad,
+                    "the fp32 [V, H] weight-gradient accumulator's handle")
+      .def_readonly("bias_grad", &LinearForwardResult::bias_grad,
+                    "the fp32 [V] bias-gradient accumulator's handle (\"\" "
+                    "without a bias)")
+      .def("__repr__", [](const LinearForwardResult& r) {
+        return "LinearForwardResult(loss=" + std::to_string(r.forward.loss) +
+               ", valid_tokens=" + std::to_string(r.forward.valid_tokens) +
+               ", gradient='" + r.forward.gradient + "', weight_grad='" +
+               r.weight_grad + "')";
+      });
+
   py::class_<BackwardResult>(m, "BackwardResult",
                              "The result of Client.backward.")
       .def_readonly("tensor", &BackwardResult::tensor)
@@ -360,7 +447,8 @@ PYBIND11_MODULE(_lossd, m) {
            "before its scratch buffers are freed.")
       .def("upload", &Upload, kUploadDoc, py::arg("data"), py::kw_only(),
            py::arg("dtype") = py::none(), py::arg("shape") = py::none(),
-           py::arg("label") = "", py::arg("idempotency_key") = py::none())
+           py::arg("label") = "", py::arg("idempotency_key") = py::none(),
+           py::arg("overwrite") = py::none())
       .def("upload_from", &UploadFrom, kUploadFromDoc, py::arg("source"),
            py::arg("dtype"), py::arg("shape"), py::kw_only(),
            py::arg("label") = "", py::arg("idempotency_key") = py::none())
@@ -378,6 +466,20 @@ PYBIND11_MODULE(_lossd, m) {
            py::arg("grad_scale") = 1.0, py::arg("mode") = "in_place",
            py::arg("token_loss") = false, py::arg("token_lse") = false,
            py::arg("token_argmax") = false, py::arg("gradient_label") = "")
+      .def("linear_forward", &LinearForward, kLinearForwardDoc,
+           py::arg("hidden"), py::arg("weight"), py::arg("target"),
+           py::kw_only(), py::arg("bias") = "", py::arg("weight_grad") = "",
+           py::arg("bias_grad") = "", py::arg("accumulate") = py::none(),
+           py::arg("class_weights") = py::none(),
+           py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
+           py::arg("reduction") = "mean", py::arg("z_loss_scale") = 0.0,
+           py::arg("softcap") = 0.0, py::arg("normalizer") = 0.0,
+           py::arg("grad_scale") = 1.0, py::arg("mode") = "in_place",
+           py::arg("token_loss") = false, py::arg("token_lse") = false,
+           py::arg("token_argmax") = false,
+           py::arg("token_grad_output") = py::none(),
+           py::arg("gradient_label") = "", py::arg("weight_grad_label") = "",
+           py::arg("bias_grad_label") = "")
       .def("backward", &Backward, kBackwardDoc, py::arg("handle"),
            py::arg("grad_output") = 1.0, py::kw_only(),
            py::arg("materialize") = false)

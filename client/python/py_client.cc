@@ -95,15 +95,25 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
                   py::handle shape, const std::string& label,
-                  const std::optional<std::string>& idempotency_key) {
+                  const std::optional<std::string>& idempotency_key,
+                  const std::optional<std::string>& overwrite) {
   std::shared_ptr<Client> client = self.Get();
   Tensor tensor = TensorFromObject(data, dtype, shape, "upload");
+  if (overwrite.has_value() && idempotency_key.has_value()) {
+    ThrowInvalid(
+        "upload takes idempotency_key or overwrite, not both: an overwrite "
+        "names its tensor already and may simply be sent again");
+  }
   absl::StatusOr<TensorInfo> info;
   {
     py::gil_scoped_release release;
-    info = client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
-                          tensor.buffer->bytes(), label, nullptr,
-                          idempotency_key.value_or(""));
+    info =
+        overwrite.has_value()
+            ? client->Overwrite(*overwrite, tensor.dtype, tensor.shape,
+                                tensor.buffer->data(), tensor.buffer->bytes())
+            : client->Upload(tensor.dtype, tensor.shape, tensor.buffer->data(),
+                             tensor.buffer->bytes(), label, nullptr,
+                             idempotency_key.value_or(""));
   }
   return ValueOrThrow(std::move(info));
 }
@@ -247,9 +257,9 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
   if (py::isinstance<py::str>(logits)) {
     logits_handle = logits.cast<std::string>();
   } else {
-    logits_handle =
-        Upload(self, logits, py::none(), py::none(), "logits", std::nullopt)
-            .handle;
+    logits_handle = Upload(self, logits, py::none(), py::none(), "logits",
+                           std::nullopt, std::nullopt)
+                        .handle;
   }
   Tensor targets_tensor;
   Targets targets;
@@ -275,6 +285,95 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
   if (!result.ok() && !py::isinstance<py::str>(logits)) {
     py::gil_scoped_release release;
     client->Release(logits_handle).IgnoreError();
+  }
+  return ValueOrThrow(std::move(result));
+}
+
+namespace {
+
+LinearAccumulate ParseAccumulate(py::handle accumulate) {
+  if (accumulate.is_none()) return LinearAccumulate::kDefault;
+  const std::string name = accumulate.cast<std::string>();
+  if (name == "add") return LinearAccumulate::kAdd;
+  if (name == "overwrite") return LinearAccumulate::kOverwrite;
+  if (name == "none") return LinearAccumulate::kNone;
+  ThrowInvalid(
+      "accumulate must be \"add\", \"overwrite\", \"none\" or "
+      "None, not \"" +
+      name + "\"");
+}
+
+}  // namespace
+
+LinearForwardResult LinearForward(
+    PyClient& self, py::handle hidden, const std::string& weight,
+    py::handle target, const std::string& bias, const std::string& weight_grad,
+    const std::string& bias_grad, py::handle accumulate,
+    py::handle class_weights, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, double z_loss_scale, double softcap,
+    double normalizer, double grad_scale, const std::string& mode,
+    bool token_loss, bool token_lse, bool token_argmax,
+    py::handle token_grad_output, const std::string& gradient_label,
+    const std::string& weight_grad_label, const std::string& bias_grad_label) {
+  std::shared_ptr<Client> client = self.Get();
+  LinearForwardOptions options;
+  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
+                             z_loss_scale, softcap, normalizer, grad_scale);
+  options.mode = ParseMode(mode);
+  options.token_loss = token_loss;
+  options.token_lse = token_lse;
+  options.token_argmax = token_argmax;
+  options.gradient_label = gradient_label;
+  options.bias = bias;
+  options.accumulate = ParseAccumulate(accumulate);
+  options.weight_grad = weight_grad;
+  options.bias_grad = bias_grad;
+  options.weight_grad_label = weight_grad_label;
+  options.bias_grad_label = bias_grad_label;
+  if (!token_grad_output.is_none()) {
+    Tensor tensor = TensorFromObject(token_grad_output, py::none(), py::none(),
+                                     "token_grad_output");
+    if (tensor.dtype != DType::kFloat32) {
+      ThrowInvalid("token_grad_output must be float32, not " +
+                   std::string(DTypeString(tensor.dtype)));
+    }
+    const float* values = static_cast<const float*>(tensor.buffer->data());
+    options.token_grad_output.assign(
+        values, values + tensor.buffer->bytes() / sizeof(float));
+  }
+
+  std::string hidden_handle;
+  if (py::isinstance<py::str>(hidden)) {
+    hidden_handle = hidden.cast<std::string>();
+  } else {
+    hidden_handle = Upload(self, hidden, py::none(), py::none(), "hidden",
+                           std::nullopt, std::nullopt)
+                        .handle;
+  }
+  Tensor targets_tensor;
+  Targets targets;
+  if (py::isinstance<py::str>(target)) {
+    targets = Targets::Handle(target.cast<std::string>());
+  } else {
+    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
+    if (!IsTargetsDType(targets_tensor.dtype)) {
+      ThrowInvalid("target must hold int32 or int64 class indices, not " +
+                   std::string(DTypeString(targets_tensor.dtype)));
+    }
+    targets =
+        Targets::Inline(targets_tensor.dtype, targets_tensor.buffer->data(),
+                        targets_tensor.buffer->bytes());
+  }
+  Weight weights(client, class_weights);
+  options.class_weights = weights.handle();
+  absl::StatusOr<LinearForwardResult> result;
+  {
+    py::gil_scoped_release release;
+    result = client->LinearForward(hidden_handle, weight, targets, options);
+  }
+  if (!result.ok() && !py::isinstance<py::str>(hidden)) {
+    py::gil_scoped_release release;
+    client->Release(hidden_handle).IgnoreError();
   }
   return ValueOrThrow(std::move(result));
 }

@@ -72,7 +72,8 @@ class PyClient {
 // The methods of lossd.Client (their docstrings are in bindings.cc).
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
                   py::handle shape, const std::string& label,
-                  const std::optional<std::string>& idempotency_key);
+                  const std::optional<std::string>& idempotency_key,
+                  const std::optional<std::string>& overwrite);
 TensorInfo UploadFrom(PyClient& self, const py::function& source,
                       py::handle dtype, const std::vector<int64_t>& shape,
                       const std::string& label,
@@ -89,6 +90,16 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                       double grad_scale, const std::string& mode,
                       bool token_loss, bool token_lse, bool token_argmax,
                       const std::string& gradient_label);
+LinearForwardResult LinearForward(
+    PyClient& self, py::handle hidden, const std::string& weight,
+    py::handle target, const std::string& bias, const std::string& weight_grad,
+    const std::string& bias_grad, py::handle accumulate,
+    py::handle class_weights, int64_t ignore_index, double label_smoothing,
+    const std::string& reduction, double z_loss_scale, double softcap,
+    double normalizer, double grad_scale, const std::string& mode,
+    bool token_loss, bool token_lse, bool token_argmax,
+    py::handle token_grad_output, const std::string& gradient_label,
+    const std::string& weight_grad_label, const std::string& bias_grad_label);
 BackwardResult Backward(PyClient& self, const std::string& handle,
                         py::handle grad_output, bool materialize);
 EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,

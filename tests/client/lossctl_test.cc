@@ -208,6 +208,54 @@ TEST_F(LossctlTest, ForwardBackwardDownload) {
   EXPECT_THAT(again.err, HasSubstr("FAILED_PRECONDITION"));
 }
 
+// lossctl linear: the loss of X W^T and dW into an accumulator it prints,
+// then added to by a second call naming it.
+TEST_F(LossctlTest, LinearForwardAccumulates) {
+  constexpr int64_t kWidth = 8;
+  std::vector<float> hidden(kRows * kWidth), weight(kVocab * kWidth);
+  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = 0.01f * (i % 97);
+  for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.02f * (i % 31);
+  const std::string hidden_path = dir_.File("hidden.npy");
+  const std::string weight_path = dir_.File("weight.npy");
+  ASSERT_TRUE(WriteNpy(hidden_path, DType::kFloat32, {kRows, kWidth},
+                       hidden.data(), hidden.size() * sizeof(float))
+                  .ok());
+  ASSERT_TRUE(WriteNpy(weight_path, DType::kFloat32, {kVocab, kWidth},
+                       weight.data(), weight.size() * sizeof(float))
+                  .ok());
+  const std::string w = UploadHandle({weight_path});
+  CommandResult first =
+      Lossctl({"linear", UploadHandle({hidden_path}), w, targets_path_});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_EQ(Field(first.out, "valid"), kRows - 1);
+  const std::string marker = "weight_grad ";
+  const size_t at = first.out.find(marker);
+  ASSERT_NE(at, std::string::npos) << first.out;
+  const std::string dw =
+      std::string(absl::StripAsciiWhitespace(first.out.substr(
+          at + marker.size(), first.out.find('\n', at) - at - marker.size())));
+  absl::StatusOr<DownloadedTensor> once = client_->Download(dw);
+  ASSERT_TRUE(once.ok()) << once.status();
+
+  CommandResult second =
+      Lossctl({"linear", UploadHandle({hidden_path}), w, targets_path_,
+               "--weight_grad=" + dw, "--accumulate=add"});
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_THAT(second.out, HasSubstr("weight_grad " + dw));
+  absl::StatusOr<DownloadedTensor> twice = client_->Download(dw);
+  ASSERT_TRUE(twice.ok()) << twice.status();
+  const float* a = reinterpret_cast<const float*>(once->data.data());
+  const float* b = reinterpret_cast<const float*>(twice->data.data());
+  for (int64_t i = 0; i < kVocab * kWidth; ++i) {
+    ASSERT_NEAR(b[i], 2 * a[i], 1e-6f + 1e-5f * std::fabs(a[i])) << i;
+  }
+
+  CommandResult bad = Lossctl({"linear", UploadHandle({hidden_path}), w,
+                               targets_path_, "--accumulate=sometimes"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("--accumulate=sometimes"));
+}
+
 TEST_F(LossctlTest, PerTokenBackwardFromNpy) {
   const std::string handle = UploadHandle({logits_path_});
   CommandResult fwd =

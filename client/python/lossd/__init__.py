@@ -18,17 +18,18 @@ from ._errors import (
     Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
     StatusCode, Unauthenticated, Unavailable, Unimplemented, Unknown)
 from ._lossd import (
-    LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, ListResult, ServerInfo,
-    TensorInfo)
+    LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, LinearForwardResult,
+    ListResult, ServerInfo, TensorInfo)
 
 # Shown as lossd.X (help(), reprs, tracebacks) rather than the private modules defining them.
-for _cls in (Client, TensorInfo, ServerInfo, ListResult, ForwardResult, BackwardResult,
-             EvaluateResult, StatusCode, Error, *_errors.ERRORS.values()):
+for _cls in (Client, TensorInfo, ServerInfo, ListResult, ForwardResult, LinearForwardResult,
+             BackwardResult, EvaluateResult, StatusCode, Error, *_errors.ERRORS.values()):
     _cls.__module__ = __name__
 del _cls
 
 __all__ = [
-    "Client", "TensorInfo", "ServerInfo", "ListResult", "ForwardResult", "BackwardResult",
+    "Client", "TensorInfo", "ServerInfo", "ListResult", "ForwardResult", "LinearForwardResult",
+    "BackwardResult",
     "EvaluateResult", "LOSSD_SERVICE", "StatusCode", "Error", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal",

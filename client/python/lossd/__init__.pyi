@@ -9,5 +9,6 @@ from ._errors import (
     Unimplemented as Unimplemented, Unknown as Unknown)
 from ._lossd import (
     LOSSD_SERVICE as LOSSD_SERVICE, BackwardResult as BackwardResult, Client as Client,
-    EvaluateResult as EvaluateResult, ForwardResult as ForwardResult, ListResult as ListResult,
+    EvaluateResult as EvaluateResult, ForwardResult as ForwardResult,
+    LinearForwardResult as LinearForwardResult, ListResult as ListResult,
     ServerInfo as ServerInfo, TensorInfo as TensorInfo)

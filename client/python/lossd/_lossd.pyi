@@ -85,6 +85,12 @@ class ForwardResult:
     @property
     def denominator(self) -> float: ...
 
+class LinearForwardResult(ForwardResult):
+    @property
+    def weight_grad(self) -> str: ...
+    @property
+    def bias_grad(self) -> str: ...
+
 class BackwardResult:
     @property
     def tensor(self) -> TensorInfo: ...
@@ -127,7 +133,8 @@ class Client:
     def _add_close_hook(self, hook: Callable[[], None]) -> None: ...
     def upload(self, data: BufferLike, *, dtype: DTypeLike = None,
                shape: Optional[Sequence[int]] = None, label: str = "",
-               idempotency_key: Optional[str] = None) -> TensorInfo: ...
+               idempotency_key: Optional[str] = None,
+               overwrite: Optional[str] = None) -> TensorInfo: ...
     def upload_from(self, source: Callable[[int, int, memoryview], Optional[BufferLike]],
                     dtype: DTypeLike, shape: Sequence[int], *, label: str = "",
                     idempotency_key: Optional[str] = None) -> TensorInfo: ...
@@ -143,6 +150,18 @@ class Client:
                 grad_scale: float = 1.0, mode: str = "in_place", token_loss: bool = False,
                 token_lse: bool = False, token_argmax: bool = False,
                 gradient_label: str = "") -> ForwardResult: ...
+    def linear_forward(self, hidden: Union[str, BufferLike], weight: str,
+                       target: Union[str, BufferLike], *, bias: str = "",
+                       weight_grad: str = "", bias_grad: str = "",
+                       accumulate: Optional[str] = None,
+                       class_weights: Union[None, str, BufferLike] = None,
+                       ignore_index: int = -100, label_smoothing: float = 0.0,
+                       reduction: str = "mean", z_loss_scale: float = 0.0, softcap: float = 0.0,
+                       normalizer: float = 0.0, grad_scale: float = 1.0, mode: str = "in_place",
+                       token_loss: bool = False, token_lse: bool = False,
+                       token_argmax: bool = False, token_grad_output: Optional[BufferLike] = None,
+                       gradient_label: str = "", weight_grad_label: str = "",
+                       bias_grad_label: str = "") -> LinearForwardResult: ...
     def backward(self, handle: str, grad_output: Union[float, BufferLike] = 1.0, *,
                  materialize: bool = False) -> BackwardResult: ...
     def evaluate(self, logits: BufferLike, target: BufferLike, *, dtype: DTypeLike = None,

@@ -17,7 +17,7 @@ import torch
 
 from ._errors import DataLoss
 
-__all__ = ["cross_entropy", "LossdCrossEntropyLoss"]
+__all__ = ["cross_entropy", "LossdCrossEntropyLoss", "linear_cross_entropy"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}
 
@@ -309,3 +309,142 @@ def _download_to_device(client, handle, gradient):
                                % (info.bytes, flat.numel()))
 
     client.download_to(handle, sink, on_header=on_header)
+
+
+def linear_cross_entropy(hidden, weight_handle, target, *, client, bias_handle=None,
+                         weight_grad_handle=None, bias_grad_handle=None, accumulate="add",
+                         class_weights=None, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0, normalizer=0.0,
+                         grad_scale=1.0, label="hidden"):
+    """cross_entropy(hidden @ W.T + b, target) with the LM head W [V, H] (and bias b [V]) held by
+    the lossd server behind `weight_handle` (`bias_handle`): the logits never leave the server.
+
+    hidden: [N, H] float32, bfloat16 or float16 (W's dtype) on the CPU or a CUDA device; target:
+    class indices [N]. Returns the loss as cross_entropy does ("mean" or "sum"; "none" only
+    without a gradient). When a gradient will be needed, the server forms dX in place of the
+    uploaded hidden states and the weight gradient in the same call: loss.backward() downloads
+    dX onto hidden's device, and the weight (and bias) gradient accumulates in fp32 on the
+    server into `weight_grad_handle` (`bias_grad_handle`; None = created by this call), per
+    `accumulate` ("add" or "overwrite"). Their handles are set on the returned loss as
+    loss.weight_grad_handle and loss.bias_grad_handle: pass them to the next micro-batch's call
+    and read them with client.download(handle) (dtype "float32" or "bf16").
+
+    The weight gradient is formed at the forward, so it carries grad_scale (fold 1/micro-batches
+    or a loss scale into it) but not the grad_output of the backward, which scales dX only: with
+    a grad_output other than 1 the gradients disagree (a warning says so). For a mean over
+    micro-batches pass the whole batch's `normalizer`. Without a gradient (no requires_grad, or
+    torch.no_grad()) it is loss-only: nothing is accumulated and nothing stays on the server.
+    """
+    if not isinstance(hidden, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("lossd.torch.linear_cross_entropy: hidden and target must be tensors")
+    if hidden.dtype not in _DTYPE_NAMES:
+        raise TypeError("lossd.torch.linear_cross_entropy: hidden must be float32, bfloat16 or "
+                        "float16, not %s" % hidden.dtype)
+    if hidden.dim() != 2 or target.dim() != 1 or target.shape[0] != hidden.shape[0]:
+        raise ValueError("hidden [N, H] needs a target [N]; got %s and %s"
+                         % (tuple(hidden.shape), tuple(target.shape)))
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError("reduction must be 'mean', 'sum' or 'none', not %r" % (reduction,))
+    if accumulate not in ("add", "overwrite"):
+        raise ValueError("accumulate must be 'add' or 'overwrite', not %r" % (accumulate,))
+    need_gradient = torch.is_grad_enabled() and hidden.requires_grad
+    if need_gradient and reduction == "none":
+        raise ValueError("lossd.torch.linear_cross_entropy: reduction 'none' with a gradient "
+                         "needs the per-row grad_output at the forward; use 'mean' or 'sum', "
+                         "or client.linear_forward(..., token_grad_output=...)")
+    if isinstance(class_weights, torch.Tensor):
+        class_weights = class_weights.detach().to("cpu", torch.float32).contiguous().numpy()
+    options = dict(weight=weight_handle, bias=bias_handle or "",
+                   weight_grad=weight_grad_handle or "", bias_grad=bias_grad_handle or "",
+                   accumulate=accumulate, class_weights=class_weights,
+                   ignore_index=int(ignore_index), reduction=reduction,
+                   label_smoothing=float(label_smoothing), z_loss_scale=float(z_loss_scale),
+                   softcap=float(softcap), normalizer=float(normalizer),
+                   grad_scale=float(grad_scale), label=label)
+    if need_gradient:
+        loss = _LinearCrossEntropy.apply(hidden, target, client, options)
+        loss.weight_grad_handle = options["weight_grad_out"]
+        loss.bias_grad_handle = options["bias_grad_out"] or None
+        return loss
+    loss, _ = _linear_forward(hidden, target, client, options, need_gradient=False)
+    return loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, target, client, options):
+        loss, stored = _linear_forward(hidden, target, client, options, need_gradient=True)
+        ctx.stored = stored
+        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        stored = ctx.stored
+        if stored is None or not stored.alive:
+            raise RuntimeError("lossd.torch.linear_cross_entropy: backward ran twice; the "
+                               "server's dX was released after the first")
+        shape, dtype, device = ctx.hidden_meta
+        client = stored.client
+        try:
+            factor = float(grad_output)
+            if factor != 1.0:
+                warnings.warn("lossd.torch.linear_cross_entropy: a grad_output of %g scales dX "
+                              "but not the weight gradient accumulated at the forward; fold it "
+                              "into grad_scale" % factor, stacklevel=2)
+                client.backward(stored.handle, factor)
+            gradient = torch.empty(shape, dtype=dtype, device=device)
+            if device.type == "cpu":
+                client.download(stored.handle, out=_host_view(gradient))
+            else:
+                _download_to_device(client, stored.handle, gradient)
+        finally:
+            stored.release()
+            ctx.stored = None
+        return gradient, None, None, None
+
+
+def _linear_forward(hidden, target, client, options, need_gradient):
+    """Uploads the hidden states, runs LinearForward (dX in place and the weight gradient
+    accumulated when a gradient is needed, else loss only) and returns (loss tensor,
+    _StoredTensor or None); the accumulators' handles go into options."""
+    hidden = hidden.detach().contiguous()
+    target = target.detach().to("cpu")
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.to(torch.int64)
+    target = target.contiguous()
+    reduction = options["reduction"]
+    if hidden.device.type == "cpu":
+        info = client.upload(_host_view(hidden), dtype=_DTYPE_NAMES[hidden.dtype],
+                             label=options["label"])
+    else:
+        info = _upload_from_device(client, hidden, options["label"])
+    stored = _StoredTensor(client, info.handle)
+    try:
+        result = client.linear_forward(
+            info.handle, options["weight"], target.numpy(), bias=options["bias"],
+            weight_grad=options["weight_grad"] if need_gradient else "",
+            bias_grad=options["bias_grad"] if need_gradient else "",
+            accumulate=options["accumulate"] if need_gradient else "none",
+            class_weights=options["class_weights"], ignore_index=options["ignore_index"],
+            label_smoothing=options["label_smoothing"], reduction=reduction,
+            z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
+            normalizer=options["normalizer"], grad_scale=options["grad_scale"],
+            mode="in_place" if need_gradient else "none", token_loss=reduction == "none")
+    except BaseException:
+        stored.release()
+        raise
+    options["weight_grad_out"] = result.weight_grad
+    options["bias_grad_out"] = result.bias_grad
+    if not need_gradient:
+        stored.release()
+        stored = None
+    if reduction == "none":
+        loss = torch.from_numpy(result.token_loss)
+    else:
+        value = result.loss
+        if reduction == "mean" and result.valid_tokens == 0 and options["normalizer"] == 0:
+            value = float("nan")  # torch's mean over no valid rows; lossd reports 0
+        loss = torch.tensor(value, dtype=torch.float32)
+    return loss.to(device=hidden.device, dtype=hidden.dtype), stored

@@ -11,6 +11,16 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, *, client: Client,
                   z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                   grad_scale: float = 1.0, label: str = "logits") -> torch.Tensor: ...
 
+def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch.Tensor, *,
+                         client: Client, bias_handle: Optional[str] = None,
+                         weight_grad_handle: Optional[str] = None,
+                         bias_grad_handle: Optional[str] = None, accumulate: str = "add",
+                         class_weights: Union[None, str, torch.Tensor] = None,
+                         ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
+                         softcap: float = 0.0, normalizer: float = 0.0,
+                         grad_scale: float = 1.0, label: str = "hidden") -> torch.Tensor: ...
+
 class LossdCrossEntropyLoss(torch.nn.Module):
     client: Client
     weight: Optional[torch.Tensor]

@@ -1,0 +1,215 @@
+// The orchestrator's step with the LM head on the server, against the logits
+// step of the same shape, through one lossd::Client in one process, for
+// bench/linear_step.py. Linear step: upload bf16 hidden states [rows, hidden]
+// and int64 targets, LinearForward in place (dW accumulated in fp32 on the
+// server), Backward 1.0, download dX as bf16; every --dw_every steps also
+// download dW as bf16. Logits step: upload bf16 logits [rows, vocab] and the
+// targets, Forward in place, Backward 1.0, download the bf16 gradient. Prints
+// one JSON object a line.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+
+ABSL_FLAG(std::string, target, "", "lossd address");
+ABSL_FLAG(int64_t, rows, 16384, "rows (tokens) N");
+ABSL_FLAG(int64_t, hidden, 4096, "hidden size H");
+ABSL_FLAG(int64_t, vocab, 131072, "vocabulary V");
+ABSL_FLAG(int, steps, 9, "steps to time, each way");
+ABSL_FLAG(int, dw_every, 8,
+          "download the weight gradient every this many steps");
+ABSL_FLAG(bool, overwrite_weight, false,
+          "also re-upload W in place (an optimizer step) before each linear "
+          "step, timed apart");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "linear_step_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+void Must(const absl::Status& status, const char* what) {
+  if (!status.ok()) Die(absl::StrFormat("%s: %s", what, status.ToString()));
+}
+
+// `count` random bf16 values of magnitude about `scale` (a 32 M block
+// repeated: drawing billions of values would take longer than the steps).
+std::vector<uint16_t> RandomBf16(size_t count, uint32_t seed, int exponent) {
+  std::vector<uint16_t> values(count);
+  std::mt19937 rng(seed);
+  const size_t block = std::min<size_t>(count, size_t{32} << 20);
+  for (size_t i = 0; i < block; ++i) {
+    const uint32_t r = rng();
+    values[i] = static_cast<uint16_t>(
+        ((r & 1) << 15) | ((exponent + (r >> 1) % 2) << 7) | ((r >> 8) & 0x7f));
+  }
+  for (size_t at = block; at < count; at += block) {
+    std::memcpy(values.data() + at, values.data(),
+                std::min(block, count - at) * sizeof(uint16_t));
+  }
+  return values;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int64_t rows = absl::GetFlag(FLAGS_rows);
+  const int64_t width = absl::GetFlag(FLAGS_hidden);
+  const int64_t vocab = absl::GetFlag(FLAGS_vocab);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int dw_every = std::max(1, absl::GetFlag(FLAGS_dw_every));
+  // Hidden states about 0.5-2, weights about 1/64-1/32: logits of a few
+  // units, as a trained head gives.
+  const std::vector<uint16_t> hidden_states =
+      RandomBf16(static_cast<size_t>(rows * width), 1, 0x7e);
+  const std::vector<uint16_t> weight =
+      RandomBf16(static_cast<size_t>(vocab * width), 2, 0x79);
+  const std::vector<uint16_t> logits =
+      RandomBf16(static_cast<size_t>(rows * vocab), 3, 0x7e);
+  std::vector<int64_t> targets(static_cast<size_t>(rows));
+  {
+    std::mt19937 rng(4);
+    for (int64_t& target : targets) target = rng() % vocab;
+  }
+
+  absl::StatusOr<std::unique_ptr<lossd::Client>> connected =
+      lossd::Client::Connect(absl::GetFlag(FLAGS_target));
+  Must(connected.status(), "connect");
+  lossd::Client& client = **connected;
+
+  // The resident LM head, uploaded once (untimed), and the accumulator.
+  absl::StatusOr<lossd::TensorInfo> weight_info =
+      client.Upload(lossd::DType::kBFloat16, {vocab, width}, weight.data(),
+                    weight.size() * sizeof(uint16_t), "lm_head");
+  Must(weight_info.status(), "upload weight");
+  std::string weight_grad;
+  std::vector<uint16_t> dx(hidden_states.size());
+  std::vector<uint16_t> dw(weight.size());
+
+  for (int step = 0; step < steps; ++step) {
+    double overwrite = 0.0;
+    if (absl::GetFlag(FLAGS_overwrite_weight)) {
+      const auto at = Clock::now();
+      Must(client
+               .Overwrite(weight_info->handle, lossd::DType::kBFloat16,
+                          {vocab, width}, weight.data(),
+                          weight.size() * sizeof(uint16_t))
+               .status(),
+           "overwrite weight");
+      overwrite = Seconds(at);
+    }
+    const auto start = Clock::now();
+    absl::StatusOr<lossd::TensorInfo> uploaded = client.Upload(
+        lossd::DType::kBFloat16, {rows, width}, hidden_states.data(),
+        hidden_states.size() * sizeof(uint16_t));
+    Must(uploaded.status(), "upload hidden");
+    absl::StatusOr<lossd::TensorInfo> uploaded_targets =
+        client.Upload(lossd::DType::kInt64, {rows}, targets.data(),
+                      targets.size() * sizeof(int64_t));
+    Must(uploaded_targets.status(), "upload targets");
+    const double upload = Seconds(start);
+    auto at = Clock::now();
+    lossd::LinearForwardOptions options;
+    options.weight_grad = weight_grad;
+    // A new accumulation window every dw_every steps, as an optimizer step
+    // would start one.
+    options.accumulate = step % dw_every == 0
+                             ? lossd::LinearAccumulate::kOverwrite
+                             : lossd::LinearAccumulate::kAdd;
+    absl::StatusOr<lossd::LinearForwardResult> forward = client.LinearForward(
+        uploaded->handle, weight_info->handle,
+        lossd::Targets::Handle(uploaded_targets->handle), options);
+    Must(forward.status(), "linear forward");
+    weight_grad = forward->weight_grad;
+    const double forward_seconds = Seconds(at);
+    at = Clock::now();
+    Must(client.Backward(forward->forward.gradient, 1.0).status(), "backward");
+    const double backward = Seconds(at);
+    at = Clock::now();
+    Must(client
+             .DownloadInto(forward->forward.gradient, lossd::DType::kBFloat16,
+                           dx.data(), dx.size() * sizeof(uint16_t))
+             .status(),
+         "download dX");
+    const double download = Seconds(at);
+    double download_dw = 0.0;
+    if ((step + 1) % dw_every == 0) {
+      at = Clock::now();
+      Must(client
+               .DownloadInto(weight_grad, lossd::DType::kBFloat16, dw.data(),
+                             dw.size() * sizeof(uint16_t))
+               .status(),
+           "download dW");
+      download_dw = Seconds(at);
+    }
+    const double total = Seconds(start);
+    client.Release(forward->forward.gradient).IgnoreError();
+    client.Release(uploaded_targets->handle).IgnoreError();
+    std::printf(
+        "{\"way\": \"linear\", \"step\": %d, \"seconds\": %.4f, \"upload\": "
+        "%.4f, \"forward\": %.4f, \"backward\": %.4f, \"download\": %.4f, "
+        "\"download_dw\": %.4f, \"overwrite_weight\": %.4f, \"kernel\": %.4f, "
+        "\"loss\": %.6f}\n",
+        step, total, upload, forward_seconds, backward, download, download_dw,
+        overwrite, forward->forward.kernel_seconds, forward->forward.loss);
+    std::fflush(stdout);
+  }
+  client.Release(weight_grad).IgnoreError();
+  client.Release(weight_info->handle).IgnoreError();
+
+  std::vector<uint16_t> gradient(logits.size());
+  for (int step = 0; step < steps; ++step) {
+    const auto start = Clock::now();
+    absl::StatusOr<lossd::TensorInfo> uploaded =
+        client.Upload(lossd::DType::kBFloat16, {rows, vocab}, logits.data(),
+                      logits.size() * sizeof(uint16_t));
+    Must(uploaded.status(), "upload logits");
+    absl::StatusOr<lossd::TensorInfo> uploaded_targets =
+        client.Upload(lossd::DType::kInt64, {rows}, targets.data(),
+                      targets.size() * sizeof(int64_t));
+    Must(uploaded_targets.status(), "upload targets");
+    const double upload = Seconds(start);
+    auto at = Clock::now();
+    absl::StatusOr<lossd::ForwardResult> forward = client.Forward(
+        uploaded->handle, lossd::Targets::Handle(uploaded_targets->handle));
+    Must(forward.status(), "forward");
+    const double forward_seconds = Seconds(at);
+    at = Clock::now();
+    Must(client.Backward(forward->gradient, 1.0).status(), "backward");
+    const double backward = Seconds(at);
+    at = Clock::now();
+    Must(client
+             .DownloadInto(forward->gradient, lossd::DType::kBFloat16,
+                           gradient.data(), gradient.size() * sizeof(uint16_t))
+             .status(),
+         "download gradient");
+    const double download = Seconds(at);
+    const double total = Seconds(start);
+    client.Release(forward->gradient).IgnoreError();
+    client.Release(uploaded_targets->handle).IgnoreError();
+    std::printf(
+        "{\"way\": \"logits\", \"step\": %d, \"seconds\": %.4f, \"upload\": "
+        "%.4f, \"forward\": %.4f, \"backward\": %.4f, \"download\": %.4f, "
+        "\"kernel\": %.4f, \"loss\": %.6f}\n",
+        step, total, upload, forward_seconds, backward, download,
+        forward->kernel_seconds, forward->loss);
+    std::fflush(stdout);
+  }
+  return 0;
+}

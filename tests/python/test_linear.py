@@ -1,0 +1,164 @@
+"""lossd.torch.linear_cross_entropy and Client.linear_forward against torch in float64
+(F.linear + F.cross_entropy) on a real lossd (CPU device): the loss, dX from loss.backward(), the
+weight and bias gradients read with the client, micro-batch accumulation, overwrite uploads of the
+weight, and the loss-only path."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lossd
+import lossd.torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RTOL = {"fp32": 1e-4, "bf16": 2 ** -6}
+
+
+def make_case(dtype, rows=20, width=16, vocab=37, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=generator).to(dtype)
+    weight = (0.5 * torch.randn(vocab, width, generator=generator)).to(dtype)
+    bias = (0.1 * torch.randn(vocab, generator=generator)).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=generator)
+    target[::7] = -100
+    return hidden, weight, bias, target
+
+
+def oracle(hidden, weight, bias, target, **options):
+    """Loss and gradients in float64 from the (rounded) inputs."""
+    x = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    b = bias.double().requires_grad_() if bias is not None else None
+    loss = F.cross_entropy(F.linear(x, w, b), target, **options)
+    loss.sum().backward()
+    return loss.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def host(tensor):
+    """A numpy view for upload (bf16 as int16 bits)."""
+    tensor = tensor.contiguous()
+    return tensor.view(torch.int16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
+def upload(client, tensor):
+    name = {torch.float32: "float32", torch.bfloat16: "bf16"}[tensor.dtype]
+    return client.upload(host(tensor), dtype=name).handle
+
+
+def close(got, want, rtol, what):
+    got = got.detach().double() if isinstance(got, torch.Tensor) else \
+        torch.as_tensor(np.asarray(got)).double()
+    scale = want.abs().max().item()
+    error = (got - want).abs().max().item()
+    assert error <= rtol * max(scale, 1e-3), "%s: max error %g, scale %g" % (what, error, scale)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_autograd_matches_torch(client, name, with_bias):
+    dtype = DTYPES[name]
+    hidden, weight, bias, target = make_case(dtype, seed=1 + with_bias)
+    weight_handle = upload(client, weight)
+    bias_handle = upload(client, bias) if with_bias else None
+    x = hidden.clone().requires_grad_()
+    loss = lossd.torch.linear_cross_entropy(x, weight_handle, target, client=client,
+                                            bias_handle=bias_handle)
+    assert loss.dtype == dtype and loss.shape == ()
+    loss.backward()
+    want_loss, want_dx, want_dw, want_db = oracle(hidden, weight, bias if with_bias else None,
+                                                  target)
+    close(loss.detach(), want_loss, RTOL[name], "loss")
+    assert x.grad.dtype == dtype and x.grad.shape == hidden.shape
+    close(x.grad, want_dx, RTOL[name], "dX")
+    dw = client.download(loss.weight_grad_handle)
+    assert dw.dtype == np.float32 and dw.shape == tuple(weight.shape)
+    close(dw, want_dw, RTOL[name], "dW")
+    if with_bias:
+        close(client.download(loss.bias_grad_handle), want_db, RTOL[name], "dbias")
+        client.release(loss.bias_grad_handle)
+        client.release(bias_handle)
+    else:
+        assert loss.bias_grad_handle is None
+    client.release(loss.weight_grad_handle)
+    client.release(weight_handle)
+
+
+def test_micro_batches_add_into_one_accumulator(client):
+    hidden, weight, bias, target = make_case(torch.float32, rows=32, seed=3)
+    weight_handle = upload(client, weight)
+    valid = int((target != -100).sum())
+    handle = None
+    grads = []
+    for part in range(4):
+        x = hidden[part * 8:(part + 1) * 8].clone().requires_grad_()
+        loss = lossd.torch.linear_cross_entropy(
+            x, weight_handle, target[part * 8:(part + 1) * 8], client=client,
+            weight_grad_handle=handle, normalizer=valid)
+        loss.backward()
+        assert handle is None or loss.weight_grad_handle == handle
+        handle = loss.weight_grad_handle
+        grads.append(x.grad)
+    _, want_dx, want_dw, _ = oracle(hidden, weight, None, target)
+    close(torch.cat(grads), want_dx, 1e-4, "dX")
+    close(client.download(handle), want_dw, 1e-4, "dW of 4 micro-batches")
+    # bf16 download of the fp32 accumulator (Download's conversion).
+    assert client.download(handle, dtype="bf16").shape == tuple(weight.shape)
+    client.release(handle)
+    client.release(weight_handle)
+
+
+def test_overwrite_updates_the_weight_in_place(client):
+    hidden, weight, _, target = make_case(torch.float32, seed=4)
+    weight_handle = upload(client, weight)
+    used = client.info().used_bytes
+    updated = weight - 0.1 * torch.ones_like(weight)
+    info = client.upload(host(updated), overwrite=weight_handle)
+    assert info.handle == weight_handle and client.info().used_bytes == used
+    with torch.no_grad():
+        loss = lossd.torch.linear_cross_entropy(hidden, weight_handle, target, client=client)
+    close(loss, oracle(hidden, updated, None, target)[0], 1e-4, "loss after overwrite")
+    with pytest.raises(lossd.InvalidArgument):
+        client.upload(np.zeros((3, 3), np.float32), overwrite=weight_handle)
+    client.release(weight_handle)
+
+
+def test_loss_only_leaves_nothing(client):
+    hidden, weight, _, target = make_case(torch.float32, seed=5)
+    weight_handle = upload(client, weight)
+    before = client.info().tensors
+    loss = lossd.torch.linear_cross_entropy(hidden, weight_handle, target, client=client,
+                                            reduction="sum")
+    close(loss, oracle(hidden, weight, None, target, reduction="sum")[0], 1e-4, "sum loss")
+    per_row = lossd.torch.linear_cross_entropy(hidden, weight_handle, target, client=client,
+                                               reduction="none")
+    close(per_row, oracle(hidden, weight, None, target, reduction="none")[0], 1e-4, "per row")
+    assert client.info().tensors == before
+    client.release(weight_handle)
+
+
+def test_client_linear_forward_out_of_place_and_errors(client):
+    hidden, weight, bias, target = make_case(torch.float32, seed=6)
+    weight_handle = upload(client, weight)
+    bias_handle = upload(client, bias)
+    hidden_handle = upload(client, hidden)
+    result = client.linear_forward(hidden_handle, weight_handle, target.numpy(),
+                                   bias=bias_handle, mode="out_of_place", accumulate="overwrite",
+                                   grad_scale=0.5)
+    want_loss, want_dx, want_dw, want_db = oracle(hidden, weight, bias, target)
+    close(result.loss, want_loss, 1e-4, "loss")
+    assert result.gradient not in ("", hidden_handle)
+    close(client.download(result.gradient), 0.5 * want_dx, 1e-4, "dX")
+    close(client.download(result.weight_grad), 0.5 * want_dw, 1e-4, "dW")
+    close(client.download(result.bias_grad), 0.5 * want_db, 1e-4, "dbias")
+    assert client.describe(hidden_handle).state == "LOGITS"
+    with pytest.raises(lossd.InvalidArgument):
+        client.linear_forward(hidden_handle, hidden_handle, target.numpy())
+    with pytest.raises(lossd.InvalidArgument):
+        client.linear_forward(hidden_handle, weight_handle, target.numpy(),
+                              weight_grad=bias_handle)
+    with pytest.raises(lossd.InvalidArgument):
+        client.linear_forward(hidden_handle, weight_handle, target.numpy(), accumulate="sum")
+    for handle in (result.gradient, result.weight_grad, result.bias_grad, hidden_handle,
+                   bias_handle, weight_handle):
+        client.release(handle)
