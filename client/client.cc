@@ -170,6 +170,47 @@ v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
   return header;
 }
 
+// The targets of a Forward or LinearForward request: a handle, or inline
+// int32/int64 data.
+template <typename Request>
+absl::Status SetTargets(const Targets& targets, Request* request) {
+  if (!targets.handle.empty()) {
+    request->set_targets_handle(targets.handle);
+    return absl::OkStatus();
+  }
+  if (!IsTargetsDType(targets.inline_dtype)) {
+    return absl::InvalidArgumentError(
+        "targets: neither a handle nor inline int32/int64 data");
+  }
+  if (targets.inline_data == nullptr && targets.inline_bytes > 0) {
+    return absl::InvalidArgumentError("inline targets: null data");
+  }
+  v1::InlineTensor* inline_targets = request->mutable_targets_inline();
+  inline_targets->set_dtype(static_cast<v1::DType>(targets.inline_dtype));
+  inline_targets->set_data(static_cast<const char*>(targets.inline_data),
+                           targets.inline_bytes);
+  return absl::OkStatus();
+}
+
+ForwardResult ForwardFromProto(const v1::ForwardResponse& response) {
+  ForwardResult result;
+  result.loss = response.loss();
+  result.z_loss = response.z_loss();
+  result.valid_tokens = response.valid_tokens();
+  result.correct_tokens = response.correct_tokens();
+  result.nonfinite_rows = response.nonfinite_rows();
+  result.gradient = response.gradient();
+  result.token_loss.assign(response.token_loss().begin(),
+                           response.token_loss().end());
+  result.token_lse.assign(response.token_lse().begin(),
+                          response.token_lse().end());
+  result.token_argmax.assign(response.token_argmax().begin(),
+                             response.token_argmax().end());
+  result.kernel_seconds = response.kernel_seconds();
+  result.denominator = response.denominator();
+  return result;
+}
+
 absl::StatusOr<BackwardResult> FinishBackward(const ClientOptions& options,
                                               grpc::Channel* channel,
                                               v1::Lossd::Stub* stub,
@@ -357,21 +398,7 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
                                               const ForwardOptions& options) {
   v1::ForwardRequest request;
   request.set_logits(logits);
-  if (!targets.handle.empty()) {
-    request.set_targets_handle(targets.handle);
-  } else {
-    if (!IsTargetsDType(targets.inline_dtype)) {
-      return absl::InvalidArgumentError(
-          "targets: neither a handle nor inline int32/int64 data");
-    }
-    if (targets.inline_data == nullptr && targets.inline_bytes > 0) {
-      return absl::InvalidArgumentError("inline targets: null data");
-    }
-    v1::InlineTensor* inline_targets = request.mutable_targets_inline();
-    inline_targets->set_dtype(static_cast<v1::DType>(targets.inline_dtype));
-    inline_targets->set_data(static_cast<const char*>(targets.inline_data),
-                             targets.inline_bytes);
-  }
+  RETURN_IF_ERROR(SetTargets(targets, &request));
   ToProto(options.loss, options.class_weights, request.mutable_options());
   request.set_mode(static_cast<v1::GradientMode>(options.mode));
   request.mutable_outputs()->set_token_loss(options.token_loss);
@@ -384,21 +411,40 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   v1::ForwardResponse response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Forward(&context, request, &response)));
-  ForwardResult result;
-  result.loss = response.loss();
-  result.z_loss = response.z_loss();
-  result.valid_tokens = response.valid_tokens();
-  result.correct_tokens = response.correct_tokens();
-  result.nonfinite_rows = response.nonfinite_rows();
-  result.gradient = response.gradient();
-  result.token_loss.assign(response.token_loss().begin(),
-                           response.token_loss().end());
-  result.token_lse.assign(response.token_lse().begin(),
-                          response.token_lse().end());
-  result.token_argmax.assign(response.token_argmax().begin(),
-                             response.token_argmax().end());
-  result.kernel_seconds = response.kernel_seconds();
-  result.denominator = response.denominator();
+  return ForwardFromProto(response);
+}
+
+absl::StatusOr<LinearForwardResult> Client::LinearForward(
+    const std::string& hidden, const std::string& weight,
+    const Targets& targets, const LinearForwardOptions& options) {
+  v1::LinearForwardRequest request;
+  request.set_hidden(hidden);
+  request.set_weight(weight);
+  request.set_bias(options.bias);
+  RETURN_IF_ERROR(SetTargets(targets, &request));
+  ToProto(options.loss, options.class_weights, request.mutable_options());
+  request.set_mode(static_cast<v1::GradientMode>(options.mode));
+  request.mutable_outputs()->set_token_loss(options.token_loss);
+  request.mutable_outputs()->set_token_lse(options.token_lse);
+  request.mutable_outputs()->set_token_argmax(options.token_argmax);
+  request.set_gradient_label(options.gradient_label);
+  request.set_accumulate(static_cast<v1::AccumulateMode>(options.accumulate));
+  request.set_weight_grad(options.weight_grad);
+  request.set_bias_grad(options.bias_grad);
+  request.set_weight_grad_label(options.weight_grad_label);
+  request.set_bias_grad_label(options.bias_grad_label);
+  request.mutable_token_grad_output()->Add(options.token_grad_output.begin(),
+                                           options.token_grad_output.end());
+
+  grpc::ClientContext context;
+  PrepareContext(options_, channel_->channel.get(), &context);
+  v1::LinearForwardResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->LinearForward(&context, request, &response)));
+  LinearForwardResult result;
+  result.forward = ForwardFromProto(response.result());
+  result.weight_grad = response.weight_grad();
+  result.bias_grad = response.bias_grad();
   return result;
 }
 
@@ -704,126 +750,6 @@ absl::StatusOr<DType> DTypeFromString(const std::string& name) {
   if (lower == "int64" || lower == "i64") return DType::kInt64;
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown dtype '", name, "' (float32, bf16, float16, int32, int64)"));
-}
-
-// ---------------------------------------------------------------- linear
-
-namespace {
-
-absl::Status SetTargets(const Targets& targets,
-                        v1::LinearForwardRequest* request) {
-  if (!targets.handle.empty()) {
-    request->set_targets_handle(targets.handle);
-    return absl::OkStatus();
-  }
-  if (!IsTargetsDType(targets.inline_dtype)) {
-    return absl::InvalidArgumentError(
-        "targets: neither a handle nor inline int32/int64 data");
-  }
-  if (targets.inline_data == nullptr && targets.inline_bytes > 0) {
-    return absl::InvalidArgumentError("inline targets: null data");
-  }
-  v1::InlineTensor* inline_targets = request->mutable_targets_inline();
-  inline_targets->set_dtype(static_cast<v1::DType>(targets.inline_dtype));
-  inline_targets->set_data(static_cast<const char*>(targets.inline_data),
-                           targets.inline_bytes);
-  return absl::OkStatus();
-}
-
-ForwardResult FromProto(const v1::ForwardResponse& response) {
-  ForwardResult result;
-  result.loss = response.loss();
-  result.z_loss = response.z_loss();
-  result.valid_tokens = response.valid_tokens();
-  result.correct_tokens = response.correct_tokens();
-  result.nonfinite_rows = response.nonfinite_rows();
-  result.gradient = response.gradient();
-  result.token_loss.assign(response.token_loss().begin(),
-                           response.token_loss().end());
-  result.token_lse.assign(response.token_lse().begin(),
-                          response.token_lse().end());
-  result.token_argmax.assign(response.token_argmax().begin(),
-                             response.token_argmax().end());
-  result.kernel_seconds = response.kernel_seconds();
-  result.denominator = response.denominator();
-  return result;
-}
-
-}  // namespace
-
-absl::StatusOr<LinearForwardResult> Client::LinearForward(
-    const std::string& hidden, const std::string& weight,
-    const Targets& targets, const LinearForwardOptions& options) {
-  v1::LinearForwardRequest request;
-  request.set_hidden(hidden);
-  request.set_weight(weight);
-  request.set_bias(options.bias);
-  RETURN_IF_ERROR(SetTargets(targets, &request));
-  ToProto(options.loss, options.class_weights, request.mutable_options());
-  request.set_mode(static_cast<v1::GradientMode>(options.mode));
-  request.mutable_outputs()->set_token_loss(options.token_loss);
-  request.mutable_outputs()->set_token_lse(options.token_lse);
-  request.mutable_outputs()->set_token_argmax(options.token_argmax);
-  request.set_gradient_label(options.gradient_label);
-  request.set_accumulate(static_cast<v1::AccumulateMode>(options.accumulate));
-  request.set_weight_grad(options.weight_grad);
-  request.set_bias_grad(options.bias_grad);
-  request.set_weight_grad_label(options.weight_grad_label);
-  request.set_bias_grad_label(options.bias_grad_label);
-  request.mutable_token_grad_output()->Add(options.token_grad_output.begin(),
-                                           options.token_grad_output.end());
-
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  v1::LinearForwardResponse response;
-  RETURN_IF_ERROR(
-      ToAbsl(channel_->lossd->LinearForward(&context, request, &response)));
-  LinearForwardResult result;
-  result.forward = FromProto(response.result());
-  result.weight_grad = response.weight_grad();
-  result.bias_grad = response.bias_grad();
-  return result;
-}
-
-absl::StatusOr<TensorInfo> Client::Overwrite(
-    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
-    const void* data, std::size_t bytes, const ProgressCallback& progress) {
-  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
-  if (static_cast<uint64_t>(expected) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
-                     " and the shape need ", expected));
-  }
-  if (data == nullptr && bytes > 0) {
-    return absl::InvalidArgumentError("null data");
-  }
-  if (handle.empty()) {
-    return absl::InvalidArgumentError("overwrite: empty handle");
-  }
-  v1::TensorHeader header;
-  header.set_dtype(static_cast<v1::DType>(dtype));
-  header.mutable_shape()->Add(shape.begin(), shape.end());
-  header.set_overwrite_handle(handle);
-  const char* base = static_cast<const char*>(data);
-  const UploadSource source = [base](int64_t offset, std::size_t,
-                                     void*) -> absl::StatusOr<const void*> {
-    return base + offset;
-  };
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
-  int64_t done = 0;
-  ASSIGN_OR_RETURN(
-      const v1::TensorInfo info,
-      SendUpload(channel_->channel.get(), &context, header, source, 0,
-                 static_cast<int64_t>(bytes),
-                 PieceBytes(options_, static_cast<int64_t>(DTypeSize(dtype))),
-                 scratch[0], scratch[1], options_.chunk_bytes,
-                 [&](std::size_t n) {
-                   done += static_cast<int64_t>(n);
-                   if (progress) progress(done, static_cast<int64_t>(bytes));
-                 }));
-  return FromProto(info);
 }
 
 }  // namespace lossd

@@ -424,4 +424,45 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
   return root_cause != nullptr ? *root_cause : *first_error;
 }
 
+absl::StatusOr<TensorInfo> Client::Overwrite(
+    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+    const void* data, std::size_t bytes, const ProgressCallback& progress) {
+  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
+  if (static_cast<uint64_t>(expected) != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
+                     " and the shape need ", expected));
+  }
+  if (data == nullptr && bytes > 0) {
+    return absl::InvalidArgumentError("null data");
+  }
+  if (handle.empty()) {
+    return absl::InvalidArgumentError("overwrite: empty handle");
+  }
+  v1::TensorHeader header;
+  header.set_dtype(static_cast<v1::DType>(dtype));
+  header.mutable_shape()->Add(shape.begin(), shape.end());
+  header.set_overwrite_handle(handle);
+  const char* base = static_cast<const char*>(data);
+  const UploadSource source = [base](int64_t offset, std::size_t,
+                                     void*) -> absl::StatusOr<const void*> {
+    return base + offset;
+  };
+  grpc::ClientContext context;
+  PrepareContext(options_, channel_->channel.get(), &context);
+  Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
+  int64_t done = 0;
+  ASSIGN_OR_RETURN(
+      const v1::TensorInfo info,
+      SendUpload(channel_->channel.get(), &context, header, source, 0,
+                 static_cast<int64_t>(bytes),
+                 PieceBytes(options_, static_cast<int64_t>(DTypeSize(dtype))),
+                 scratch[0], scratch[1], options_.chunk_bytes,
+                 [&](std::size_t n) {
+                   done += static_cast<int64_t>(n);
+                   if (progress) progress(done, static_cast<int64_t>(bytes));
+                 }));
+  return FromProto(info);
+}
+
 }  // namespace lossd
