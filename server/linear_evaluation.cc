@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/handle.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "server/staged.h"
@@ -49,8 +50,24 @@ absl::StatusOr<AccumulateMode> ParseAccumulate(int value, GradientMode mode) {
 
 absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
     const pb::LinearForwardRequest& request) {
-  // The options, mode and targets are Forward's: checked by Forward's rules.
+  // Every handle's shape, before any lookup; empty optional ones are absent.
+  RETURN_IF_ERROR(CheckHandle(request.hidden(), "hidden"));
+  RETURN_IF_ERROR(CheckHandle(request.weight(), "weight"));
+  const std::pair<absl::string_view, const std::string*> optional_handles[] = {
+      {"bias", &request.bias()},
+      {"weight_grad", &request.weight_grad()},
+      {"bias_grad", &request.bias_grad()},
+  };
+  for (const auto& [field, handle] : optional_handles) {
+    if (!handle->empty()) RETURN_IF_ERROR(CheckHandle(*handle, field));
+  }
+  RETURN_IF_ERROR(CheckLabel(request.weight_grad_label(), "weight_grad_label"));
+  RETURN_IF_ERROR(CheckLabel(request.bias_grad_label(), "bias_grad_label"));
+  // The options, mode, targets and gradient label are Forward's: checked by
+  // Forward's rules, with the hidden states in the logits' place.
   pb::ForwardRequest forward;
+  forward.set_logits(request.hidden());
+  forward.set_gradient_label(request.gradient_label());
   *forward.mutable_options() = request.options();
   forward.set_mode(request.mode());
   if (request.targets_case() == pb::LinearForwardRequest::kTargetsHandle) {

@@ -498,7 +498,11 @@ TEST_F(LinearTest, BadRequestsChangeNothing) {
       {"label_smoothing > 1", s.x, s.weight, s.targets,
        with([&](LinearForwardOptions& o) { o.loss.label_smoothing = 2.0f; }),
        Code::kInvalidArgument},
-      {"unknown hidden", "", s.weight, s.targets, plain, Code::kNotFound},
+      {"empty hidden", "", s.weight, s.targets, plain, Code::kInvalidArgument},
+      {"malformed weight", s.x, "not-a-handle", s.targets, plain,
+       Code::kInvalidArgument},
+      {"unknown hidden", "0123abcd-0123456789abcdef0123456789abcdef", s.weight,
+       s.targets, plain, Code::kNotFound},
   };
   const StoreStats before = server_->store()->Stats();
   for (const Bad& bad : cases) {

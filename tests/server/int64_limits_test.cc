@@ -21,6 +21,8 @@ using ::testing::Not;
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
 constexpr int64_t k2p62 = int64_t{1} << 62;
+// A well-formed handle, so that the checks past the handle's run.
+constexpr char kHandle[] = "0123abcd-0123456789abcdef0123456789abcdef";
 
 DownloadSpec Range(int64_t offset, int64_t length) {
   DownloadSpec spec;
@@ -81,6 +83,7 @@ TEST(ValidateDownloadRequestTest, NegativeAndHugeValues) {
         std::pair{kMin, int64_t{0}}, std::pair{int64_t{4}, kMin},
         std::pair{kMin, kMin}}) {
     lossd::v1::DownloadRequest request;
+    request.set_handle(kHandle);
     request.set_offset(offset);
     request.set_length(length);
     const absl::StatusOr<DownloadSpec> spec =
@@ -91,6 +94,7 @@ TEST(ValidateDownloadRequestTest, NegativeAndHugeValues) {
   }
   for (int64_t chunk_bytes : {kMin, int64_t{-1}, k2p62, kMax}) {
     lossd::v1::DownloadRequest request;
+    request.set_handle(kHandle);
     request.set_chunk_bytes(chunk_bytes);
     const absl::StatusOr<DownloadSpec> spec =
         ValidateDownloadRequest(request, 1 << 20);
