@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA path of lossd.torch checked on a GPU machine without pytest (the device machine's
 Python has torch but no pytest): test_torch.py's test_cuda_tensors as a plain script, plus
-gradient accumulation, against a lossd it starts (--lossd; its CPU device unless --device).
+gradient accumulation and linear_cross_entropy with CUDA hidden states, against a lossd it starts (--lossd; its CPU device unless --device).
 
   PYTHONPATH=<lossd package folder> python3 tests/python/cuda_check.py --lossd=build/server/lossd
 Exits 0 when every case matches F.cross_entropy, 1 on a mismatch, 77 without a CUDA device."""
@@ -75,6 +75,49 @@ def accumulation(client):
     return [problem] if problem else []
 
 
+def linear(client, name):
+    """linear_cross_entropy with CUDA hidden states: dX comes back on the hidden states' device,
+    and the fp32 weight and bias gradients on the server match float64 torch."""
+    dtype = DTYPES[name]
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.randn(300, 64, generator=generator).to(dtype)
+    weight = (0.5 * torch.randn(1000, 64, generator=generator)).to(dtype)
+    bias = (0.1 * torch.randn(1000, generator=generator)).to(dtype)
+    target = torch.randint(0, 1000, (300,), generator=generator)
+    target[::5] = -100
+
+    def stored(tensor):
+        tensor = tensor.contiguous()
+        data = tensor.view(torch.int16).numpy() if dtype == torch.bfloat16 else tensor.numpy()
+        return client.upload(data, dtype={torch.float32: "float32",
+                                          torch.bfloat16: "bf16"}[dtype]).handle
+
+    weight_handle, bias_handle = stored(weight), stored(bias)
+    x = hidden.cuda().requires_grad_()
+    loss = lossd.torch.linear_cross_entropy(x, weight_handle, target.cuda(), client=client,
+                                            bias_handle=bias_handle, label_smoothing=0.1)
+    loss.backward()
+    reference = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    F.cross_entropy(F.linear(*reference), target, label_smoothing=0.1).backward()
+    problems = []
+    if x.grad is None or x.grad.device != x.device:
+        return ["dX is not on %s" % x.device]
+    for what, got, want in (
+            ("loss", loss.detach().reshape(1), F.cross_entropy(
+                F.linear(*[t.detach() for t in reference]), target,
+                label_smoothing=0.1).reshape(1)),
+            ("dX", x.grad, reference[0].grad),
+            ("dW", torch.from_numpy(client.download(loss.weight_grad_handle)), reference[1].grad),
+            ("dbias", torch.from_numpy(client.download(loss.bias_grad_handle)),
+             reference[2].grad)):
+        problem = close(got, want, name)
+        if problem:
+            problems.append("%s: %s" % (what, problem))
+    for handle in (weight_handle, bias_handle, loss.weight_grad_handle, loss.bias_grad_handle):
+        client.release(handle)
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lossd", required=True)
@@ -99,6 +142,11 @@ def main():
             problems = accumulation(client)
             print("accumulation into .grad:", "ok" if not problems else problems)
             failures += bool(problems)
+            for name in ("fp32", "bf16"):
+                problems = linear(client, name)
+                print("linear_cross_entropy %s, CUDA hidden states:" % name,
+                      "ok" if not problems else problems)
+                failures += bool(problems)
             left = client.list().tensors
             if left:
                 print("left on the server:", left)
