@@ -39,6 +39,29 @@ using client_internal::ToAbsl;
 
 namespace {
 
+// Upload's and Overwrite's check of the caller's memory against the header.
+absl::Status CheckMemory(DType dtype, absl::Span<const int64_t> shape,
+                         const void* data, std::size_t bytes) {
+  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
+  if (static_cast<uint64_t>(expected) != bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
+                     " and the shape need ", expected));
+  }
+  if (data == nullptr && bytes > 0) {
+    return absl::InvalidArgumentError("null data");
+  }
+  return absl::OkStatus();
+}
+
+// The caller's memory as the source: every piece is sent from where it lies,
+// uncopied.
+UploadSource MemorySource(const void* data) {
+  const char* base = static_cast<const char*>(data);
+  return [base](int64_t offset, std::size_t,
+                void*) -> absl::StatusOr<const void*> { return base + offset; };
+}
+
 // The pieces of bytes [begin, end) of a tensor from `source`, produced into
 // scratch buffers `a` and `b` one ahead of consume(offset, data, bytes,
 // in_scratch), where in_scratch says whether `data` lies in a scratch buffer
@@ -178,23 +201,9 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                                           const std::string& label,
                                           const ProgressCallback& progress,
                                           const std::string& idempotency_key) {
-  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
-  if (static_cast<uint64_t>(expected) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
-                     " and the shape need ", expected));
-  }
-  if (data == nullptr && bytes > 0) {
-    return absl::InvalidArgumentError("null data");
-  }
-  // The caller's memory is the source: every piece is sent from where it
-  // lies, uncopied.
-  const char* base = static_cast<const char*>(data);
-  return UploadPieces(
-      dtype, shape, bytes,
-      [base](int64_t offset, std::size_t,
-             void*) -> absl::StatusOr<const void*> { return base + offset; },
-      label, progress, idempotency_key);
+  RETURN_IF_ERROR(CheckMemory(dtype, shape, data, bytes));
+  return UploadPieces(dtype, shape, bytes, MemorySource(data), label, progress,
+                      idempotency_key);
 }
 
 absl::StatusOr<TensorInfo> Client::UploadFrom(
@@ -427,15 +436,7 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
 absl::StatusOr<TensorInfo> Client::Overwrite(
     const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
     const void* data, std::size_t bytes, const ProgressCallback& progress) {
-  ASSIGN_OR_RETURN(const int64_t expected, TensorBytes(dtype, shape));
-  if (static_cast<uint64_t>(expected) != bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(bytes, " bytes given; dtype ", DTypeString(dtype),
-                     " and the shape need ", expected));
-  }
-  if (data == nullptr && bytes > 0) {
-    return absl::InvalidArgumentError("null data");
-  }
+  RETURN_IF_ERROR(CheckMemory(dtype, shape, data, bytes));
   if (handle.empty()) {
     return absl::InvalidArgumentError("overwrite: empty handle");
   }
@@ -443,11 +444,7 @@ absl::StatusOr<TensorInfo> Client::Overwrite(
   header.set_dtype(static_cast<v1::DType>(dtype));
   header.mutable_shape()->Add(shape.begin(), shape.end());
   header.set_overwrite_handle(handle);
-  const char* base = static_cast<const char*>(data);
-  const UploadSource source = [base](int64_t offset, std::size_t,
-                                     void*) -> absl::StatusOr<const void*> {
-    return base + offset;
-  };
+  const UploadSource source = MemorySource(data);
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
   Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);

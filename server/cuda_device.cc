@@ -61,6 +61,63 @@ void StreamCopy(char* dst, const char* src, size_t n) {
   std::memcpy(dst, src, n);
 }
 
+// Where a call's per-token outputs (those it asks for: token_loss, token_lse,
+// token_argmax) lie in its device block, from a given offset on.
+struct TokenOutputs {
+  size_t loss = 0;
+  size_t lse = 0;
+  size_t argmax = 0;
+  size_t end = 0;  // the block's size
+};
+
+template <typename Args>
+TokenOutputs LayOutTokenOutputs(const Args& args, size_t rows, size_t offset) {
+  TokenOutputs at;
+  at.loss = offset;
+  if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
+  at.lse = offset;
+  if (args.token_lse != nullptr) offset += AlignUp(rows * sizeof(float));
+  at.argmax = offset;
+  if (args.token_argmax != nullptr) offset += AlignUp(rows * sizeof(int32_t));
+  at.end = offset;
+  return at;
+}
+
+// Points the outputs `device_args` asks for (a copy of the caller's args,
+// whose pointers are host memory) into `block`, where the kernels write.
+template <typename Args>
+void PointTokenOutputs(const TokenOutputs& at, char* block, Args* device_args) {
+  if (device_args->token_loss != nullptr) {
+    device_args->token_loss = reinterpret_cast<float*>(block + at.loss);
+  }
+  if (device_args->token_lse != nullptr) {
+    device_args->token_lse = reinterpret_cast<float*>(block + at.lse);
+  }
+  if (device_args->token_argmax != nullptr) {
+    device_args->token_argmax = reinterpret_cast<int32_t*>(block + at.argmax);
+  }
+}
+
+// Copies the outputs asked for from the device block back to the caller's
+// arrays with `copy(host, device, bytes)`; the first error stops it.
+template <typename Args, typename Copy>
+absl::Status CopyTokenOutputs(const Args& args, const Args& device_args,
+                              size_t rows, const Copy& copy) {
+  absl::Status status;
+  if (args.token_loss != nullptr) {
+    status =
+        copy(args.token_loss, device_args.token_loss, rows * sizeof(float));
+  }
+  if (status.ok() && args.token_lse != nullptr) {
+    status = copy(args.token_lse, device_args.token_lse, rows * sizeof(float));
+  }
+  if (status.ok() && args.token_argmax != nullptr) {
+    status = copy(args.token_argmax, device_args.token_argmax,
+                  rows * sizeof(int32_t));
+  }
+  return status;
+}
+
 }  // namespace
 
 int CudaDeviceCount() {
@@ -642,14 +699,8 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   // (args' are host pointers; the kernel writes device memory).
   const size_t rows = static_cast<size_t>(args.rows);
   const size_t scratch_bytes = AlignUp(CrossEntropyCudaScratchBytes(args.rows));
-  size_t offset = scratch_bytes;
-  const size_t loss_offset = offset;
-  if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
-  const size_t lse_offset = offset;
-  if (args.token_lse != nullptr) offset += AlignUp(rows * sizeof(float));
-  const size_t argmax_offset = offset;
-  if (args.token_argmax != nullptr) offset += AlignUp(rows * sizeof(int32_t));
-  const size_t block_bytes = offset;
+  const TokenOutputs outputs = LayOutTokenOutputs(args, rows, scratch_bytes);
+  const size_t block_bytes = outputs.end;
 
   ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
   absl::StatusOr<Staging> staging = AcquireStaging();
@@ -662,16 +713,7 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
       AllocateOn(reinterpret_cast<void**>(&block), block_bytes, stream);
   CrossEntropyArgs device_args = args;
   if (status.ok()) {
-    if (args.token_loss != nullptr) {
-      device_args.token_loss = reinterpret_cast<float*>(block + loss_offset);
-    }
-    if (args.token_lse != nullptr) {
-      device_args.token_lse = reinterpret_cast<float*>(block + lse_offset);
-    }
-    if (args.token_argmax != nullptr) {
-      device_args.token_argmax =
-          reinterpret_cast<int32_t*>(block + argmax_offset);
-    }
+    PointTokenOutputs(outputs, block, &device_args);
     // The kernels' one host wrapper; its INTERNAL errors are looked at again
     // below (Check of the final synchronize), where a sticky one is fatal.
     status = CrossEntropyCudaRun(
@@ -679,17 +721,12 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
         static_cast<CrossEntropyCudaResult*>(staging->host), stream, result);
     if (!status.ok()) cudaGetLastError();
   }
-  if (status.ok() && args.token_loss != nullptr) {
-    status = CopyToHost(args.token_loss, device_args.token_loss,
-                        rows * sizeof(float), stream);
-  }
-  if (status.ok() && args.token_lse != nullptr) {
-    status = CopyToHost(args.token_lse, device_args.token_lse,
-                        rows * sizeof(float), stream);
-  }
-  if (status.ok() && args.token_argmax != nullptr) {
-    status = CopyToHost(args.token_argmax, device_args.token_argmax,
-                        rows * sizeof(int32_t), stream);
+  if (status.ok()) {
+    status =
+        CopyTokenOutputs(args, device_args, rows,
+                         [&](void* host, const void* device, size_t bytes) {
+                           return CopyToHost(host, device, bytes, stream);
+                         });
   }
   if (block != nullptr) cudaFreeAsync(block, stream);
   const absl::Status synced =
@@ -710,16 +747,11 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
 
   // One block for the host arrays the kernel reads or writes on the device.
   const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
-  size_t offset = 0;
-  const size_t grad_output_offset = offset;
-  if (args.token_grad_output != nullptr) offset += AlignUp(rows * 4);
-  const size_t loss_offset = offset;
-  if (args.token_loss != nullptr) offset += AlignUp(rows * sizeof(float));
-  const size_t lse_offset = offset;
-  if (args.token_lse != nullptr) offset += AlignUp(rows * sizeof(float));
-  const size_t argmax_offset = offset;
-  if (args.token_argmax != nullptr) offset += AlignUp(rows * sizeof(int32_t));
-  const size_t block_bytes = offset;
+  const size_t grad_output_offset = 0;
+  const TokenOutputs outputs = LayOutTokenOutputs(
+      args, rows,
+      args.token_grad_output != nullptr ? AlignUp(rows * sizeof(float)) : 0);
+  const size_t block_bytes = outputs.end;
 
   ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
   char* block = nullptr;
@@ -738,32 +770,18 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
     device_args.token_grad_output = staged;
   }
   if (status.ok()) {
-    if (args.token_loss != nullptr) {
-      device_args.token_loss = reinterpret_cast<float*>(block + loss_offset);
-    }
-    if (args.token_lse != nullptr) {
-      device_args.token_lse = reinterpret_cast<float*>(block + lse_offset);
-    }
-    if (args.token_argmax != nullptr) {
-      device_args.token_argmax =
-          reinterpret_cast<int32_t*>(block + argmax_offset);
-    }
+    PointTokenOutputs(outputs, block, &device_args);
     // Its INTERNAL errors are looked at again below (Check of the final
     // synchronize), where a sticky one is fatal.
     status = LinearCrossEntropyCuda(device_args, result, stream);
     if (!status.ok()) cudaGetLastError();
   }
-  if (status.ok() && args.token_loss != nullptr) {
-    status = CopyToHost(args.token_loss, device_args.token_loss,
-                        rows * sizeof(float), stream);
-  }
-  if (status.ok() && args.token_lse != nullptr) {
-    status = CopyToHost(args.token_lse, device_args.token_lse,
-                        rows * sizeof(float), stream);
-  }
-  if (status.ok() && args.token_argmax != nullptr) {
-    status = CopyToHost(args.token_argmax, device_args.token_argmax,
-                        rows * sizeof(int32_t), stream);
+  if (status.ok()) {
+    status =
+        CopyTokenOutputs(args, device_args, rows,
+                         [&](void* host, const void* device, size_t bytes) {
+                           return CopyToHost(host, device, bytes, stream);
+                         });
   }
   if (block != nullptr) cudaFreeAsync(block, stream);
   const absl::Status synced =

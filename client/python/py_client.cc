@@ -236,6 +236,35 @@ TensorInfo DownloadTo(PyClient& self, const std::string& handle,
   return ValueOrThrow(std::move(info));
 }
 
+namespace {
+
+// A tensor argument given as a handle, or as a buffer that is uploaded for
+// the call under `label` (the caller releases it if the call fails).
+std::string HandleOrUpload(PyClient& self, py::handle value,
+                           const std::string& label) {
+  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
+  return Upload(self, value, py::none(), py::none(), label, std::nullopt,
+                std::nullopt)
+      .handle;
+}
+
+// Targets given as a handle, or as an int32/int64 buffer held in `*keep` for
+// the call.
+Targets ParseTargets(py::handle target, Tensor* keep) {
+  if (py::isinstance<py::str>(target)) {
+    return Targets::Handle(target.cast<std::string>());
+  }
+  *keep = TensorFromObject(target, py::none(), py::none(), "target");
+  if (!IsTargetsDType(keep->dtype)) {
+    ThrowInvalid("target must hold int32 or int64 class indices, not " +
+                 std::string(DTypeString(keep->dtype)));
+  }
+  return Targets::Inline(keep->dtype, keep->buffer->data(),
+                         keep->buffer->bytes());
+}
+
+}  // namespace
+
 ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                       py::handle weight, int64_t ignore_index,
                       double label_smoothing, const std::string& reduction,
@@ -253,28 +282,9 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
   options.token_argmax = token_argmax;
   options.gradient_label = gradient_label;
 
-  std::string logits_handle;
-  if (py::isinstance<py::str>(logits)) {
-    logits_handle = logits.cast<std::string>();
-  } else {
-    logits_handle = Upload(self, logits, py::none(), py::none(), "logits",
-                           std::nullopt, std::nullopt)
-                        .handle;
-  }
+  const std::string logits_handle = HandleOrUpload(self, logits, "logits");
   Tensor targets_tensor;
-  Targets targets;
-  if (py::isinstance<py::str>(target)) {
-    targets = Targets::Handle(target.cast<std::string>());
-  } else {
-    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
-    if (!IsTargetsDType(targets_tensor.dtype)) {
-      ThrowInvalid("target must hold int32 or int64 class indices, not " +
-                   std::string(DTypeString(targets_tensor.dtype)));
-    }
-    targets =
-        Targets::Inline(targets_tensor.dtype, targets_tensor.buffer->data(),
-                        targets_tensor.buffer->bytes());
-  }
+  const Targets targets = ParseTargets(target, &targets_tensor);
   Weight class_weights(client, weight);
   options.class_weights = class_weights.handle();
   absl::StatusOr<ForwardResult> result;
@@ -342,28 +352,9 @@ LinearForwardResult LinearForward(
         values, values + tensor.buffer->bytes() / sizeof(float));
   }
 
-  std::string hidden_handle;
-  if (py::isinstance<py::str>(hidden)) {
-    hidden_handle = hidden.cast<std::string>();
-  } else {
-    hidden_handle = Upload(self, hidden, py::none(), py::none(), "hidden",
-                           std::nullopt, std::nullopt)
-                        .handle;
-  }
+  const std::string hidden_handle = HandleOrUpload(self, hidden, "hidden");
   Tensor targets_tensor;
-  Targets targets;
-  if (py::isinstance<py::str>(target)) {
-    targets = Targets::Handle(target.cast<std::string>());
-  } else {
-    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
-    if (!IsTargetsDType(targets_tensor.dtype)) {
-      ThrowInvalid("target must hold int32 or int64 class indices, not " +
-                   std::string(DTypeString(targets_tensor.dtype)));
-    }
-    targets =
-        Targets::Inline(targets_tensor.dtype, targets_tensor.buffer->data(),
-                        targets_tensor.buffer->bytes());
-  }
+  const Targets targets = ParseTargets(target, &targets_tensor);
   Weight weights(client, class_weights);
   options.class_weights = weights.handle();
   absl::StatusOr<LinearForwardResult> result;

@@ -130,7 +130,7 @@ class _CrossEntropy(torch.autograd.Function):
         if stored is None or not stored.alive:
             raise RuntimeError("lossd.torch.cross_entropy: backward ran twice; the server's "
                                "gradient was released after the first")
-        shape, dtype, device = ctx.logits_meta
+        meta = ctx.logits_meta
         client = stored.client
         try:
             if ctx.reduction == "none":
@@ -141,39 +141,69 @@ class _CrossEntropy(torch.autograd.Function):
                 # The server's factor is 1 until a Backward records another.
                 if factor != 1.0:
                     client.backward(stored.handle, factor)
-            gradient = torch.empty(shape, dtype=dtype, device=device)
-            if device.type == "cpu":
-                client.download(stored.handle, out=_host_view(gradient))
-            else:
-                _download_to_device(client, stored.handle, gradient)
+            gradient = _download_gradient(client, stored.handle, meta)
         finally:
             stored.release()
             ctx.stored = None
         return gradient, None, None, None
 
 
+def _host_targets(target):
+    """Class indices as a contiguous int32/int64 CPU tensor, for the request."""
+    target = target.detach().to("cpu")
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.to(torch.int64)
+    return target.contiguous()
+
+
+def _store(client, tensor, label):
+    """Uploads a contiguous tensor (from the CPU without a copy, from a GPU piece by piece) and
+    returns the _StoredTensor this process must release."""
+    if tensor.device.type == "cpu":
+        info = client.upload(_host_view(tensor), dtype=_DTYPE_NAMES[tensor.dtype], label=label)
+    else:
+        info = _upload_from_device(client, tensor, label)
+    return _StoredTensor(client, info.handle)
+
+
+def _loss_tensor(result, reduction, normalizer, like):
+    """The loss of a Forward or LinearForward result as torch gives it, on `like`'s device and
+    dtype."""
+    if reduction == "none":
+        loss = torch.from_numpy(result.token_loss)
+    else:
+        value = result.loss
+        if reduction == "mean" and result.valid_tokens == 0 and normalizer == 0:
+            value = float("nan")  # torch's mean over no valid rows; lossd reports 0
+        loss = torch.tensor(value, dtype=torch.float32)
+    return loss.to(device=like.device, dtype=like.dtype)
+
+
+def _download_gradient(client, handle, meta):
+    """A new tensor of meta = (shape, dtype, device) holding the server's gradient `handle`."""
+    shape, dtype, device = meta
+    gradient = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        client.download(handle, out=_host_view(gradient))
+    else:
+        _download_to_device(client, handle, gradient)
+    return gradient
+
+
 def _forward(logits, target, client, options, need_gradient):
     """Uploads the logits, runs Forward (in place when a gradient is needed, else mode "none")
     and returns (loss tensor, _StoredTensor or None)."""
     logits = logits.detach().contiguous()
-    target = target.detach().to("cpu")
-    if target.dtype not in (torch.int64, torch.int32):
-        target = target.to(torch.int64)
-    target = target.contiguous()
+    target = _host_targets(target)
     weight = options["weight"]
     if isinstance(weight, torch.Tensor):
         weight = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     reduction = options["reduction"]
 
-    if logits.device.type == "cpu":
-        info = client.upload(_host_view(logits), dtype=_DTYPE_NAMES[logits.dtype],
-                             label=options["label"])
-    else:
-        info = _upload_from_device(client, logits, options["label"])
-    stored = _StoredTensor(client, info.handle)
+    stored = _store(client, logits, options["label"])
     try:
         result = client.forward(
-            info.handle, target.numpy(), weight=weight, ignore_index=options["ignore_index"],
+            stored.handle, target.numpy(), weight=weight, ignore_index=options["ignore_index"],
             label_smoothing=options["label_smoothing"], reduction=reduction,
             z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
             normalizer=options["normalizer"], grad_scale=options["grad_scale"],
@@ -185,14 +215,7 @@ def _forward(logits, target, client, options, need_gradient):
         stored.release()
         stored = None
 
-    if reduction == "none":
-        loss = torch.from_numpy(result.token_loss)
-    else:
-        value = result.loss
-        if reduction == "mean" and result.valid_tokens == 0 and options["normalizer"] == 0:
-            value = float("nan")  # torch's mean over no valid rows; lossd reports 0
-        loss = torch.tensor(value, dtype=torch.float32)
-    return loss.to(device=logits.device, dtype=logits.dtype), stored
+    return _loss_tensor(result, reduction, options["normalizer"], logits), stored
 
 
 class _StoredTensor:
@@ -385,7 +408,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if stored is None or not stored.alive:
             raise RuntimeError("lossd.torch.linear_cross_entropy: backward ran twice; the "
                                "server's dX was released after the first")
-        shape, dtype, device = ctx.hidden_meta
+        meta = ctx.hidden_meta
         client = stored.client
         try:
             factor = float(grad_output)
@@ -394,11 +417,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                               "but not the weight gradient accumulated at the forward; fold it "
                               "into grad_scale" % factor, stacklevel=2)
                 client.backward(stored.handle, factor)
-            gradient = torch.empty(shape, dtype=dtype, device=device)
-            if device.type == "cpu":
-                client.download(stored.handle, out=_host_view(gradient))
-            else:
-                _download_to_device(client, stored.handle, gradient)
+            gradient = _download_gradient(client, stored.handle, meta)
         finally:
             stored.release()
             ctx.stored = None
@@ -410,20 +429,12 @@ def _linear_forward(hidden, target, client, options, need_gradient):
     accumulated when a gradient is needed, else loss only) and returns (loss tensor,
     _StoredTensor or None); the accumulators' handles go into options."""
     hidden = hidden.detach().contiguous()
-    target = target.detach().to("cpu")
-    if target.dtype not in (torch.int64, torch.int32):
-        target = target.to(torch.int64)
-    target = target.contiguous()
+    target = _host_targets(target)
     reduction = options["reduction"]
-    if hidden.device.type == "cpu":
-        info = client.upload(_host_view(hidden), dtype=_DTYPE_NAMES[hidden.dtype],
-                             label=options["label"])
-    else:
-        info = _upload_from_device(client, hidden, options["label"])
-    stored = _StoredTensor(client, info.handle)
+    stored = _store(client, hidden, options["label"])
     try:
         result = client.linear_forward(
-            info.handle, options["weight"], target.numpy(), bias=options["bias"],
+            stored.handle, options["weight"], target.numpy(), bias=options["bias"],
             weight_grad=options["weight_grad"] if need_gradient else "",
             bias_grad=options["bias_grad"] if need_gradient else "",
             accumulate=options["accumulate"] if need_gradient else "none",
@@ -440,11 +451,4 @@ def _linear_forward(hidden, target, client, options, need_gradient):
     if not need_gradient:
         stored.release()
         stored = None
-    if reduction == "none":
-        loss = torch.from_numpy(result.token_loss)
-    else:
-        value = result.loss
-        if reduction == "mean" and result.valid_tokens == 0 and options["normalizer"] == 0:
-            value = float("nan")  # torch's mean over no valid rows; lossd reports 0
-        loss = torch.tensor(value, dtype=torch.float32)
-    return loss.to(device=hidden.device, dtype=hidden.dtype), stored
+    return _loss_tensor(result, reduction, options["normalizer"], hidden), stored
