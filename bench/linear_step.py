@@ -7,9 +7,13 @@ LinearForward in place with dW accumulated in fp32 on the server, Backward, down
 downloaded as bf16 once per 8 steps) and the logits step (upload logits [N, V] and targets,
 Forward in place, Backward, download the gradient). It reports each way's first step and steady
 state (median of the later steps, the dW download amortised over its 8 steps) and their ratio.
+--precision picks LinearForward's precision (exact: the split dW; fast: 16-bit products as the
+peers compute them); both runs the linear step twice, exact then fast, against one logits step,
+one row and one ratio each.
 
   python3 bench/linear_step.py --build build-gpu --out $OUT/LINEAR_STEP.md   (the H200)
   python3 bench/linear_step.py --build build --small                         (CPU, here)
+  python3 bench/linear_step.py --build build-gpu --precision=both            (exact and fast)
 """
 import argparse
 import json
@@ -77,9 +81,12 @@ def main():
     parser.add_argument("--small", action="store_true", help="small shapes on the CPU device")
     parser.add_argument("--overwrite_weight", action="store_true",
                         help="also re-upload W in place before each linear step (timed apart)")
+    parser.add_argument("--precision", default="exact", choices=("exact", "fast", "both"),
+                        help="LinearForward's precision; both: exact and fast in one run")
     parser.add_argument("--out", default=None, help="append the markdown table here")
     args = parser.parse_args()
     shapes = args.shapes or (SMALL_SHAPES if args.small else GPU_SHAPES)
+    precisions = ("exact", "fast") if args.precision == "both" else (args.precision,)
     device = args.device or ("cpu" if args.small else "cuda")
 
     build = os.path.abspath(args.build)
@@ -89,8 +96,9 @@ def main():
                          text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
     lines.append(f"Machine: {os.cpu_count()} CPUs{'; GPU ' + gpu if gpu else ''}; device "
                  f"{device}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    lines += ["", "| rows x hidden x vocab (bf16) | way | first step s | steady s | upload | "
-              "forward | download | kernel | logits / linear |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| rows x hidden x vocab (bf16) | way | precision | first step s | steady s | "
+              "upload | forward | download | kernel | logits / linear |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     port_file = tempfile.mktemp(prefix="linear_step_lossd_")
     server, target = start_server(
         [os.path.join(build, "server", "lossd"), "--host=127.0.0.1", "--port=0",
@@ -99,33 +107,41 @@ def main():
     try:
         for shape in shapes.split(","):
             rows, hidden, vocab = (int(x) for x in shape.split("x"))
-            cmd = [os.path.join(build, "bench", "linear_step_bench"), f"--target={target}",
-                   f"--rows={rows}", f"--hidden={hidden}", f"--vocab={vocab}",
-                   f"--steps={args.steps}", f"--dw_every={args.dw_every}"]
-            if args.overwrite_weight:
-                cmd.append("--overwrite_weight")
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-            results = [json.loads(line) for line in done.stdout.splitlines()
-                       if line.startswith("{")]
+            results = []
+            for i, precision in enumerate(precisions):
+                cmd = [os.path.join(build, "bench", "linear_step_bench"), f"--target={target}",
+                       f"--rows={rows}", f"--hidden={hidden}", f"--vocab={vocab}",
+                       f"--steps={args.steps}", f"--dw_every={args.dw_every}",
+                       f"--precision={precision}"]
+                if args.overwrite_weight:
+                    cmd.append("--overwrite_weight")
+                if i + 1 < len(precisions):
+                    cmd.append("--nologits_step")  # one logits step, with the last precision
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+                results += [json.loads(line) for line in done.stdout.splitlines()
+                            if line.startswith("{")]
             by_way = {way: [r for r in results if r["way"] == way] for way in ("linear", "logits")}
             print(json.dumps({"shape": shape, **by_way}), flush=True)
-            linear_first, linear_steady = steady(by_way["linear"], args.dw_every)
-            logits_first, logits_steady = steady(by_way["logits"], args.dw_every)
-            ratio = logits_steady / linear_steady
-            for way, first, value in (("linear", linear_first, linear_steady),
-                                      ("logits", logits_first, logits_steady)):
-                later = by_way[way][1:] or by_way[way]
+            _, logits_steady = steady(by_way["logits"], args.dw_every)
+            rows_out = [("linear", precision,
+                         [r for r in by_way["linear"] if r["precision"] == precision])
+                        for precision in precisions]
+            rows_out.append(("logits", "", by_way["logits"]))
+            for way, precision, steps in rows_out:
+                first, value = steady(steps, args.dw_every)
+                later = steps[1:] or steps
                 med = {k: statistics.median(s[k] for s in later)
                        for k in ("upload", "forward", "download", "kernel")}
-                lines.append(f"| {shape} | {way} | {first:.3f} | {value:.3f} | "
+                ratio = f"{logits_steady / value:.2f}x" if way == "linear" else ""
+                lines.append(f"| {shape} | {way} | {precision} | {first:.3f} | {value:.3f} | "
                              f"{med['upload']:.3f} | {med['forward']:.3f} | "
-                             f"{med['download']:.3f} | {med['kernel']:.3f} | "
-                             f"{f'{ratio:.2f}x' if way == 'linear' else ''} |")
-            if args.overwrite_weight:
-                overwrite = statistics.median(s["overwrite_weight"] for s in by_way["linear"])
-                lines.append(f"| {shape} | W overwrite (per step) | | {overwrite:.3f} | | | | | |")
+                             f"{med['download']:.3f} | {med['kernel']:.3f} | {ratio} |")
+                if way == "linear" and args.overwrite_weight:
+                    overwrite = statistics.median(s["overwrite_weight"] for s in steps)
+                    lines.append(f"| {shape} | W overwrite (per step) | {precision} | | "
+                                 f"{overwrite:.3f} | | | | | |")
     finally:
         stop(server)
     table = "\n".join(lines) + "\n"

@@ -4,8 +4,9 @@
 // and int64 targets, LinearForward in place (dW accumulated in fp32 on the
 // server), Backward 1.0, download dX as bf16; every --dw_every steps also
 // download dW as bf16. Logits step: upload bf16 logits [rows, vocab] and the
-// targets, Forward in place, Backward 1.0, download the bf16 gradient. Prints
-// one JSON object a line.
+// targets, Forward in place, Backward 1.0, download the bf16 gradient
+// (--nologits_step: the linear step alone, e.g. for a second --precision).
+// Prints one JSON object a line.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +30,10 @@ ABSL_FLAG(int, dw_every, 8,
 ABSL_FLAG(bool, overwrite_weight, false,
           "also re-upload W in place (an optimizer step) before each linear "
           "step, timed apart");
+ABSL_FLAG(std::string, precision, "exact",
+          "LinearForward's precision: exact (the split dW) or fast (16-bit "
+          "products as the peers compute them)");
+ABSL_FLAG(bool, logits_step, true, "also time the logits step");
 
 namespace {
 
@@ -74,14 +79,16 @@ int main(int argc, char** argv) {
   const int64_t vocab = absl::GetFlag(FLAGS_vocab);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int dw_every = std::max(1, absl::GetFlag(FLAGS_dw_every));
+  const std::string precision = absl::GetFlag(FLAGS_precision);
+  if (precision != "exact" && precision != "fast") {
+    Die("--precision=" + precision + ": exact or fast");
+  }
   // Hidden states about 0.5-2, weights about 1/64-1/32: logits of a few
   // units, as a trained head gives.
   const std::vector<uint16_t> hidden_states =
       RandomBf16(static_cast<size_t>(rows * width), 1, 0x7e);
   const std::vector<uint16_t> weight =
       RandomBf16(static_cast<size_t>(vocab * width), 2, 0x79);
-  const std::vector<uint16_t> logits =
-      RandomBf16(static_cast<size_t>(rows * vocab), 3, 0x7e);
   std::vector<int64_t> targets(static_cast<size_t>(rows));
   {
     std::mt19937 rng(4);
@@ -127,6 +134,9 @@ int main(int argc, char** argv) {
     auto at = Clock::now();
     lossd::LinearForwardOptions options;
     options.weight_grad = weight_grad;
+    options.precision = precision == "fast"
+                            ? lossd::LinearForwardPrecision::kFast
+                            : lossd::LinearForwardPrecision::kExact;
     // A new accumulation window every dw_every steps, as an optimizer step
     // would start one.
     options.accumulate = step % dw_every == 0
@@ -162,17 +172,21 @@ int main(int argc, char** argv) {
     client.Release(forward->forward.gradient).IgnoreError();
     client.Release(uploaded_targets->handle).IgnoreError();
     std::printf(
-        "{\"way\": \"linear\", \"step\": %d, \"seconds\": %.4f, \"upload\": "
-        "%.4f, \"forward\": %.4f, \"backward\": %.4f, \"download\": %.4f, "
-        "\"download_dw\": %.4f, \"overwrite_weight\": %.4f, \"kernel\": %.4f, "
-        "\"loss\": %.6f}\n",
-        step, total, upload, forward_seconds, backward, download, download_dw,
-        overwrite, forward->forward.kernel_seconds, forward->forward.loss);
+        "{\"way\": \"linear\", \"precision\": \"%s\", \"step\": %d, "
+        "\"seconds\": %.4f, \"upload\": %.4f, \"forward\": %.4f, "
+        "\"backward\": %.4f, \"download\": %.4f, \"download_dw\": %.4f, "
+        "\"overwrite_weight\": %.4f, \"kernel\": %.4f, \"loss\": %.6f}\n",
+        precision.c_str(), step, total, upload, forward_seconds, backward,
+        download, download_dw, overwrite, forward->forward.kernel_seconds,
+        forward->forward.loss);
     std::fflush(stdout);
   }
   client.Release(weight_grad).IgnoreError();
   client.Release(weight_info->handle).IgnoreError();
+  if (!absl::GetFlag(FLAGS_logits_step)) return 0;
 
+  const std::vector<uint16_t> logits =
+      RandomBf16(static_cast<size_t>(rows * vocab), 3, 0x7e);
   std::vector<uint16_t> gradient(logits.size());
   for (int step = 0; step < steps; ++step) {
     const auto start = Clock::now();

@@ -435,6 +435,7 @@ absl::StatusOr<LinearForwardResult> Client::LinearForward(
   request.set_bias_grad_label(options.bias_grad_label);
   request.mutable_token_grad_output()->Add(options.token_grad_output.begin(),
                                            options.token_grad_output.end());
+  request.set_precision(static_cast<v1::LinearPrecision>(options.precision));
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);

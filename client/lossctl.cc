@@ -111,6 +111,9 @@ ABSL_FLAG(std::string, bias_grad, "",
           "one when --bias is set)");
 ABSL_FLAG(std::string, accumulate, "",
           "linear: add, overwrite or none (empty = add with a gradient)");
+ABSL_FLAG(std::string, linear_precision, "exact",
+          "linear: exact (dW within ~1e-5 of fp32) or fast (16-bit products "
+          "on a CUDA device, dW ~2e-4)");
 
 ABSL_FLAG(std::string, grad_output, "1",
           "backward: a number, or a float32 [N] .npy of per-token factors");
@@ -155,7 +158,8 @@ commands:
          [loss options --mode    states [N, H] times the weight [V, H];
           --bias --weight_grad   dX as --mode says, dW (and dbias) added
           --bias_grad            into fp32 accumulators (printed)
-          --accumulate]
+          --accumulate
+          --linear_precision]
   backward HANDLE                record grad_output for a gradient
          [--grad_output=X|FILE]  (FILE: a float32 [N] tensor file)
          [--materialize]
@@ -487,6 +491,13 @@ absl::Status Linear(RoutingClient& client,
   } else if (!accumulate.empty()) {
     return UsageError(absl::StrCat("--accumulate=", accumulate,
                                    ": add, overwrite, none or empty"));
+  }
+  const std::string precision = absl::GetFlag(FLAGS_linear_precision);
+  if (precision == "fast") {
+    options.precision = LinearForwardPrecision::kFast;
+  } else if (precision != "exact") {
+    return UsageError(
+        absl::StrCat("--linear_precision=", precision, ": exact or fast"));
   }
   std::unique_ptr<InputTensor> targets_file;
   Targets targets = Targets::Handle(args[2]);

@@ -87,6 +87,11 @@ struct LinearCrossEntropyArgs {
   int64_t grad_weight_cols = 0;          // must be hidden
   int64_t grad_bias_size = 0;            // must be vocab
 
+  // Speed over dW's precision for 16-bit inputs: the three products in the
+  // input dtype as the peers compute them. A hint a backend may ignore (the
+  // CPU computes in fp32 either way); CUDA takes it as LinearPrecision::kFast.
+  bool fast_products = false;
+
   // Optional per-row outputs, as in CrossEntropyArgs.
   float* token_loss = nullptr;      // [rows]
   float* token_lse = nullptr;       // [rows]

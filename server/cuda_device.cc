@@ -773,7 +773,9 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
     PointTokenOutputs(outputs, block, &device_args);
     // Its INTERNAL errors are looked at again below (Check of the final
     // synchronize), where a sticky one is fatal.
-    status = LinearCrossEntropyCuda(device_args, result, stream);
+    LinearCrossEntropyCudaConfig config;
+    if (device_args.fast_products) config.precision = LinearPrecision::kFast;
+    status = LinearCrossEntropyCuda(device_args, result, stream, &config);
     if (!status.ok()) cudaGetLastError();
   }
   if (status.ok()) {

@@ -28,6 +28,7 @@ namespace {
 struct LinearSpec {
   ForwardSpec forward;  // options, dX mode, inline targets' dtype
   AccumulateMode accumulate = AccumulateMode::kNone;
+  bool fast_products = false;
 };
 
 absl::StatusOr<AccumulateMode> ParseAccumulate(int value, GradientMode mode) {
@@ -45,6 +46,19 @@ absl::StatusOr<AccumulateMode> ParseAccumulate(int value, GradientMode mode) {
       return absl::InvalidArgumentError(
           absl::StrCat("accumulate: unknown value ", value,
                        " (allowed: UNSPECIFIED, ADD, OVERWRITE, NONE)"));
+  }
+}
+
+// Whether the products may run in the inputs' 16-bit dtype.
+absl::StatusOr<bool> ParsePrecision(int value) {
+  switch (value) {
+    case pb::LINEAR_PRECISION_UNSPECIFIED:
+      return false;
+    case pb::LINEAR_PRECISION_FAST:
+      return true;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "precision: unknown value ", value, " (allowed: UNSPECIFIED, FAST)"));
   }
 }
 
@@ -81,6 +95,7 @@ absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
   ASSIGN_OR_RETURN(spec.forward, ValidateForwardRequest(forward));
   ASSIGN_OR_RETURN(spec.accumulate,
                    ParseAccumulate(request.accumulate(), spec.forward.mode));
+  ASSIGN_OR_RETURN(spec.fast_products, ParsePrecision(request.precision()));
 
   // One tensor in two roles would be read and written at once (hidden ==
   // weight turned into its own gradient, an accumulator that is the weight).
@@ -368,6 +383,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
       break;
   }
   args.accumulate = accumulate_mode;
+  args.fast_products = spec.fast_products;
   if (accumulate) {
     args.grad_weight = static_cast<float*>(grad_weight.data());
     args.grad_weight_rows = vocab;

@@ -313,6 +313,13 @@ LinearAccumulate ParseAccumulate(py::handle accumulate) {
       name + "\"");
 }
 
+LinearForwardPrecision ParsePrecision(const std::string& precision) {
+  if (precision == "exact") return LinearForwardPrecision::kExact;
+  if (precision == "fast") return LinearForwardPrecision::kFast;
+  ThrowInvalid("precision must be \"exact\" or \"fast\", not \"" + precision +
+               "\"");
+}
+
 }  // namespace
 
 LinearForwardResult LinearForward(
@@ -324,7 +331,8 @@ LinearForwardResult LinearForward(
     double normalizer, double grad_scale, const std::string& mode,
     bool token_loss, bool token_lse, bool token_argmax,
     py::handle token_grad_output, const std::string& gradient_label,
-    const std::string& weight_grad_label, const std::string& bias_grad_label) {
+    const std::string& weight_grad_label, const std::string& bias_grad_label,
+    const std::string& precision) {
   std::shared_ptr<Client> client = self.Get();
   LinearForwardOptions options;
   options.loss = LossOptions(ignore_index, label_smoothing, reduction,
@@ -340,6 +348,7 @@ LinearForwardResult LinearForward(
   options.bias_grad = bias_grad;
   options.weight_grad_label = weight_grad_label;
   options.bias_grad_label = bias_grad_label;
+  options.precision = ParsePrecision(precision);
   if (!token_grad_output.is_none()) {
     Tensor tensor = TensorFromObject(token_grad_output, py::none(), py::none(),
                                      "token_grad_output");

@@ -99,7 +99,8 @@ LinearForwardResult LinearForward(
     double normalizer, double grad_scale, const std::string& mode,
     bool token_loss, bool token_lse, bool token_argmax,
     py::handle token_grad_output, const std::string& gradient_label,
-    const std::string& weight_grad_label, const std::string& bias_grad_label);
+    const std::string& weight_grad_label, const std::string& bias_grad_label,
+    const std::string& precision);
 BackwardResult Backward(PyClient& self, const std::string& handle,
                         py::handle grad_output, bool materialize);
 EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,

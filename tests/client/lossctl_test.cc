@@ -209,7 +209,8 @@ TEST_F(LossctlTest, ForwardBackwardDownload) {
 }
 
 // lossctl linear: the loss of X W^T and dW into an accumulator it prints,
-// then added to by a second call naming it.
+// then added to by a second call naming it (with --linear_precision=fast,
+// which the CPU computes the same).
 TEST_F(LossctlTest, LinearForwardAccumulates) {
   constexpr int64_t kWidth = 8;
   std::vector<float> hidden(kRows * kWidth), weight(kVocab * kWidth);
@@ -237,9 +238,9 @@ TEST_F(LossctlTest, LinearForwardAccumulates) {
   absl::StatusOr<DownloadedTensor> once = client_->Download(dw);
   ASSERT_TRUE(once.ok()) << once.status();
 
-  CommandResult second =
-      Lossctl({"linear", UploadHandle({hidden_path}), w, targets_path_,
-               "--weight_grad=" + dw, "--accumulate=add"});
+  CommandResult second = Lossctl(
+      {"linear", UploadHandle({hidden_path}), w, targets_path_,
+       "--weight_grad=" + dw, "--accumulate=add", "--linear_precision=fast"});
   ASSERT_EQ(second.exit_code, 0) << second.err;
   EXPECT_THAT(second.out, HasSubstr("weight_grad " + dw));
   absl::StatusOr<DownloadedTensor> twice = client_->Download(dw);
@@ -254,6 +255,11 @@ TEST_F(LossctlTest, LinearForwardAccumulates) {
                                targets_path_, "--accumulate=sometimes"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr("--accumulate=sometimes"));
+  CommandResult bad_precision =
+      Lossctl({"linear", UploadHandle({hidden_path}), w, targets_path_,
+               "--linear_precision=half"});
+  EXPECT_NE(bad_precision.exit_code, 0);
+  EXPECT_THAT(bad_precision.err, HasSubstr("--linear_precision=half"));
 }
 
 TEST_F(LossctlTest, PerTokenBackwardFromNpy) {

@@ -2,7 +2,8 @@
 // lossd::Client, against the float64 reference of linear_reference.h: fp32
 // and bf16, in place with a bias and accumulation, inline targets and
 // per-token outputs (the device's staging), reduction NONE with per-row
-// grad_output, and a bad target changing nothing. Skips without a GPU.
+// grad_output, bf16 under FAST precision, and a bad target changing nothing.
+// Skips without a GPU.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -152,6 +153,30 @@ TEST_F(GpuLinearTest, ReductionNoneWithPerRowGradOutput) {
   EXPECT_EQ(result->forward.token_lse.size(), static_cast<size_t>(p.rows));
   EXPECT_LT(RelativeError(Get(x), want.dx), 1e-4);
   EXPECT_LT(RelativeError(Get(result->weight_grad), want.dw), 1e-4);
+}
+
+// FAST runs the three products in bf16 as the peers do: looser than the
+// default's dW, but still the reference's gradient.
+TEST_F(GpuLinearTest, FastPrecisionBf16) {
+  const Problem p = Rounded(MakeProblem(300, 64, 1001, 17), DType::kBFloat16);
+  const std::string x = Put(p.x, {p.rows, p.width}, DType::kBFloat16);
+  const std::string weight =
+      Put(p.weight, {p.vocab, p.width}, DType::kBFloat16);
+  const std::string bias = Put(p.bias, {p.vocab}, DType::kBFloat16);
+  LinearForwardOptions options;
+  options.bias = bias;
+  options.precision = LinearForwardPrecision::kFast;
+  std::vector<int32_t> targets(p.targets.begin(), p.targets.end());
+  absl::StatusOr<LinearForwardResult> result = client_->LinearForward(
+      x, weight,
+      Targets::Inline(DType::kInt32, targets.data(), targets.size() * 4),
+      options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const Reference want = Compute(p, true, true, 0.0, 1.0);
+  EXPECT_NEAR(result->forward.loss, want.loss, 2e-2 * want.loss);
+  EXPECT_LT(RelativeError(Get(x), want.dx), 2e-2);
+  EXPECT_LT(RelativeError(Get(result->weight_grad), want.dw), 1e-2);
+  EXPECT_LT(RelativeError(Get(result->bias_grad), want.db), 1e-2);
 }
 
 TEST_F(GpuLinearTest, BadTargetChangesNothing) {

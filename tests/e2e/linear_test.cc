@@ -150,6 +150,39 @@ TEST_F(LinearTest, InPlaceMatchesFloat64Reference) {
   EXPECT_EQ(bf16->data.size(), static_cast<size_t>(p.vocab * p.width * 2));
 }
 
+// The CPU computes in fp32 under every precision: FAST gives the default's
+// results (within fp32 rounding).
+TEST_F(LinearTest, FastPrecisionIsTheDefaultOnTheCpu) {
+  const Problem p = MakeProblem(13, 8, 11, 9);
+  const Reference want = Compute(p, true, true, 0.0, 1.0);
+  for (LinearForwardPrecision precision :
+       {LinearForwardPrecision::kExact, LinearForwardPrecision::kFast}) {
+    const Stored s = Store(p);
+    LinearForwardOptions options;
+    options.bias = s.bias;
+    options.precision = precision;
+    absl::StatusOr<LinearForwardResult> result = client_->LinearForward(
+        s.x, s.weight, Targets::Handle(s.targets), options);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_NEAR(result->forward.loss, want.loss, 1e-5);
+    ExpectNear(Get(s.x), want.dx, 1e-5, "dX");
+    ExpectNear(Get(result->weight_grad), want.dw, 1e-5, "dW");
+    ExpectNear(Get(result->bias_grad), want.db, 1e-5, "dbias");
+  }
+
+  // An unknown value names the field, the allowed values and what came.
+  const Stored s = Store(p);
+  LinearForwardOptions options;
+  options.precision = static_cast<LinearForwardPrecision>(7);
+  const absl::Status status =
+      client_->LinearForward(s.x, s.weight, Targets::Handle(s.targets), options)
+          .status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("precision"), absl::string_view::npos);
+  EXPECT_NE(status.message().find("7"), absl::string_view::npos);
+  EXPECT_NE(status.message().find("FAST"), absl::string_view::npos);
+}
+
 TEST_F(LinearTest, OutOfPlaceAndNone) {
   const Problem p = MakeProblem(9, 6, 7, 2);
   const Stored s = Store(p);
@@ -483,6 +516,11 @@ TEST_F(LinearTest, BadRequestsChangeNothing) {
       {"unknown accumulate", s.x, s.weight, s.targets,
        with([&](LinearForwardOptions& o) {
          o.accumulate = static_cast<LinearAccumulate>(7);
+       }),
+       Code::kInvalidArgument},
+      {"unknown precision", s.x, s.weight, s.targets,
+       with([&](LinearForwardOptions& o) {
+         o.precision = static_cast<LinearForwardPrecision>(7);
        }),
        Code::kInvalidArgument},
       {"reduction NONE without token_grad_output", s.x, s.weight, s.targets,

@@ -1,7 +1,7 @@
 """lossd.torch.linear_cross_entropy and Client.linear_forward against torch in float64
 (F.linear + F.cross_entropy) on a real lossd (CPU device): the loss, dX from loss.backward(), the
 weight and bias gradients read with the client, micro-batch accumulation, overwrite uploads of the
-weight, and the loss-only path."""
+weight, the loss-only path, and the precision option (FAST computes the same on the CPU)."""
 
 import numpy as np
 import pytest
@@ -162,3 +162,40 @@ def test_client_linear_forward_out_of_place_and_errors(client):
     for handle in (result.gradient, result.weight_grad, result.bias_grad, hidden_handle,
                    bias_handle, weight_handle):
         client.release(handle)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_fast_precision_is_exact_on_the_cpu(client, name):
+    # The CPU server computes in fp32 under either precision.
+    dtype = DTYPES[name]
+    hidden, weight, bias, target = make_case(dtype, seed=7)
+    weight_handle = upload(client, weight)
+    bias_handle = upload(client, bias)
+    x = hidden.clone().requires_grad_()
+    loss = lossd.torch.linear_cross_entropy(x, weight_handle, target, client=client,
+                                            bias_handle=bias_handle, precision="fast")
+    loss.backward()
+    want_loss, want_dx, want_dw, want_db = oracle(hidden, weight, bias, target)
+    close(loss.detach(), want_loss, RTOL[name], "loss")
+    close(x.grad, want_dx, RTOL[name], "dX")
+    close(client.download(loss.weight_grad_handle), want_dw, RTOL[name], "dW")
+    close(client.download(loss.bias_grad_handle), want_db, RTOL[name], "dbias")
+    for handle in (loss.weight_grad_handle, loss.bias_grad_handle, bias_handle, weight_handle):
+        client.release(handle)
+
+
+def test_unknown_precision_is_refused(client):
+    hidden, weight, _, target = make_case(torch.float32, seed=8)
+    weight_handle = upload(client, weight)
+    hidden_handle = upload(client, hidden)
+    result = client.linear_forward(hidden_handle, weight_handle, target.numpy(), mode="none",
+                                   precision="fast")
+    close(result.loss, oracle(hidden, weight, None, target)[0], 1e-4, "loss")
+    with pytest.raises(lossd.InvalidArgument, match="precision"):
+        client.linear_forward(hidden_handle, weight_handle, target.numpy(), precision="half")
+    with pytest.raises(ValueError, match="precision"):
+        lossd.torch.linear_cross_entropy(hidden, weight_handle, target, client=client,
+                                         precision="half")
+    assert client.describe(hidden_handle).state == "LOGITS"
+    client.release(hidden_handle)
+    client.release(weight_handle)

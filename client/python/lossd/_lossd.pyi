@@ -161,7 +161,8 @@ class Client:
                        token_loss: bool = False, token_lse: bool = False,
                        token_argmax: bool = False, token_grad_output: Optional[BufferLike] = None,
                        gradient_label: str = "", weight_grad_label: str = "",
-                       bias_grad_label: str = "") -> LinearForwardResult: ...
+                       bias_grad_label: str = "",
+                       precision: str = "exact") -> LinearForwardResult: ...
     def backward(self, handle: str, grad_output: Union[float, BufferLike] = 1.0, *,
                  materialize: bool = False) -> BackwardResult: ...
     def evaluate(self, logits: BufferLike, target: BufferLike, *, dtype: DTypeLike = None,

@@ -19,7 +19,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch
                          ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
                          softcap: float = 0.0, normalizer: float = 0.0,
-                         grad_scale: float = 1.0, label: str = "hidden") -> torch.Tensor: ...
+                         grad_scale: float = 1.0, label: str = "hidden",
+                         precision: str = "exact") -> torch.Tensor: ...
 
 class LossdCrossEntropyLoss(torch.nn.Module):
     client: Client
