@@ -669,7 +669,9 @@ class SoakClient {
     }
     const grpc::Status status = reader->Finish();
     for (int fd : fds) close(fd);
-    if (!status.ok()) tensor->maybe_read = true;
+    // A Download the client broke off may still hold its read on the server
+    // for a moment after its status, even an OK one.
+    if (!status.ok() || cancel || abandon) tensor->maybe_read = true;
     if (cancel) {
       Check("Download (data, cancelled)", status, {Code::OK, Code::CANCELLED});
       return;
@@ -823,7 +825,7 @@ class SoakClient {
     }
     figures_.bytes_downloaded += static_cast<int64_t>(bytes.size());
     const grpc::Status status = reader->Finish();
-    if (!status.ok()) tensor->maybe_read = true;
+    if (!status.ok() || cancel) tensor->maybe_read = true;
     if (cancel) {
       // The whole tensor may have arrived before the cancellation.
       Check("Download (cancelled)", status, {Code::OK, Code::CANCELLED});
