@@ -63,12 +63,16 @@ __global__ void Bf16ToFloat(const __nv_bfloat16* in, float* out, int64_t n) {
     out[i] = __bfloat162float(in[i]);
 }
 
-__global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab) {
+// Every ignore_every-th row (0: none) gets the default ignore_index, so that
+// the mean's D is not a power of two.
+__global__ void FillTargets(int64_t* out, int64_t n, int64_t vocab,
+                            int ignore_every) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float u = (Uniform(i, 77) + 1.0f) * 0.5f;
     const int64_t t = static_cast<int64_t>(u * vocab);
     out[i] = t < vocab ? t : vocab - 1;
+    if (ignore_every > 0 && i % ignore_every == 0) out[i] = -100;
   }
 }
 
@@ -160,15 +164,18 @@ double MedianMs(int warmup, int reps, F fn) {
 
 struct Shape {
   int64_t n, h, v;
-  float logit_std;  // spread of the logits: 2 is the issue's, 8 a peaked
-                    // softmax (large G entries away from the target, where
-                    // rounding G to bf16 shows)
+  float logit_std;       // spread of the logits: 2 is the issue's, 8 a peaked
+                         // softmax (large G entries away from the target, where
+                         // rounding G to bf16 shows)
+  int ignore_every = 0;  // rows ignored (FillTargets)
 };
 
 struct Variant {
   const char* name;
   LinearPrecision precision;
   int64_t chunk_rows;
+  float sparse_threshold = 0.0f;  // kSparseResidual's (0: its default)
+  int sparse_slots = 0;
 };
 
 void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
@@ -182,7 +189,7 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
   // Logits of standard deviation about 2.
   FillBf16<<<4096, 256>>>(w, V * H, s.logit_std * 1.7f / std::sqrt(float(H)),
                           2);
-  FillTargets<<<64, 256>>>(targets, N, V);
+  FillTargets<<<64, 256>>>(targets, N, V, s.ignore_every);
   CHECK_CUDA(cudaGetLastError());
 
   // The three products alone, over the whole batch (the issue's anchor).
@@ -262,13 +269,18 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
   CHECK_CUDA(cudaFree(w32));
 
   char line[512];
-  std::snprintf(line, sizeof(line),
-                "\n### %lldx%lldx%lld bf16, logits of std %.0f\n\nthree cuBLAS "
-                "products alone "
-                "(Z=XW^T bf16 %.2f ms, dX=GW %.2f ms, dW=G^TX fp32 %.2f ms): "
-                "**%.2f ms** back to back (%.0f TFLOP/s)\n\n",
-                (long long)N, (long long)H, (long long)V, s.logit_std, t_z,
-                t_dx, t_dw, t_three, flops / t_three * 1e-9);
+  std::snprintf(
+      line, sizeof(line),
+      "\n### %lldx%lldx%lld bf16, logits of std %.0f%s\n\nthree cuBLAS "
+      "products alone "
+      "(Z=XW^T bf16 %.2f ms, dX=GW %.2f ms, dW=G^TX fp32 %.2f ms): "
+      "**%.2f ms** back to back (%.0f TFLOP/s)\n\n",
+      (long long)N, (long long)H, (long long)V, s.logit_std,
+      s.ignore_every > 0
+          ? (", 1 row in " + std::to_string(s.ignore_every) + " ignored")
+                .c_str()
+          : "",
+      t_z, t_dx, t_dw, t_three, flops / t_three * 1e-9);
   *md += line;
   std::printf("%s", line);
   *md +=
@@ -279,11 +291,15 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
 
   auto* dx_out = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
   const Variant variants[] = {
-      {"split-dW (default)", LinearPrecision::kSplitWeight, 0},
+      {"split-dW (default below V = 50000)", LinearPrecision::kSplitWeight, 0},
       {"split-dW", LinearPrecision::kSplitWeight, 2048},
       {"split-dW", LinearPrecision::kSplitWeight, 1024},
       {"split-dW+dX", LinearPrecision::kSplitBoth, 0},
       {"fp32 logits, bf16 G", LinearPrecision::kFp32Logits, 0},
+      {"sparse residual (default from V = 50000: 2^-6, 128 slots)",
+       LinearPrecision::kSparseResidual, 0},
+      {"sparse residual (2^-9, 1024 slots)", LinearPrecision::kSparseResidual,
+       0, 1.0f / 512, 1024},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 0},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 2048},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 4096},
@@ -298,6 +314,8 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     LinearCrossEntropyCudaConfig config;
     config.precision = variant.precision;
     config.chunk_rows = variant.chunk_rows;
+    config.sparse_threshold = variant.sparse_threshold;
+    config.sparse_slots = variant.sparse_slots;
     LinearCrossEntropyArgs a;
     a.rows = N;
     a.hidden = H;
@@ -382,9 +400,10 @@ int main(int argc, char** argv) {
   CHECK_CUBLAS(cublasCreate(&blas));
   std::string md = std::string("## linear cross-entropy on ") + prop.name +
                    " (median of " + std::to_string(reps) + ", CUDA events)\n";
-  std::vector<lossd::Shape> shapes = {{8192, 4096, 128256, 2.0f},
-                                      {16384, 4096, 131072, 2.0f},
-                                      {8192, 4096, 128256, 8.0f}};
+  std::vector<lossd::Shape> shapes = {
+      {8192, 4096, 128256, 2.0f},   {16384, 4096, 131072, 2.0f},
+      {8192, 4096, 128256, 8.0f},   {8192, 4096, 128256, 2.0f, 7},
+      {8192, 4096, 50257, 2.0f, 7}, {8192, 4096, 32000, 2.0f, 7}};
   if (quick) shapes = {{2048, 1024, 32000, 2.0f}};
   for (const lossd::Shape& s : shapes) lossd::RunShape(s, reps, few, blas, &md);
   if (!out.empty()) {

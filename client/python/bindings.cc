@@ -111,9 +111,9 @@ is formed), "overwrite" or "none". grad_scale multiplies every gradient (fold
 1/micro-batches in); pass the whole batch's `normalizer` when a mean spans
 micro-batches. class_weights: fp32 [V], as forward()'s `weight`.
 reduction="none" with a gradient needs token_grad_output (float32 [N]).
-precision: "exact" (dW within ~1e-5 of fp32) or "fast" (on a CUDA server with
+precision: "exact" (dW within ~3e-5 of fp32) or "fast" (on a CUDA server with
 bf16/fp16 inputs, the three products in 16 bits as the peers compute them:
-a ~1.5x faster kernel, dW 2e-4 relative error on mild logits, up to 2e-2 on
+a ~1.1x faster kernel, dW 2e-4 to 2e-3 relative error on mild logits, 2e-2 on
 peaked ones); fp32 and the CPU compute the same.
 
 Raises NotFound, InvalidArgument (shapes, dtypes, options, one tensor in two

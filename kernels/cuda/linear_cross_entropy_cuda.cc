@@ -22,6 +22,7 @@
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/cuda/sparse_residual.h"
 
 namespace lossd {
 namespace {
@@ -32,6 +33,12 @@ constexpr std::size_t kLtWorkspaceBytes = std::size_t{32} << 20;
 // enough that the per-chunk dW read-modify-write and the launch tails stay
 // small against the products (measured: bench/RESULTS.md).
 constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
+
+// The sparse residual leaves the small entries of G rounded to 16 bits; their
+// share of a row's norm falls as 1/V (sum p^2 ~ e^(var z) / V). Measured on
+// logits of std 2 (bench/RESULTS.md): dW 2.7e-5 from fp32 at V = 128256,
+// 4.1e-5 at 50257, 4.7e-5 at 32000; below this vocabulary the dense split.
+constexpr int64_t kSparseResidualMinVocab = 50000;
 
 std::size_t AlignUp(std::size_t bytes) {
   return (bytes + kAlign - 1) / kAlign * kAlign;
@@ -168,9 +175,12 @@ struct ChunkGemms {
 
 struct Layout {
   LinearPrecision precision;
-  bool logits_fp32;   // Z (and G) held in fp32
-  bool split;         // G copied to 16 bits (hi) for the products
-  bool lo;            // ... and its remainder (lo) too, for dW
+  bool logits_fp32;  // Z (and G) held in fp32
+  bool split;        // G copied to 16 bits (hi) for the products
+  bool lo;           // ... and its remainder (lo) too, for dW
+  bool sparse;       // ... or the large entries' residuals only
+  float sparse_threshold;
+  int sparse_slots;
   bool dx_fp32_temp;  // dX accumulated in fp32, then converted
   std::size_t row_bytes;
 };
@@ -179,12 +189,22 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
                   const LinearCrossEntropyCudaConfig* config) {
   Layout l;
   l.precision = config != nullptr ? config->precision : LinearPrecision::kAuto;
-  if (l.precision == LinearPrecision::kAuto)
-    l.precision = LinearPrecision::kSplitWeight;
+  if (l.precision == LinearPrecision::kAuto) {
+    l.precision = args.vocab >= kSparseResidualMinVocab
+                      ? LinearPrecision::kSparseResidual
+                      : LinearPrecision::kSplitWeight;
+  }
   const bool fp32 = args.dtype == DType::kFloat32;
   l.logits_fp32 = fp32 || l.precision != LinearPrecision::kFast;
   l.split = !fp32 && l.precision != LinearPrecision::kFast;
-  l.lo = l.split && l.precision != LinearPrecision::kFp32Logits;
+  l.sparse = l.split && l.precision == LinearPrecision::kSparseResidual;
+  l.lo = l.split && l.precision != LinearPrecision::kFp32Logits && !l.sparse;
+  l.sparse_threshold = config != nullptr && config->sparse_threshold > 0.0f
+                           ? config->sparse_threshold
+                           : 1.0f / 64;
+  l.sparse_slots = config != nullptr && config->sparse_slots > 0
+                       ? config->sparse_slots
+                       : 128;
   l.dx_fp32_temp = l.split && l.precision == LinearPrecision::kSplitBoth;
   const std::size_t v = static_cast<std::size_t>(args.vocab);
   const std::size_t h = static_cast<std::size_t>(args.hidden);
@@ -192,12 +212,14 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
   if (l.split) l.row_bytes += (l.lo ? 2 : 1) * v * 2;
   if (l.lo) l.row_bytes += 2 * h * 2;  // X stacked twice
   if (l.dx_fp32_temp) l.row_bytes += h * 4;
+  // Records, their sort keys and values (the sort's own scratch is ~linear).
+  if (l.sparse) l.row_bytes += static_cast<std::size_t>(l.sparse_slots) * 40;
   return l;
 }
 
 // Offsets of the workspace block's parts.
 struct Parts {
-  std::size_t prepare, results, ce, logits, hi, x2, dx, lt, total;
+  std::size_t prepare, results, ce, logits, hi, x2, dx, sparse, lt, total;
 };
 
 Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
@@ -223,6 +245,11 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   if (l.lo) at += AlignUp(2 * c * args.hidden * DTypeSize(args.dtype));
   p.dx = at;
   if (l.dx_fp32_temp) at += AlignUp(c * args.hidden * 4);
+  p.sparse = at;
+  if (l.sparse) {
+    at += AlignUp(
+        SparseResidualWorkspaceBytes(chunk_rows, l.sparse_slots, args.vocab));
+  }
   p.lt = at;
   at += kLtWorkspaceBytes;
   p.total = at;
@@ -465,12 +492,26 @@ absl::Status LinearCrossEntropyCuda(
                                  : nullptr;
     const void* grad = logits;  // the products' G
     char* lo = hi + count * args.vocab * 2;
+    // The large entries' residuals, recorded against a threshold in G's
+    // scaled units (the row scale is applied in the split).
+    SparseResidualSlots sparse = SparseResidualCarve(
+        block + parts.sparse, count, l.sparse_slots,
+        l.sparse_threshold * std::fabs(std::ldexp(s, exponent)));
+    sparse.targets = ce.targets;
+    sparse.targets_dtype = args.targets_dtype;
+    sparse.class_weights = args.class_weights;
+    if (l.sparse && want_dw) {
+      status = CudaStatus(SparseResidualResetLaunch(sparse, count, stream),
+                          "linear_cross_entropy: residual reset");
+      if (!status.ok()) break;
+    }
     if (l.split) {
-      status = CudaStatus(
-          SplitGradientLaunch(static_cast<const float*>(logits), row_scale,
-                              count, args.vocab, args.dtype, hi,
-                              l.lo ? lo : nullptr, stream),
-          "linear_cross_entropy: split");
+      status =
+          CudaStatus(SplitGradientLaunch(
+                         static_cast<const float*>(logits), row_scale, count,
+                         args.vocab, args.dtype, hi, l.lo ? lo : nullptr,
+                         l.sparse && want_dw ? &sparse : nullptr, stream),
+                     "linear_cross_entropy: split");
       grad = hi;
       const std::size_t x_bytes = count * args.hidden * es;
       if (status.ok() && l.lo && want_dw) {
@@ -501,6 +542,13 @@ absl::Status LinearCrossEntropyCuda(
     if (status.ok() && want_dw) {
       status = g.grad_weight.Run(alpha, l.lo ? x2 : x, grad, beta,
                                  args.grad_weight, lt_workspace, stream);
+    }
+    if (status.ok() && want_dw && l.sparse) {
+      status = CudaStatus(
+          SparseResidualApplyLaunch(sparse, block + parts.sparse, count,
+                                    args.vocab, x, args.dtype, args.hidden,
+                                    alpha, args.grad_weight, stream),
+          "linear_cross_entropy: residual");
     }
     if (status.ok() && want_dx) {
       // X's chunk has been read by dW above: dX may overwrite it now.

@@ -18,7 +18,7 @@ namespace lossd {
 // How the gradient G = dL/dZ of a chunk of 16-bit rows meets the dX and dW
 // products (fp32 X and W always run fp32 products, CUBLAS_COMPUTE_32F).
 enum class LinearPrecision : int {
-  kAuto = 0,  // kSplitWeight
+  kAuto = 0,  // kSparseResidual from V = 50000 on, else kSplitWeight
   // Z in fp32 (cuBLASLt, fp32 out), the cross-entropy in place on fp32, G
   // split into 16-bit hi + lo: dW = [hi; lo]^T [X; X] (one bf16 product of
   // twice the depth, fp32 accumulator: 3e-6 to 1e-5 from an fp32 reference),
@@ -33,12 +33,23 @@ enum class LinearPrecision : int {
   // Z and the cross-entropy in fp32 as kSplitWeight, G rounded once to 16
   // bits (hi only): the three products, the logits kept exact.
   kFp32Logits = 4,
+  // As kFp32Logits, and for every entry of G of at least sparse_threshold
+  // of its row's scale, its exact residual t - hi(t) is added to dW in fp32
+  // (kernels/cuda/sparse_residual.h): the three products plus a few records
+  // a row, dW near kSplitWeight's precision.
+  kSparseResidual = 5,
 };
 
 // Tuning and precision; 0 fields mean "choose".
 struct LinearCrossEntropyCudaConfig {
   LinearPrecision precision = LinearPrecision::kAuto;
   int64_t chunk_rows = 0;  // rows of logits a chunk (0: from memory, below)
+  // kSparseResidual: the fraction of a row's scale from which an entry's
+  // residual is kept, and the records a row may keep (a row with more keeps
+  // none). The cross-entropy's |G| sums to at most 2 a row, so slots >=
+  // 2 / threshold never overflow without class weights or z-loss.
+  float sparse_threshold = 0.0f;  // 0: 2^-6
+  int sparse_slots = 0;           // 0: 128
 };
 
 // The chunk the call will use, and the device memory it takes beyond its
@@ -46,7 +57,7 @@ struct LinearCrossEntropyCudaConfig {
 // cross-entropy workspaces). Pure.
 struct LinearCrossEntropyCudaPlan {
   int64_t chunk_rows = 0;
-  LinearPrecision precision = LinearPrecision::kSplitWeight;
+  LinearPrecision precision = LinearPrecision::kSparseResidual;
   std::size_t workspace_bytes = 0;
 };
 LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/cuda/sparse_residual.h"
 
 namespace lossd {
 namespace {
@@ -101,24 +102,60 @@ __global__ void BiasAddKernel(void* z, DType z_dtype, const void* bias,
 
 // Four elements a thread (16-byte loads when vocab % 4 == 0, which the
 // caller's row alignment gives for the sizes that matter).
+// Records a large entry's exact residual e = t - hi(t) (sparse_residual.h);
+// entries hi holds exactly need none.
+__device__ __forceinline__ void Record(const SparseResidualSlots& s, int64_t i,
+                                       int64_t vocab, float t, float e,
+                                       float scale) {
+  if (s.slots == 0 || e == 0.0f) return;
+  const int64_t r = i / vocab;
+  if (s.class_weights != nullptr) {
+    const int64_t target = s.targets_dtype == DType::kInt32
+                               ? static_cast<const int32_t*>(s.targets)[r]
+                               : static_cast<const int64_t*>(s.targets)[r];
+    // An ignored row's G is 0 (e == 0 above), so the target is in range.
+    if (target >= 0 && target < vocab) scale *= s.class_weights[target];
+  }
+  if (fabsf(t) < s.threshold * fabsf(scale)) return;
+  const int k = atomicAdd(s.row_count + r, 1);
+  if (k < s.slots) {
+    s.column[r * s.slots + k] = static_cast<int>(i % vocab);
+    s.residual[r * s.slots + k] = e;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float Widen(T h) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __bfloat162float(h);
+  } else {
+    return __half2float(h);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T Narrow(float t) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __float2bfloat16_rn(t);
+  } else {
+    return __float2half_rn(t);
+  }
+}
+
 template <typename T>
 __global__ void SplitKernel(const float* g, const float* row_scale,
-                            int64_t rows, int64_t vocab, T* hi, T* lo) {
+                            int64_t rows, int64_t vocab, T* hi, T* lo,
+                            SparseResidualSlots sparse) {
   const int64_t total = rows * vocab;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    float t = g[i];
-    if (row_scale != nullptr) t *= row_scale[i / vocab];
-    T h, l;
-    if constexpr (sizeof(T) == 2 && std::is_same<T, __nv_bfloat16>::value) {
-      h = __float2bfloat16_rn(t);
-      l = __float2bfloat16_rn(t - __bfloat162float(h));
-    } else {
-      h = __float2half_rn(t);
-      l = __float2half_rn(t - __half2float(h));
-    }
+    const float scale = row_scale != nullptr ? row_scale[i / vocab] : 1.0f;
+    const float t = g[i] * scale;
+    const T h = Narrow<T>(t);
+    const float e = t - Widen(h);
     hi[i] = h;
-    if (lo != nullptr) lo[i] = l;
+    if (lo != nullptr) lo[i] = Narrow<T>(e);
+    Record(sparse, i, vocab, t, e, scale);
   }
 }
 
@@ -127,29 +164,31 @@ __global__ void SplitKernel(const float* g, const float* row_scale,
 // chunk, so its width sets its speed.
 template <typename T>
 __global__ void SplitKernel4(const float4* g, const float* row_scale,
-                             int64_t total4, int64_t vocab, T* hi, T* lo) {
+                             int64_t total4, int64_t vocab, T* hi, T* lo,
+                             SparseResidualSlots sparse) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total4;
        i += int64_t{gridDim.x} * blockDim.x) {
-    float4 t = g[i];
+    const float4 t = g[i];
+    const float raw[4] = {t.x, t.y, t.z, t.w};
+    float scale[4] = {1.0f, 1.0f, 1.0f, 1.0f};
     if (row_scale != nullptr) {
-      t.x *= row_scale[(4 * i) / vocab];
-      t.y *= row_scale[(4 * i + 1) / vocab];
-      t.z *= row_scale[(4 * i + 2) / vocab];
-      t.w *= row_scale[(4 * i + 3) / vocab];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) scale[k] = row_scale[(4 * i + k) / vocab];
     }
-    const float in[4] = {t.x, t.y, t.z, t.w};
+    float in[4];
     alignas(8) T h[4];
     alignas(8) T l[4];
+    float e[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-        h[k] = __float2bfloat16_rn(in[k]);
-        l[k] = __float2bfloat16_rn(in[k] - __bfloat162float(h[k]));
-      } else {
-        h[k] = __float2half_rn(in[k]);
-        l[k] = __float2half_rn(in[k] - __half2float(h[k]));
-      }
+      in[k] = raw[k] * scale[k];
+      h[k] = Narrow<T>(in[k]);
+      e[k] = in[k] - Widen(h[k]);
+      l[k] = Narrow<T>(e[k]);
     }
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      Record(sparse, 4 * i + k, vocab, in[k], e[k], scale[k]);
     reinterpret_cast<uint2*>(hi)[i] = *reinterpret_cast<const uint2*>(h);
     if (lo != nullptr) {
       reinterpret_cast<uint2*>(lo)[i] = *reinterpret_cast<const uint2*>(l);
@@ -212,8 +251,12 @@ cudaError_t BiasAddLaunch(void* z, DType z_dtype, const void* bias,
 
 cudaError_t SplitGradientLaunch(const float* g, const float* row_scale,
                                 int64_t rows, int64_t vocab, DType dtype,
-                                void* hi, void* lo, cudaStream_t stream) {
+                                void* hi, void* lo,
+                                const SparseResidualSlots* sparse,
+                                cudaStream_t stream) {
   if (rows * vocab == 0) return cudaSuccess;
+  const SparseResidualSlots s =
+      sparse != nullptr ? *sparse : SparseResidualSlots{};
   const int grid = GridFor(rows * vocab);
   const bool aligned = (rows * vocab) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(g) % 16 == 0 &&
@@ -224,11 +267,11 @@ cudaError_t SplitGradientLaunch(const float* g, const float* row_scale,
     if (dtype == DType::kBFloat16) {
       SplitKernel4<__nv_bfloat16><<<GridFor(total4), kThreads, 0, stream>>>(
           reinterpret_cast<const float4*>(g), row_scale, total4, vocab,
-          static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+          static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo), s);
     } else if (dtype == DType::kFloat16) {
       SplitKernel4<__half><<<GridFor(total4), kThreads, 0, stream>>>(
           reinterpret_cast<const float4*>(g), row_scale, total4, vocab,
-          static_cast<__half*>(hi), static_cast<__half*>(lo));
+          static_cast<__half*>(hi), static_cast<__half*>(lo), s);
     } else {
       return cudaErrorInvalidValue;
     }
@@ -237,11 +280,11 @@ cudaError_t SplitGradientLaunch(const float* g, const float* row_scale,
   if (dtype == DType::kBFloat16) {
     SplitKernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
         g, row_scale, rows, vocab, static_cast<__nv_bfloat16*>(hi),
-        static_cast<__nv_bfloat16*>(lo));
+        static_cast<__nv_bfloat16*>(lo), s);
   } else if (dtype == DType::kFloat16) {
     SplitKernel<__half><<<grid, kThreads, 0, stream>>>(
         g, row_scale, rows, vocab, static_cast<__half*>(hi),
-        static_cast<__half*>(lo));
+        static_cast<__half*>(lo), s);
   } else {
     return cudaErrorInvalidValue;
   }

@@ -37,13 +37,19 @@ cudaError_t BiasAddLaunch(void* z, DType z_dtype, const void* bias,
                           DType bias_dtype, int64_t rows, int64_t vocab,
                           cudaStream_t stream);
 
+struct SparseResidualSlots;  // kernels/cuda/sparse_residual.h
+
 // For an fp32 gradient g [rows, vocab]: t = g * row_scale[r] (row_scale may
 // be nullptr), hi = round(t) and, when lo is not nullptr, lo = round(t - hi),
 // both of dtype (bf16 or fp16), [rows, vocab] each. hi + lo carries 16-17
 // significant bits of t, what the dW product needs to stay within 5e-5.
+// With `sparse` (may be nullptr), the large entries' exact residuals t - hi
+// are recorded there too.
 cudaError_t SplitGradientLaunch(const float* g, const float* row_scale,
                                 int64_t rows, int64_t vocab, DType dtype,
-                                void* hi, void* lo, cudaStream_t stream);
+                                void* hi, void* lo,
+                                const SparseResidualSlots* sparse,
+                                cudaStream_t stream);
 
 // g[r, :] *= row_scale[r] in place (one rounding for 16-bit g).
 cudaError_t RowScaleLaunch(void* g, DType dtype, const float* row_scale,

@@ -358,9 +358,9 @@ def linear_cross_entropy(hidden, weight_handle, target, *, client, bias_handle=N
     micro-batches pass the whole batch's `normalizer`. Without a gradient (no requires_grad, or
     torch.no_grad()) it is loss-only: nothing is accumulated and nothing stays on the server.
 
-    precision: "exact" (dW within ~1e-5 of fp32) or "fast" (on a CUDA server with bfloat16 or
-    float16 inputs, the three products in 16 bits as the peers compute them: a ~1.5x faster
-    kernel, dW 2e-4 relative error on mild logits, up to 2e-2 on peaked ones); float32 inputs and the CPU server compute the same either way.
+    precision: "exact" (dW within ~3e-5 of fp32) or "fast" (on a CUDA server with bfloat16 or
+    float16 inputs, the three products in 16 bits as the peers compute them: a ~1.1x faster
+    kernel, dW 2e-4 to 2e-3 relative error on mild logits, 2e-2 on peaked ones); float32 inputs and the CPU server compute the same either way.
     """
     if not isinstance(hidden, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError("lossd.torch.linear_cross_entropy: hidden and target must be tensors")

@@ -114,7 +114,8 @@ linear_test::Runner CudaRunner(LinearCrossEntropyCudaConfig config) {
 
 TEST(LinearCrossEntropyCudaTest, SplitWeightMatchesReference) {
   SKIP_WITHOUT_GPU();
-  LinearCrossEntropyCudaConfig config;  // the default: kSplitWeight
+  LinearCrossEntropyCudaConfig config;
+  config.precision = LinearPrecision::kSplitWeight;
   linear_test::Tolerance tol;
   tol.grad_weight = 5e-5;  // the bar
   for (const Case& c : linear_test::SweepCases()) {
@@ -144,6 +145,74 @@ TEST(LinearCrossEntropyCudaTest, OtherPrecisionsMatchReference) {
     if (c.dtype != DType::kFloat32) CheckCase(c, CudaRunner(fast), loose);
     CheckCase(c, CudaRunner(fp32_logits), single);
   }
+}
+
+TEST(LinearCrossEntropyCudaTest, SparseResidualMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  LinearCrossEntropyCudaConfig config;
+  config.precision = LinearPrecision::kSparseResidual;
+  // At these small vocabularies G's small entries, left rounded to 16 bits,
+  // still carry a fair share of dW (the default uses the dense split here).
+  linear_test::Tolerance small_vocab;
+  small_vocab.grad_weight = 2e-4;
+  for (const Case& c : linear_test::SweepCases()) {
+    CheckCase(c, CudaRunner(config), small_vocab);
+  }
+  linear_test::Tolerance tol;
+  tol.grad_weight = 5e-5;
+  // Peaked logits over a wider vocabulary: several large entries a row
+  // besides the target, where one 16-bit rounding of G shows in dW.
+  Case peaked;
+  peaked.rows = 384;
+  peaked.hidden = 64;
+  peaked.vocab = 8192;
+  peaked.dtype = DType::kBFloat16;
+  peaked.logit_scale = 8.0f;
+  peaked.accumulate = AccumulateMode::kOverwrite;
+  CheckCase(peaked, CudaRunner(config), tol);
+}
+
+// The records' order within a row changes run to run (atomics); the sorted
+// apply must not let that reach dW. A row that overflows its slots keeps no
+// record, so with one slot and every entry recorded, dW is kFp32Logits'.
+TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.rows = 512;
+  c.hidden = 96;
+  c.vocab = 6000;
+  c.dtype = DType::kBFloat16;
+  c.logit_scale = 6.0f;
+  c.accumulate = AccumulateMode::kOverwrite;
+  LinearCrossEntropyCudaConfig sparse;
+  sparse.precision = LinearPrecision::kSparseResidual;
+  sparse.chunk_rows = 128;
+  sparse.sparse_threshold = 1e-3f;
+  Problem first(c);
+  CrossEntropyResult first_result;
+  ASSERT_TRUE(CudaRunner(sparse)(first.Args(), &first_result).ok());
+  Problem second(c);
+  CrossEntropyResult second_result;
+  ASSERT_TRUE(CudaRunner(sparse)(second.Args(), &second_result).ok());
+  linear_test::ExpectSameBits(first, first_result, second, second_result);
+
+  LinearCrossEntropyCudaConfig overflow = sparse;
+  overflow.sparse_threshold = 1e-30f;
+  overflow.sparse_slots = 1;
+  LinearCrossEntropyCudaConfig hi_only;
+  hi_only.precision = LinearPrecision::kFp32Logits;
+  hi_only.chunk_rows = 128;
+  Problem dropped(c);
+  CrossEntropyResult dropped_result;
+  ASSERT_TRUE(CudaRunner(overflow)(dropped.Args(), &dropped_result).ok());
+  Problem plain(c);
+  CrossEntropyResult plain_result;
+  ASSERT_TRUE(CudaRunner(hi_only)(plain.Args(), &plain_result).ok());
+  linear_test::ExpectSameBits(dropped, dropped_result, plain, plain_result);
+  // ... and the kept records did change dW.
+  EXPECT_NE(std::memcmp(first.grad_weight.data(), plain.grad_weight.data(),
+                        first.grad_weight.size() * sizeof(float)),
+            0);
 }
 
 TEST(LinearCrossEntropyCudaTest, ManyChunksWithATail) {
