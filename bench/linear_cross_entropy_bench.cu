@@ -176,6 +176,9 @@ struct Variant {
   int64_t chunk_rows;
   float sparse_threshold = 0.0f;  // kSparseResidual's (0: its default)
   int sparse_slots = 0;
+  // With a bias [V] and its gradient: timed only (the fp32 reference has
+  // no bias, so the error columns do not apply).
+  bool bias = false;
 };
 
 void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
@@ -301,11 +304,16 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
       {"sparse residual (2^-9, 1024 slots)", LinearPrecision::kSparseResidual,
        0, 1.0f / 512, 1024},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 0},
+      {"default, with a bias and dbias (time only)", LinearPrecision::kAuto, 0,
+       0.0f, 0, true},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 2048},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 4096},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 8192},
   };
   auto* dw_again = static_cast<float*>(Alloc(V * H * 4));
+  auto* bias = static_cast<__nv_bfloat16*>(Alloc(V * 2));
+  auto* dbias = static_cast<float*>(Alloc(V * 4));
+  FillBf16<<<64, 256>>>(bias, V, 0.5f, 4);
   for (const Variant& variant : variants) {
     // --few: the default, the fp32-logits middle and the fast path only.
     if (few && (variant.chunk_rows != 0 ||
@@ -329,6 +337,10 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     a.dx = dx_out;
     a.accumulate = AccumulateMode::kOverwrite;
     a.grad_weight = dw;
+    if (variant.bias) {
+      a.bias = bias;
+      a.grad_bias = dbias;
+    }
     const LinearCrossEntropyCudaPlan plan =
         PlanLinearCrossEntropyCuda(a, &config);
     CrossEntropyResult result;
@@ -344,8 +356,10 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     };
     const double t = MedianMs(2, reps, run);
     if (!ok) continue;
-    const double err_dw = RelativeError(dw, dw32, V * H);
-    const double err_dx = RelativeError(dx_out, dx32, N * H);
+    const double err_dw =
+        variant.bias ? std::nan("") : RelativeError(dw, dw32, V * H);
+    const double err_dx =
+        variant.bias ? std::nan("") : RelativeError(dx_out, dx32, N * H);
     // Bits: one more run into another accumulator, compared with the last.
     a.grad_weight = dw_again;
     run();
@@ -375,7 +389,8 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
                   static_cast<void*>(targets), static_cast<void*>(dx),
                   static_cast<void*>(dw), static_cast<void*>(dx32),
                   static_cast<void*>(dw32), static_cast<void*>(dx_out),
-                  static_cast<void*>(dw_again)})
+                  static_cast<void*>(dw_again), static_cast<void*>(bias),
+                  static_cast<void*>(dbias)})
     CHECK_CUDA(cudaFree(p));
 }
 

@@ -219,7 +219,8 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
 
 // Offsets of the workspace block's parts.
 struct Parts {
-  std::size_t prepare, results, ce, logits, hi, x2, dx, sparse, lt, total;
+  std::size_t prepare, results, ce, logits, hi, x2, dx, sparse, colsum, lt,
+      total;
 };
 
 Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
@@ -249,6 +250,10 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   if (l.sparse) {
     at += AlignUp(
         SparseResidualWorkspaceBytes(chunk_rows, l.sparse_slots, args.vocab));
+  }
+  p.colsum = at;
+  if (args.grad_bias != nullptr) {
+    at += AlignUp(ColumnSumWorkspaceBytes(chunk_rows, args.vocab));
   }
   p.lt = at;
   at += kLtWorkspaceBytes;
@@ -533,9 +538,10 @@ absl::Status LinearCrossEntropyCuda(
       // From the fp32 G where there is one (the split's row scale applied
       // again here), else from the already scaled 16-bit G.
       status = CudaStatus(
-          ColumnSumLaunch(logits, z_dtype, l.split ? row_scale : nullptr, count,
-                          args.vocab, alpha, overwrite && chunk == 0,
-                          args.grad_bias, stream),
+          ColumnSumLaunch(
+              logits, z_dtype, l.split ? row_scale : nullptr, count, args.vocab,
+              alpha, overwrite && chunk == 0, args.grad_bias,
+              reinterpret_cast<float*>(block + parts.colsum), stream),
           "linear_cross_entropy: dbias");
     }
     const float beta = overwrite && chunk == 0 ? 0.0f : 1.0f;

@@ -205,20 +205,39 @@ __global__ void RowScaleKernel(void* g, DType dtype, const float* row_scale,
   }
 }
 
-// A thread a column, rows in order: a warp reads 32 consecutive columns of a
-// row at a time (coalesced), and each column's sum has one fixed order.
-__global__ void ColumnSumKernel(const void* g, DType dtype,
-                                const float* row_scale, int64_t rows,
+// Rows a column-sum block adds: a thread per column and segment of rows, so
+// that the grid has enough loads in flight (a thread a column alone leaves
+// 131072 threads each walking every row), then one pass adds the segments'
+// partial sums in segment order.
+constexpr int64_t kColumnSumRows = 64;
+
+int64_t ColumnSumSegments(int64_t rows) {
+  return (rows + kColumnSumRows - 1) / kColumnSumRows;
+}
+
+__global__ void ColumnSumPartKernel(const void* g, DType dtype,
+                                    const float* row_scale, int64_t rows,
+                                    int64_t vocab, float* partial) {
+  const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (v >= vocab) return;
+  const int64_t first = blockIdx.y * kColumnSumRows;
+  const int64_t last = min(first + kColumnSumRows, rows);
+  float sum = 0.0f;
+  for (int64_t r = first; r < last; ++r) {
+    float x = LoadAs(g, dtype, r * vocab + v);
+    if (row_scale != nullptr) x *= row_scale[r];
+    sum += x;
+  }
+  partial[blockIdx.y * vocab + v] = sum;
+}
+
+__global__ void ColumnSumKernel(const float* partial, int64_t segments,
                                 int64_t vocab, float alpha, bool overwrite,
                                 float* out) {
   const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (v >= vocab) return;
   float sum = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
-    float x = LoadAs(g, dtype, r * vocab + v);
-    if (row_scale != nullptr) x *= row_scale[r];
-    sum += x;
-  }
+  for (int64_t k = 0; k < segments; ++k) sum += partial[k * vocab + v];
   out[v] = (overwrite ? 0.0f : out[v]) + alpha * sum;
 }
 
@@ -299,12 +318,28 @@ cudaError_t RowScaleLaunch(void* g, DType dtype, const float* row_scale,
   return cudaGetLastError();
 }
 
+std::size_t ColumnSumWorkspaceBytes(int64_t rows, int64_t vocab) {
+  return static_cast<std::size_t>(ColumnSumSegments(rows)) * vocab *
+         sizeof(float);
+}
+
 cudaError_t ColumnSumLaunch(const void* g, DType dtype, const float* row_scale,
                             int64_t rows, int64_t vocab, float alpha,
-                            bool overwrite, float* out, cudaStream_t stream) {
-  const int64_t blocks = (vocab + kThreads - 1) / kThreads;
-  ColumnSumKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      g, dtype, row_scale, rows, vocab, alpha, overwrite, out);
+                            bool overwrite, float* out, float* workspace,
+                            cudaStream_t stream) {
+  if (vocab == 0) return cudaSuccess;
+  const unsigned columns =
+      static_cast<unsigned>((vocab + kThreads - 1) / kThreads);
+  const int64_t segments = ColumnSumSegments(rows);
+  if (segments > 0) {
+    ColumnSumPartKernel<<<dim3(columns, static_cast<unsigned>(segments)),
+                          kThreads, 0, stream>>>(g, dtype, row_scale, rows,
+                                                 vocab, workspace);
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
+  ColumnSumKernel<<<columns, kThreads, 0, stream>>>(workspace, segments, vocab,
+                                                    alpha, overwrite, out);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cross_entropy.h"
@@ -56,10 +57,14 @@ cudaError_t RowScaleLaunch(void* g, DType dtype, const float* row_scale,
                            int64_t rows, int64_t vocab, cudaStream_t stream);
 
 // out[v] = (overwrite ? 0 : out[v]) + alpha * sum_r g[r, v] * row_scale[r]
-// (row_scale may be nullptr), the sum in fp32 in row order: deterministic.
+// (row_scale may be nullptr), the sum in fp32 over fixed segments of rows,
+// each in row order, then the segments in order: deterministic. workspace:
+// ColumnSumWorkspaceBytes(rows, vocab) of device memory.
+std::size_t ColumnSumWorkspaceBytes(int64_t rows, int64_t vocab);
 cudaError_t ColumnSumLaunch(const void* g, DType dtype, const float* row_scale,
                             int64_t rows, int64_t vocab, float alpha,
-                            bool overwrite, float* out, cudaStream_t stream);
+                            bool overwrite, float* out, float* workspace,
+                            cudaStream_t stream);
 
 }  // namespace lossd
 

@@ -169,6 +169,9 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualMatchesReference) {
   peaked.dtype = DType::kBFloat16;
   peaked.logit_scale = 8.0f;
   peaked.accumulate = AccumulateMode::kOverwrite;
+  // dbias over chunks of 192 rows: column sums in three segments of rows.
+  peaked.bias = true;
+  peaked.grad_bias = true;
   CheckCase(peaked, CudaRunner(config), tol);
 }
 
