@@ -93,14 +93,31 @@ class LtGemm {
     if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
   }
 
+  // bias: D += bias[i] on D's row i (length m, D's type) in the epilogue,
+  // the pointer given to each Run.
   absl::Status Init(cublasLtHandle_t handle, bool trans_a, bool trans_b,
                     int64_t m, int64_t n, int64_t k, cudaDataType_t ab_type,
                     int64_t lda, int64_t ldb, cudaDataType_t d_type,
-                    int64_t ldd, const char* what) {
+                    int64_t ldd, const char* what, bool bias = false) {
     what_ = what;
     handle_ = handle;
+    bias_ = bias;
     RETURN_IF_ERROR(LtStatus(
         cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), what));
+    if (bias) {
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      RETURN_IF_ERROR(LtStatus(
+          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                         &epilogue, sizeof(epilogue)),
+          what));
+      // The heuristic reads only the pointer's alignment: Run passes
+      // workspace addresses, 256-byte aligned.
+      const void* aligned = reinterpret_cast<const void*>(uintptr_t{256});
+      RETURN_IF_ERROR(LtStatus(
+          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                         &aligned, sizeof(aligned)),
+          what));
+    }
     const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     RETURN_IF_ERROR(
@@ -153,7 +170,16 @@ class LtGemm {
   }
 
   absl::Status Run(float alpha, const void* a, const void* b, float beta,
-                   void* d, void* workspace, cudaStream_t stream) const {
+                   void* d, void* workspace, cudaStream_t stream,
+                   const void* bias = nullptr) const {
+    if (bias_) {
+      // The descriptor is read when the product is enqueued, and a thread's
+      // products are its own (CachedGemms), so setting it here is safe.
+      RETURN_IF_ERROR(LtStatus(
+          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                         &bias, sizeof(bias)),
+          what_));
+    }
     return LtStatus(
         cublasLtMatmul(handle_, op_, &alpha, a, a_, b, b_, &beta, d, d_, d, d_,
                        &heuristic_.algo, workspace, kLtWorkspaceBytes, stream),
@@ -162,6 +188,7 @@ class LtGemm {
 
  private:
   const char* what_ = "";
+  bool bias_ = false;
   cublasLtHandle_t handle_ = nullptr;
   cublasLtMatmulDesc_t op_ = nullptr;
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
@@ -219,8 +246,8 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
 
 // Offsets of the workspace block's parts.
 struct Parts {
-  std::size_t prepare, results, ce, logits, hi, x2, dx, sparse, colsum, lt,
-      total;
+  std::size_t prepare, results, ce, bias, logits, hi, x2, dx, sparse, colsum,
+      lt, total;
 };
 
 Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
@@ -235,6 +262,11 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   at += AlignUp(sizeof(CrossEntropyCudaResult) * std::max<int64_t>(chunks, 1));
   p.ce = at;
   at += AlignUp(CrossEntropyCudaWorkspaceBytes(chunk_rows));
+  // The bias in Z's dtype, for the product's epilogue.
+  p.bias = at;
+  if (args.bias != nullptr) {
+    at += AlignUp(v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
+  }
   p.logits = at;
   at += AlignUp(c * v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
   // hi and lo of a chunk of `count` rows are one [2 count, V] matrix (lo
@@ -280,7 +312,8 @@ absl::Status BuildGemms(cublasLtHandle_t handle,
   // of X is [H, rows] (ld H), Z and G are [V, rows] (ld V).
   // Z^T = (W^T)^T ... i.e. Z [V, rows] = op(W)=T [V, H] x X [H, rows].
   RETURN_IF_ERROR(g->logits.Init(handle, true, false, v, rows, h, in, h, h,
-                                 z_type, v, "Z = X W^T"));
+                                 z_type, v, "Z = X W^T + b",
+                                 args.bias != nullptr));
   const bool want_grad = LinearCrossEntropyWantsGradient(args);
   if (!want_grad) return absl::OkStatus();
   // G's operand type: the 16-bit split (or Z's own dtype), or fp32.
@@ -307,12 +340,12 @@ absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
     cublasLtHandle_t handle, const LinearCrossEntropyArgs& args,
     const Layout& l, int64_t rows) {
   using Key = std::tuple<cublasLtHandle_t, int, int64_t, int64_t, int64_t, int,
-                         bool, bool>;
+                         bool, bool, bool>;
   thread_local std::map<Key, std::shared_ptr<const ChunkGemms>> cache;
   const Key key(handle, static_cast<int>(args.dtype), args.hidden, args.vocab,
                 rows, static_cast<int>(l.precision),
                 args.accumulate != AccumulateMode::kNone,
-                args.dx_mode != GradientMode::kNone);
+                args.dx_mode != GradientMode::kNone, args.bias != nullptr);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   // Shapes seen long ago go; a caller keeps its own products alive.
@@ -452,6 +485,15 @@ absl::Status LinearCrossEntropyCuda(
     }
   }
 
+  const DType z_dtype = l.logits_fp32 ? DType::kFloat32 : args.dtype;
+  const void* bias_z = args.bias != nullptr ? block + parts.bias : nullptr;
+  if (status.ok() && args.bias != nullptr) {
+    status = CudaStatus(ConvertScaleCudaLaunch(
+                            args.bias, args.dtype, block + parts.bias, z_dtype,
+                            0, args.vocab, args.vocab, 1.0f, nullptr, stream),
+                        "linear_cross_entropy: bias copy");
+  }
+
   const std::size_t es = DTypeSize(args.dtype);
   const std::size_t ts = DTypeSize(args.targets_dtype);
   for (int64_t chunk = 0; status.ok() && chunk < chunks; ++chunk) {
@@ -459,14 +501,8 @@ absl::Status LinearCrossEntropyCuda(
     const int64_t count = std::min(chunk_rows, args.rows - row0);
     const ChunkGemms& g = count == chunk_rows ? *full : *tail;
     const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
-    const DType z_dtype = l.logits_fp32 ? DType::kFloat32 : args.dtype;
-    status =
-        g.logits.Run(1.0f, args.weight, x, 0.0f, logits, lt_workspace, stream);
-    if (status.ok() && args.bias != nullptr) {
-      status = CudaStatus(BiasAddLaunch(logits, z_dtype, args.bias, args.dtype,
-                                        count, args.vocab, stream),
-                          "linear_cross_entropy: bias");
-    }
+    status = g.logits.Run(1.0f, args.weight, x, 0.0f, logits, lt_workspace,
+                          stream, bias_z);
     if (!status.ok()) break;
     CrossEntropyArgs ce;
     ce.rows = count;

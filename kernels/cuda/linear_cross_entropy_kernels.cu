@@ -90,16 +90,6 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-__global__ void BiasAddKernel(void* z, DType z_dtype, const void* bias,
-                              DType bias_dtype, int64_t rows, int64_t vocab) {
-  const int64_t total = rows * vocab;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    StoreAs(z, z_dtype, i,
-            LoadAs(z, z_dtype, i) + LoadAs(bias, bias_dtype, i % vocab));
-  }
-}
-
 // Four elements a thread (16-byte loads when vocab % 4 == 0, which the
 // caller's row alignment gives for the sizes that matter).
 // Records a large entry's exact residual e = t - hi(t) (sparse_residual.h);
@@ -256,15 +246,6 @@ cudaError_t LinearPrepareLaunch(const void* targets, DType targets_dtype,
                                 LinearPrepareResult* out, cudaStream_t stream) {
   PrepareKernel<<<1, 1024, 0, stream>>>(targets, targets_dtype, rows, vocab,
                                         ignore_index, class_weights, out);
-  return cudaGetLastError();
-}
-
-cudaError_t BiasAddLaunch(void* z, DType z_dtype, const void* bias,
-                          DType bias_dtype, int64_t rows, int64_t vocab,
-                          cudaStream_t stream) {
-  if (rows * vocab == 0) return cudaSuccess;
-  BiasAddKernel<<<GridFor(rows * vocab), kThreads, 0, stream>>>(
-      z, z_dtype, bias, bias_dtype, rows, vocab);
   return cudaGetLastError();
 }
 

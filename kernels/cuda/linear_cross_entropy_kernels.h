@@ -1,6 +1,6 @@
 // The small CUDA kernels the linear cross-entropy needs around cuBLASLt and the
-// fused cross-entropy: the up-front target check and denominator, the bias
-// add, the fp32 gradient split into 16-bit hi + lo, row scaling and the bias
+// fused cross-entropy: the up-front target check and denominator, the fp32
+// gradient split into 16-bit hi + lo, row scaling and the bias
 // gradient's column sums. CUDA headers only; each returns cudaError_t.
 #ifndef LOSSD_KERNELS_CUDA_LINEAR_CROSS_ENTROPY_KERNELS_H_
 #define LOSSD_KERNELS_CUDA_LINEAR_CROSS_ENTROPY_KERNELS_H_
@@ -31,12 +31,6 @@ cudaError_t LinearPrepareLaunch(const void* targets, DType targets_dtype,
                                 int64_t ignore_index,
                                 const float* class_weights,
                                 LinearPrepareResult* out, cudaStream_t stream);
-
-// z[r, v] += bias[v] for a [rows, vocab] matrix of z_dtype (fp32 math, one
-// rounding), bias of bias_dtype.
-cudaError_t BiasAddLaunch(void* z, DType z_dtype, const void* bias,
-                          DType bias_dtype, int64_t rows, int64_t vocab,
-                          cudaStream_t stream);
 
 struct SparseResidualSlots;  // kernels/cuda/sparse_residual.h
 
