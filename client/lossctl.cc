@@ -465,26 +465,28 @@ absl::Status Upload(RoutingClient& client,
   return absl::OkStatus();
 }
 
-absl::Status Forward(RoutingClient& client,
-                     const std::vector<std::string>& args) {
-  if (args.size() != 2) {
-    return UsageError(
-        "lossctl forward LOGITS_HANDLE TARGETS(handle|.npy|.safetensors)");
-  }
-  ForwardOptions options;
-  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
-  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
-  options.class_weights = absl::GetFlag(FLAGS_weights);
-  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
-  std::unique_ptr<InputTensor> targets_file;
-  Targets targets = Targets::Handle(args[1]);
-  if (LooksLikeTensorFile(args[1])) {
-    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[1]));
-    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
-                              targets_file->bytes());
-  }
-  ASSIGN_OR_RETURN(const ForwardResult result,
-                   client.Forward(args[0], targets, options));
+// The options forward and linear share, from their flags: the loss
+// options, --mode, --weights and --gradient_label.
+template <typename Options>
+absl::Status ForwardFlagsInto(Options* options) {
+  ASSIGN_OR_RETURN(options->loss, LossOptionsFromFlags());
+  ASSIGN_OR_RETURN(options->mode, ParseMode(absl::GetFlag(FLAGS_mode)));
+  options->class_weights = absl::GetFlag(FLAGS_weights);
+  options->gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  return absl::OkStatus();
+}
+
+// A TARGETS argument: a handle, or a tensor file sent inline (opened into
+// `*file`, which must outlive the call that sends it).
+absl::StatusOr<Targets> TargetsArg(const std::string& arg,
+                                   std::unique_ptr<InputTensor>* file) {
+  if (!LooksLikeTensorFile(arg)) return Targets::Handle(arg);
+  ASSIGN_OR_RETURN(*file, InputTensor::Open(arg));
+  return Targets::Inline((*file)->dtype(), (*file)->data(), (*file)->bytes());
+}
+
+// forward's and linear's result lines.
+void PrintForwardResult(const ForwardResult& result) {
   std::printf(
       "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
       "denominator %.17g kernel_seconds %.6f\n",
@@ -495,6 +497,21 @@ absl::Status Forward(RoutingClient& client,
   if (!result.gradient.empty()) {
     std::printf("gradient %s\n", result.gradient.c_str());
   }
+}
+
+absl::Status Forward(RoutingClient& client,
+                     const std::vector<std::string>& args) {
+  if (args.size() != 2) {
+    return UsageError(
+        "lossctl forward LOGITS_HANDLE TARGETS(handle|.npy|.safetensors)");
+  }
+  ForwardOptions options;
+  RETURN_IF_ERROR(ForwardFlagsInto(&options));
+  std::unique_ptr<InputTensor> targets_file;
+  ASSIGN_OR_RETURN(const Targets targets, TargetsArg(args[1], &targets_file));
+  ASSIGN_OR_RETURN(const ForwardResult result,
+                   client.Forward(args[0], targets, options));
+  PrintForwardResult(result);
   return absl::OkStatus();
 }
 
@@ -506,10 +523,7 @@ absl::Status Linear(RoutingClient& client,
         "TARGETS(handle|.npy|.safetensors)");
   }
   LinearForwardOptions options;
-  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
-  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
-  options.class_weights = absl::GetFlag(FLAGS_weights);
-  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  RETURN_IF_ERROR(ForwardFlagsInto(&options));
   options.bias = absl::GetFlag(FLAGS_bias);
   options.weight_grad = absl::GetFlag(FLAGS_weight_grad);
   options.bias_grad = absl::GetFlag(FLAGS_bias_grad);
@@ -532,25 +546,10 @@ absl::Status Linear(RoutingClient& client,
         absl::StrCat("--linear_precision=", precision, ": exact or fast"));
   }
   std::unique_ptr<InputTensor> targets_file;
-  Targets targets = Targets::Handle(args[2]);
-  if (LooksLikeTensorFile(args[2])) {
-    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[2]));
-    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
-                              targets_file->bytes());
-  }
+  ASSIGN_OR_RETURN(const Targets targets, TargetsArg(args[2], &targets_file));
   ASSIGN_OR_RETURN(const LinearForwardResult linear,
                    client.LinearForward(args[0], args[1], targets, options));
-  const ForwardResult& result = linear.forward;
-  std::printf(
-      "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
-      "denominator %.17g kernel_seconds %.6f\n",
-      result.loss, result.z_loss, static_cast<long long>(result.valid_tokens),
-      static_cast<long long>(result.correct_tokens),
-      static_cast<long long>(result.nonfinite_rows), result.denominator,
-      result.kernel_seconds);
-  if (!result.gradient.empty()) {
-    std::printf("gradient %s\n", result.gradient.c_str());
-  }
+  PrintForwardResult(linear.forward);
   if (!linear.weight_grad.empty()) {
     std::printf("weight_grad %s\n", linear.weight_grad.c_str());
   }
