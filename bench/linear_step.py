@@ -19,44 +19,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from bench_server import start_server, stop
+
 SMALL_SHAPES = "256x64x2048,128x128x1000"
 GPU_SHAPES = "16384x4096x131072,8192x4096x128256"
-
-
-def start_server(cmd, port_file, timeout=120):
-    """Starts lossd writing its port to `port_file`; returns (process, address)."""
-    if os.path.exists(port_file):
-        os.unlink(port_file)
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {process.stderr.read()[-3000:]}")
-        try:
-            with open(port_file) as f:
-                port = int(f.read().strip() or 0)
-            if port > 0:
-                return process, f"127.0.0.1:{port}"
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"{cmd[0]} did not start in {timeout} s")
-
-
-def stop(process):
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 def steady(steps, dw_every):

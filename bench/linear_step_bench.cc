@@ -8,16 +8,15 @@
 // (--nologits_step: the linear step alone, e.g. for a second --precision).
 // Prints one JSON object a line.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/str_format.h"
+#include "bench/step_bench.h"
 #include "client/client.h"
 
 ABSL_FLAG(std::string, target, "", "lossd address");
@@ -37,38 +36,11 @@ ABSL_FLAG(bool, logits_step, true, "also time the logits step");
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "linear_step_bench: %s\n", what.c_str());
-  std::exit(1);
-}
-
-void Must(const absl::Status& status, const char* what) {
-  if (!status.ok()) Die(absl::StrFormat("%s: %s", what, status.ToString()));
-}
-
-// `count` random bf16 values of magnitude about `scale` (a 32 M block
-// repeated: drawing billions of values would take longer than the steps).
-std::vector<uint16_t> RandomBf16(size_t count, uint32_t seed, int exponent) {
-  std::vector<uint16_t> values(count);
-  std::mt19937 rng(seed);
-  const size_t block = std::min<size_t>(count, size_t{32} << 20);
-  for (size_t i = 0; i < block; ++i) {
-    const uint32_t r = rng();
-    values[i] = static_cast<uint16_t>(
-        ((r & 1) << 15) | ((exponent + (r >> 1) % 2) << 7) | ((r >> 8) & 0x7f));
-  }
-  for (size_t at = block; at < count; at += block) {
-    std::memcpy(values.data() + at, values.data(),
-                std::min(block, count - at) * sizeof(uint16_t));
-  }
-  return values;
-}
+using step_bench::Clock;
+using step_bench::Die;
+using step_bench::Must;
+using step_bench::RandomBf16;
+using step_bench::Seconds;
 
 }  // namespace
 
@@ -86,9 +58,9 @@ int main(int argc, char** argv) {
   // Hidden states about 0.5-2, weights about 1/64-1/32: logits of a few
   // units, as a trained head gives.
   const std::vector<uint16_t> hidden_states =
-      RandomBf16(static_cast<size_t>(rows * width), 1, 0x7e);
+      RandomBf16(static_cast<size_t>(rows * width), 1, 0x7e, 2);
   const std::vector<uint16_t> weight =
-      RandomBf16(static_cast<size_t>(vocab * width), 2, 0x79);
+      RandomBf16(static_cast<size_t>(vocab * width), 2, 0x79, 2);
   std::vector<int64_t> targets(static_cast<size_t>(rows));
   {
     std::mt19937 rng(4);
@@ -186,43 +158,18 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_logits_step)) return 0;
 
   const std::vector<uint16_t> logits =
-      RandomBf16(static_cast<size_t>(rows * vocab), 3, 0x7e);
+      RandomBf16(static_cast<size_t>(rows * vocab), 3, 0x7e, 2);
   std::vector<uint16_t> gradient(logits.size());
   for (int step = 0; step < steps; ++step) {
-    const auto start = Clock::now();
-    absl::StatusOr<lossd::TensorInfo> uploaded =
-        client.Upload(lossd::DType::kBFloat16, {rows, vocab}, logits.data(),
-                      logits.size() * sizeof(uint16_t));
-    Must(uploaded.status(), "upload logits");
-    absl::StatusOr<lossd::TensorInfo> uploaded_targets =
-        client.Upload(lossd::DType::kInt64, {rows}, targets.data(),
-                      targets.size() * sizeof(int64_t));
-    Must(uploaded_targets.status(), "upload targets");
-    const double upload = Seconds(start);
-    auto at = Clock::now();
-    absl::StatusOr<lossd::ForwardResult> forward = client.Forward(
-        uploaded->handle, lossd::Targets::Handle(uploaded_targets->handle));
-    Must(forward.status(), "forward");
-    const double forward_seconds = Seconds(at);
-    at = Clock::now();
-    Must(client.Backward(forward->gradient, 1.0).status(), "backward");
-    const double backward = Seconds(at);
-    at = Clock::now();
-    Must(client
-             .DownloadInto(forward->gradient, lossd::DType::kBFloat16,
-                           gradient.data(), gradient.size() * sizeof(uint16_t))
-             .status(),
-         "download gradient");
-    const double download = Seconds(at);
-    const double total = Seconds(start);
-    client.Release(forward->gradient).IgnoreError();
-    client.Release(uploaded_targets->handle).IgnoreError();
+    const step_bench::LogitsStep timed = step_bench::TimeLogitsStep(
+        client, logits, targets, rows, vocab, &gradient);
     std::printf(
         "{\"way\": \"logits\", \"step\": %d, \"seconds\": %.4f, \"upload\": "
         "%.4f, \"forward\": %.4f, \"backward\": %.4f, \"download\": %.4f, "
         "\"kernel\": %.4f, \"loss\": %.6f}\n",
-        step, total, upload, forward_seconds, backward, download,
-        forward->kernel_seconds, forward->loss);
+        step, timed.seconds, timed.upload, timed.forward, timed.backward,
+        timed.download, timed.forward_result.kernel_seconds,
+        timed.forward_result.loss);
     std::fflush(stdout);
   }
   return 0;

@@ -1,10 +1,7 @@
 // service_bench's measured ways (see service_bench_ways.h).
 #include "bench/service_bench_ways.h"
 
-#include <arpa/inet.h>
 #include <cuda_runtime_api.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "bench/loopback_tcp.h"
 #include "bench/service_bench_setup.h"
 
 namespace service_bench {
@@ -81,26 +79,12 @@ pb::TensorHeader Header(pb::DType dtype, const std::vector<int64_t>& shape) {
 
 double RawTcpStripedSeconds(const std::string& data, size_t chunk,
                             int connections) {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener, connections) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) !=
-          0) {
-    Die("raw tcp: cannot listen");
-  }
-  std::vector<int> senders;
+  absl::StatusOr<loopback_tcp::Connections> connected =
+      loopback_tcp::Connect(connections);
+  if (!connected.ok()) Die(connected.status().ToString());
+  const std::vector<int>& senders = connected->senders;
   std::vector<std::thread> receivers;
-  for (int i = 0; i < connections; ++i) {
-    const int sender = socket(AF_INET, SOCK_STREAM, 0);
-    if (connect(sender, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-      Die("raw tcp: cannot connect");
-    }
-    senders.push_back(sender);
-    const int connection = accept(listener, nullptr, nullptr);
+  for (const int connection : connected->receivers) {
     receivers.emplace_back([connection, chunk] {
       std::vector<char> buffer(chunk);
       while (read(connection, buffer.data(), buffer.size()) > 0) {
@@ -127,7 +111,6 @@ double RawTcpStripedSeconds(const std::string& data, size_t chunk,
   for (std::thread& receiver : receivers) receiver.join();
   const double seconds = Seconds(start);
   for (int sender : senders) close(sender);
-  close(listener);
   return seconds;
 }
 

@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_server import start_server, stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,38 +40,6 @@ def run_json(cmd, env=None, timeout=900):
     print(os.path.basename(cmd[1] if cmd[0] == sys.executable else cmd[0]), cmd[2:], results,
           flush=True)
     return results
-
-
-def start_server(cmd, port_file, timeout=120):
-    """Starts a server that writes its port to `port_file`; returns (process, address). It runs
-    without PYTHONPATH: the lossd package there would hide the Python server's lossd.v1 stubs."""
-    if os.path.exists(port_file):
-        os.unlink(port_file)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env=env)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {process.stderr.read()[-3000:]}")
-        try:
-            with open(port_file) as f:
-                port = int(f.read().strip() or 0)
-            if port > 0:
-                return process, f"127.0.0.1:{port}"
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"{cmd[0]} did not start in {timeout} s")
-
-
-def stop(process):
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 def summary(steps):

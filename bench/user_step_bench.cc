@@ -5,15 +5,12 @@
 // binary times raw TCP over loopback with the same bytes, the ceiling of any
 // transport, and (--single_stream) drives the Python server, which speaks
 // only one gRPC stream each way. Prints one JSON object a line.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -21,7 +18,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/str_format.h"
+#include "bench/loopback_tcp.h"
+#include "bench/step_bench.h"
 #include "client/client.h"
 
 ABSL_FLAG(std::string, target, "", "lossd (or Python server) address");
@@ -36,47 +34,21 @@ ABSL_FLAG(int, tcp_connections, 0,
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "user_step_bench: %s\n", what.c_str());
-  std::exit(1);
-}
-
-void Must(const absl::Status& status, const char* what) {
-  if (!status.ok()) Die(absl::StrFormat("%s: %s", what, status.ToString()));
-}
+using step_bench::Clock;
+using step_bench::Die;
+using step_bench::Must;
+using step_bench::Seconds;
 
 // Raw TCP: `bytes` bytes over `connections` loopback connections at once,
 // each carrying its share from its own thread into a receiver that drops it.
 double RawTcpSeconds(const std::vector<uint16_t>& data, int connections) {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (bind(listener, reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener, connections) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) !=
-          0) {
-    Die("raw TCP listener");
-  }
+  absl::StatusOr<loopback_tcp::Connections> connected =
+      loopback_tcp::Connect(connections);
+  Must(connected.status(), "raw TCP");
+  const std::vector<int>& senders = connected->senders;
+  const std::vector<int>& receivers = connected->receivers;
   const char* bytes = reinterpret_cast<const char*>(data.data());
   const size_t total = data.size() * sizeof(uint16_t);
-  std::vector<int> senders(connections);
-  std::vector<int> receivers(connections);
-  for (int i = 0; i < connections; ++i) {
-    senders[i] = socket(AF_INET, SOCK_STREAM, 0);
-    if (connect(senders[i], reinterpret_cast<sockaddr*>(&address), length) !=
-        0) {
-      Die("raw TCP connect");
-    }
-    receivers[i] = accept(listener, nullptr, nullptr);
-  }
   const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (int i = 0; i < connections; ++i) {
@@ -106,7 +78,6 @@ double RawTcpSeconds(const std::vector<uint16_t>& data, int connections) {
     close(senders[i]);
     close(receivers[i]);
   }
-  close(listener);
   return seconds;
 }
 
@@ -116,23 +87,10 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int64_t rows = absl::GetFlag(FLAGS_rows);
   const int64_t vocab = absl::GetFlag(FLAGS_vocab);
-  // Random bf16 logits in about [-8, 8), made untimed: a 64 MiB random block
-  // repeated (drawing billions of values would take longer than the step).
-  std::vector<uint16_t> logits(static_cast<size_t>(rows * vocab));
-  {
-    std::mt19937 rng(1);
-    const size_t block = std::min<size_t>(logits.size(), size_t{32} << 20);
-    for (size_t i = 0; i < block; ++i) {
-      // Sign, exponent 0x7e..0x81 (0.5 .. 8), random mantissa.
-      const uint32_t r = rng();
-      logits[i] = static_cast<uint16_t>(
-          ((r & 1) << 15) | ((0x7e + (r >> 1) % 4) << 7) | ((r >> 8) & 0x7f));
-    }
-    for (size_t at = block; at < logits.size(); at += block) {
-      std::memcpy(logits.data() + at, logits.data(),
-                  std::min(block, logits.size() - at) * sizeof(uint16_t));
-    }
-  }
+  // Random bf16 logits in about [-8, 8) (exponents 0x7e..0x81), made
+  // untimed.
+  const std::vector<uint16_t> logits =
+      step_bench::RandomBf16(static_cast<size_t>(rows * vocab), 1, 0x7e, 4);
   const int connections = absl::GetFlag(FLAGS_tcp_connections);
   if (connections > 0) {
     const double seconds = RawTcpSeconds(logits, connections);
@@ -159,41 +117,13 @@ int main(int argc, char** argv) {
 
   std::vector<uint16_t> gradient;  // kept from step to step
   for (int step = 0; step < absl::GetFlag(FLAGS_steps); ++step) {
-    const auto start = Clock::now();
-    absl::StatusOr<lossd::TensorInfo> uploaded =
-        client.Upload(lossd::DType::kBFloat16, {rows, vocab}, logits.data(),
-                      logits.size() * sizeof(uint16_t));
-    Must(uploaded.status(), "upload");
-    absl::StatusOr<lossd::TensorInfo> uploaded_targets =
-        client.Upload(lossd::DType::kInt64, {rows}, targets.data(),
-                      targets.size() * sizeof(int64_t));
-    Must(uploaded_targets.status(), "upload targets");
-    const double upload = Seconds(start);
-    auto at = Clock::now();
-    absl::StatusOr<lossd::ForwardResult> forward = client.Forward(
-        uploaded->handle, lossd::Targets::Handle(uploaded_targets->handle));
-    Must(forward.status(), "forward");
-    const double forward_seconds = Seconds(at);
-    at = Clock::now();
-    Must(client.Backward(forward->gradient, 1.0).status(), "backward");
-    const double backward = Seconds(at);
-    at = Clock::now();
-    // A training loop keeps this buffer: only the first step allocates it.
-    gradient.resize(logits.size());
-    Must(client
-             .DownloadInto(forward->gradient, lossd::DType::kBFloat16,
-                           gradient.data(), gradient.size() * sizeof(uint16_t))
-             .status(),
-         "download");
-    const double download = Seconds(at);
-    const double total = Seconds(start);
-    client.Release(forward->gradient).IgnoreError();
-    client.Release(uploaded_targets->handle).IgnoreError();
+    const step_bench::LogitsStep timed = step_bench::TimeLogitsStep(
+        client, logits, targets, rows, vocab, &gradient);
     std::printf(
         "{\"step\": %d, \"seconds\": %.4f, \"upload\": %.4f, \"forward\": "
         "%.4f, \"backward\": %.4f, \"download\": %.4f, \"loss\": %.6f}\n",
-        step, total, upload, forward_seconds, backward, download,
-        forward->loss);
+        step, timed.seconds, timed.upload, timed.forward, timed.backward,
+        timed.download, timed.forward_result.loss);
     std::fflush(stdout);
   }
   return 0;

@@ -22,6 +22,10 @@
 
 namespace lossd {
 
+namespace v1 {
+class TensorHeader;  // lossd.v1's, kept out of this header
+}  // namespace v1
+
 // The gRPC service name of lossd; Health(kLossdService) asks for readiness.
 inline constexpr char kLossdService[] = "lossd.v1.Lossd";
 
@@ -438,14 +442,28 @@ class Client {
 
   // Replaces the contents of the stored tensor `handle` with `bytes` bytes at
   // `data` (same dtype and shape; the handle stays, no memory is allocated),
-  // e.g. a weight after an optimizer step. One stream, in chunks of
-  // options().chunk_bytes. INVALID_ARGUMENT (client side) as Upload. Server
-  // errors as the Upload RPC's overwrite: NOT_FOUND, INVALID_ARGUMENT (other
-  // dtype or shape), FAILED_PRECONDITION (in use).
+  // e.g. a weight after an optimizer step. Sent as Upload sends a tensor of
+  // that size: over data connections, as options().upload_streams stripes
+  // or over one stream. Success: the tensor's metadata, its handle
+  // unchanged. INVALID_ARGUMENT (client side) as Upload, and for an empty
+  // handle. Server errors as the Upload RPC's overwrite, checked before any
+  // byte is written and changing nothing: NOT_FOUND (unknown, released or
+  // foreign handle), INVALID_ARGUMENT (other dtype or shape),
+  // FAILED_PRECONDITION (a Forward, LinearForward, Download or another
+  // overwrite uses the tensor). An overwrite that fails later (a connection
+  // breaks, a stripe fails) leaves the contents partly replaced under the
+  // same handle: overwrite it again.
   absl::StatusOr<TensorInfo> Overwrite(
       const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
       const void* data, std::size_t bytes,
       const ProgressCallback& progress = nullptr);
+
+  // Overwrite with the bytes from `source` (see UploadSource), as UploadFrom
+  // produces them. Errors as Overwrite, and the source's error (the contents
+  // may then be partly replaced).
+  absl::StatusOr<TensorInfo> OverwriteFrom(
+      const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+      const UploadSource& source, const ProgressCallback& progress = nullptr);
 
   // Records a scalar grad_output for a gradient (applied on download, or now
   // with `materialize`). NOT_FOUND, FAILED_PRECONDITION (holds logits),
@@ -548,26 +566,28 @@ class Client {
       const EvaluateOptions& options, const RowBlockProducer& next_block,
       const ProgressCallback& progress);
 
-  // Upload over data connections. nullopt when this server or channel
-  // cannot take them (no data port, TLS, unreachable): the caller then
-  // uploads over gRPC.
+  // Upload over data connections of the tensor `header` describes (a new
+  // one, or an overwrite when header.overwrite_handle is set). nullopt when
+  // this server or channel cannot take them (no data port, TLS,
+  // unreachable): the caller then uploads over gRPC.
   std::optional<absl::StatusOr<TensorInfo>> UploadOverDataConnection(
-      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-      std::size_t bytes, const std::string& label,
-      const ProgressCallback& progress, const std::string& idempotency_key);
+      const v1::TensorHeader& header, const UploadSource& source,
+      std::size_t bytes, const ProgressCallback& progress);
 
-  // Upload as `stripes` parallel streams (stripes >= 2).
-  absl::StatusOr<TensorInfo> UploadStriped(
-      DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-      std::size_t bytes, const std::string& label, int stripes,
-      const ProgressCallback& progress, const std::string& idempotency_key);
+  // Upload as `stripes` parallel streams (stripes >= 2), each with `header`
+  // and its stripe fields.
+  absl::StatusOr<TensorInfo> UploadStriped(const v1::TensorHeader& header,
+                                           const UploadSource& source,
+                                           std::size_t bytes, int stripes,
+                                           const ProgressCallback& progress);
 
-  // Upload and UploadFrom after their checks: `bytes` bytes from `source`
-  // over data connections, stripes or one stream.
-  absl::StatusOr<TensorInfo> UploadPieces(
-      DType dtype, absl::Span<const int64_t> shape, std::size_t bytes,
-      const UploadSource& source, const std::string& label,
-      const ProgressCallback& progress, const std::string& idempotency_key);
+  // Upload, UploadFrom, Overwrite and OverwriteFrom after their checks:
+  // `bytes` bytes from `source` under `header` over data connections,
+  // stripes or one stream.
+  absl::StatusOr<TensorInfo> UploadPieces(const v1::TensorHeader& header,
+                                          std::size_t bytes,
+                                          const UploadSource& source,
+                                          const ProgressCallback& progress);
 
   const std::string target_;
   const ClientOptions options_;

@@ -1,6 +1,6 @@
-// lossd::Client's uploads: over the server's data connections, over several
-// gRPC streams (stripes) or over one, each sent in pieces from an
-// UploadSource.
+// lossd::Client's uploads and overwrites: over the server's data
+// connections, over several gRPC streams (stripes) or over one, each sent in
+// pieces from an UploadSource.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -52,6 +52,18 @@ absl::Status CheckMemory(DType dtype, absl::Span<const int64_t> shape,
     return absl::InvalidArgumentError("null data");
   }
   return absl::OkStatus();
+}
+
+// The header of an upload of a tensor of `dtype` and `shape`.
+v1::TensorHeader HeaderOf(DType dtype, absl::Span<const int64_t> shape) {
+  v1::TensorHeader header;
+  header.set_dtype(static_cast<v1::DType>(dtype));
+  header.mutable_shape()->Add(shape.begin(), shape.end());
+  return header;
+}
+
+int64_t ElementBytes(const v1::TensorHeader& header) {
+  return static_cast<int64_t>(DTypeSize(static_cast<DType>(header.dtype())));
 }
 
 // The caller's memory as the source: every piece is sent from where it lies,
@@ -202,8 +214,10 @@ absl::StatusOr<TensorInfo> Client::Upload(DType dtype,
                                           const ProgressCallback& progress,
                                           const std::string& idempotency_key) {
   RETURN_IF_ERROR(CheckMemory(dtype, shape, data, bytes));
-  return UploadPieces(dtype, shape, bytes, MemorySource(data), label, progress,
-                      idempotency_key);
+  v1::TensorHeader header = HeaderOf(dtype, shape);
+  header.set_label(label);
+  header.set_idempotency_key(idempotency_key);
+  return UploadPieces(header, bytes, MemorySource(data), progress);
 }
 
 absl::StatusOr<TensorInfo> Client::UploadFrom(
@@ -212,56 +226,72 @@ absl::StatusOr<TensorInfo> Client::UploadFrom(
     const std::string& idempotency_key) {
   ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
   if (!source) return absl::InvalidArgumentError("no upload source");
-  return UploadPieces(dtype, shape, static_cast<std::size_t>(bytes), source,
-                      label, progress, idempotency_key);
+  v1::TensorHeader header = HeaderOf(dtype, shape);
+  header.set_label(label);
+  header.set_idempotency_key(idempotency_key);
+  return UploadPieces(header, static_cast<std::size_t>(bytes), source,
+                      progress);
+}
+
+absl::StatusOr<TensorInfo> Client::Overwrite(
+    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+    const void* data, std::size_t bytes, const ProgressCallback& progress) {
+  RETURN_IF_ERROR(CheckMemory(dtype, shape, data, bytes));
+  return OverwriteFrom(handle, dtype, shape, MemorySource(data), progress);
+}
+
+absl::StatusOr<TensorInfo> Client::OverwriteFrom(
+    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+    const UploadSource& source, const ProgressCallback& progress) {
+  ASSIGN_OR_RETURN(const int64_t bytes, TensorBytes(dtype, shape));
+  if (!source) return absl::InvalidArgumentError("no upload source");
+  if (handle.empty()) {
+    return absl::InvalidArgumentError("overwrite: empty handle");
+  }
+  v1::TensorHeader header = HeaderOf(dtype, shape);
+  header.set_overwrite_handle(handle);
+  return UploadPieces(header, static_cast<std::size_t>(bytes), source,
+                      progress);
 }
 
 absl::StatusOr<TensorInfo> Client::UploadPieces(
-    DType dtype, absl::Span<const int64_t> shape, std::size_t bytes,
-    const UploadSource& source, const std::string& label,
-    const ProgressCallback& progress, const std::string& idempotency_key) {
+    const v1::TensorHeader& header, std::size_t bytes,
+    const UploadSource& source, const ProgressCallback& progress) {
   if (options_.data_connection && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
     std::optional<absl::StatusOr<TensorInfo>> uploaded =
-        UploadOverDataConnection(dtype, shape, source, bytes, label, progress,
-                                 idempotency_key);
+        UploadOverDataConnection(header, source, bytes, progress);
     if (uploaded.has_value()) return *std::move(uploaded);
   }
   if (options_.upload_streams > 1 && bytes >= options_.stripe_min_bytes &&
       bytes > 0) {
-    return UploadStriped(dtype, shape, source, bytes, label,
-                         options_.upload_streams, progress, idempotency_key);
+    return UploadStriped(header, source, bytes, options_.upload_streams,
+                         progress);
   }
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
-  v1::TensorHeader header;
-  header.set_dtype(static_cast<v1::DType>(dtype));
-  header.mutable_shape()->Add(shape.begin(), shape.end());
-  header.set_label(label);
-  header.set_idempotency_key(idempotency_key);
   std::size_t sent = 0;
   Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
   ASSIGN_OR_RETURN(
       const v1::TensorInfo info,
-      SendUpload(
-          channel_->channel.get(), &context, header, source, 0,
-          static_cast<int64_t>(bytes),
-          PieceBytes(options_, static_cast<int64_t>(DTypeSize(dtype))),
-          scratch[0], scratch[1], options_.chunk_bytes, [&](std::size_t n) {
-            sent += n;
-            if (progress) {
-              progress(static_cast<int64_t>(sent), static_cast<int64_t>(bytes));
-            }
-          }));
+      SendUpload(channel_->channel.get(), &context, header, source, 0,
+                 static_cast<int64_t>(bytes),
+                 PieceBytes(options_, ElementBytes(header)), scratch[0],
+                 scratch[1], options_.chunk_bytes, [&](std::size_t n) {
+                   sent += n;
+                   if (progress) {
+                     progress(static_cast<int64_t>(sent),
+                              static_cast<int64_t>(bytes));
+                   }
+                 }));
   TensorInfo uploaded = FromProto(info);
   channel_->Remember(uploaded);
   return uploaded;
 }
 
 std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
-    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-    std::size_t bytes, const std::string& label,
-    const ProgressCallback& progress, const std::string& idempotency_key) {
+    const v1::TensorHeader& header, const UploadSource& source,
+    std::size_t bytes, const ProgressCallback& progress) {
   std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
   if (!opened.has_value()) return std::nullopt;
   if (!opened->ok()) return absl::StatusOr<TensorInfo>(opened->status());
@@ -272,19 +302,15 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
   v1::UploadRequest request;
-  v1::TensorHeader* header = request.mutable_header();
-  header->set_dtype(static_cast<v1::DType>(dtype));
-  header->mutable_shape()->Add(shape.begin(), shape.end());
-  header->set_label(label);
-  header->set_idempotency_key(idempotency_key);
-  header->set_data_token(token);
-  header->set_data_connections(connections);
+  *request.mutable_header() = header;
+  request.mutable_header()->set_data_token(token);
+  request.mutable_header()->set_data_connections(connections);
   v1::UploadResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::UploadRequest>> writer =
       channel_->lossd->Upload(&context, &response);
   absl::Status sent = absl::OkStatus();
   if (writer->Write(request) && writer->WritesDone()) {
-    const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
+    const int64_t element_bytes = ElementBytes(header);
     const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
     const int64_t piece = PieceBytes(options_, element_bytes);
     Channel::Lease scratch(channel_.get(), 2 * connections,
@@ -342,7 +368,7 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
   closer.Close();
   // A retry under an idempotency key may be answered OK from its header
   // alone, the data connections closed unread.
-  const bool answered = finished.ok() && !idempotency_key.empty();
+  const bool answered = finished.ok() && !header.idempotency_key().empty();
   if (!sent.ok() && !answered &&
       (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
     return absl::StatusOr<TensorInfo>(sent);
@@ -354,20 +380,15 @@ std::optional<absl::StatusOr<TensorInfo>> Client::UploadOverDataConnection(
 }
 
 absl::StatusOr<TensorInfo> Client::UploadStriped(
-    DType dtype, absl::Span<const int64_t> shape, const UploadSource& source,
-    std::size_t bytes, const std::string& label, int stripes,
-    const ProgressCallback& progress, const std::string& idempotency_key) {
-  const int64_t element_bytes = static_cast<int64_t>(DTypeSize(dtype));
+    const v1::TensorHeader& header, const UploadSource& source,
+    std::size_t bytes, int stripes, const ProgressCallback& progress) {
+  const int64_t element_bytes = ElementBytes(header);
   const int64_t elements = static_cast<int64_t>(bytes) / element_bytes;
   const int64_t piece = PieceBytes(options_, element_bytes);
   Channel::Lease scratch(channel_.get(), 2 * stripes, options_.piece_bytes);
-  v1::TensorHeader header;
-  header.set_dtype(static_cast<v1::DType>(dtype));
-  header.mutable_shape()->Add(shape.begin(), shape.end());
-  header.set_label(label);
-  header.set_idempotency_key(idempotency_key);
-  header.mutable_stripe()->set_upload_id(RandomUploadId());
-  header.mutable_stripe()->set_count(stripes);
+  v1::TensorHeader striped = header;
+  striped.mutable_stripe()->set_upload_id(RandomUploadId());
+  striped.mutable_stripe()->set_count(stripes);
 
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < stripes; ++i) {
@@ -381,7 +402,7 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
       [&](int i, grpc::ClientContext* context,
           const std::function<void(int64_t)>& count) {
         const ElementRange range = StripeElements(elements, i, stripes);
-        v1::TensorHeader stripe_header = header;
+        v1::TensorHeader stripe_header = striped;
         stripe_header.mutable_stripe()->set_index(i);
         absl::StatusOr<v1::TensorInfo>& result =
             results[static_cast<std::size_t>(i)];
@@ -428,38 +449,12 @@ absl::StatusOr<TensorInfo> Client::UploadStriped(
     return uploaded;
   }
   // Some stripes finished OK before another failed (a cancellation racing
-  // the reply): the tensor must not stay behind.
-  if (!handle.empty()) Release(handle).IgnoreError();
-  return root_cause != nullptr ? *root_cause : *first_error;
-}
-
-absl::StatusOr<TensorInfo> Client::Overwrite(
-    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
-    const void* data, std::size_t bytes, const ProgressCallback& progress) {
-  RETURN_IF_ERROR(CheckMemory(dtype, shape, data, bytes));
-  if (handle.empty()) {
-    return absl::InvalidArgumentError("overwrite: empty handle");
+  // the reply): a new tensor must not stay behind. An overwritten one stays,
+  // as any overwrite that fails late leaves it.
+  if (!handle.empty() && header.overwrite_handle().empty()) {
+    Release(handle).IgnoreError();
   }
-  v1::TensorHeader header;
-  header.set_dtype(static_cast<v1::DType>(dtype));
-  header.mutable_shape()->Add(shape.begin(), shape.end());
-  header.set_overwrite_handle(handle);
-  const UploadSource source = MemorySource(data);
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  Channel::Lease scratch(channel_.get(), 2, options_.piece_bytes);
-  int64_t done = 0;
-  ASSIGN_OR_RETURN(
-      const v1::TensorInfo info,
-      SendUpload(channel_->channel.get(), &context, header, source, 0,
-                 static_cast<int64_t>(bytes),
-                 PieceBytes(options_, static_cast<int64_t>(DTypeSize(dtype))),
-                 scratch[0], scratch[1], options_.chunk_bytes,
-                 [&](std::size_t n) {
-                   done += static_cast<int64_t>(n);
-                   if (progress) progress(done, static_cast<int64_t>(bytes));
-                 }));
-  return FromProto(info);
+  return root_cause != nullptr ? *root_cause : *first_error;
 }
 
 }  // namespace lossd

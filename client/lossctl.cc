@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -72,6 +73,10 @@ ABSL_FLAG(std::string, idempotency_key, "",
           "upload: names the upload (0-128 chars of [A-Za-z0-9_-]): running "
           "the same upload again with the same key returns the tensor the "
           "first run stored instead of storing a second one");
+ABSL_FLAG(std::string, overwrite, "",
+          "upload: replace the contents of this stored tensor (same dtype "
+          "and shape; the handle, label and memory stay) instead of storing "
+          "a new one, sent as an upload of that size");
 ABSL_FLAG(bool, data_connection, true,
           "upload a tensor of at least --stripe_min_bytes, and send eval's "
           "blocks, over --upload_streams plain TCP connections to the "
@@ -149,7 +154,9 @@ commands:
          [--label=TEXT]          tensor) or FILE.safetensors:NAME; --dtype
          [--near=HANDLE]         converts float data on the way (all cores);
          [--idempotency_key=K]   the same K again returns the first run's
-                                 tensor instead of storing a second one
+         [--overwrite=HANDLE]    tensor instead of storing a second one;
+                                 --overwrite replaces HANDLE's contents in
+                                 place (same dtype and shape) and prints it
   forward LOGITS TARGETS         cross entropy; TARGETS is a handle or an
          [--reduction --ignore_index --label_smoothing --z_loss_scale
           --softcap --weights --mode --normalizer --grad_scale]
@@ -404,6 +411,24 @@ absl::Status Upload(RoutingClient& client,
   if (args.size() != 1) {
     return UsageError("lossctl upload FILE.npy|FILE.safetensors[:NAME]");
   }
+  const std::string overwrite = absl::GetFlag(FLAGS_overwrite);
+  if (!overwrite.empty()) {
+    // An overwrite names its tensor: where it lives, its label and its key
+    // are that tensor's.
+    for (const auto& [flag, value] :
+         {std::pair<const char*, std::string>{"label",
+                                              absl::GetFlag(FLAGS_label)},
+          {"near", absl::GetFlag(FLAGS_near)},
+          {"idempotency_key", absl::GetFlag(FLAGS_idempotency_key)}}) {
+      if (!value.empty()) {
+        return UsageError(absl::StrCat(
+            "--", flag, "=", value,
+            " does not go with --overwrite: the overwritten tensor keeps its "
+            "own (leave --",
+            flag, " out)"));
+      }
+    }
+  }
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> input,
                    InputTensor::Open(args[0]));
@@ -416,43 +441,52 @@ absl::Status Upload(RoutingClient& client,
   // The file is read, converted and sent piece by piece, all at once.
   const std::size_t bytes = input->elements() * DTypeSize(dtype);
   ProgressBar bar("upload", "MB", 1e6);
-  ASSIGN_OR_RETURN(const TensorInfo info,
-                   client.UploadFrom(dtype, input->shape(),
-                                     MakeUploadSource(*input, dtype, &Pool()),
-                                     absl::GetFlag(FLAGS_label), bar.Callback(),
-                                     absl::GetFlag(FLAGS_near),
-                                     absl::GetFlag(FLAGS_idempotency_key)));
+  const UploadSource source = MakeUploadSource(*input, dtype, &Pool());
+  ASSIGN_OR_RETURN(
+      const TensorInfo info,
+      overwrite.empty()
+          ? client.UploadFrom(dtype, input->shape(), source,
+                              absl::GetFlag(FLAGS_label), bar.Callback(),
+                              absl::GetFlag(FLAGS_near),
+                              absl::GetFlag(FLAGS_idempotency_key))
+          : client.OverwriteFrom(overwrite, dtype, input->shape(), source,
+                                 bar.Callback()));
   bar.Done();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::fprintf(stderr,
-               "uploaded %s as %s %s, %zu bytes in %.3f s (%.2f GB/s)\n",
-               input->description().c_str(), DTypeString(dtype),
+  const std::string done = overwrite.empty()
+                               ? absl::StrCat("uploaded ", input->description())
+                               : absl::StrCat("overwrote ", overwrite, " with ",
+                                              input->description());
+  std::fprintf(stderr, "%s as %s %s, %zu bytes in %.3f s (%.2f GB/s)\n",
+               done.c_str(), DTypeString(dtype),
                ShapeString(input->shape()).c_str(), bytes, seconds,
                Rate(bytes, seconds));
   std::printf("%s\n", info.handle.c_str());
   return absl::OkStatus();
 }
 
-absl::Status Forward(RoutingClient& client,
-                     const std::vector<std::string>& args) {
-  if (args.size() != 2) {
-    return UsageError(
-        "lossctl forward LOGITS_HANDLE TARGETS(handle|.npy|.safetensors)");
-  }
-  ForwardOptions options;
-  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
-  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
-  options.class_weights = absl::GetFlag(FLAGS_weights);
-  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
-  std::unique_ptr<InputTensor> targets_file;
-  Targets targets = Targets::Handle(args[1]);
-  if (LooksLikeTensorFile(args[1])) {
-    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[1]));
-    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
-                              targets_file->bytes());
-  }
-  ASSIGN_OR_RETURN(const ForwardResult result,
-                   client.Forward(args[0], targets, options));
+// The options forward and linear share, from their flags: the loss
+// options, --mode, --weights and --gradient_label.
+template <typename Options>
+absl::Status ForwardFlagsInto(Options* options) {
+  ASSIGN_OR_RETURN(options->loss, LossOptionsFromFlags());
+  ASSIGN_OR_RETURN(options->mode, ParseMode(absl::GetFlag(FLAGS_mode)));
+  options->class_weights = absl::GetFlag(FLAGS_weights);
+  options->gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  return absl::OkStatus();
+}
+
+// A TARGETS argument: a handle, or a tensor file sent inline (opened into
+// `*file`, which must outlive the call that sends it).
+absl::StatusOr<Targets> TargetsArg(const std::string& arg,
+                                   std::unique_ptr<InputTensor>* file) {
+  if (!LooksLikeTensorFile(arg)) return Targets::Handle(arg);
+  ASSIGN_OR_RETURN(*file, InputTensor::Open(arg));
+  return Targets::Inline((*file)->dtype(), (*file)->data(), (*file)->bytes());
+}
+
+// forward's and linear's result lines.
+void PrintForwardResult(const ForwardResult& result) {
   std::printf(
       "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
       "denominator %.17g kernel_seconds %.6f\n",
@@ -463,6 +497,21 @@ absl::Status Forward(RoutingClient& client,
   if (!result.gradient.empty()) {
     std::printf("gradient %s\n", result.gradient.c_str());
   }
+}
+
+absl::Status Forward(RoutingClient& client,
+                     const std::vector<std::string>& args) {
+  if (args.size() != 2) {
+    return UsageError(
+        "lossctl forward LOGITS_HANDLE TARGETS(handle|.npy|.safetensors)");
+  }
+  ForwardOptions options;
+  RETURN_IF_ERROR(ForwardFlagsInto(&options));
+  std::unique_ptr<InputTensor> targets_file;
+  ASSIGN_OR_RETURN(const Targets targets, TargetsArg(args[1], &targets_file));
+  ASSIGN_OR_RETURN(const ForwardResult result,
+                   client.Forward(args[0], targets, options));
+  PrintForwardResult(result);
   return absl::OkStatus();
 }
 
@@ -474,10 +523,7 @@ absl::Status Linear(RoutingClient& client,
         "TARGETS(handle|.npy|.safetensors)");
   }
   LinearForwardOptions options;
-  ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
-  ASSIGN_OR_RETURN(options.mode, ParseMode(absl::GetFlag(FLAGS_mode)));
-  options.class_weights = absl::GetFlag(FLAGS_weights);
-  options.gradient_label = absl::GetFlag(FLAGS_gradient_label);
+  RETURN_IF_ERROR(ForwardFlagsInto(&options));
   options.bias = absl::GetFlag(FLAGS_bias);
   options.weight_grad = absl::GetFlag(FLAGS_weight_grad);
   options.bias_grad = absl::GetFlag(FLAGS_bias_grad);
@@ -500,25 +546,10 @@ absl::Status Linear(RoutingClient& client,
         absl::StrCat("--linear_precision=", precision, ": exact or fast"));
   }
   std::unique_ptr<InputTensor> targets_file;
-  Targets targets = Targets::Handle(args[2]);
-  if (LooksLikeTensorFile(args[2])) {
-    ASSIGN_OR_RETURN(targets_file, InputTensor::Open(args[2]));
-    targets = Targets::Inline(targets_file->dtype(), targets_file->data(),
-                              targets_file->bytes());
-  }
+  ASSIGN_OR_RETURN(const Targets targets, TargetsArg(args[2], &targets_file));
   ASSIGN_OR_RETURN(const LinearForwardResult linear,
                    client.LinearForward(args[0], args[1], targets, options));
-  const ForwardResult& result = linear.forward;
-  std::printf(
-      "loss %.17g z_loss %.17g valid %lld correct %lld nonfinite %lld "
-      "denominator %.17g kernel_seconds %.6f\n",
-      result.loss, result.z_loss, static_cast<long long>(result.valid_tokens),
-      static_cast<long long>(result.correct_tokens),
-      static_cast<long long>(result.nonfinite_rows), result.denominator,
-      result.kernel_seconds);
-  if (!result.gradient.empty()) {
-    std::printf("gradient %s\n", result.gradient.c_str());
-  }
+  PrintForwardResult(linear.forward);
   if (!linear.weight_grad.empty()) {
     std::printf("weight_grad %s\n", linear.weight_grad.c_str());
   }

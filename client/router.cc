@@ -574,6 +574,22 @@ absl::StatusOr<int64_t> RoutingClient::Release(const std::string& handle) {
       handle, [&](Client& client) { return client.Release(handle); });
 }
 
+absl::StatusOr<TensorInfo> RoutingClient::Overwrite(
+    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+    const void* data, std::size_t bytes, const ProgressCallback& progress) {
+  return OnOwner<TensorInfo>(handle, [&](Client& client) {
+    return client.Overwrite(handle, dtype, shape, data, bytes, progress);
+  });
+}
+
+absl::StatusOr<TensorInfo> RoutingClient::OverwriteFrom(
+    const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+    const UploadSource& source, const ProgressCallback& progress) {
+  return OnOwner<TensorInfo>(handle, [&](Client& client) {
+    return client.OverwriteFrom(handle, dtype, shape, source, progress);
+  });
+}
+
 absl::StatusOr<ForwardResult> RoutingClient::Forward(
     const std::string& logits, const Targets& targets,
     const ForwardOptions& options) {

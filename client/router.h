@@ -140,6 +140,13 @@ class RoutingClient {
       std::size_t capacity, const ProgressCallback& progress = nullptr);
   absl::StatusOr<TensorInfo> Describe(const std::string& handle);
   absl::StatusOr<int64_t> Release(const std::string& handle);
+  absl::StatusOr<TensorInfo> Overwrite(
+      const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+      const void* data, std::size_t bytes,
+      const ProgressCallback& progress = nullptr);
+  absl::StatusOr<TensorInfo> OverwriteFrom(
+      const std::string& handle, DType dtype, absl::Span<const int64_t> shape,
+      const UploadSource& source, const ProgressCallback& progress = nullptr);
   // INVALID_ARGUMENT before any RPC when a targets or class-weights handle
   // names another instance than the logits.
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,

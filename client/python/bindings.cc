@@ -85,8 +85,9 @@ a second one.
 
 overwrite: a handle whose contents the data replaces in place (same dtype
 and shape; the handle, its memory and label stay; its state becomes LOGITS),
-e.g. a weight after an optimizer step. It takes no idempotency_key: sending
-it again is harmless.
+e.g. a weight after an optimizer step, sent as an upload of its size goes
+(data connections or stripes from stripe_min_bytes on). It takes no
+idempotency_key: sending it again is harmless.
 
 Raises InvalidArgument (dtype, shape, byte count or key), ResourceExhausted
 (over the memory budget or a quota), AlreadyExists (the key names a stored

@@ -263,6 +263,50 @@ Targets ParseTargets(py::handle target, Tensor* keep) {
                          keep->buffer->bytes());
 }
 
+// The options Forward and LinearForward share (ForwardOptions' fields that
+// LinearForwardOptions repeats), from their keyword arguments.
+template <typename Options>
+void SetForwardOptions(Options* options, int64_t ignore_index,
+                       double label_smoothing, const std::string& reduction,
+                       double z_loss_scale, double softcap, double normalizer,
+                       double grad_scale, const std::string& mode,
+                       bool token_loss, bool token_lse, bool token_argmax,
+                       const std::string& gradient_label) {
+  options->loss = LossOptions(ignore_index, label_smoothing, reduction,
+                              z_loss_scale, softcap, normalizer, grad_scale);
+  options->mode = ParseMode(mode);
+  options->token_loss = token_loss;
+  options->token_lse = token_lse;
+  options->token_argmax = token_argmax;
+  options->gradient_label = gradient_label;
+}
+
+// Forward's and LinearForward's call: `input` (logits or hidden states, a
+// handle or a buffer uploaded under `name`), the targets and class weights
+// made ready, then call(client, input handle, targets, class weights handle)
+// without the GIL. An input uploaded here is released when the call fails
+// (on success the call's gradient may live in it).
+template <typename Result, typename Call>
+Result CallOnInputs(PyClient& self, py::handle input, const char* name,
+                    py::handle target, py::handle class_weights,
+                    const Call& call) {
+  std::shared_ptr<Client> client = self.Get();
+  const std::string input_handle = HandleOrUpload(self, input, name);
+  Tensor targets_tensor;
+  const Targets targets = ParseTargets(target, &targets_tensor);
+  Weight weights(client, class_weights);
+  absl::StatusOr<Result> result;
+  {
+    py::gil_scoped_release release;
+    result = call(*client, input_handle, targets, weights.handle());
+  }
+  if (!result.ok() && !py::isinstance<py::str>(input)) {
+    py::gil_scoped_release release;
+    client->Release(input_handle).IgnoreError();
+  }
+  return ValueOrThrow(std::move(result));
+}
+
 }  // namespace
 
 ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
@@ -272,31 +316,17 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                       double grad_scale, const std::string& mode,
                       bool token_loss, bool token_lse, bool token_argmax,
                       const std::string& gradient_label) {
-  std::shared_ptr<Client> client = self.Get();
   ForwardOptions options;
-  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
-                             z_loss_scale, softcap, normalizer, grad_scale);
-  options.mode = ParseMode(mode);
-  options.token_loss = token_loss;
-  options.token_lse = token_lse;
-  options.token_argmax = token_argmax;
-  options.gradient_label = gradient_label;
-
-  const std::string logits_handle = HandleOrUpload(self, logits, "logits");
-  Tensor targets_tensor;
-  const Targets targets = ParseTargets(target, &targets_tensor);
-  Weight class_weights(client, weight);
-  options.class_weights = class_weights.handle();
-  absl::StatusOr<ForwardResult> result;
-  {
-    py::gil_scoped_release release;
-    result = client->Forward(logits_handle, targets, options);
-  }
-  if (!result.ok() && !py::isinstance<py::str>(logits)) {
-    py::gil_scoped_release release;
-    client->Release(logits_handle).IgnoreError();
-  }
-  return ValueOrThrow(std::move(result));
+  SetForwardOptions(&options, ignore_index, label_smoothing, reduction,
+                    z_loss_scale, softcap, normalizer, grad_scale, mode,
+                    token_loss, token_lse, token_argmax, gradient_label);
+  return CallOnInputs<ForwardResult>(
+      self, logits, "logits", target, weight,
+      [&](Client& client, const std::string& logits_handle,
+          const Targets& targets, const std::string& class_weights) {
+        options.class_weights = class_weights;
+        return client.Forward(logits_handle, targets, options);
+      });
 }
 
 namespace {
@@ -333,15 +363,10 @@ LinearForwardResult LinearForward(
     py::handle token_grad_output, const std::string& gradient_label,
     const std::string& weight_grad_label, const std::string& bias_grad_label,
     const std::string& precision) {
-  std::shared_ptr<Client> client = self.Get();
   LinearForwardOptions options;
-  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
-                             z_loss_scale, softcap, normalizer, grad_scale);
-  options.mode = ParseMode(mode);
-  options.token_loss = token_loss;
-  options.token_lse = token_lse;
-  options.token_argmax = token_argmax;
-  options.gradient_label = gradient_label;
+  SetForwardOptions(&options, ignore_index, label_smoothing, reduction,
+                    z_loss_scale, softcap, normalizer, grad_scale, mode,
+                    token_loss, token_lse, token_argmax, gradient_label);
   options.bias = bias;
   options.accumulate = ParseAccumulate(accumulate);
   options.weight_grad = weight_grad;
@@ -361,21 +386,13 @@ LinearForwardResult LinearForward(
         values, values + tensor.buffer->bytes() / sizeof(float));
   }
 
-  const std::string hidden_handle = HandleOrUpload(self, hidden, "hidden");
-  Tensor targets_tensor;
-  const Targets targets = ParseTargets(target, &targets_tensor);
-  Weight weights(client, class_weights);
-  options.class_weights = weights.handle();
-  absl::StatusOr<LinearForwardResult> result;
-  {
-    py::gil_scoped_release release;
-    result = client->LinearForward(hidden_handle, weight, targets, options);
-  }
-  if (!result.ok() && !py::isinstance<py::str>(hidden)) {
-    py::gil_scoped_release release;
-    client->Release(hidden_handle).IgnoreError();
-  }
-  return ValueOrThrow(std::move(result));
+  return CallOnInputs<LinearForwardResult>(
+      self, hidden, "hidden", target, class_weights,
+      [&](Client& client, const std::string& hidden_handle,
+          const Targets& targets, const std::string& class_weights_handle) {
+        options.class_weights = class_weights_handle;
+        return client.LinearForward(hidden_handle, weight, targets, options);
+      });
 }
 
 BackwardResult Backward(PyClient& self, const std::string& handle,

@@ -3,16 +3,19 @@
 // fails with the gRPC code name and a non-zero exit status.
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/client.h"
 #include "client/npy.h"
+#include "client/safetensors.h"
 #include "common/float16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -344,6 +347,85 @@ TEST_F(LossctlTest, UploadOverDataConnectionOrStripes) {
               0);
     ASSERT_TRUE(client_->Release(handle).ok());
   }
+}
+
+// upload --overwrite=HANDLE replaces a stored tensor's contents from a .npy
+// or .safetensors file over each transport an upload of its size takes; the
+// handle printed is HANDLE, and nothing new is stored.
+TEST_F(LossctlTest, UploadOverwriteReplacesInPlace) {
+  const std::string handle = UploadHandle({logits_path_, "--label=head"});
+  ASSERT_FALSE(handle.empty());
+  std::vector<float> updated(logits_.size());
+  for (std::size_t i = 0; i < updated.size(); ++i) {
+    updated[i] = logits_[i] * 0.5f + 1.0f;
+  }
+  const std::string npy = dir_.File("updated.npy");
+  ASSERT_TRUE(WriteNpy(npy, DType::kFloat32, {kRows, kVocab}, updated.data(),
+                       updated.size() * sizeof(float))
+                  .ok());
+  auto expect_contents = [&](const std::vector<float>& want) {
+    absl::StatusOr<DownloadedTensor> got = client_->Download(handle);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->data.size(), want.size() * sizeof(float));
+    EXPECT_EQ(std::memcmp(got->data.data(), want.data(), got->data.size()), 0);
+    absl::StatusOr<TensorInfo> info = client_->Describe(handle);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->label, "head");
+  };
+  for (const std::vector<std::string>& transport :
+       std::vector<std::vector<std::string>>{
+           {},
+           {"--stripe_min_bytes=1", "--data_connection"},
+           {"--stripe_min_bytes=1", "--nodata_connection"}}) {
+    SCOPED_TRACE(absl::StrJoin(transport, " "));
+    std::vector<std::string> args = {"upload", npy, "--overwrite=" + handle};
+    args.insert(args.end(), transport.begin(), transport.end());
+    CommandResult over = Lossctl(args);
+    ASSERT_EQ(over.exit_code, 0) << over.err;
+    EXPECT_EQ(absl::StripAsciiWhitespace(over.out), handle);
+    expect_contents(updated);
+    // Back to the first contents, for the next transport to change.
+    args[1] = logits_path_;
+    ASSERT_EQ(Lossctl(args).exit_code, 0);
+    expect_contents(logits_);
+  }
+
+  // From a safetensors file.
+  absl::StatusOr<std::string> header =
+      EncodeSafetensorsHeader("w", DType::kFloat32, {kRows, kVocab});
+  ASSERT_TRUE(header.ok()) << header.status();
+  const std::string safetensors = dir_.File("updated.safetensors");
+  {
+    std::ofstream file(safetensors, std::ios::binary);
+    file << *header;
+    file.write(reinterpret_cast<const char*>(updated.data()),
+               updated.size() * sizeof(float));
+  }
+  CommandResult from_safetensors =
+      Lossctl({"upload", safetensors + ":w", "--overwrite=" + handle});
+  ASSERT_EQ(from_safetensors.exit_code, 0) << from_safetensors.err;
+  expect_contents(updated);
+
+  // Refused, nothing changed: another dtype, an unknown handle, a flag that
+  // names what the overwritten tensor keeps.
+  CommandResult other_dtype = Lossctl(
+      {"upload", logits_path_, "--dtype=bf16", "--overwrite=" + handle});
+  EXPECT_EQ(other_dtype.exit_code, 1);
+  EXPECT_THAT(other_dtype.err, HasSubstr("INVALID_ARGUMENT"));
+  CommandResult unknown =
+      Lossctl({"upload", logits_path_,
+               "--overwrite=00000000-0123456789abcdef0123456789abcdef"});
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.err, HasSubstr("NOT_FOUND"));
+  CommandResult labelled = Lossctl(
+      {"upload", logits_path_, "--overwrite=" + handle, "--label=other"});
+  EXPECT_EQ(labelled.exit_code, 2);
+  EXPECT_THAT(labelled.err, HasSubstr("--label=other does not go with "
+                                      "--overwrite"));
+  expect_contents(updated);
+  absl::StatusOr<ListResult> listed = client_->List();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->tensors.size(), 1u);
 }
 
 TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {

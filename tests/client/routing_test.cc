@@ -3,6 +3,7 @@
 // RPCs reach its owner, a restarted instance's handles are NOT_FOUND.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -352,6 +353,48 @@ TEST_F(RoutingTest, RestartedInstanceHandlesAreNotFoundAndItTakesNewUploads) {
   EXPECT_NE(Owner(placed), 0);
   EXPECT_EQ(router_->Describe(by_server[0][0]).status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+// An overwrite goes to the instance holding the handle, not to the one with
+// the most free memory, and replaces the contents there in place.
+TEST_F(RoutingTest, OverwriteReachesTheOwner) {
+  const std::vector<float> first = RandomLogits();
+  const int64_t shape[] = {kRows, kVocab};
+  // Server 2 has the least free memory: an Upload would not go there.
+  absl::StatusOr<TensorInfo> stored =
+      direct_[2]->Upload(DType::kFloat32, shape, first.data(), kTensorBytes);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  const std::vector<float> next = RandomLogits();
+  absl::StatusOr<TensorInfo> info = router_->Overwrite(
+      stored->handle, DType::kFloat32, shape, next.data(), kTensorBytes);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->handle, stored->handle);
+  absl::StatusOr<DownloadedTensor> got = direct_[2]->Download(stored->handle);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->data.size(), static_cast<size_t>(kTensorBytes));
+  EXPECT_EQ(std::memcmp(got->data.data(), next.data(), kTensorBytes), 0);
+
+  info = router_->OverwriteFrom(
+      stored->handle, DType::kFloat32, shape,
+      [&](int64_t offset, std::size_t, void*) -> absl::StatusOr<const void*> {
+        return reinterpret_cast<const char*>(first.data()) + offset;
+      });
+  ASSERT_TRUE(info.ok()) << info.status();
+  got = direct_[2]->Download(stored->handle);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::memcmp(got->data.data(), first.data(), kTensorBytes), 0);
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<ServerInfo> server = direct_[i]->GetServerInfo();
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(server->tensors, i == 2 ? 1 : 0) << "server " << i;
+  }
+  // A handle of no instance here: NOT_FOUND, before any upload.
+  EXPECT_EQ(router_
+                ->Overwrite("00000000-0123456789abcdef0123456789abcdef",
+                            DType::kFloat32, shape, next.data(), kTensorBytes)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(RoutingTest, LossctlTakesSeveralServers) {

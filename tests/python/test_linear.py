@@ -123,6 +123,29 @@ def test_overwrite_updates_the_weight_in_place(client):
     client.release(weight_handle)
 
 
+@pytest.mark.parametrize("data_connection", [True, False], ids=["data_connections", "stripes"])
+def test_overwrite_of_a_size_that_stripes(server, data_connection):
+    """A weight of at least stripe_min_bytes is overwritten as its upload went, over data
+    connections or gRPC stripes: bit for bit, under the same handle, label and memory."""
+    rng = np.random.default_rng(9)
+    weight = rng.standard_normal((1024, 520)).astype(np.float32)  # 2 MiB: several pieces each
+    with lossd.Client(server.address, piece_bytes=64 << 10, stripe_min_bytes=1 << 20,
+                      data_connection=data_connection) as striping:
+        handle = striping.upload(weight, label="head").handle
+        used = striping.info().used_bytes
+        updated = rng.standard_normal(weight.shape).astype(np.float32)
+        info = striping.upload(updated, overwrite=handle)
+        assert info.handle == handle and info.label == "head"
+        assert striping.info().used_bytes == used
+        np.testing.assert_array_equal(striping.download(handle), updated)
+        with pytest.raises(lossd.InvalidArgument, match="shape"):
+            striping.upload(np.ascontiguousarray(updated.T), overwrite=handle)
+        with pytest.raises(lossd.NotFound):
+            striping.upload(updated, overwrite="00000000-0123456789abcdef0123456789abcdef")
+        np.testing.assert_array_equal(striping.download(handle), updated)
+        striping.release(handle)
+
+
 def test_loss_only_leaves_nothing(client):
     hidden, weight, _, target = make_case(torch.float32, seed=5)
     weight_handle = upload(client, weight)
