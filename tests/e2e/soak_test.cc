@@ -149,9 +149,12 @@ struct Owned {
   bool materialized = false;
   double factor = 1.0;
   std::string bytes;  // what was uploaded, while it holds logits
-  // A Download of it was cancelled or ran out of time: the server may still
-  // hold its read lease for a moment (it learns of the cancellation
-  // asynchronously), so an in-place write may find it busy once.
+  // A Download of it failed. A failure of the client's own making (it
+  // cancelled, or its deadline passed) returns before the server learns of it
+  // (asynchronously), so the server may still hold the read lease and an
+  // in-place write may find the tensor busy, until one such write succeeds.
+  // A status the server sent, OK or not, comes after its lease ended; any
+  // failure counts here, as the client cannot always tell whose it was.
   bool maybe_read = false;
 };
 
@@ -669,9 +672,7 @@ class SoakClient {
     }
     const grpc::Status status = reader->Finish();
     for (int fd : fds) close(fd);
-    // A Download the client broke off may still hold its read on the server
-    // for a moment after its status, even an OK one.
-    if (!status.ok() || cancel || abandon) tensor->maybe_read = true;
+    if (!status.ok()) tensor->maybe_read = true;
     if (cancel) {
       Check("Download (data, cancelled)", status, {Code::OK, Code::CANCELLED});
       return;
@@ -741,9 +742,9 @@ class SoakClient {
     } else {
       Check("Forward", status, {Code::OK});
     }
-    logits->maybe_read = false;
     if (!status.ok()) return;
     if (mode == pb::GRADIENT_MODE_IN_PLACE) {
+      logits->maybe_read = false;  // the write found no read
       logits->gradient = true;
       logits->reduction = reduction;
       logits->bytes.clear();
@@ -751,6 +752,7 @@ class SoakClient {
                !response.gradient().empty()) {
       Owned gradient = *logits;
       gradient.handle = response.gradient();
+      gradient.maybe_read = false;  // a new tensor, never downloaded
       gradient.gradient = true;
       gradient.reduction = reduction;
       gradient.bytes.clear();
@@ -784,8 +786,10 @@ class SoakClient {
     } else {
       Check("Backward", status, {Code::OK});
     }
-    gradient->maybe_read = false;
-    if (status.ok() && request.materialize()) gradient->materialized = true;
+    if (status.ok() && request.materialize()) {
+      gradient->maybe_read = false;  // the write found no read
+      gradient->materialized = true;
+    }
   }
 
   void Download() {
@@ -825,7 +829,7 @@ class SoakClient {
     }
     figures_.bytes_downloaded += static_cast<int64_t>(bytes.size());
     const grpc::Status status = reader->Finish();
-    if (!status.ok() || cancel) tensor->maybe_read = true;
+    if (!status.ok()) tensor->maybe_read = true;
     if (cancel) {
       // The whole tensor may have arrived before the cancellation.
       Check("Download (cancelled)", status, {Code::OK, Code::CANCELLED});
@@ -1010,7 +1014,6 @@ class SoakClient {
         } else {
           Check("Forward out of range", status, {Code::INVALID_ARGUMENT});
         }
-        logits->maybe_read = false;
         return;
       }
     }
