@@ -116,14 +116,7 @@ CODE = (".h", ".cc", ".cu", ".cuh", ".c", ".cpp", ".hpp", ".py", ".pyi",
 SHEBANG = re.compile(rb"^#!.*\b(ba|z|da)?sh\b|^#!.*\bpython[0-9.]*\b")
 # Test files allowed past MAX_LINES, each with the reason. Keep it short: a
 # test file that grows past the bound is split like any other.
-LONG_TESTS = {
-    "tests/e2e/data_connection_test.cc":
-        "not split yet: the data-plane cases share one fixture and server",
-    "tests/e2e/soak_test.cc":
-        "not split yet: one soak's traffic mix, checks and report",
-    "tests/kernels/cuda/cross_entropy_cuda_test.cc":
-        "not split yet: the CUDA kernels' type and shape matrix",
-}
+LONG_TESTS = {}
 
 
 def is_code(path):
