@@ -396,6 +396,7 @@ TEST_F(EvaluateLinearTest, BlockBufferOverBudget) {
   const int64_t baseline = UsedBytes();
   EvaluateOptions options;
   options.weight = head.weight;
+  options.loss.ignore_index = kIgnored;
   // 1200 rows of 1 KiB: more than the budget's 1 MiB.
   absl::StatusOr<EvaluateResult> result =
       Evaluate(client_.get(), p, options, p.rows);
@@ -445,7 +446,7 @@ TEST_F(EvaluateLinearTest, WeightHeldForTheWholeEvaluation) {
                           ->Overwrite(head.weight, DType::kFloat32, shape,
                                       zeros.data(), zeros.size() * 4)
                           .status();
-          release = other->Release(head.weight);
+          release = other->Release(head.weight).status();
         }
         block->logits.assign(x.data() + next * p.width * 4,
                              block_rows * p.width * 4);
@@ -600,6 +601,7 @@ TEST_F(EvaluateLinearTest, AnotherTenantsWeightIsNotFound) {
   const int64_t baseline = UsedBytes();
   EvaluateOptions options;
   options.weight = theirs.weight;
+  options.loss.ignore_index = kIgnored;
   absl::StatusOr<EvaluateResult> weight = Evaluate(beta.get(), p, options, 2);
   EXPECT_EQ(weight.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(weight.status().message()),
