@@ -226,21 +226,22 @@ def test_linear_evaluate_matches_torch(client, name, with_bias, which):
         class_weights = torch.rand(weight.shape[0], generator=generator) + 0.5
     weight_handle = upload(client, weight)
     bias_handle = upload(client, bias) if with_bias else ""
-    before = client.info()
-    result = client.linear_evaluate(
-        hidden, weight_handle, target.numpy(), bias=bias_handle, block_rows=8,
-        class_weights=None if class_weights is None else class_weights.numpy(), **options)
-    torch_options = dict(options)
-    if class_weights is not None:
-        torch_options["weight"] = class_weights.double()
-    want = oracle(hidden, weight, bias if with_bias else None, target, **torch_options)[0]
+    try:
+        before = client.info()
+        result = client.linear_evaluate(
+            hidden, weight_handle, target.numpy(), bias=bias_handle, block_rows=8,
+            class_weights=None if class_weights is None else class_weights.numpy(), **options)
+        after = client.info()
+    finally:
+        for handle in (weight_handle, bias_handle):
+            if handle:
+                client.release(handle)
+    logits = F.linear(hidden.double(), weight.double(), bias.double() if with_bias else None)
+    want = F.cross_entropy(logits, target, **options,
+                           weight=None if class_weights is None else class_weights.double())
     close(result.loss, want, 1e-5 if name == "fp32" else 1e-4, "loss")
     assert result.rows == 45
-    after = client.info()
     assert (after.tensors, after.used_bytes) == (before.tensors, before.used_bytes)
-    for handle in (weight_handle, bias_handle):
-        if handle:
-            client.release(handle)
 
 
 def test_linear_evaluate_is_linear_forward_without_gradient(client):
