@@ -401,11 +401,8 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     return absl::InvalidArgumentError(
         "Evaluate reduces: reduction NONE is not allowed");
   }
-  ASSIGN_OR_RETURN(spec.targets_dtype,
-                   ParseDType(header.targets_dtype(), "header.targets_dtype",
-                              false, kTargetsDTypes));
   if (!header.weight().empty()) {
-    // Hidden states: V, H and the dtype are the weight's (ApplyLinearHead);
+    // Hidden states: V, H and the dtype are the weight's (LeaseLinearHead);
     // vocab and logits_dtype may only restate them.
     RETURN_IF_ERROR(CheckHandle(header.weight(), "header.weight"));
     if (!header.bias().empty()) {
@@ -420,6 +417,9 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     ASSIGN_OR_RETURN(spec.logits_dtype,
                      ParseDType(header.logits_dtype(), "header.logits_dtype",
                                 true, kLogitsDTypes));
+    ASSIGN_OR_RETURN(spec.targets_dtype,
+                     ParseDType(header.targets_dtype(), "header.targets_dtype",
+                                false, kTargetsDTypes));
     return spec;
   }
   if (!header.bias().empty()) {
@@ -435,6 +435,9 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
   ASSIGN_OR_RETURN(spec.logits_dtype,
                    ParseDType(header.logits_dtype(), "header.logits_dtype",
                               false, kLogitsDTypes));
+  ASSIGN_OR_RETURN(spec.targets_dtype,
+                   ParseDType(header.targets_dtype(), "header.targets_dtype",
+                              false, kTargetsDTypes));
   const int64_t element = static_cast<int64_t>(DTypeSize(spec.logits_dtype));
   if (spec.vocab > std::numeric_limits<int64_t>::max() / element) {
     return absl::InvalidArgumentError(

@@ -201,9 +201,6 @@ TEST_F(GpuLinearTest, BadTargetChangesNothing) {
   EXPECT_EQ(Get(x), p.x);
 }
 
-}  // namespace
-}  // namespace lossd
-
 // Evaluate over hidden states on the CUDA device (the same device call with
 // no gradient, its rows staged into device block buffers): the float64
 // loss for fp32 and bf16, with and without a bias, in blocks whose last is
@@ -255,3 +252,6 @@ TEST_F(GpuLinearTest, EvaluateOverHiddenStates) {
     }
   }
 }
+
+}  // namespace
+}  // namespace lossd
