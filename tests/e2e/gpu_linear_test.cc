@@ -210,7 +210,9 @@ TEST_F(GpuLinearTest, EvaluateOverHiddenStates) {
     for (bool with_bias : {false, true}) {
       SCOPED_TRACE(std::string(DTypeName(dtype)) +
                    (with_bias ? " with bias" : " without bias"));
-      const double tolerance = dtype == DType::kFloat32 ? 1e-5 : 1e-3;
+      // As the LinearForward cases above: the products may round differently
+      // from the float64 reference, per block and per algorithm.
+      const double tolerance = dtype == DType::kFloat32 ? 1e-4 : 5e-3;
       const Problem p = Rounded(MakeProblem(301, 64, 50257, 17), dtype);
       const std::string weight = Put(p.weight, {p.vocab, p.width}, dtype);
       const std::string bias = Put(p.bias, {p.vocab}, dtype);
@@ -243,7 +245,7 @@ TEST_F(GpuLinearTest, EvaluateOverHiddenStates) {
           forward);
       ASSERT_TRUE(stored.ok()) << stored.status();
       EXPECT_NEAR(result->loss, stored->forward.loss,
-                  1e-5 * stored->forward.loss);
+                  1e-4 * stored->forward.loss);
       EXPECT_EQ(result->valid_tokens, stored->forward.valid_tokens);
       EXPECT_EQ(result->correct_tokens, stored->forward.correct_tokens);
       for (const std::string& handle : {weight, bias, x}) {
