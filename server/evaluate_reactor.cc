@@ -221,6 +221,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     }
     return EvaluationFrameWork(
         std::move(lanes), config_.spec.row_bytes,
+        config_.weight != nullptr ? "hidden states" : "logits",
         static_cast<int64_t>(DTypeSize(config_.targets_dtype)));
   }
 

@@ -253,9 +253,9 @@ absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {
 }
 
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes,
+                                       int64_t row_bytes, const char* row_name,
                                        int64_t target_bytes) {
-  return [lanes, row_bytes, target_bytes](
+  return [lanes, row_bytes, row_name, target_bytes](
              int index, int fd, const DataTransfer::Range&) -> absl::Status {
     EvaluationLane* const lane = lanes[static_cast<size_t>(index)];
     for (int64_t number = 0;; ++number) {
@@ -276,10 +276,10 @@ DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
         return absl::InvalidArgumentError(
             max_rows < 1
                 ? absl::StrFormat("data connection %d: a row of %d bytes "
-                                  "and %d of target is more than "
+                                  "of %s and %d of target is more than "
                                   "a frame may hold (%d MiB); send the "
                                   "blocks on the stream",
-                                  index, row_bytes, target_bytes,
+                                  index, row_bytes, row_name, target_bytes,
                                   kMaxFrameBytes >> 20)
                 : absl::StrFormat("data connection %d, frame %d: %d rows; a "
                                   "frame holds 1 to %d rows (%d MiB)",

@@ -201,12 +201,14 @@ class EvaluationLane {
 
 // The work of data connection i of an evaluation over `lanes.size()`
 // connections: frames (an 8-byte little-endian row count R >= 1, then R rows
-// of `row_bytes` (logits or hidden states) and R targets of `target_bytes`)
-// evaluated into lane i, in order, until the client ends its side between two
-// frames. The lanes are borrowed: they must exist while the transfer runs
-// (free them only after DataTransfer::Cancel, or after the transfer ended).
+// of `row_bytes` of `row_name` ("logits" or "hidden states", a static
+// string) and R targets of `target_bytes`) evaluated into lane i, in order,
+// until the client ends its side between two frames. The lanes are borrowed:
+// they must exist while the transfer runs (free them only after
+// DataTransfer::Cancel, or after the transfer ended).
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes, int64_t target_bytes);
+                                       int64_t row_bytes, const char* row_name,
+                                       int64_t target_bytes);
 
 }  // namespace lossd
 
