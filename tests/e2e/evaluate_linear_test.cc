@@ -20,9 +20,7 @@
 #include "client/client.h"
 #include "common/float16.h"
 #include "gmock/gmock.h"
-#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/e2e/scrape.h"
 #include "tests/e2e/test_server.h"
@@ -30,7 +28,6 @@
 namespace lossd {
 namespace {
 
-namespace pb = ::lossd::v1;
 using ::testing::HasSubstr;
 
 constexpr int64_t kBudget = 64 << 20;
@@ -480,35 +477,34 @@ TEST_F(EvaluateLinearTest, WeightBeingOverwrittenIsRefused) {
   const Head head = Store(p);
   Problem updated = p;
   for (float& w : updated.weight) w *= -0.5f;
-  std::unique_ptr<pb::Lossd::Stub> stub =
-      pb::Lossd::NewStub(e2e_test::LargeMessageChannel(server_->address()));
-  grpc::ClientContext context;
-  pb::UploadResponse response;
-  std::unique_ptr<grpc::ClientWriter<pb::UploadRequest>> writer =
-      stub->Upload(&context, &response);
-  pb::UploadRequest request;
-  pb::TensorHeader* header = request.mutable_header();
-  header->set_dtype(pb::DTYPE_FLOAT32);
-  header->add_shape(p.vocab);
-  header->add_shape(p.width);
-  header->set_overwrite_handle(head.weight);
-  const double uploaded =
-      Metric("lossd_transfer_bytes_total", {{"direction", "upload"}});
-  ASSERT_TRUE(writer->Write(request));
-  const std::string bytes = AsBytes(updated.weight, DType::kFloat32);
-  const size_t half = bytes.size() / 2;
-  pb::UploadRequest chunk;
-  chunk.set_chunk(bytes.substr(0, half));
-  ASSERT_TRUE(writer->Write(chunk));
-  // The first half arrived, so the overwrite holds the weight.
-  ASSERT_TRUE(AwaitMetric("lossd_transfer_bytes_total",
-                          {{"direction", "upload"}}, uploaded + half));
-  const int64_t used = UsedBytes();
   EvaluateOptions options;
   options.weight = head.weight;
   options.loss.ignore_index = kIgnored;
-  absl::StatusOr<EvaluateResult> refused =
-      Evaluate(client_.get(), p, options, 4);
+  // The overwrite goes in two chunks; between them it holds the weight.
+  ClientOptions halves;
+  halves.chunk_bytes = updated.weight.size() * sizeof(float) / 2;
+  absl::StatusOr<std::unique_ptr<Client>> writer =
+      Client::Connect(server_->address(), halves);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  const double uploaded =
+      Metric("lossd_transfer_bytes_total", {{"direction", "upload"}});
+  absl::StatusOr<EvaluateResult> refused;
+  int64_t used = -1;
+  bool first_chunk = true;
+  const std::vector<int64_t> shape = {p.vocab, p.width};
+  absl::StatusOr<TensorInfo> overwritten = (*writer)->Overwrite(
+      head.weight, DType::kFloat32, shape, updated.weight.data(),
+      updated.weight.size() * sizeof(float), [&](int64_t done, int64_t) {
+        if (!first_chunk) return;
+        first_chunk = false;
+        // The first half arrived, so the overwrite holds the weight.
+        ASSERT_TRUE(AwaitMetric("lossd_transfer_bytes_total",
+                                {{"direction", "upload"}}, uploaded + done));
+        used = UsedBytes();
+        refused = Evaluate(client_.get(), p, options, 4);
+      });
+  ASSERT_TRUE(overwritten.ok()) << overwritten.status();
+  ASSERT_FALSE(first_chunk);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
       << refused.status();
   EXPECT_THAT(
@@ -516,11 +512,7 @@ TEST_F(EvaluateLinearTest, WeightBeingOverwrittenIsRefused) {
       HasSubstr(absl::StrCat("handle ", head.weight, " is being written")));
   EXPECT_EQ(UsedBytes(), used);
 
-  chunk.set_chunk(bytes.substr(half));
-  ASSERT_TRUE(writer->Write(chunk));
-  writer->WritesDone();
-  const grpc::Status finished = writer->Finish();
-  ASSERT_TRUE(finished.ok()) << finished.error_message();
+  // Once the overwrite is done, the new values are evaluated.
   absl::StatusOr<EvaluateResult> result =
       Evaluate(client_.get(), updated, options, 4);
   ASSERT_TRUE(result.ok()) << result.status();
