@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -235,14 +234,11 @@ class EvaluateLinearTest : public ::testing::Test {
     return true;
   }
 
-  std::vector<float> Download(const std::string& handle) {
-    absl::StatusOr<DownloadedTensor> got =
-        client_->Download(handle, DType::kFloat32);
+  // The bytes stored behind `handle`, as stored.
+  std::vector<uint8_t> Stored(const std::string& handle) {
+    absl::StatusOr<DownloadedTensor> got = client_->Download(handle);
     EXPECT_TRUE(got.ok()) << got.status();
-    if (!got.ok()) return {};
-    std::vector<float> values(got->data.size() / sizeof(float));
-    std::memcpy(values.data(), got->data.data(), got->data.size());
-    return values;
+    return got.ok() ? got->data : std::vector<uint8_t>{};
   }
 
   std::unique_ptr<LossdServer> server_;
@@ -528,7 +524,7 @@ TEST_F(EvaluateLinearTest, WeightBeingOverwrittenIsRefused) {
 TEST_F(EvaluateLinearTest, FailedEvaluationChangesNothing) {
   Problem p = MakeProblem(20, 8, 10, DType::kBFloat16, 17);
   const Head head = Store(p);
-  const std::vector<float> weight = Download(head.weight);
+  const std::vector<uint8_t> weight = Stored(head.weight);
   const int64_t baseline = UsedBytes();
   Problem bad = p;
   bad.targets[17] = p.vocab;
@@ -547,7 +543,7 @@ TEST_F(EvaluateLinearTest, FailedEvaluationChangesNothing) {
     EXPECT_THAT(std::string(failed.status().message()),
                 HasSubstr("targets[2] = 10 is out of range"));
     EXPECT_EQ(UsedBytes(), baseline);
-    EXPECT_EQ(Download(head.weight), weight);
+    EXPECT_EQ(Stored(head.weight), weight);
     absl::StatusOr<EvaluateResult> good = Evaluate(client.get(), p, options, 3);
     ASSERT_TRUE(good.ok()) << good.status();
     EXPECT_EQ(good->rows, p.rows);
