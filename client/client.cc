@@ -163,10 +163,13 @@ v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
                                      DType targets_dtype,
                                      const EvaluateOptions& options) {
   v1::EvaluateHeader header;
-  header.set_vocab(vocab);
+  // Rows of hidden states: V is the weight's, `vocab` the rows' width H.
+  header.set_vocab(options.weight.empty() ? vocab : 0);
   header.set_logits_dtype(static_cast<v1::DType>(logits_dtype));
   header.set_targets_dtype(static_cast<v1::DType>(targets_dtype));
   ToProto(options.loss, options.class_weights, header.mutable_options());
+  header.set_weight(options.weight);
+  header.set_bias(options.bias);
   return header;
 }
 
@@ -477,7 +480,13 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     const EvaluateOptions& options, const RowBlockProducer& next_block,
     const ProgressCallback& progress) {
   if (vocab < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("vocab ", vocab, " < 1"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        options.weight.empty() ? "vocab " : "hidden width ", vocab, " < 1"));
+  }
+  if (!options.bias.empty() && options.weight.empty()) {
+    return absl::InvalidArgumentError(
+        "EvaluateOptions.bias is set but weight is not: a bias needs the "
+        "weight it is added to");
   }
   if (!IsLogitsDType(logits_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -611,9 +620,11 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
         if (targets.size() % target_bytes != 0 ||
             logits.size() != rows * row_bytes) {
           status = absl::InvalidArgumentError(absl::StrFormat(
-              "block %d: %d logits bytes and %d targets bytes are not whole "
+              "block %d: %d %s bytes and %d targets bytes are not whole "
               "rows of %d and %d bytes",
-              number, logits.size(), targets.size(), row_bytes, target_bytes));
+              number, logits.size(),
+              options.weight.empty() ? "logits" : "hidden-state",
+              targets.size(), row_bytes, target_bytes));
           break;
         }
         if (rows == 0) continue;  // nothing to evaluate

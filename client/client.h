@@ -229,6 +229,11 @@ struct Targets {
 struct EvaluateOptions {
   CrossEntropyOptions loss;
   std::string class_weights;  // handle of a fp32 [V] tensor; empty = none
+  // Set: the rows are hidden states [R, H] against this stored LM head W
+  // [V, H] (+ bias [V], of W's dtype; empty = none) instead of logits; the
+  // `vocab` argument of Evaluate is then H, and the rows' dtype W's.
+  std::string weight;
+  std::string bias;
   // Only for progress reports (the second argument); -1 = unknown.
   int64_t total_rows = -1;
 };
@@ -480,16 +485,20 @@ class Client {
   // Forward-only evaluation of the blocks `next_block` produces; the server
   // retains nothing. At most two produced blocks wait to be sent (per data
   // connection, when they carry the blocks), so memory stays O(block).
-  // INVALID_ARGUMENT (client side): vocab < 1, bad dtypes. Server errors as the
-  // Evaluate RPC; an error of the producer cancels the RPC and is returned.
+  // With options.weight, `vocab` is the row width H of the hidden states
+  // the blocks carry (and `logits_dtype` their dtype, the weight's).
+  // INVALID_ARGUMENT (client side): vocab < 1, bad dtypes, a bias without a
+  // weight. Server errors as the Evaluate RPC; an error of the producer
+  // cancels the RPC and is returned.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t vocab, DType logits_dtype, DType targets_dtype,
       const EvaluateOptions& options, const RowBlockProducer& next_block,
       const ProgressCallback& progress = nullptr);
 
-  // Convenience: evaluates in-memory logits [rows, vocab] and targets [rows]
-  // in blocks of `block_rows` rows (0 = as many as fit options().chunk_bytes,
-  // at least one). Errors as Evaluate.
+  // Convenience: evaluates in-memory logits [rows, vocab] (with
+  // options.weight, hidden states [rows, H]) and targets [rows] in blocks of
+  // `block_rows` rows (0 = as many as fit options().chunk_bytes, at least
+  // one). Errors as Evaluate.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t rows, int64_t vocab, DType logits_dtype, const void* logits,
       DType targets_dtype, const void* targets, const EvaluateOptions& options,

@@ -107,7 +107,10 @@ ABSL_FLAG(double, grad_scale, 1.0, "grad_output folded into the gradient");
 ABSL_FLAG(std::string, gradient_label, "",
           "forward: label of an out-of-place gradient");
 
-ABSL_FLAG(std::string, bias, "", "linear: handle of the [V] bias");
+ABSL_FLAG(std::string, bias, "", "linear, eval: handle of the [V] bias");
+ABSL_FLAG(std::string, weight, "",
+          "eval: handle of a stored LM head W [V, H]; the file then holds "
+          "hidden states [N, H] of W's dtype instead of logits");
 ABSL_FLAG(std::string, weight_grad, "",
           "linear: fp32 [V, H] accumulator of the weight gradient (empty = "
           "create one)");
@@ -179,6 +182,8 @@ commands:
   rm HANDLE...                   release tensors
   eval LOGITS TARGETS            stream the files to Evaluate; prints loss
          [loss options] [--block_rows] [--dtype] [--progress]
+         [--weight [--bias]]     LOGITS holds hidden states [N, H] against
+                                 the stored LM head W [V, H] (+ bias)
 
 Files are mapped, not read whole; conversion and writing run on all cores
 (--convert_threads) while the pieces (--piece_bytes) are in flight.
@@ -728,10 +733,11 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
                    InputTensor::Open(args[0]));
   ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> targets,
                    InputTensor::Open(args[1]));
+  const std::string weight = absl::GetFlag(FLAGS_weight);
   if (logits->shape().size() != 2 || !IsLogitsDType(logits->dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        logits->description(),
-        ": expected float32/bf16/float16 logits [N, V], got ",
+        logits->description(), ": expected float32/bf16/float16 ",
+        weight.empty() ? "logits [N, V]" : "hidden states [N, H]", ", got ",
         DTypeString(logits->dtype()), " ", ShapeString(logits->shape())));
   }
   if (targets->shape().size() != 1 || !IsTargetsDType(targets->dtype()) ||
@@ -744,8 +750,8 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   const int64_t rows = logits->shape()[0];
   const int64_t vocab = logits->shape()[1];
   if (vocab < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(logits->description(), ": vocab is 0"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        logits->description(), weight.empty() ? ": vocab is 0" : ": H is 0"));
   }
   const DType file_dtype = logits->dtype();
   ASSIGN_OR_RETURN(const DType send_dtype, DTypeFlag(file_dtype));
@@ -755,6 +761,8 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   EvaluateOptions options;
   ASSIGN_OR_RETURN(options.loss, LossOptionsFromFlags());
   options.class_weights = absl::GetFlag(FLAGS_weights);
+  options.weight = weight;
+  options.bias = absl::GetFlag(FLAGS_bias);
   options.total_rows = rows;
   const std::size_t file_row_bytes = vocab * DTypeSize(file_dtype);
   const std::size_t send_row_bytes = vocab * DTypeSize(send_dtype);

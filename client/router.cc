@@ -106,6 +106,12 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const DnsTarget& target) {
   return std::vector<std::string>(addresses.begin(), addresses.end());
 }
 
+// The stored tensor an Evaluate reads, whose instance must run it: the LM
+// head's weight, else the class weights; empty when none.
+const std::string& EvaluateOwner(const EvaluateOptions& options) {
+  return !options.weight.empty() ? options.weight : options.class_weights;
+}
+
 }  // namespace
 
 struct RoutingClient::Endpoint {
@@ -663,8 +669,8 @@ absl::StatusOr<EvaluateResult> RoutingClient::Evaluate(
     return client.Evaluate(vocab, logits_dtype, targets_dtype, options,
                            next_block, progress);
   };
-  if (!options.class_weights.empty()) {
-    return OnOwner<EvaluateResult>(options.class_weights, call);
+  if (const std::string& owner = EvaluateOwner(options); !owner.empty()) {
+    return OnOwner<EvaluateResult>(owner, call);
   }
   ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Endpoint>> candidates, Place());
   return call(*candidates.front()->client);
@@ -678,8 +684,8 @@ absl::StatusOr<EvaluateResult> RoutingClient::Evaluate(
     return client.Evaluate(rows, vocab, logits_dtype, logits, targets_dtype,
                            targets, options, block_rows, progress);
   };
-  if (!options.class_weights.empty()) {
-    return OnOwner<EvaluateResult>(options.class_weights, call);
+  if (const std::string& owner = EvaluateOwner(options); !owner.empty()) {
+    return OnOwner<EvaluateResult>(owner, call);
   }
   return OnBest<EvaluateResult>(
       [&](Endpoint& endpoint) { return call(*endpoint.client); });

@@ -165,10 +165,10 @@ class RoutingClient {
       const std::string& gradient, absl::Span<const float> token_grad_output,
       bool materialize = false);
 
-  // Client::Evaluate on the instance holding options.class_weights, else on
-  // the one with the most free memory. The producer form is not retried
-  // elsewhere (its blocks cannot be replayed); the in-memory form moves on
-  // to the next instance on UNAVAILABLE, like Upload.
+  // Client::Evaluate on the instance holding options.weight (else
+  // options.class_weights), else on the one with the most free memory. The
+  // producer form is not retried elsewhere (its blocks cannot be replayed); the
+  // in-memory form moves on to the next instance on UNAVAILABLE, like Upload.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t vocab, DType logits_dtype, DType targets_dtype,
       const EvaluateOptions& options, const RowBlockProducer& next_block,

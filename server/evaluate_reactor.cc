@@ -13,6 +13,7 @@
 #include "server/data_plane.h"
 #include "server/end_link.h"
 #include "server/evaluation.h"
+#include "server/linear_head.h"
 #include "server/pipelined_read_reactor.h"
 #include "server/unparsed_request.h"
 #include "server/validation.h"
@@ -160,6 +161,15 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the blocks on the stream"));
+    if (!header.weight().empty()) {
+      ASSIGN_OR_RETURN(
+          head_, LeaseLinearHead(rpc_->store(), admission_.tenant(), header,
+                                 &config_.spec));
+      config_.weight = head_.weight.tensor()->data();
+      if (head_.bias.tensor() != nullptr) {
+        config_.bias = head_.bias.tensor()->data();
+      }
+    }
     config_.options = config_.spec.options;
     config_.tenant = admission_.tenant();
     config_.vocab = config_.spec.vocab;
@@ -211,6 +221,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     }
     return EvaluationFrameWork(
         std::move(lanes), config_.spec.row_bytes,
+        config_.weight != nullptr ? "hidden states" : "logits",
         static_cast<int64_t>(DTypeSize(config_.targets_dtype)));
   }
 
@@ -256,15 +267,16 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   }
 
   // Recorded before Finish, so that a client that has its status also sees it
-  // counted. The class weights' lease ends before the client can see the
-  // status too: a Release it sends next frees their memory at once, instead
-  // of when gRPC gets round to OnDone. (Every path here has stopped the
-  // lanes' work: Complete and EndFromTransfer cleared them, Abandon cancelled
-  // the transfer first.)
+  // counted. The leases on the class weights and the LM head end before the
+  // client can see the status too: a Release it sends next frees their
+  // memory at once, instead of when gRPC gets round to OnDone. (Every path here
+  // has stopped the lanes' work: Complete and EndFromTransfer cleared them,
+  // Abandon cancelled the transfer first.)
   void FinishRpc(const grpc::Status& status) {
     rpc_->RecordRpc("Evaluate", status.error_code(), start_,
                     admission_.tenant());
     weights_ = ReadLease();
+    head_ = LinearHead();
     Finish(status);
   }
 
@@ -277,6 +289,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   // on the data connections' threads).
   EvaluationConfig config_;
   ReadLease weights_;
+  LinearHead head_;  // the weight and bias of an evaluation over hidden states
   // One lane for the stream's blocks, or one per data connection.
   // The lanes' sums, in block order; outlives them (declared first).
   std::unique_ptr<BlockOrderSum> order_ ABSL_GUARDED_BY(mu_);

@@ -162,26 +162,18 @@ absl::Status EvaluationLane::Run(int64_t rows) {
     device_targets = targets_buffer_.data();
     block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
   }
-  CrossEntropyArgs args;
-  args.rows = rows;
-  args.vocab = config_->vocab;
-  args.row_stride = config_->vocab;
-  args.logits_dtype = config_->logits_dtype;
-  args.logits = logits_buffer_.data();
-  args.targets_dtype = config_->targets_dtype;
-  args.targets = device_targets;
-  args.class_weights = config_->class_weights;
-  args.options = config_->options;
-  // Each block's sum; order_ adds them in block order.
-  args.options.reduction = Reduction::kSum;
-  args.mode = GradientMode::kNone;
   CrossEntropyResult result;
   const absl::Time start = absl::Now();
-  RETURN_IF_ERROR(device->CrossEntropy(args, &result));
+  RETURN_IF_ERROR(config_->weight != nullptr
+                      ? RunLinear(rows, device_targets, &result)
+                      : RunLogits(rows, device_targets, &result));
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   block_.kernel_seconds += seconds;
   if (metrics != nullptr) {
-    metrics->ObserveKernel(device->name(), "cross_entropy", seconds);
+    metrics->ObserveKernel(
+        device->name(),
+        config_->weight != nullptr ? "linear_cross_entropy" : "cross_entropy",
+        seconds);
   }
 
   block_.loss = result.loss;
@@ -208,6 +200,50 @@ absl::Status EvaluationLane::Run(int64_t rows) {
   return order_->Add(index_, frames_++, block_);
 }
 
+absl::Status EvaluationLane::RunLogits(int64_t rows, const void* targets,
+                                       CrossEntropyResult* result) {
+  CrossEntropyArgs args;
+  args.rows = rows;
+  args.vocab = config_->vocab;
+  args.row_stride = config_->vocab;
+  args.logits_dtype = config_->logits_dtype;
+  args.logits = logits_buffer_.data();
+  args.targets_dtype = config_->targets_dtype;
+  args.targets = targets;
+  args.class_weights = config_->class_weights;
+  args.options = config_->options;
+  // Each block's sum; order_ adds them in block order.
+  args.options.reduction = Reduction::kSum;
+  args.mode = GradientMode::kNone;
+  return store_->device()->CrossEntropy(args, result);
+}
+
+absl::Status EvaluationLane::RunLinear(int64_t rows, const void* targets,
+                                       CrossEntropyResult* result) {
+  // LinearForward's device call with no gradient at all: the logits exist
+  // only chunk by chunk inside it.
+  LinearCrossEntropyArgs args;
+  args.rows = rows;
+  args.hidden = config_->spec.hidden;
+  args.vocab = config_->vocab;
+  args.dtype = config_->logits_dtype;
+  args.x = logits_buffer_.data();
+  args.weight = config_->weight;
+  args.bias = config_->bias;
+  args.targets_dtype = config_->targets_dtype;
+  args.targets = targets;
+  args.class_weights = config_->class_weights;
+  args.options = config_->options;
+  // Each block's sum; order_ adds them in block order.
+  args.options.reduction = Reduction::kSum;
+  args.dx_mode = GradientMode::kNone;
+  args.accumulate = AccumulateMode::kNone;
+  args.weight_hidden = config_->spec.hidden;
+  args.weight_dtype = config_->logits_dtype;
+  if (config_->bias != nullptr) args.bias_dtype = config_->logits_dtype;
+  return store_->device()->LinearCrossEntropy(args, result);
+}
+
 absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {
   if (bytes <= buffer->bytes()) return absl::OkStatus();
   *buffer = ScratchBuffer();  // its bytes go back first
@@ -217,9 +253,9 @@ absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {
 }
 
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes,
+                                       int64_t row_bytes, const char* row_name,
                                        int64_t target_bytes) {
-  return [lanes, row_bytes, target_bytes](
+  return [lanes, row_bytes, row_name, target_bytes](
              int index, int fd, const DataTransfer::Range&) -> absl::Status {
     EvaluationLane* const lane = lanes[static_cast<size_t>(index)];
     for (int64_t number = 0;; ++number) {
@@ -240,10 +276,10 @@ DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
         return absl::InvalidArgumentError(
             max_rows < 1
                 ? absl::StrFormat("data connection %d: a row of %d bytes "
-                                  "of logits and %d of target is more than "
+                                  "of %s and %d of target is more than "
                                   "a frame may hold (%d MiB); send the "
                                   "blocks on the stream",
-                                  index, row_bytes, target_bytes,
+                                  index, row_bytes, row_name, target_bytes,
                                   kMaxFrameBytes >> 20)
                 : absl::StrFormat("data connection %d, frame %d: %d rows; a "
                                   "frame holds 1 to %d rows (%d MiB)",

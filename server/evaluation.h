@@ -40,6 +40,11 @@ struct EvaluationConfig {
   const float* class_weights = nullptr;  // device memory, or null
   std::vector<float> host_weights;       // the same on the host, or empty
   std::string tenant;                    // the caller's (metrics)
+  // Set for an evaluation over hidden states: each row holds spec.hidden
+  // values of logits_dtype, evaluated against this weight [vocab, hidden]
+  // (and bias [vocab], or null); device memory the reactor's leases hold.
+  const void* weight = nullptr;
+  const void* bias = nullptr;
 };
 
 // What an evaluation's blocks add up to.
@@ -151,8 +156,8 @@ class EvaluationLane {
   EvaluationLane& operator=(const EvaluationLane&) = delete;
   ~EvaluationLane() { FreeBuffers(); }
 
-  // One block, whose logits and targets are `logits` and `targets` of the
-  // concatenated `pieces`.
+  // One block, whose logits (or hidden states) and targets are `logits` and
+  // `targets` of the concatenated `pieces`.
   absl::Status Evaluate(BytePieces pieces, ByteRange logits, ByteRange targets);
 
   // Frame `frame` of data connection `index` (`fd`), whose row count `rows`
@@ -167,9 +172,16 @@ class EvaluationLane {
  private:
   // A block of `logits` and `targets` bytes: checked and counted. Its rows.
   absl::StatusOr<int64_t> Begin(size_t logits, size_t targets);
-  // The loss of the block of `rows` rows whose logits are in the block
-  // buffer and whose targets are in host_targets_: its sums, to `order_`.
+  // The loss of the block of `rows` rows whose logits (or hidden states)
+  // are in the block buffer and whose targets are in host_targets_: its
+  // sums, to `order_`.
   absl::Status Run(int64_t rows);
+  // The device's loss of that block into `result`: of its logits, or of its
+  // hidden states against the config's weight. `targets` on the device.
+  absl::Status RunLogits(int64_t rows, const void* targets,
+                         CrossEntropyResult* result);
+  absl::Status RunLinear(int64_t rows, const void* targets,
+                         CrossEntropyResult* result);
   // Grows the device buffer `*buffer` to hold `bytes`: the largest block so
   // far, charged to the memory budget.
   absl::Status Reserve(ScratchBuffer* buffer, size_t bytes);
@@ -189,12 +201,14 @@ class EvaluationLane {
 
 // The work of data connection i of an evaluation over `lanes.size()`
 // connections: frames (an 8-byte little-endian row count R >= 1, then R rows
-// of `row_bytes` logits and R targets of `target_bytes`) evaluated into lane
-// i, in order, until the client ends its side between two frames. The lanes
-// are borrowed: they must exist while the transfer runs (free them only after
+// of `row_bytes` of `row_name` ("logits" or "hidden states", a static
+// string) and R targets of `target_bytes`) evaluated into lane i, in order,
+// until the client ends its side between two frames. The lanes are borrowed:
+// they must exist while the transfer runs (free them only after
 // DataTransfer::Cancel, or after the transfer ended).
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes, int64_t target_bytes);
+                                       int64_t row_bytes, const char* row_name,
+                                       int64_t target_bytes);
 
 }  // namespace lossd
 

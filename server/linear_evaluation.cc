@@ -137,19 +137,6 @@ absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
   return spec;
 }
 
-// Looks up a tensor by handle, named `field` in the messages.
-absl::StatusOr<std::shared_ptr<Tensor>> Lookup(TensorStore* store,
-                                               const std::string& tenant,
-                                               absl::string_view field,
-                                               const std::string& handle) {
-  absl::StatusOr<std::shared_ptr<Tensor>> tensor = store->Get(tenant, handle);
-  if (!tensor.ok()) {
-    return absl::Status(tensor.status().code(),
-                        absl::StrCat(field, ": ", tensor.status().message()));
-  }
-  return tensor;
-}
-
 // INVALID_ARGUMENT unless `tensor` is `dtype` of `shape`.
 absl::Status Expect(const Tensor& tensor, absl::string_view field, DType dtype,
                     const std::vector<int64_t>& shape) {
@@ -200,7 +187,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
 
   // Resolve and check every tensor before taking any lease.
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> hidden,
-                   Lookup(store, tenant, "hidden", request.hidden()));
+                   LookupField(store, tenant, "hidden", request.hidden()));
   if (!IsLogitsDType(hidden->dtype()) || hidden->shape().size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hidden must be a 2-D float tensor [N, H], got ",
@@ -210,7 +197,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   const int64_t rows = hidden->shape()[0];
   const int64_t width = hidden->shape()[1];
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> weight,
-                   Lookup(store, tenant, "weight", request.weight()));
+                   LookupField(store, tenant, "weight", request.weight()));
   if (weight->shape().size() != 2 || weight->dtype() != dtype ||
       weight->shape()[1] != width) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -225,13 +212,14 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   const int64_t vocab = weight->shape()[0];
   std::shared_ptr<Tensor> bias;
   if (!request.bias().empty()) {
-    ASSIGN_OR_RETURN(bias, Lookup(store, tenant, "bias", request.bias()));
+    ASSIGN_OR_RETURN(bias, LookupField(store, tenant, "bias", request.bias()));
     RETURN_IF_ERROR(Expect(*bias, "bias", dtype, {vocab}));
   }
   std::shared_ptr<Tensor> targets_tensor;
   if (request.targets_case() == pb::LinearForwardRequest::kTargetsHandle) {
-    ASSIGN_OR_RETURN(targets_tensor, Lookup(store, tenant, "targets_handle",
-                                            request.targets_handle()));
+    ASSIGN_OR_RETURN(
+        targets_tensor,
+        LookupField(store, tenant, "targets_handle", request.targets_handle()));
     if (!IsTargetsDType(targets_tensor->dtype()) ||
         targets_tensor->shape() != std::vector<int64_t>{rows}) {
       return absl::InvalidArgumentError(
@@ -247,14 +235,14 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   std::shared_ptr<Tensor> weight_grad;
   std::shared_ptr<Tensor> bias_grad;
   if (accumulate && !request.weight_grad().empty()) {
-    ASSIGN_OR_RETURN(weight_grad, Lookup(store, tenant, "weight_grad",
-                                         request.weight_grad()));
+    ASSIGN_OR_RETURN(weight_grad, LookupField(store, tenant, "weight_grad",
+                                              request.weight_grad()));
     RETURN_IF_ERROR(
         Expect(*weight_grad, "weight_grad", DType::kFloat32, {vocab, width}));
   }
   if (accumulate && !request.bias_grad().empty()) {
-    ASSIGN_OR_RETURN(bias_grad,
-                     Lookup(store, tenant, "bias_grad", request.bias_grad()));
+    ASSIGN_OR_RETURN(bias_grad, LookupField(store, tenant, "bias_grad",
+                                            request.bias_grad()));
     RETURN_IF_ERROR(Expect(*bias_grad, "bias_grad", DType::kFloat32, {vocab}));
   }
   if (!accumulate &&

@@ -189,6 +189,18 @@ std::vector<DataTransfer::Range> DataRanges(int64_t elements,
   return ranges;
 }
 
+absl::StatusOr<std::shared_ptr<Tensor>> LookupField(TensorStore* store,
+                                                    const std::string& tenant,
+                                                    absl::string_view field,
+                                                    const std::string& handle) {
+  absl::StatusOr<std::shared_ptr<Tensor>> tensor = store->Get(tenant, handle);
+  if (!tensor.ok()) {
+    return absl::Status(tensor.status().code(),
+                        absl::StrCat(field, ": ", tensor.status().message()));
+  }
+  return tensor;
+}
+
 absl::StatusOr<ReadLease> LeaseClassWeights(TensorStore* store,
                                             const std::string& tenant,
                                             const std::string& handle,

@@ -198,6 +198,14 @@ std::vector<DataTransfer::Range> DataRanges(int64_t elements,
                                             int64_t element_bytes,
                                             int connections);
 
+// The tensor `handle` of `tenant`; a lookup error (NOT_FOUND, or
+// INVALID_ARGUMENT for a malformed handle) is prefixed with `field`, the
+// request's name for it ("weight: unknown handle ...").
+absl::StatusOr<std::shared_ptr<Tensor>> LookupField(TensorStore* store,
+                                                    const std::string& tenant,
+                                                    absl::string_view field,
+                                                    const std::string& handle);
+
 // A stored fp32 [vocab] class-weights tensor, leased for one computation.
 absl::StatusOr<ReadLease> LeaseClassWeights(TensorStore* store,
                                             const std::string& tenant,

@@ -401,6 +401,32 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     return absl::InvalidArgumentError(
         "Evaluate reduces: reduction NONE is not allowed");
   }
+  if (!header.weight().empty()) {
+    // Hidden states: V, H and the dtype are the weight's (LeaseLinearHead);
+    // vocab and logits_dtype may only restate them.
+    RETURN_IF_ERROR(CheckHandle(header.weight(), "header.weight"));
+    if (!header.bias().empty()) {
+      RETURN_IF_ERROR(CheckHandle(header.bias(), "header.bias"));
+    }
+    if (header.vocab() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.vocab = ", header.vocab(),
+          " must be 0 (the weight's V) or V with header.weight set"));
+    }
+    spec.vocab = header.vocab();
+    ASSIGN_OR_RETURN(spec.logits_dtype,
+                     ParseDType(header.logits_dtype(), "header.logits_dtype",
+                                true, kLogitsDTypes));
+    ASSIGN_OR_RETURN(spec.targets_dtype,
+                     ParseDType(header.targets_dtype(), "header.targets_dtype",
+                                false, kTargetsDTypes));
+    return spec;
+  }
+  if (!header.bias().empty()) {
+    return absl::InvalidArgumentError(
+        "header.bias is set but header.weight is not: a bias needs the "
+        "weight it is added to");
+  }
   if (header.vocab() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("vocab = ", header.vocab(), " must be > 0"));
@@ -439,18 +465,21 @@ absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
   if (spec.row_bytes <= 0 || target_size == 0) {
     return absl::InvalidArgumentError("the Evaluate header is not valid");
   }
+  const bool hidden = spec.hidden > 0;
   if (logits_bytes % spec.row_bytes != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "block %d: %d logits bytes are not a whole number of rows of %d "
-        "bytes",
-        index, logits_bytes, spec.row_bytes));
+        "block %d: %d %s bytes are not a whole number of rows of %d bytes%s",
+        index, logits_bytes, hidden ? "hidden-state" : "logits", spec.row_bytes,
+        hidden ? absl::StrCat(" (H = ", spec.hidden, " values of ",
+                              DTypeName(spec.logits_dtype), ")")
+               : ""));
   }
   const int64_t rows = logits_bytes / spec.row_bytes;
   const std::optional<int64_t> need = CheckedMul(rows, target_size);
   if (!need.has_value() || targets_bytes != *need) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "block %d: %d rows of logits but %d bytes of targets (%d each)", index,
-        rows, targets_bytes, target_size));
+        "block %d: %d rows of %s but %d bytes of targets (%d each)", index,
+        rows, hidden ? "hidden states" : "logits", targets_bytes, target_size));
   }
   return rows;
 }

@@ -178,13 +178,22 @@ struct EvaluateSpec {
   int64_t vocab = 0;
   DType logits_dtype = DType::kInvalid;
   DType targets_dtype = DType::kInvalid;
-  int64_t row_bytes = 0;  // vocab * the size of logits_dtype
+  // The bytes of a row: vocab * the size of logits_dtype, or with a weight
+  // hidden * that size.
+  int64_t row_bytes = 0;
+  // H of an evaluation over hidden states (header.weight set), once the
+  // weight is known; 0 for logits.
+  int64_t hidden = 0;
 };
 
 // INVALID_ARGUMENT: as ParseLossOptions; a malformed options.class_weights
 // handle (common/handle.h); reduction NONE; vocab <= 0; logits dtype missing,
 // unknown or not a float type; targets dtype missing, unknown or not
-// int32/int64; a row size that overflows int64. Thread-safe.
+// int32/int64; a row size that overflows int64; a bias without a weight.
+// With header.weight (a well-formed handle, as header.bias), vocab may be 0
+// and logits_dtype UNSPECIFIED (kInvalid): the spec's vocab, logits_dtype and
+// row_bytes are then completed from the weight (ApplyLinearHead,
+// server/linear_head.h); row_bytes stays 0 until then. Thread-safe.
 absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     const lossd::v1::EvaluateHeader& header);
 

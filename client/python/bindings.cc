@@ -201,6 +201,19 @@ the server in row blocks (over data connections when large); nothing is
 stored. dtype as for upload() (bf16 from uint16 needs dtype="bf16").
 reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).)doc";
 
+constexpr char kLinearEvaluateDoc[] =
+    R"doc(linear_evaluate(hidden, weight, target, *, bias="", dtype=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, block_rows=0) -> EvaluateResult
+
+evaluate() of hidden states: hidden [N, H] and target [N] in host memory
+stream through the server in row blocks against the stored LM head `weight`
+[V, H] (a handle; `bias` a [V] handle), whose logits never leave the server:
+the loss linear_forward(..., mode="none") gives, from a client without a
+GPU, sending H instead of V values a row; nothing is stored. hidden must
+have the weight's dtype (bf16 from uint16 needs dtype="bf16").
+class_weights: fp32 [V] (array or handle), as evaluate()'s `weight`.
+Raises NotFound (weight, bias), InvalidArgument (shapes, dtypes, options),
+FailedPrecondition (the weight being overwritten).)doc";
+
 }  // namespace
 
 // In namespace lossd::python for the names above; PyInit__lossd has C linkage.
@@ -494,6 +507,14 @@ PYBIND11_MODULE(_lossd, m) {
            py::arg("label_smoothing") = 0.0, py::arg("reduction") = "mean",
            py::arg("z_loss_scale") = 0.0, py::arg("softcap") = 0.0,
            py::arg("normalizer") = 0.0, py::arg("block_rows") = 0)
+      .def("linear_evaluate", &LinearEvaluate, kLinearEvaluateDoc,
+           py::arg("hidden"), py::arg("weight"), py::arg("target"),
+           py::kw_only(), py::arg("bias") = "", py::arg("dtype") = py::none(),
+           py::arg("class_weights") = py::none(),
+           py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
+           py::arg("reduction") = "mean", py::arg("z_loss_scale") = 0.0,
+           py::arg("softcap") = 0.0, py::arg("normalizer") = 0.0,
+           py::arg("block_rows") = 0)
       .def(
           "describe",
           [](PyClient& self, const std::string& handle) {

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "client/python/buffers.h"
 #include "client/python/errors.h"
 
@@ -422,37 +423,76 @@ BackwardResult Backward(PyClient& self, const std::string& handle,
   return ValueOrThrow(std::move(result));
 }
 
+namespace {
+
+// evaluate() and linear_evaluate(): `rows` [N, W] (logits, or hidden states
+// when options.weight is set) and target [N] streamed to Evaluate.
+EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
+                            py::handle dtype, py::handle class_weights,
+                            EvaluateOptions options, int64_t block_rows,
+                            const char* shape_name) {
+  std::shared_ptr<Client> client = self.Get();
+  const char* const field = options.weight.empty() ? "logits" : "hidden";
+  Tensor rows_tensor = TensorFromObject(rows, dtype, py::none(), field);
+  if (rows_tensor.shape.size() != 2) {
+    ThrowInvalid(absl::StrCat("evaluate: ", field, " must be ", shape_name,
+                              ", got ", rows_tensor.shape.size(),
+                              " dimensions"));
+  }
+  Tensor targets_tensor =
+      TensorFromObject(target, py::none(), py::none(), "target");
+  if (!IsTargetsDType(targets_tensor.dtype) ||
+      targets_tensor.shape.size() != 1 ||
+      targets_tensor.shape[0] != rows_tensor.shape[0]) {
+    ThrowInvalid(
+        absl::StrCat("evaluate: target must be int32 or int64 [N] for ", field,
+                     " ", shape_name));
+  }
+  Weight weights(client, class_weights);
+  options.class_weights = weights.handle();
+  absl::StatusOr<EvaluateResult> result;
+  {
+    py::gil_scoped_release release;
+    result = client->Evaluate(
+        rows_tensor.shape[0], rows_tensor.shape[1], rows_tensor.dtype,
+        rows_tensor.buffer->data(), targets_tensor.dtype,
+        targets_tensor.buffer->data(), options, block_rows);
+  }
+  return ValueOrThrow(std::move(result));
+}
+
+}  // namespace
+
 EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,
                         py::handle dtype, py::handle weight,
                         int64_t ignore_index, double label_smoothing,
                         const std::string& reduction, double z_loss_scale,
                         double softcap, double normalizer, int64_t block_rows) {
-  std::shared_ptr<Client> client = self.Get();
   EvaluateOptions options;
   options.loss = LossOptions(ignore_index, label_smoothing, reduction,
                              z_loss_scale, softcap, normalizer, 1.0);
-  Tensor logits_tensor = TensorFromObject(logits, dtype, py::none(), "logits");
-  if (logits_tensor.shape.size() != 2)
-    ThrowInvalid("evaluate: logits must be [N, V]");
-  Tensor targets_tensor =
-      TensorFromObject(target, py::none(), py::none(), "target");
-  if (!IsTargetsDType(targets_tensor.dtype) ||
-      targets_tensor.shape.size() != 1 ||
-      targets_tensor.shape[0] != logits_tensor.shape[0]) {
-    ThrowInvalid(
-        "evaluate: target must be int32 or int64 [N] for logits [N, V]");
+  return EvaluateRows(self, logits, target, dtype, weight, std::move(options),
+                      block_rows, "[N, V]");
+}
+
+EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
+                              const std::string& weight, py::handle target,
+                              const std::string& bias, py::handle dtype,
+                              py::handle class_weights, int64_t ignore_index,
+                              double label_smoothing,
+                              const std::string& reduction, double z_loss_scale,
+                              double softcap, double normalizer,
+                              int64_t block_rows) {
+  if (weight.empty()) {
+    ThrowInvalid("linear_evaluate: weight must name a stored [V, H] tensor");
   }
-  Weight class_weights(client, weight);
-  options.class_weights = class_weights.handle();
-  absl::StatusOr<EvaluateResult> result;
-  {
-    py::gil_scoped_release release;
-    result = client->Evaluate(
-        logits_tensor.shape[0], logits_tensor.shape[1], logits_tensor.dtype,
-        logits_tensor.buffer->data(), targets_tensor.dtype,
-        targets_tensor.buffer->data(), options, block_rows);
-  }
-  return ValueOrThrow(std::move(result));
+  EvaluateOptions options;
+  options.loss = LossOptions(ignore_index, label_smoothing, reduction,
+                             z_loss_scale, softcap, normalizer, 1.0);
+  options.weight = weight;
+  options.bias = bias;
+  return EvaluateRows(self, hidden, target, dtype, class_weights,
+                      std::move(options), block_rows, "[N, H]");
 }
 
 }  // namespace python

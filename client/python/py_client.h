@@ -108,6 +108,14 @@ EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,
                         int64_t ignore_index, double label_smoothing,
                         const std::string& reduction, double z_loss_scale,
                         double softcap, double normalizer, int64_t block_rows);
+EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
+                              const std::string& weight, py::handle target,
+                              const std::string& bias, py::handle dtype,
+                              py::handle class_weights, int64_t ignore_index,
+                              double label_smoothing,
+                              const std::string& reduction, double z_loss_scale,
+                              double softcap, double normalizer,
+                              int64_t block_rows);
 
 }  // namespace python
 }  // namespace lossd

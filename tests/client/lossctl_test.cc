@@ -265,6 +265,60 @@ TEST_F(LossctlTest, LinearForwardAccumulates) {
   EXPECT_THAT(bad_precision.err, HasSubstr("--linear_precision=half"));
 }
 
+// lossctl eval --weight: a file of hidden states against the stored weight
+// (and bias) gives LinearForward's loss without a gradient, over the stream
+// and over data connections; the header's mismatches are named.
+TEST_F(LossctlTest, EvalHiddenStatesAgainstAStoredWeight) {
+  constexpr int64_t kWidth = 8;
+  std::vector<float> hidden(kRows * kWidth), weight(kVocab * kWidth);
+  std::vector<float> bias(kVocab);
+  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = 0.01f * (i % 97);
+  for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.02f * (i % 31);
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.03f * (i % 7);
+  const std::string hidden_path = dir_.File("eval-hidden.npy");
+  ASSERT_TRUE(WriteNpy(hidden_path, DType::kFloat32, {kRows, kWidth},
+                       hidden.data(), hidden.size() * sizeof(float))
+                  .ok());
+  absl::StatusOr<TensorInfo> w = client_->Upload(
+      DType::kFloat32, {kVocab, kWidth}, weight.data(), weight.size() * 4);
+  ASSERT_TRUE(w.ok()) << w.status();
+  absl::StatusOr<TensorInfo> b =
+      client_->Upload(DType::kFloat32, {kVocab}, bias.data(), bias.size() * 4);
+  ASSERT_TRUE(b.ok()) << b.status();
+  absl::StatusOr<TensorInfo> x = client_->Upload(
+      DType::kFloat32, {kRows, kWidth}, hidden.data(), hidden.size() * 4);
+  ASSERT_TRUE(x.ok()) << x.status();
+  LinearForwardOptions options;
+  options.mode = GradientMode::kNone;
+  options.bias = b->handle;
+  absl::StatusOr<LinearForwardResult> want = client_->LinearForward(
+      x->handle, w->handle,
+      Targets::Inline(DType::kInt64, targets_.data(), targets_.size() * 8),
+      options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const char* connections :
+       {"--stripe_min_bytes=67108864", "--stripe_min_bytes=1"}) {
+    SCOPED_TRACE(connections);
+    CommandResult eval =
+        Lossctl({"eval", hidden_path, targets_path_, "--weight=" + w->handle,
+                 "--bias=" + b->handle, "--block_rows=7", connections});
+    ASSERT_EQ(eval.exit_code, 0) << eval.err;
+    EXPECT_NEAR(Field(eval.out, "loss"), want->forward.loss,
+                1e-6 * want->forward.loss)
+        << eval.out;
+    EXPECT_EQ(Field(eval.out, "tokens"), kRows - 1);
+  }
+  CommandResult bf16 = Lossctl({"eval", hidden_path, targets_path_,
+                                "--weight=" + w->handle, "--dtype=bf16"});
+  EXPECT_NE(bf16.exit_code, 0);
+  EXPECT_THAT(bf16.err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(bf16.err, HasSubstr("header.logits_dtype is DTYPE_BFLOAT16"));
+  CommandResult bias_only =
+      Lossctl({"eval", hidden_path, targets_path_, "--bias=" + b->handle});
+  EXPECT_NE(bias_only.exit_code, 0);
+  EXPECT_THAT(bias_only.err, HasSubstr("bias is set but weight is not"));
+}
+
 TEST_F(LossctlTest, PerTokenBackwardFromNpy) {
   const std::string handle = UploadHandle({logits_path_});
   CommandResult fwd =

@@ -485,6 +485,98 @@ void BadRequestsTest::AddRpcCases(std::vector<Case>* cases) {
         return Evaluate({with_options(
             [this](auto* o) { o->set_class_weights(short_weights_); })});
       });
+
+  // ----------------------------------------- Evaluate over hidden states
+  // logits_ (fp32 [4, 5]) is the weight: V = 4, H = 5, `row` one hidden row;
+  // short_weights_ (fp32 [4]) a bias that fits it.
+  auto hidden = [this](std::function<void(pb::EvaluateHeader*)> mutate) {
+    pb::EvaluateRequest request =
+        EvalHeader(0, pb::DTYPE_UNSPECIFIED, pb::DTYPE_INT32);
+    request.mutable_header()->set_weight(logits_);
+    mutate(request.mutable_header());
+    return request;
+  };
+  const pb::EvaluateRequest hidden_good = hidden([](auto*) {});
+  add("evaluate hidden: unknown weight", Code::NOT_FOUND,
+      "header.weight: unknown handle",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(unknown_); })}));
+  add("evaluate hidden: released weight", Code::NOT_FOUND,
+      "header.weight: handle " + released_ + " was released",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(released_); })}));
+  add("evaluate hidden: foreign weight", Code::NOT_FOUND,
+      "header.weight: handle " + foreign_ + " belongs to instance",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(foreign_); })}));
+  add("evaluate hidden: malformed weight", Code::INVALID_ARGUMENT,
+      "header.weight",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(malformed_); })}));
+  add("evaluate hidden: malformed bias", Code::INVALID_ARGUMENT, "header.bias",
+      EvaluateWith({hidden([this](auto* h) { h->set_bias(malformed_); })}));
+  add("evaluate hidden: unknown bias", Code::NOT_FOUND,
+      "header.bias: unknown handle",
+      EvaluateWith({hidden([this](auto* h) { h->set_bias(unknown_); })}));
+  add("evaluate hidden: bias without weight", Code::INVALID_ARGUMENT,
+      "header.bias is set but header.weight is not", EvaluateWith({[&] {
+        pb::EvaluateRequest request = good;
+        request.mutable_header()->set_bias(short_weights_);
+        return request;
+      }()}));
+  add("evaluate hidden: 1-D weight", Code::INVALID_ARGUMENT,
+      "header.weight must be a 2-D float tensor [V, H] (float32, bfloat16 or "
+      "float16), got float32 [5]",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(weights_); })}));
+  add("evaluate hidden: int weight", Code::INVALID_ARGUMENT,
+      "header.weight must be a 2-D float tensor [V, H] (float32, bfloat16 or "
+      "float16), got int32 [5]",
+      EvaluateWith({hidden([this](auto* h) { h->set_weight(int_weights_); })}));
+  add("evaluate hidden: weight holds a gradient", Code::INVALID_ARGUMENT,
+      "header.weight " + gradient_mean_ + " holds a gradient",
+      EvaluateWith(
+          {hidden([this](auto* h) { h->set_weight(gradient_mean_); })}));
+  add("evaluate hidden: bias of V+1", Code::INVALID_ARGUMENT,
+      "header.bias must be float32 [4] (the weight's dtype and V), got "
+      "float32 [5]",
+      EvaluateWith({hidden([this](auto* h) { h->set_bias(weights_); })}));
+  add("evaluate hidden: int bias", Code::INVALID_ARGUMENT,
+      "header.bias must be float32 [4] (the weight's dtype and V), got int32 "
+      "[5]",
+      EvaluateWith({hidden([this](auto* h) { h->set_bias(int_weights_); })}));
+  add("evaluate hidden: vocab not V", Code::INVALID_ARGUMENT,
+      "header.vocab = 5 but header.weight has V = 4 ([4, 5]); send 0 or 4",
+      EvaluateWith({hidden([](auto* h) { h->set_vocab(kVocab); })}));
+  add("evaluate hidden: vocab < 0", Code::INVALID_ARGUMENT,
+      "header.vocab = -1 must be 0 (the weight's V) or V",
+      EvaluateWith({hidden([](auto* h) { h->set_vocab(-1); })}));
+  add("evaluate hidden: logits_dtype not the weight's", Code::INVALID_ARGUMENT,
+      "header.logits_dtype is DTYPE_BFLOAT16 but header.weight is float32; "
+      "the hidden states have the weight's dtype: send DTYPE_UNSPECIFIED or "
+      "DTYPE_FLOAT32",
+      EvaluateWith(
+          {hidden([](auto* h) { h->set_logits_dtype(pb::DTYPE_BFLOAT16); })}));
+  add("evaluate hidden: int logits_dtype", Code::INVALID_ARGUMENT,
+      "header.logits_dtype is DTYPE_INT32; expected one of FLOAT32, BFLOAT16, "
+      "FLOAT16 or DTYPE_UNSPECIFIED",
+      EvaluateWith(
+          {hidden([](auto* h) { h->set_logits_dtype(pb::DTYPE_INT32); })}));
+  add("evaluate hidden: class_weights not [V]", Code::INVALID_ARGUMENT,
+      "class_weights must be float32 [4], got float32 [5]",
+      EvaluateWith({hidden([this](auto* h) {
+        h->mutable_options()->set_class_weights(weights_);
+      })}));
+  add("evaluate hidden: partial row", Code::INVALID_ARGUMENT,
+      "block 0: 24 hidden-state bytes are not a whole number of rows of 20 "
+      "bytes (H = 5 values of float32)",
+      EvaluateWith(
+          {hidden_good, EvalBlock(row + std::string(4, '\0'), target32)}));
+  add("evaluate hidden: targets for fewer rows", Code::INVALID_ARGUMENT,
+      "block 0: 2 rows of hidden states but 4 bytes of targets (4 each)",
+      EvaluateWith({hidden_good, EvalBlock(row + row, target32)}));
+  add("evaluate hidden: target out of range", Code::INVALID_ARGUMENT,
+      "targets[1] = 4 is out of range", [this, row, hidden_good] {
+        const std::vector<int32_t> targets = {0, kRows};
+        return Evaluate({hidden_good, EvalBlock(row + row, Bytes(targets))});
+      });
+  add("evaluate hidden: no rows", Code::INVALID_ARGUMENT, "no rows at all",
+      EvaluateWith({hidden_good}));
 }
 
 }  // namespace bad_requests

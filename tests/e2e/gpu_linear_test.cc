@@ -2,8 +2,8 @@
 // lossd::Client, against the float64 reference of linear_reference.h: fp32
 // and bf16, in place with a bias and accumulation, inline targets and
 // per-token outputs (the device's staging), reduction NONE with per-row
-// grad_output, bf16 under FAST precision, and a bad target changing nothing.
-// Skips without a GPU.
+// grad_output, bf16 under FAST precision, a bad target changing nothing, and
+// Evaluate over hidden states against a stored weight. Skips without a GPU.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -199,6 +199,60 @@ TEST_F(GpuLinearTest, BadTargetChangesNothing) {
   EXPECT_EQ(server_->store()->Stats().tensors, before.tensors);
   EXPECT_EQ(client_->Describe(x)->state, TensorState::kLogits);
   EXPECT_EQ(Get(x), p.x);
+}
+
+// Evaluate over hidden states on the CUDA device (the same device call with
+// no gradient, its rows staged into device block buffers): the float64
+// loss for fp32 and bf16, with and without a bias, in blocks whose last is
+// short; LinearForward's loss on the same rows stored; nothing left charged.
+TEST_F(GpuLinearTest, EvaluateOverHiddenStates) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool with_bias : {false, true}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) +
+                   (with_bias ? " with bias" : " without bias"));
+      // As the LinearForward cases above: the products may round differently
+      // from the float64 reference, per block and per algorithm.
+      const double tolerance = dtype == DType::kFloat32 ? 1e-4 : 5e-3;
+      const Problem p = Rounded(MakeProblem(301, 64, 50257, 17), dtype);
+      const std::string weight = Put(p.weight, {p.vocab, p.width}, dtype);
+      const std::string bias = Put(p.bias, {p.vocab}, dtype);
+      const int64_t baseline = server_->store()->Stats().used_bytes;
+      std::vector<uint16_t> bits;
+      for (float value : p.x) bits.push_back(FloatToBF16(value));
+      const void* rows = dtype == DType::kFloat32
+                             ? static_cast<const void*>(p.x.data())
+                             : static_cast<const void*>(bits.data());
+      EvaluateOptions options;
+      options.weight = weight;
+      if (with_bias) options.bias = bias;
+      absl::StatusOr<EvaluateResult> result =
+          client_->Evaluate(p.rows, p.width, dtype, rows, DType::kInt64,
+                            p.targets.data(), options, /*block_rows=*/64);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const Reference want = Compute(p, with_bias, true, 0.0, 1.0);
+      EXPECT_NEAR(result->loss, want.loss, tolerance * want.loss);
+      EXPECT_EQ(result->rows, p.rows);
+      EXPECT_EQ(server_->store()->Stats().used_bytes, baseline);
+
+      const std::string x = Put(p.x, {p.rows, p.width}, dtype);
+      LinearForwardOptions forward;
+      forward.mode = GradientMode::kNone;
+      if (with_bias) forward.bias = bias;
+      absl::StatusOr<LinearForwardResult> stored = client_->LinearForward(
+          x, weight,
+          Targets::Inline(DType::kInt64, p.targets.data(),
+                          p.targets.size() * 8),
+          forward);
+      ASSERT_TRUE(stored.ok()) << stored.status();
+      EXPECT_NEAR(result->loss, stored->forward.loss,
+                  1e-4 * stored->forward.loss);
+      EXPECT_EQ(result->valid_tokens, stored->forward.valid_tokens);
+      EXPECT_EQ(result->correct_tokens, stored->forward.correct_tokens);
+      for (const std::string& handle : {weight, bias, x}) {
+        ASSERT_TRUE(client_->Release(handle).ok());
+      }
+    }
+  }
 }
 
 }  // namespace

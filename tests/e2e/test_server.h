@@ -4,15 +4,18 @@
 #define LOSSD_TESTS_E2E_TEST_SERVER_H_
 
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "server/server.h"
 
 namespace lossd {
@@ -29,6 +32,16 @@ inline ServerConfig LoopbackConfig(const std::string& device, int64_t budget,
   config.threads = 2;
   config.drain_timeout = drain_timeout;
   return config;
+}
+
+// Turns on bearer-token authentication in `config` with `tokens` ("token
+// tenant" lines), written to a file named after the running test.
+inline void UseTokens(const std::string& tokens, ServerConfig* config) {
+  const std::string path = absl::StrCat(
+      ::testing::TempDir(), "/tokens-",
+      ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  std::ofstream(path) << tokens;
+  config->auth.tokens_file = path;
 }
 
 // OK when a lossd with the CUDA device starts here; otherwise why not (a

@@ -1,7 +1,8 @@
 """lossd.torch.linear_cross_entropy and Client.linear_forward against torch in float64
 (F.linear + F.cross_entropy) on a real lossd (CPU device): the loss, dX from loss.backward(), the
 weight and bias gradients read with the client, micro-batch accumulation, overwrite uploads of the
-weight, the loss-only path, and the precision option (FAST computes the same on the CPU)."""
+weight, the loss-only path, the precision option (FAST computes the same on the CPU), and
+Client.linear_evaluate (hidden states streamed against the stored weight)."""
 
 import numpy as np
 import pytest
@@ -221,4 +222,81 @@ def test_unknown_precision_is_refused(client):
                                          precision="half")
     assert client.describe(hidden_handle).state == "LOGITS"
     client.release(hidden_handle)
+    client.release(weight_handle)
+
+
+# Client.linear_evaluate: hidden states streamed against the stored weight, nothing stored.
+EVALUATE_OPTIONS = [
+    {},
+    {"reduction": "sum", "label_smoothing": 0.1},
+    {"label_smoothing": 0.2, "class_weights": True},
+    {"ignore_index": 3},
+]
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("which", range(len(EVALUATE_OPTIONS)))
+def test_linear_evaluate_matches_torch(client, name, with_bias, which):
+    dtype = DTYPES[name]
+    hidden, weight, bias, target = make_case(dtype, rows=45, seed=20 + which)
+    options = dict(EVALUATE_OPTIONS[which])
+    if "ignore_index" in options:
+        target[target == -100] = options["ignore_index"]
+    class_weights = None
+    if options.pop("class_weights", False):
+        generator = torch.Generator().manual_seed(9)
+        class_weights = torch.rand(weight.shape[0], generator=generator) + 0.5
+    weight_handle = upload(client, weight)
+    bias_handle = upload(client, bias) if with_bias else ""
+    try:
+        before = client.info()
+        result = client.linear_evaluate(
+            hidden, weight_handle, target.numpy(), bias=bias_handle, block_rows=8,
+            class_weights=None if class_weights is None else class_weights.numpy(), **options)
+        after = client.info()
+    finally:
+        for handle in (weight_handle, bias_handle):
+            if handle:
+                client.release(handle)
+    logits = F.linear(hidden.double(), weight.double(), bias.double() if with_bias else None)
+    want = F.cross_entropy(logits, target, **options,
+                           weight=None if class_weights is None else class_weights.double())
+    close(result.loss, want, 1e-5 if name == "fp32" else 1e-4, "loss")
+    assert result.rows == 45
+    assert (after.tensors, after.used_bytes) == (before.tensors, before.used_bytes)
+
+
+def test_linear_evaluate_is_linear_forward_without_gradient(client):
+    hidden, weight, bias, target = make_case(torch.bfloat16, rows=33, seed=30)
+    weight_handle = upload(client, weight)
+    bias_handle = upload(client, bias)
+    hidden_handle = upload(client, hidden)
+    stored = client.linear_forward(hidden_handle, weight_handle, target.numpy(),
+                                   bias=bias_handle, mode="none", label_smoothing=0.05)
+    streamed = client.linear_evaluate(hidden, weight_handle, target.numpy(), bias=bias_handle,
+                                      label_smoothing=0.05, block_rows=5)
+    assert streamed.loss == pytest.approx(stored.loss, rel=1e-6)
+    assert (streamed.valid_tokens, streamed.correct_tokens) == \
+        (stored.valid_tokens, stored.correct_tokens)
+    for handle in (hidden_handle, bias_handle, weight_handle):
+        client.release(handle)
+
+
+def test_linear_evaluate_errors(client):
+    hidden, weight, _, target = make_case(torch.bfloat16, seed=31)
+    weight_handle = upload(client, weight)
+    with pytest.raises(lossd.InvalidArgument, match="header.logits_dtype is DTYPE_FLOAT32 but "
+                                                    "header.weight is bfloat16"):
+        client.linear_evaluate(hidden.float(), weight_handle, target.numpy())
+    with pytest.raises(lossd.InvalidArgument, match="whole number of rows"):
+        client.linear_evaluate(hidden[:, :-1].contiguous(), weight_handle, target.numpy())
+    unknown = weight_handle[:-1] + ("b" if weight_handle[-1] == "a" else "a")
+    with pytest.raises(lossd.NotFound, match="header.weight: unknown handle"):
+        client.linear_evaluate(hidden, unknown, target.numpy())
+    with pytest.raises(lossd.NotFound, match="header.bias: unknown handle"):
+        client.linear_evaluate(hidden, weight_handle, target.numpy(), bias=unknown)
+    with pytest.raises(lossd.InvalidArgument, match="weight must name"):
+        client.linear_evaluate(hidden, "", target.numpy())
+    assert "linear_evaluate(" in lossd.Client.linear_evaluate.__doc__
     client.release(weight_handle)

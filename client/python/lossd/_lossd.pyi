@@ -170,6 +170,13 @@ class Client:
                  label_smoothing: float = 0.0, reduction: str = "mean",
                  z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                  block_rows: int = 0) -> EvaluateResult: ...
+    def linear_evaluate(self, hidden: BufferLike, weight: str, target: BufferLike, *,
+                        bias: str = "", dtype: DTypeLike = None,
+                        class_weights: Union[None, str, BufferLike] = None,
+                        ignore_index: int = -100, label_smoothing: float = 0.0,
+                        reduction: str = "mean", z_loss_scale: float = 0.0,
+                        softcap: float = 0.0, normalizer: float = 0.0,
+                        block_rows: int = 0) -> EvaluateResult: ...
     def describe(self, handle: str) -> TensorInfo: ...
     def list(self, page_size: int = 1000) -> ListResult:
         """All the caller's tensors (oldest first) and the instance's memory,
