@@ -96,35 +96,22 @@ __device__ __forceinline__ float Load(const T* p, int64_t i) {
   }
 }
 
-// A block per 256 sorted records: its threads find, side by side, which of
-// them start a column's run (sorted keys: the invalid ones come last), then
-// the block adds each run across H, its records in (v, r) order: each dW
-// element gets one fixed-order sum, once, with no atomics.
+// A block per column's run of records (found at its first key), its threads
+// across H: each dW element gets its records' sum in (v, r) order, once.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    ApplyKernel(const uint64_t* keys, const int* values, const float* residual,
-                int64_t n, int64_t rows, uint64_t invalid, const T* x,
-                int64_t hidden, float alpha, float* grad_weight) {
-  __shared__ int starts[kThreads];
-  __shared__ int count;
-  const int64_t first = blockIdx.x * int64_t{kThreads};
-  if (keys[first] >= invalid) return;  // this group and the rest: none
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  const int64_t i = first + threadIdx.x;
-  if (i < n && keys[i] < invalid &&
-      (i == 0 || keys[i - 1] / rows != keys[i] / rows)) {
-    starts[atomicAdd(&count, 1)] = threadIdx.x;
-  }
-  __syncthreads();
-  // The order runs are taken in does not matter: each is another column.
-  for (int k = 0; k < count; ++k) {
-    const int64_t start = first + starts[k];
-    const uint64_t v = keys[start] / rows;
+__global__ void ApplyKernel(const uint64_t* keys, const int* values,
+                            const float* residual, int64_t n, int64_t rows,
+                            uint64_t invalid, const T* x, int64_t hidden,
+                            float alpha, float* grad_weight) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const uint64_t key = keys[i];
+    if (key >= invalid) return;  // sorted: the rest are invalid too
+    const uint64_t v = key / rows;
+    if (i > 0 && keys[i - 1] / rows == v) continue;
     float* out = grad_weight + v * hidden;
     for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
       float sum = 0.0f;
-      for (int64_t j = start; j < n && keys[j] < invalid && keys[j] / rows == v;
+      for (int64_t j = i; j < n && keys[j] < invalid && keys[j] / rows == v;
            ++j) {
         const int64_t r = static_cast<int64_t>(keys[j] % rows);
         sum = fmaf(residual[values[j]], Load(x, r * hidden + h), sum);
@@ -194,7 +181,7 @@ cudaError_t SparseResidualApplyLaunch(const SparseResidualSlots& s,
                                           keys_out, values_in, values_out, n, 0,
                                           KeyBits(rows, vocab), stream);
   if (error != cudaSuccess) return error;
-  const unsigned grid = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  const int grid = static_cast<int>(n < 132 * 16 ? n : 132 * 16);
   switch (x_dtype) {
     case DType::kBFloat16:
       ApplyKernel<<<grid, kThreads, 0, stream>>>(
