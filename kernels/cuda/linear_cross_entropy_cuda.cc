@@ -535,23 +535,25 @@ absl::Status LinearCrossEntropyCuda(
     char* lo = hi + count * args.vocab * 2;
     // The large entries' residuals, recorded against a threshold in G's
     // scaled units (the row scale is applied in the split).
-    SparseResidualSlots sparse = SparseResidualCarve(
-        block + parts.sparse, count, l.sparse_slots,
-        l.sparse_threshold * std::fabs(std::ldexp(s, exponent)));
-    sparse.targets = ce.targets;
-    sparse.targets_dtype = args.targets_dtype;
-    sparse.class_weights = args.class_weights;
-    if (l.sparse && want_dw) {
+    const bool record = l.sparse && want_dw;
+    SparseResidualSlots sparse;
+    if (record) {
+      sparse = SparseResidualCarve(
+          block + parts.sparse, count, l.sparse_slots,
+          l.sparse_threshold * std::fabs(std::ldexp(s, exponent)));
+      sparse.targets = ce.targets;
+      sparse.targets_dtype = args.targets_dtype;
+      sparse.class_weights = args.class_weights;
       status = CudaStatus(SparseResidualResetLaunch(sparse, count, stream),
                           "linear_cross_entropy: residual reset");
       if (!status.ok()) break;
     }
     if (l.split) {
       status =
-          CudaStatus(SplitGradientLaunch(
-                         static_cast<const float*>(logits), row_scale, count,
-                         args.vocab, args.dtype, hi, l.lo ? lo : nullptr,
-                         l.sparse && want_dw ? &sparse : nullptr, stream),
+          CudaStatus(SplitGradientLaunch(static_cast<const float*>(logits),
+                                         row_scale, count, args.vocab,
+                                         args.dtype, hi, l.lo ? lo : nullptr,
+                                         record ? &sparse : nullptr, stream),
                      "linear_cross_entropy: split");
       grad = hi;
       const std::size_t x_bytes = count * args.hidden * es;
@@ -585,7 +587,7 @@ absl::Status LinearCrossEntropyCuda(
       status = g.grad_weight.Run(alpha, l.lo ? x2 : x, grad, beta,
                                  args.grad_weight, lt_workspace, stream);
     }
-    if (status.ok() && want_dw && l.sparse) {
+    if (status.ok() && record) {
       status = CudaStatus(
           SparseResidualApplyLaunch(sparse, block + parts.sparse, count,
                                     args.vocab, x, args.dtype, args.hidden,
