@@ -3,11 +3,13 @@
 // with the share of each measurement the board spent at its power limit.
 // Usage: cross_entropy_bench [--sweep] [--profile] [--forward | --gradient]
 //                            [--bf16] [--label_smoothing=EPS]
-//                            [--out=RESULTS.md]
+//                            [--option_sets] [--out=RESULTS.md]
 // --sweep also runs every schedule that can take each configuration (the
 // variants and knobs of the experiments are gone: bench/NOTES.md).
-// --label_smoothing runs every configuration with that option, i.e. on the
-// schedules of general options.
+// --label_smoothing runs every configuration with that option.
+// --option_sets runs every configuration with each option set users run:
+// plain, label smoothing 0.1, softcap 30, class weights, z-loss 1e-4, and all
+// four together.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -126,6 +128,26 @@ struct Config {
   lossd::GradientMode mode;
 };
 
+struct OptionSet {
+  const char* name;
+  float label_smoothing;
+  float softcap;
+  bool weights;
+  float z_loss_scale;
+};
+
+// Class weights [n] in [0.25, 2) from a hash of the index.
+__global__ void FillWeights(float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (i + 3) * 0x9e3779b97f4a7c15ull;
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    out[i] = 0.25f + 1.75f * static_cast<float>(x >> 40) / 16777216.0f;
+  }
+}
+
 // The driver's NVML (libnvidia-ml.so.1, opened at run time and kept open:
 // the toolkit here has no nvml.h) for the board with PCI bus id `bus_id`: the
 // time it spent held at its power limit.
@@ -177,6 +199,7 @@ int main(int argc, char** argv) {
   bool gradient_only = false;  // forward+gradient configurations only
   bool bf16_only = false;      // bf16 configurations only
   float label_smoothing = 0.0f;
+  bool option_sets = false;
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
@@ -185,6 +208,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--profile") == 0) profile = true;
     if (std::strcmp(argv[i], "--forward") == 0) forward = true;
     if (std::strcmp(argv[i], "--bf16") == 0) bf16_only = true;
+    if (std::strcmp(argv[i], "--option_sets") == 0) option_sets = true;
     if (std::strncmp(argv[i], "--label_smoothing=", 18) == 0) {
       label_smoothing = std::strtof(argv[i] + 18, nullptr);
     }
@@ -327,10 +351,20 @@ int main(int argc, char** argv) {
                                  }),
                   configs.end());
   }
+  std::vector<OptionSet> sets = {{label_smoothing > 0 ? "smoothing" : "plain",
+                                  label_smoothing, 0.0f, false, 0.0f}};
+  if (option_sets) {
+    sets = {{"plain", 0.0f, 0.0f, false, 0.0f},
+            {"smoothing 0.1", 0.1f, 0.0f, false, 0.0f},
+            {"softcap 30", 0.0f, 30.0f, false, 0.0f},
+            {"class weights", 0.0f, 0.0f, true, 0.0f},
+            {"z-loss 1e-4", 0.0f, 0.0f, false, 1e-4f},
+            {"all four", 0.1f, 30.0f, true, 1e-4f}};
+  }
   std::string table =
-      "| N x V | dtype | mode | variant | ms (median) | GB/s | % of copy | "
-      "power-capped |\n"
-      "|---|---|---|---|---|---|---|---|\n";
+      "| N x V | dtype | mode | options | variant | ms (median) | GB/s | % of "
+      "copy | power-capped |\n"
+      "|---|---|---|---|---|---|---|---|---|\n";
   for (const Config& c : configs) {
     const size_t esize = lossd::DTypeSize(c.dtype);
     const size_t bytes = c.rows * c.vocab * esize;
@@ -346,6 +380,9 @@ int main(int argc, char** argv) {
     const size_t ws_bytes = lossd::CrossEntropyCudaWorkspaceBytes(c.rows);
     CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
     CHECK_CUDA(cudaMalloc(&result, sizeof(*result)));
+    float* weights = nullptr;
+    CHECK_CUDA(cudaMalloc(&weights, c.vocab * sizeof(float)));
+    FillWeights<<<64, 256, 0, stream>>>(weights, c.vocab);
     if (c.dtype == DType::kFloat32) {
       FillRandom<float><<<4096, 256, 0, stream>>>(static_cast<float*>(pristine),
                                                   c.rows * c.vocab, 42);
@@ -365,7 +402,6 @@ int main(int argc, char** argv) {
     args.targets = targets;
     args.targets_dtype = DType::kInt64;
     args.mode = c.mode;
-    args.options.label_smoothing = label_smoothing;
     args.gradient = c.mode == GradientMode::kInPlace ? work : grad;
     // (name, config): auto first, then with --sweep every schedule by name
     // (those that cannot take the configuration say so).
@@ -390,66 +426,77 @@ int main(int argc, char** argv) {
       // board warming up to its power limit) shows as a gap to the first.
       variants.push_back({"auto again", {}});
     }
-    for (const auto& variant : variants) {
-      // (named references, not structured bindings: the lambdas below
-      // capture them)
-      const std::string& vname_str = variant.first;
-      const lossd::CrossEntropyCudaConfig& cfg = variant.second;
-      const bool is_auto = vname_str == "auto";
-      // A fresh copy of the logits before every run, not timed.
-      const double ms = median_ms(
-          [&] {
-            CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
-                                       cudaMemcpyDeviceToDevice, stream));
-          },
-          [&] {
-            if (lossd::CrossEntropyCudaLaunch(args, result, ws, ws_bytes,
-                                              stream, &cfg) == cudaSuccess) {
-              return true;
-            }
-            cudaGetLastError();
-            return false;
-          });
-      const bool ok = ms >= 0;
-      const char* vname = vname_str.c_str();
-      if (!ok) {
-        std::printf("%6lld x %-6lld %s %-8s %-8s  (not launchable)\n",
-                    (long long)c.rows, (long long)c.vocab, Name(c.dtype),
-                    c.mode == GradientMode::kNone ? "fwd" : "fwd+grad", vname);
-        continue;
-      }
-      lossd::CrossEntropyCudaResult host;
-      CHECK_CUDA(
-          cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost));
-      const double moved =
-          static_cast<double>(bytes) * (c.mode == GradientMode::kNone ? 1 : 2);
-      const double gbs = moved / (ms * 1e-3) / 1e9;
-      char line[256];
-      std::snprintf(line, sizeof(line),
-                    "| %lld x %lld | %s | %s | %s | %.3f | %.0f | %.1f%% | "
-                    "%s |\n",
-                    (long long)c.rows, (long long)c.vocab, Name(c.dtype),
-                    c.mode == GradientMode::kNone      ? "forward"
-                    : c.mode == GradientMode::kInPlace ? "fwd+grad"
-                                                       : "fwd+grad (out)",
-                    vname, ms, gbs, 100.0 * gbs / copy_gbs,
-                    CappedText(capped_pct).c_str());
-      std::printf("%s", line);
-      if (is_auto) table += line;
-      if (variants.size() > 1 && c.mode != GradientMode::kNone) {
-        unsigned long long* fp = nullptr;
-        CHECK_CUDA(cudaMalloc(&fp, sizeof(*fp)));
-        CHECK_CUDA(cudaMemsetAsync(fp, 0, sizeof(*fp), stream));
-        Fingerprint<<<1024, 256, 0, stream>>>(
-            static_cast<const unsigned*>(args.gradient), bytes / 4, fp);
-        unsigned long long h = 0;
-        CHECK_CUDA(cudaMemcpy(&h, fp, sizeof(h), cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaFree(fp));
-        std::printf("  gradient bits %016llx, loss %.9g\n", h, host.loss);
-      }
-      if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0)) {
-        std::printf("  result looks wrong: error %d loss %g valid %lld\n",
-                    host.error, host.loss, host.valid_tokens);
+    for (const OptionSet& set : sets) {
+      args.options.label_smoothing = set.label_smoothing;
+      args.options.softcap = set.softcap;
+      args.options.z_loss_scale = set.z_loss_scale;
+      args.class_weights = set.weights ? weights : nullptr;
+      for (const auto& variant : variants) {
+        // (named references, not structured bindings: the lambdas below
+        // capture them)
+        const std::string& vname_str = variant.first;
+        const lossd::CrossEntropyCudaConfig& cfg = variant.second;
+        const bool is_auto = vname_str == "auto";
+        // A fresh copy of the logits before every run, not timed.
+        const double ms = median_ms(
+            [&] {
+              CHECK_CUDA(cudaMemcpyAsync(work, pristine, bytes,
+                                         cudaMemcpyDeviceToDevice, stream));
+            },
+            [&] {
+              if (lossd::CrossEntropyCudaLaunch(args, result, ws, ws_bytes,
+                                                stream, &cfg) == cudaSuccess) {
+                return true;
+              }
+              cudaGetLastError();
+              return false;
+            });
+        const bool ok = ms >= 0;
+        const char* vname = vname_str.c_str();
+        if (!ok) {
+          std::printf("%6lld x %-6lld %s %-8s %s %-8s  (not launchable)\n",
+                      (long long)c.rows, (long long)c.vocab, Name(c.dtype),
+                      c.mode == GradientMode::kNone ? "fwd" : "fwd+grad",
+                      set.name, vname);
+          continue;
+        }
+        lossd::CrossEntropyCudaResult host;
+        CHECK_CUDA(
+            cudaMemcpy(&host, result, sizeof(host), cudaMemcpyDeviceToHost));
+        const double moved = static_cast<double>(bytes) *
+                             (c.mode == GradientMode::kNone ? 1 : 2);
+        const double gbs = moved / (ms * 1e-3) / 1e9;
+        char line[256];
+        std::snprintf(
+            line, sizeof(line),
+            "| %lld x %lld | %s | %s | %s | %s | %.3f | %.0f | %.1f%% "
+            "| %s |\n",
+            (long long)c.rows, (long long)c.vocab, Name(c.dtype),
+            c.mode == GradientMode::kNone      ? "forward"
+            : c.mode == GradientMode::kInPlace ? "fwd+grad"
+                                               : "fwd+grad (out)",
+            set.name, vname, ms, gbs, 100.0 * gbs / copy_gbs,
+            CappedText(capped_pct).c_str());
+        std::printf("%s", line);
+        if (is_auto) table += line;
+        if (variants.size() > 1 && c.mode != GradientMode::kNone) {
+          unsigned long long* fp = nullptr;
+          CHECK_CUDA(cudaMalloc(&fp, sizeof(*fp)));
+          CHECK_CUDA(cudaMemsetAsync(fp, 0, sizeof(*fp), stream));
+          Fingerprint<<<1024, 256, 0, stream>>>(
+              static_cast<const unsigned*>(args.gradient), bytes / 4, fp);
+          unsigned long long h = 0;
+          CHECK_CUDA(cudaMemcpy(&h, fp, sizeof(h), cudaMemcpyDeviceToHost));
+          CHECK_CUDA(cudaFree(fp));
+          std::printf("  gradient bits %016llx, loss %.9g\n", h, host.loss);
+        }
+        if (host.error != 0 || host.valid_tokens <= 0 || !(host.loss > 0) ||
+            host.nonfinite_rows != 0) {
+          std::printf(
+              "  result looks wrong: error %d loss %g valid %lld nonfinite "
+              "%lld\n",
+              host.error, host.loss, host.valid_tokens, host.nonfinite_rows);
+        }
       }
     }
     CHECK_CUDA(cudaFree(pristine));
@@ -458,6 +505,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(targets));
     CHECK_CUDA(cudaFree(ws));
     CHECK_CUDA(cudaFree(result));
+    CHECK_CUDA(cudaFree(weights));
   }
   std::printf("\n%s", table.c_str());
   if (!out_path.empty()) {
@@ -474,8 +522,8 @@ int main(int argc, char** argv) {
         "Median of %d runs after %d warm-ups (and at least 100 ms of them), "
         "CUDA events, random "
         "logits in [-8, 8), a fresh copy of the logits before every "
-        "run (not timed), 2%% ignored rows, mean reduction, label smoothing "
-        "%g. Bytes: one "
+        "run (not timed), 2%% ignored rows, mean reduction, options as the "
+        "table's column says (class weights in [0.25, 2)). Bytes: one "
         "read + one write of the logits (forward-only: one read).\n\n"
         "D2D copy bandwidth (4 GiB, read + write): **%.0f GB/s** "
         "(power-capped %s); for "
@@ -485,9 +533,9 @@ int main(int argc, char** argv) {
         "\"power-capped\": the share of the measurement's time (warm-up "
         "included) that the board spent held at its power limit (NVML's "
         "power violation time), which lowers the SM clock.\n\n%s",
-        date, prop.name, prop.multiProcessorCount, kRuns, kWarmup,
-        label_smoothing, copy_gbs, CappedText(copy_capped_pct).c_str(),
-        read_gbs, 100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
+        date, prop.name, prop.multiProcessorCount, kRuns, kWarmup, copy_gbs,
+        CappedText(copy_capped_pct).c_str(), read_gbs,
+        100.0 * read_gbs / copy_gbs, l2_gbs, table.c_str());
     std::fclose(f);
   }
   return 0;

@@ -179,6 +179,14 @@ struct Variant {
   // With a bias [V] and its gradient: timed only (the fp32 reference has
   // no bias, so the error columns do not apply).
   bool bias = false;
+  // With loss options (timed only, as the bias): label smoothing, softcap,
+  // z-loss.
+  float label_smoothing = 0.0f;
+  float softcap = 0.0f;
+  float z_loss_scale = 0.0f;
+  bool options() const {
+    return label_smoothing > 0 || softcap > 0 || z_loss_scale > 0;
+  }
 };
 
 void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
@@ -306,6 +314,14 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 0},
       {"default, with a bias and dbias (time only)", LinearPrecision::kAuto, 0,
        0.0f, 0, true},
+      {"default, label smoothing 0.1 (time only)", LinearPrecision::kAuto, 0,
+       0.0f, 0, false, 0.1f},
+      {"default, softcap 30 (time only)", LinearPrecision::kAuto, 0, 0.0f, 0,
+       false, 0.0f, 30.0f},
+      {"default, z-loss 1e-4 (time only)", LinearPrecision::kAuto, 0, 0.0f, 0,
+       false, 0.0f, 0.0f, 1e-4f},
+      {"default, all three (time only)", LinearPrecision::kAuto, 0, 0.0f, 0,
+       false, 0.1f, 30.0f, 1e-4f},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 2048},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 4096},
       {"fast (bf16 Z and G)", LinearPrecision::kFast, 8192},
@@ -341,6 +357,9 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
       a.bias = bias;
       a.grad_bias = dbias;
     }
+    a.options.label_smoothing = variant.label_smoothing;
+    a.options.softcap = variant.softcap;
+    a.options.z_loss_scale = variant.z_loss_scale;
     const LinearCrossEntropyCudaPlan plan =
         PlanLinearCrossEntropyCuda(a, &config);
     CrossEntropyResult result;
@@ -356,10 +375,11 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     };
     const double t = MedianMs(2, reps, run);
     if (!ok) continue;
+    const bool timed_only = variant.bias || variant.options();
     const double err_dw =
-        variant.bias ? std::nan("") : RelativeError(dw, dw32, V * H);
+        timed_only ? std::nan("") : RelativeError(dw, dw32, V * H);
     const double err_dx =
-        variant.bias ? std::nan("") : RelativeError(dx_out, dx32, N * H);
+        timed_only ? std::nan("") : RelativeError(dx_out, dx32, N * H);
     // Bits: one more run into another accumulator, compared with the last.
     a.grad_weight = dw_again;
     run();

@@ -64,6 +64,10 @@ struct CrossEntropyResult {
   int64_t nonfinite_rows = 0;
   // D used for kMean (0 when there were no valid rows).
   double denominator = 0.0;
+  // Device time of the computation where the backend measures it (the CUDA
+  // backend: events around its kernels), else 0 (the caller's clock is then
+  // the computation's time: the CPU backend).
+  double kernel_seconds = 0.0;
 };
 
 }  // namespace lossd

@@ -427,7 +427,10 @@ absl::Status LossdService::DoForward(const std::string& tenant,
   response->set_correct_tokens(result.correct_tokens);
   response->set_nonfinite_rows(result.nonfinite_rows);
   response->set_denominator(result.denominator);
-  response->set_kernel_seconds(elapsed.count());
+  // The device's own time where it measures it (CUDA events around the
+  // kernels), else the call's.
+  response->set_kernel_seconds(result.kernel_seconds > 0 ? result.kernel_seconds
+                                                         : elapsed.count());
   response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
   response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
   response->mutable_token_argmax()->Add(token_argmax.begin(),

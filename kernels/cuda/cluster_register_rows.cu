@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
     }
   }
   float lt[kLanes] = {};
-  const Log2Split m_l2 = SplitLog2(st.m);
+  const float shift = ExponentShift(st.m);
+  const Log2Split m_l2 = SplitLog2(shift != 0.0f ? 0.0f : st.m);
   const float m_log2e = m_l2.hi;
   st.sum_wz = 0.0f;
 #pragma unroll
@@ -144,7 +145,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
           st.sum_wz += (p.weights ? p.weights[c] : 1.0f) * z;
         }
       }
-      lt[k % kLanes] += Exp2(fmaf(z, kLog2e, -m_log2e));  // the max adds ~1
+      // (the max adds ~1)
+      lt[k % kLanes] += Exp2(fmaf(z - shift, kLog2e, -m_log2e));
     }
   }
   // The terms are exp(z - m) * 2^lo: undo the rounding of m * log2e.
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         if (q == yq && j == yj) gz = rm.gy;
         g[j] = valid ? gz * dfac : 0.0f;
       } else {
-        g[j] = fmaf(Exp2(fmaf(x, kLog2e, -lse_log2e)), rm.a, rm.b);
+        g[j] = fmaf(Exp2(fmaf(x - rm.shift, kLog2e, -lse_log2e)), rm.a, rm.b);
       }
     }
     if (!kGeneral && q == yq) {

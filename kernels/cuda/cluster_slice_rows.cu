@@ -44,8 +44,9 @@ constexpr int kMaxStages = 8;
 // waits for DRAM; a dominant element (p -> 1) is summed exactly per thread,
 // so no row needs a second exchange. Two blocks a SM overlap one's reductions
 // and exchange with the other's streaming. One read and one write of the
-// logits. Plain options only (z-loss, grad_scale).
-template <typename T, int kBlock, int kMinBlocks>
+// logits. Every option: kOpts builds take the softcap and label smoothing's
+// sums (SliceStats, GradientSlice).
+template <typename T, int kBlock, int kMinBlocks, bool kOpts>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     TmaKernel(Params p, int stages, int stage_bytes) {
   using Tr = Traits<T>;
@@ -85,6 +86,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   cluster.sync();
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+  const ElementOptions opts = MakeElementOptions(p);
 
   // Stage and mbarrier parity of a local row, advanced row by row: no
   // division on the row's chain (a 64-bit modulo costs ~100 instructions).
@@ -139,9 +141,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
                                   float* zy) {
     const T* sl = stage_ptr(r);
     if (slice_bytes != 0) MbarWait(&full[r.stage], r.parity);
-    Stats st = SliceStats<T, kBlock>(sl, n, start, tid);
+    Stats st = SliceStats<T, kBlock, false, false, kOpts>(
+        sl, n, start, tid, 0, nullptr, NoWait(), opts);
     const bool mine = y != p.ignore_index && y >= start && y < end;
-    *zy = mine ? Tr::Load(sl + (y - start)) : 0.0f;
+    *zy = mine ? OptionZ(opts, Tr::Load(sl + (y - start))) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
     if (forward_only && tid == 0) issue(i + stages, r);
     if (csize == 1) {
@@ -187,7 +190,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 
     if (tid == 0) arm(i + kInbox);
     if (warp == 0) {
-      const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+      const RowMath rm =
+          MakeRowMath(p, hdr, row_st, valid, zy, TargetWeight(p, valid, y));
       if (lane == 0) {
         rowmath = rm;
         if (owner) WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
@@ -203,11 +207,14 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       if (!valid) {
         ZeroSlice<T, kBlock>(out, nvec, tid);
       } else {
-        GradientSlice<T, kBlock>(sv, out, nvec, tid, rm);
+        GradientSlice<T, kBlock, kOpts>(sv, out, nvec, tid, rm, opts, start);
         // The target column, computed without cancellation, overwrites what
         // the same thread stored there (program order).
         const int yl = static_cast<int>(y - start);
-        if (owner && (yl / kVec) % kBlock == tid) Tr::Store(out + yl, rm.gy);
+        if (owner && (yl / kVec) % kBlock == tid) {
+          Tr::Store(out + yl,
+                    kOpts ? TargetGrad(rm, opts, Tr::Load(sl + yl)) : rm.gy);
+        }
       }
       __syncthreads();  // every thread is done with this row's stage
       if (tid == 0) issue(i + stages, ring);
@@ -223,9 +230,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 // stage buffers of the slice as fit (at most kMaxStages), a persistent grid.
 // (One 512-thread block a SM, for rows past 16 slices of 32 KiB, measured
 // slower than the row pieces and left with the bench knobs: bench/NOTES.md.)
-template <typename T>
+template <typename T, bool kOpts>
 cudaError_t LaunchTma(const Params& p, int csize, cudaStream_t stream) {
-  auto kernel = TmaKernel<T, 256, 2>;
+  auto kernel = TmaKernel<T, 256, 2, kOpts>;
   int device = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) {
@@ -261,7 +268,9 @@ cudaError_t LaunchTma(const Params& p, int csize, cudaStream_t stream) {
 cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream) {
   return DispatchElementType(dtype, [&](auto element) {
-    return LaunchTma<typename decltype(element)::type>(p, cluster, stream);
+    using T = typename decltype(element)::type;
+    return ElementOptionsOn(p) ? LaunchTma<T, true>(p, cluster, stream)
+                               : LaunchTma<T, false>(p, cluster, stream);
   });
 }
 

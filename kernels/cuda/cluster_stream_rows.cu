@@ -81,9 +81,9 @@ __device__ float BlockSumFloat(float v, float* scratch) {
 // and writes the gradient with streaming stores. So DRAM sees one read and
 // one write, and with 4+ small blocks per SM in different phases memory stays
 // busy through each block's barrier (register rows' limit, bench/NOTES.md
-// v4). Plain options only (z-loss, grad_scale); softcap, weights and
-// smoothing take cluster register rows.
-template <typename T, int kMinBlocks>
+// v4). Every option: kOpts builds take the softcap and label smoothing's
+// sums (as SliceStats does).
+template <typename T, int kMinBlocks, bool kOpts>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
@@ -106,6 +106,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   // DSMEM may be written only once every peer has started.
   cluster.sync();
   if (hdr.error) return;  // uniform: the whole grid leaves, nothing written
+  const ElementOptions opts = MakeElementOptions(p);
+  // z of element j of vector u of a batch from `base` (kOpts: the softcap;
+  // the padding past `end` stays -inf, which a softcap would make -c).
+  const auto zof = [&](const uint4& v, int base, int u, int j) {
+    if (!kOpts) return Tr::Get(v, j);
+    return base + (u * kThreads + tid) * kVec + j < end
+               ? OptionZ(opts, Tr::Get(v, j))
+               : -INFINITY;
+  };
 
   // Persistent: a cluster per row at a time, rows strided by the cluster
   // count (launching a cluster per row cost ~30 ns a block: bench/NOTES.md).
@@ -120,12 +129,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
     const bool owner = valid ? (y >= start && y < end) : rank == 0;
-    const float zy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
+    const float xy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
+    const float zy = OptionZ(opts, xy);
 
-    // Pass 1: online max and sum of 2^(z*log2e - m_l2), rescaled when a batch
-    // raises the max; the argmax is found afterwards in the batch that set it.
+    // Pass 1: online max and sum of 2^((z - shift) * log2e - m_l2), rescaled
+    // when a batch raises the max; the argmax is found afterwards in the
+    // batch that set it.
     float m = -INFINITY;
-    float m_l2 = 0.0f;  // fl(m * log2e); 0 while m = -inf
+    float m_raw = -INFINITY;  // the max of the logits (kOpts: before the cap)
+    float shift = 0.0f;       // ExponentShift(m)
+    float m_l2 = 0.0f;        // fl(m * log2e); 0 while m = -inf
+    float wz = 0.0f;
     int arg_base = start;
     float acc[2] = {0.0f, 0.0f};
 #pragma unroll 1
@@ -133,31 +147,49 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
       uint4 nxt[kU];
       if (base + kBatch < end)
         LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
-      float bm = -INFINITY;
+      float bmx = -INFINITY;
 #pragma unroll
       for (int u = 0; u < kU; ++u)
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) bm = fmaxf(bm, Tr::Get(cur[u], j));
-      if (bm > m) {
-        const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
-        const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
-        acc[0] *= f;
-        acc[1] *= f;
-        m = bm;
-        m_l2 = nl2;
-        arg_base = base;
+        for (int j = 0; j < kVec; ++j) bmx = fmaxf(bmx, Tr::Get(cur[u], j));
+      if (bmx > m_raw) {
+        m_raw = bmx;
+        const float bm = kOpts ? OptionZ(opts, bmx) : bmx;
+        if (bm > m) {
+          const float nshift = ExponentShift(bm);
+          // = fl(m * log2e), see lo
+          const float nl2 = nshift != 0.0f ? 0.0f : __fmul_rn(bm, kLog2e);
+          float f = 0.0f;
+          if (m > -INFINITY) {
+            f = shift == 0.0f && nshift == 0.0f ? Exp2(m_l2 - nl2)
+                                                : Exp2((m - bm) * kLog2e);
+          }
+          acc[0] *= f;
+          acc[1] *= f;
+          m = bm;
+          shift = nshift;
+          m_l2 = nl2;
+          arg_base = base;
+        }
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u)
 #pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          acc[j % 2] += Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -m_l2));
+        for (int j = 0; j < kVec; ++j) {
+          const float z = zof(cur[u], base, u, j);
+          acc[j % 2] += Exp2(fmaf(z - shift, kLog2e, -m_l2));
+          if (kOpts && opts.smoothing && z > -INFINITY) {
+            wz =
+                fmaf(OptionWeight(opts, base + (u * kThreads + tid) * kVec + j),
+                     z, wz);
+          }
+        }
 #pragma unroll
       for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
     }
     Stats st;
     st.m = m;
-    st.sum_wz = 0.0f;
+    st.sum_wz = wz;
     st.arg = INT_MAX;
     if (m == -INFINITY) {
       st.t = -1.0f;
@@ -169,9 +201,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
       for (int u = kU - 1; u >= 0; --u)
 #pragma unroll
         for (int j = kVec - 1; j >= 0; --j)
-          if (Tr::Get(v[u], j) == m)
+          if (zof(v[u], arg_base, u, j) == m)
             st.arg = arg_base + (u * kThreads + tid) * kVec + j;
-      const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+      const float lo =
+          shift == 0.0f && isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
       st.t = (acc[0] + acc[1]) * exp2f(-lo) - 1.0f;
     }
 
@@ -195,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
             const int c = base + (u * kThreads + tid) * kVec + j;
-            const float e = expf(Tr::Get(v[u], j) - row_st.m);
+            const float e = expf(zof(v[u], base, u, j) - row_st.m);
             t += c == row_st.arg ? 0.0f : e;
           }
       }
@@ -206,7 +239,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
       for (int r = 1; r < csize; ++r) row_st.t += tbox[r];
     }
 
-    const RowMath rm = MakeRowMath(p, hdr, row_st, valid, zy, 1.0f);
+    const RowMath rm =
+        MakeRowMath(p, hdr, row_st, valid, zy, TargetWeight(p, valid, y));
     if (owner && tid == 0)
       WriteRowOutputs(p, row, valid, y, rm, row_st.arg, true);
     if (!p.grad) continue;
@@ -249,13 +283,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
         float g[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          g[j] = fmaf(Exp2(fmaf(Tr::Get(cur[u], j), kLog2e, -rm.lse_l2)), rm.a,
-                      rm.b);
+          g[j] = ElementGrad<T, kOpts>(rm, opts, Tr::Get(cur[u], j), e + j);
         }
         if (yl >= e && yl < e + kVec) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
-            if (e + j == yl) g[j] = rm.gy;
+            if (e + j == yl) {
+              g[j] = kOpts ? TargetGrad(rm, opts, Tr::Get(cur[u], j)) : rm.gy;
+            }
         }
         if (e + kVec <= end) {
           uint4 v;
@@ -273,14 +308,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   }  // rows
 }
 
-template <typename T>
+template <typename T, bool kOpts>
 cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
   // The build for 3 blocks a SM: the one for 4 spills per-row state and
   // measured 25-35% slower (bench/NOTES.md, v5).
   cudaLaunchConfig_t cfg = {};
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
-  return LaunchPersistentClusters(StreamKernel<T, 3>, cfg, csize, p.rows, p);
+  return LaunchPersistentClusters(StreamKernel<T, 3, kOpts>, cfg, csize, p.rows,
+                                  p);
 }
 
 }  // namespace
@@ -288,7 +324,9 @@ cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
 cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream) {
   return DispatchElementType(dtype, [&](auto element) {
-    return LaunchStream<typename decltype(element)::type>(p, cluster, stream);
+    using T = typename decltype(element)::type;
+    return ElementOptionsOn(p) ? LaunchStream<T, true>(p, cluster, stream)
+                               : LaunchStream<T, false>(p, cluster, stream);
   });
 }
 

@@ -31,8 +31,8 @@ struct Shape {
   long long row_bytes;
   bool forward_only;
   bool in_place;
-  // Softcap, class weights and label smoothing: only the cluster register
-  // rows and generic rows schedules implement them.
+  // Softcap, class weights or label smoothing: cluster register rows take
+  // them in their general build (every other schedule in all its builds).
   bool general;
   // Logits (and gradient) 16-byte aligned and a row stride of whole 16-byte
   // vectors: every row starts on a vector.
@@ -119,17 +119,19 @@ bool RegisterRowsFit(const Shape& s, const RegisterRows& r) {
 
 // The decision, measured on the H200 (bench/NOTES.md, bench/RESULTS.md):
 //
-//   options  mode          rows                         schedule
-//   general  any           aligned, <= 16 x 64 KiB      cluster register rows
-//   general  any           otherwise                    generic rows
-//   plain    forward only  >= 32 KiB                    split row forward
-//   plain    fwd+gradient  2-byte >= 32 KiB or fp32 >= 120 KiB
-//                          and its pieces fit           smem row pieces
-//                          else whole vectors, 2-byte
-//                          in place                     L2 row pieces
-//   plain    fwd+gradient  whole vectors, 32-512 KiB    cluster slice rows
-//   plain    fwd+gradient  aligned, > 160 KiB           cluster stream rows
-//   plain    any           shorter rows                 as general options
+//   mode          rows                                 schedule
+//   forward only  >= 32 KiB                            split row forward
+//   fwd+gradient  2-byte >= 32 KiB or fp32 >= 120 KiB
+//                 and its pieces fit                   smem row pieces
+//                 else whole vectors, 2-byte in place  L2 row pieces
+//   fwd+gradient  whole vectors, 32-512 KiB            cluster slice rows
+//   fwd+gradient  aligned, > 160 KiB                   cluster stream rows
+//   any           shorter rows, aligned, <= 16 x 64 KiB  cluster register rows
+//   any           otherwise                            generic rows
+//
+// Every schedule takes every option (softcap, class weights, label
+// smoothing, z-loss): those with per-element work run each schedule's option
+// build (ElementOptionsOn), the rest its plain one.
 //
 // Split row forward and smem row pieces take rows of any alignment and vocab
 // (their edges one element at a time: the gradient must then sit as far from
@@ -142,7 +144,7 @@ bool RegisterRowsFit(const Shape& s, const RegisterRows& r) {
 // against 85-86% at V = 32000 before session 9; see NOTES.md).
 Schedule ChooseSchedule(const Shape& s, const Params& p, cudaError_t* error) {
   *error = cudaSuccess;
-  if (!s.general) {
+  {
     if (s.forward_only && s.row_bytes >= 32 * kKiB) {
       if ((s.whole_vectors || s.edges_ok) &&
           s.rows * SplitRow(s, 0, 256).pieces <= INT_MAX) {
@@ -187,7 +189,6 @@ Schedule ChooseSchedule(const Shape& s, const Params& p, cudaError_t* error) {
 cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
                            const CrossEntropyCudaConfig& config,
                            cudaStream_t stream) {
-  const bool plain = !s.general;
   switch (schedule) {
     case Schedule::kGenericRows:
       return cuda_ce::LaunchGenericRows(p, s.dtype, stream);
@@ -210,7 +211,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kClusterStreamRows: {
       const ClusterSlices c = StreamRows(s, config.piece_kib);
-      if (!plain || !s.aligned_rows || s.rows * c.cluster > INT_MAX) {
+      if (!s.aligned_rows || s.rows * c.cluster > INT_MAX) {
         return cudaErrorInvalidValue;
       }
       p.chunk = c.chunk;
@@ -218,7 +219,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kClusterSliceRows: {
       const ClusterSlices c = SliceRows(s, config.piece_kib);
-      if (!plain || !s.whole_vectors || c.cluster > kMaxCluster) {
+      if (!s.whole_vectors || c.cluster > kMaxCluster) {
         return cudaErrorInvalidValue;
       }
       p.chunk = c.chunk;
@@ -226,7 +227,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kSplitRowForward: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 256);
-      if (!plain || !s.forward_only || s.rows * rp.pieces > INT_MAX) {
+      if (!s.forward_only || s.rows * rp.pieces > INT_MAX) {
         return cudaErrorInvalidValue;
       }
       p.chunk = rp.chunk;
@@ -235,7 +236,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kL2RowPieces: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 64);
-      if (!plain || s.forward_only || !s.whole_vectors || s.esize != 2) {
+      if (s.forward_only || !s.whole_vectors || s.esize != 2) {
         return cudaErrorInvalidValue;
       }
       const long long group_bytes =
@@ -249,7 +250,7 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
     }
     case Schedule::kSmemRowPieces: {
       const RowPieces rp = SplitRow(s, config.piece_kib, 48);
-      if (!plain || s.forward_only || !(s.whole_vectors || s.edges_ok)) {
+      if (s.forward_only || !(s.whole_vectors || s.edges_ok)) {
         return cudaErrorInvalidValue;
       }
       p.chunk = rp.chunk;
@@ -274,7 +275,8 @@ cudaError_t LaunchSchedule(Schedule schedule, const Shape& s, Params p,
 std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
   return kHeaderBytes + 5 * cuda_ce::AlignUp(n * 4) +
-         cuda_ce::AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes);
+         cuda_ce::AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes) +
+         cuda_ce::AlignUp(n * kMaxPieces * sizeof(float));
 }
 
 cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
@@ -306,6 +308,10 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
   p.row_done = reinterpret_cast<int*>(ws + kHeaderBytes + 3 * col);
   p.row_zy = reinterpret_cast<float*>(ws + kHeaderBytes + 4 * col);
   p.pieces = ws + kHeaderBytes + 5 * col;
+  p.piece_wz = reinterpret_cast<float*>(
+      ws + kHeaderBytes + 5 * col +
+      cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * kMaxPieces *
+                       cuda_ce::kStatsBytes));
   p.rows = args.rows;
   p.stride = args.row_stride;
   p.ignore_index = args.options.ignore_index;

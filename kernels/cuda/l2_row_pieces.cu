@@ -35,7 +35,8 @@ namespace {
 // One read and one write of the logits in DRAM while two groups fit in L2.
 // No deadlock with every block resident: a block waits only in a gradient
 // item, for statistics items taken earlier by blocks that never wait in them.
-// Plain options only (z-loss, grad_scale). (bench/NOTES.md: v8.)
+// Every option: kOpts builds take the softcap and label smoothing's sums
+// (SliceStats, ElementGrad). (bench/NOTES.md: v8.)
 // L2 hints: the statistics loads mark their lines evict-last in L2, the
 // gradient's re-reads and stores evict-first, so that the groups waiting for
 // their gradient outlive the lines already written (bench/NOTES.md "v8":
@@ -60,7 +61,7 @@ __device__ __forceinline__ Stats MergeRowPieces(const Params& p, long long row,
   return WarpMergeStats(ps);
 }
 
-template <typename T>
+template <typename T, bool kOpts>
 __global__ void __launch_bounds__(kThreads, 4)
     L2PieceKernel(Params p, int per_row, int group_rows, int lookahead) {
   using Tr = Traits<T>;
@@ -69,9 +70,13 @@ __global__ void __launch_bounds__(kThreads, 4)
   __shared__ long long item_s[2];
   __shared__ RowMath rowmath;
   __shared__ int row_y;  // the target's column in the piece, or kIgnoredRow
+  // The target's logit (in place, its thread has written over it by the time
+  // it fixes the target's gradient up, which needs it with a softcap).
+  __shared__ float row_xy;
   constexpr int kIgnoredRow = INT_MIN;
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: nothing is written
+  const ElementOptions opts = MakeElementOptions(p);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -104,13 +109,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int n = max(0, min(p.chunk, p.vocab - start));
     const T* src = static_cast<const T*>(p.logits) + row * p.stride + start;
     if (stats) {
-      Stats st = SliceStats<T, kThreads, true, true>(src, n, start, tid, keep);
+      Stats st = SliceStats<T, kThreads, true, true, kOpts>(
+          src, n, start, tid, keep, nullptr, NoWait(), opts);
       st = BlockMergeStats<kThreads>(st, scratch);
       if (tid == 0) {
         pieces[row * kMaxPieces + piece] = st;
         const long long y = LoadTarget(p, row);
         if (y != p.ignore_index && y >= start && y < start + n) {
-          p.row_zy[row] = Tr::Load(src + (y - start));
+          p.row_zy[row] = Tr::Load(src + (y - start));  // (x_y: see row_xy)
         }
         __threadfence();
         atomicAdd(p.row_done + row, 1);
@@ -121,11 +127,14 @@ __global__ void __launch_bounds__(kThreads, 4)
       const Stats st = MergeRowPieces(p, row, per_row, lane);
       const long long y = LoadTarget(p, row);
       const bool valid = y != p.ignore_index;
-      const float zy = valid ? __ldcg(p.row_zy + row) : 0.0f;
-      const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, 1.0f);
+      const float xy = valid ? __ldcg(p.row_zy + row) : 0.0f;
+      const float zy = OptionZ(opts, xy);
+      const RowMath rm =
+          MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
       const bool owner = valid ? (y >= start && y < start + n) : piece == 0;
       if (lane == 0) {
         rowmath = rm;
+        row_xy = xy;
         if (owner) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
         row_y = valid ? static_cast<int>(y - start) : kIgnoredRow;
       }
@@ -164,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, 4)
           float gr[kVec];
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            gr[j] = fmaf(Exp2(fmaf(Tr::Get(v[b], j), kLog2e, -rm.lse_l2)), rm.a,
-                         rm.b);
+            gr[j] = ElementGrad<T, kOpts>(rm, opts, Tr::Get(v[b], j),
+                                          start + q * kVec + j);
           }
           uint4 o4;
           Tr::Pack(gr, &o4);
@@ -175,7 +184,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
-        Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl, rm.gy);
+        Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl,
+                  kOpts ? TargetGrad(rm, opts, row_xy) : rm.gy);
       }
     }
     __syncthreads();  // rowmath and row_y are rewritten by the next item
@@ -186,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 // of `group_rows` rows, statistics two groups ahead of the gradient, a
 // persistent grid of every block that fits; the rows' done counts zeroed
 // first.
-template <typename T>
+template <typename T, bool kOpts>
 cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
                            cudaStream_t stream) {
   constexpr int kLookahead = 2;
@@ -196,14 +206,14 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, L2PieceKernel<T>,
-                                                      kThreads, 0);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, L2PieceKernel<T, kOpts>, kThreads, 0);
   }
   if (e != cudaSuccess) return e;
   if (per_sm <= 0) return cudaErrorInvalidConfiguration;
   e = cudaMemsetAsync(p.row_done, 0, sizeof(int) * p.rows, stream);
   if (e != cudaSuccess) return e;
-  L2PieceKernel<T>
+  L2PieceKernel<T, kOpts>
       <<<static_cast<unsigned>(sms * per_sm), kThreads, 0, stream>>>(
           p, per_row, group_rows, kLookahead);
   return cudaGetLastError();
@@ -215,9 +225,14 @@ cudaError_t LaunchL2RowPieces(const Params& p, DType dtype, int pieces,
                               int group_rows, cudaStream_t stream) {
   switch (dtype) {
     case DType::kBFloat16:
-      return LaunchL2Pieces<__nv_bfloat16>(p, pieces, group_rows, stream);
+      return ElementOptionsOn(p) ? LaunchL2Pieces<__nv_bfloat16, true>(
+                                       p, pieces, group_rows, stream)
+                                 : LaunchL2Pieces<__nv_bfloat16, false>(
+                                       p, pieces, group_rows, stream);
     case DType::kFloat16:
-      return LaunchL2Pieces<__half>(p, pieces, group_rows, stream);
+      return ElementOptionsOn(p)
+                 ? LaunchL2Pieces<__half, true>(p, pieces, group_rows, stream)
+                 : LaunchL2Pieces<__half, false>(p, pieces, group_rows, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -69,7 +69,17 @@ struct Params {
   float zls;
   float softcap;
   float grad_scale;
+  // Smem row pieces with label smoothing: each piece's sum of w_c z_c, by
+  // item (its slot has no room for it).
+  float* piece_wz;
 };
+
+// Whether a row's elements need the options' per-element work (softcap,
+// label smoothing): the schedules' option builds. Class weights alone and
+// z-loss are per-row terms (RowMath) and take the plain builds.
+inline bool ElementOptionsOn(const Params& p) {
+  return p.softcap > 0.0f || p.eps > 0.0f;
+}
 
 }  // namespace cuda_ce
 }  // namespace lossd

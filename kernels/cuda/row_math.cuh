@@ -102,9 +102,21 @@ __device__ __forceinline__ Log2Split SplitLog2(float v) {
   return r;
 }
 
+// Past this |max|, fl(m * log2e) is off by more than 2^-1 of a unit (its ulp
+// passes 1 near 2^23 / log2e), and the fused form Exp2(fma(z, log2e, -m_l2))
+// would give 2^(rounding) for z = m: inf or 0 at |m| ~ 1e30, hence a NaN row.
+// Such rows take their exponents as (z - shift) * log2e with shift = m
+// (exact by Sterbenz wherever the result is not 0), every other row keeps the
+// fused form with shift 0 (z - 0 = z: the same bits as before).
+constexpr float kHugeLogit = 1048576.0f;  // 2^20
+__device__ __forceinline__ float ExponentShift(float m) {
+  return fabsf(m) >= kHugeLogit && isfinite(m) ? m : 0.0f;
+}
+
 // Everything the gradient and the row outputs need, from the row's statistics.
 struct RowMath {
   float lse;
+  float shift;   // ExponentShift(m): p_c = Exp2(fma(z_c - shift, ...))
   float l1p;     // lse - m, kept apart so that z_y - lse keeps its digits
   float lse_l2;  // fl(lse * log2e) as a pair with the factor folded into a
   float a;       // dz_c = p_c * a + b * w_c (w_c = 1 without weights), with
@@ -127,9 +139,10 @@ __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
   RowMath r;
   r.l1p = log1pf(st.t);
   r.lse = st.m + r.l1p;
-  // lse * log2e = (m + l1p) * log2e to ~2^-40 relative: both products split
-  // exactly by fma, summed with a two-sum.
-  const Log2Split ms = SplitLog2(st.m);
+  r.shift = ExponentShift(st.m);
+  // (lse - shift) * log2e = (m - shift + l1p) * log2e to ~2^-40 relative:
+  // both products split exactly by fma, summed with a two-sum.
+  const Log2Split ms = SplitLog2(r.shift != 0.0f ? 0.0f : st.m);
   const Log2Split ls = SplitLog2(r.l1p);
   // Two-sum with explicitly rounded operations (no contraction, no
   // reassociation): the identity hi + lo = (m + l1p) * log2e relies on it.
@@ -210,7 +223,8 @@ inline __device__ __noinline__ float CancelledGrad(float b, float cut_hi,
 template <typename T>
 __device__ __forceinline__ float OtherGrad(const RowMath& r, float z,
                                            float wc) {
-  const float fast = Exp2(fmaf(z, kLog2e, -r.lse_l2)) * r.a + r.b * wc;
+  const float fast =
+      Exp2(fmaf(z - r.shift, kLog2e, -r.lse_l2)) * r.a + r.b * wc;
   if (fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut) {
     return CancelledGrad(r.b, r.cut_hi, r.cut_lo, z, wc, fast);
   }
@@ -238,6 +252,47 @@ __device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
   const float t = tanhf(x / c);
   *dfac = fmaf(-t, t, 1.0f);
   return c * t;
+}
+
+// The options that act on every element, for the fast schedules' option
+// builds: softcap (z = c tanh(x / c), dz/dx = 1 - tanh^2) and label
+// smoothing's sum of w_c z_c (w_c = 1 without class weights) and its w_c in
+// the gradient. Class weights without smoothing need only w_y (MakeRowMath)
+// and the total (prepare), not a load an element.
+struct ElementOptions {
+  float cap;             // softcap c; 0: none
+  bool smoothing;        // eps > 0
+  const float* weights;  // class weights where smoothing needs them, or null
+};
+__device__ __forceinline__ ElementOptions MakeElementOptions(const Params& p) {
+  ElementOptions o;
+  o.cap = p.softcap;
+  o.smoothing = p.eps > 0.0f;
+  o.weights = o.smoothing ? p.weights : nullptr;
+  return o;
+}
+// z from the logit x: the softcap if any.
+__device__ __forceinline__ float OptionZ(const ElementOptions& o, float x) {
+  return o.cap > 0.0f ? o.cap * tanhf(x / o.cap) : x;
+}
+// z and dz/dx from the logit x.
+__device__ __forceinline__ float OptionZ(const ElementOptions& o, float x,
+                                         float* dfac) {
+  if (!(o.cap > 0.0f)) {
+    *dfac = 1.0f;
+    return x;
+  }
+  return SoftcapZ(x, o.cap, dfac);
+}
+// w_c as label smoothing's terms need it (1 without class weights or without
+// smoothing, where b = 0 leaves it out of the gradient).
+__device__ __forceinline__ float OptionWeight(const ElementOptions& o, int c) {
+  return o.weights != nullptr ? __ldg(o.weights + c) : 1.0f;
+}
+// w_y of a row (1 without class weights or for an ignored row).
+__device__ __forceinline__ float TargetWeight(const Params& p, bool valid,
+                                              long long y) {
+  return valid && p.weights != nullptr ? __ldg(p.weights + y) : 1.0f;
 }
 
 // Merges the statistics of the 32 lanes of a warp; every lane gets the same

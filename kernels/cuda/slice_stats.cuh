@@ -65,29 +65,36 @@ __device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
 
 // This thread's statistics of a slice of `n` elements (a multiple of the
 // vector width) at `s` (shared or global memory), columns from `col0`: online
-// max and sum of 2^(z*log2e - m_l2) over batches of kU vectors, the first
-// argmax found afterwards in the batch that set the max. kPrefetch (global
-// memory): the next batch's loads are issued before this one's arithmetic.
-// kHint: global loads carry the L2 eviction policy `policy`. `keep` (not
-// null): every vector read is also stored there, at its index (smem row pieces
-// keep their piece in shared memory), and the p_y -> 1 pass below reads it from
-// there.
+// max and sum of 2^((z - shift) * log2e - m_l2) over batches of kU vectors,
+// the first argmax found afterwards in the batch that set the max. kPrefetch
+// (global memory): the next batch's loads are issued before this one's
+// arithmetic. kHint: global loads carry the L2 eviction policy `policy`.
+// `keep` (not null): every vector read is also stored there, at its index
+// (smem row pieces keep their piece in shared memory), and the p_y -> 1 pass
+// below reads it from there. kOpts: z is the softcapped logit and the sum of
+// w_c z_c is kept for label smoothing (`opts`); the argmax is the first
+// index of the max of z (the softcap saturates: logits that differ can share
+// a z).
 struct NoWait {
   __device__ void operator()(int) const {}
 };
 template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false,
-          typename Wait = NoWait>
+          bool kOpts = false, typename Wait = NoWait>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
                                             int tid,
                                             unsigned long long policy = 0,
                                             uint4* keep = nullptr,
-                                            const Wait& wait = Wait()) {
+                                            const Wait& wait = Wait(),
+                                            const ElementOptions& opts = {}) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   const uint4* sv = reinterpret_cast<const uint4*>(s);
   const int nvec = n / kVec;
   float m = -INFINITY;
+  float m_raw = -INFINITY;  // the max of the logits (kOpts: before the cap)
+  float shift = 0.0f;       // ExponentShift(m)
   float m_l2 = 0.0f;
+  float wz = 0.0f;
   int arg_q = 0;
   int arg = INT_MAX;  // kPrefetch: the first argmax, found in the loop
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -113,6 +120,10 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       }
     }
   };
+  // z of element j of a vector (kOpts: the softcap; plain: the logit).
+  const auto zof = [&](const uint4& v, int j) {
+    return kOpts ? OptionZ(opts, Tr::Get(v, j)) : Tr::Get(v, j);
+  };
   uint4 ahead[kU];
   if (kPrefetch) load(tid, ahead);
 #pragma unroll 1
@@ -133,37 +144,60 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
         if (q < nvec) keep[q] = v[u];
       }
     }
-    const float bm = BatchMax<T>(v);
-    if (bm > m) {
-      const float nl2 = __fmul_rn(bm, kLog2e);  // = fl(m * log2e), see lo
-      const float f = m > -INFINITY ? Exp2(m_l2 - nl2) : 0.0f;
+    // The batch's max: of the logits (packed compares), then through the
+    // softcap for kOpts, which is monotone (a later batch whose logits are
+    // larger but whose z is not keeps the earlier first argmax).
+    const float bmx = BatchMax<T>(v);
+    if (bmx > (kOpts ? m_raw : m)) {
+      if (kOpts) m_raw = bmx;
+      const float bm = kOpts ? OptionZ(opts, bmx) : bmx;
+      if (bm > m) {
+        const float nshift = ExponentShift(bm);
+        // = fl(m * log2e), see lo
+        const float nl2 = nshift != 0.0f ? 0.0f : __fmul_rn(bm, kLog2e);
+        float f = 0.0f;
+        if (m > -INFINITY) {
+          f = shift == 0.0f && nshift == 0.0f ? Exp2(m_l2 - nl2)
+                                              : Exp2((m - bm) * kLog2e);
+        }
 #pragma unroll
-      for (int a = 0; a < 4; ++a) acc[a] *= f;
-      m = bm;
-      m_l2 = nl2;
-      arg_q = q0;
-      if (kPrefetch) {
-        // The first argmax now, from registers: a re-read after the loop
-        // would wait for global memory at the block's end.
-        arg = INT_MAX;
+        for (int a = 0; a < 4; ++a) acc[a] *= f;
+        m = bm;
+        shift = nshift;
+        m_l2 = nl2;
+        arg_q = q0;
+        if (kPrefetch) {
+          // The first argmax now, from registers: a re-read after the loop
+          // would wait for global memory at the block's end.
+          arg = INT_MAX;
 #pragma unroll
-        for (int u = kU - 1; u >= 0; --u)
+          for (int u = kU - 1; u >= 0; --u)
 #pragma unroll
-          for (int j = kVec - 1; j >= 0; --j)
-            if (Tr::Get(v[u], j) == bm)
-              arg = col0 + (q0 + u * kBlock) * kVec + j;
+            for (int j = kVec - 1; j >= 0; --j)
+              if (zof(v[u], j) == bm) arg = col0 + (q0 + u * kBlock) * kVec + j;
+        }
       }
     }
     // Four independent sums: the adds' latency is not one chain.
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
+    for (int u = 0; u < kU; ++u) {
+      // (kOpts: the padding past nvec stays -inf, which a softcap would
+      // make -c, a term of the sum)
+      const bool in = !kOpts || q0 + u * kBlock < nvec;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        acc[(u * kVec + j) % 4] += Exp2(fmaf(Tr::Get(v[u], j), kLog2e, -m_l2));
+      for (int j = 0; j < kVec; ++j) {
+        const float zj = in ? zof(v[u], j) : -INFINITY;
+        acc[(u * kVec + j) % 4] += Exp2(fmaf(zj - shift, kLog2e, -m_l2));
+        if (kOpts && opts.smoothing && in) {
+          wz = fmaf(OptionWeight(opts, col0 + (q0 + u * kBlock) * kVec + j), zj,
+                    wz);
+        }
+      }
+    }
   }
   Stats st;
   st.m = m;
-  st.sum_wz = 0.0f;
+  st.sum_wz = wz;
   st.arg = kPrefetch ? arg : INT_MAX;
   if (m == -INFINITY) {
     st.t = -1.0f;
@@ -175,9 +209,10 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       const uint4 v = sv[q];
 #pragma unroll
       for (int j = kVec - 1; j >= 0; --j)
-        if (Tr::Get(v, j) == m) st.arg = col0 + q * kVec + j;
+        if (zof(v, j) == m) st.arg = col0 + q * kVec + j;
     }
-    const float lo = isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
+    const float lo =
+        shift == 0.0f && isfinite(m_l2) ? fmaf(m, kLog2e, -m_l2) : 0.0f;
     const float corr = exp2f(-lo);
     st.t = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * corr - 1.0f;
     if (st.t < 0.0625f) {
@@ -191,7 +226,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
         const uint4 v = keep != nullptr ? keep[q] : sv[q];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float e = Exp2(fmaf(Tr::Get(v, j), kLog2e, -m_l2));
+          const float e = Exp2(fmaf(zof(v, j) - shift, kLog2e, -m_l2));
           t += col0 + q * kVec + j == st.arg ? 0.0f : e;
         }
       }
@@ -201,11 +236,38 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   return st;
 }
 
+// The gradient of one element from its logit x at column c (before the
+// target's fix-up): kOpts with the softcap's factor and label smoothing's w_c
+// (OtherGrad, which also keeps the digits where smoothing cancels).
+template <typename T, bool kOpts>
+__device__ __forceinline__ float ElementGrad(const RowMath& rm,
+                                             const ElementOptions& opts,
+                                             float x, int c) {
+  if (!kOpts) {
+    return fmaf(Exp2(fmaf(x - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b);
+  }
+  float dfac;
+  const float z = OptionZ(opts, x, &dfac);
+  return OtherGrad<T>(rm, z, OptionWeight(opts, c)) * dfac;
+}
+
+// dz_y with the options: the softcap's factor at the target's logit x_y.
+__device__ __forceinline__ float TargetGrad(const RowMath& rm,
+                                            const ElementOptions& opts,
+                                            float xy) {
+  float dfac;
+  OptionZ(opts, xy, &dfac);
+  return rm.gy * dfac;
+}
+
 // Gradient of this thread's share of a slice (shared memory) into `out`
-// with streaming stores; the target column is fixed up by the caller.
-template <typename T, int kBlock>
+// with streaming stores, columns from `col0`; the target column is fixed up
+// by the caller.
+template <typename T, int kBlock, bool kOpts = false>
 __device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
-                                              int tid, const RowMath& rm) {
+                                              int tid, const RowMath& rm,
+                                              const ElementOptions& opts = {},
+                                              int col0 = 0) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
 #pragma unroll 4
@@ -214,7 +276,8 @@ __device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
     float gr[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      gr[j] = fmaf(Exp2(fmaf(Tr::Get(v, j), kLog2e, -rm.lse_l2)), rm.a, rm.b);
+      gr[j] =
+          ElementGrad<T, kOpts>(rm, opts, Tr::Get(v, j), col0 + q * kVec + j);
     }
     uint4 o;
     Tr::Pack(gr, &o);
@@ -298,6 +361,14 @@ __device__ __forceinline__ Stats ElementStats(float z, int c) {
     e.t = z == INFINITY ? NAN : 0.0f;
     e.arg = c;
   }
+  return e;
+}
+// The same of a logit x at column c with the options (kOpts builds).
+__device__ __forceinline__ Stats ElementStats(const ElementOptions& o, float x,
+                                              int c) {
+  const float z = OptionZ(o, x);
+  Stats e = ElementStats(z, c);
+  if (o.smoothing) e.sum_wz = OptionWeight(o, c) * z;
   return e;
 }
 

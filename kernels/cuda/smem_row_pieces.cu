@@ -44,6 +44,22 @@ __device__ __forceinline__ void PublishSlot(PieceSlot* slot, const Stats& st,
       "r"(__float_as_uint(zy)), "r"(static_cast<unsigned>(st.arg) + 1u)
       : "memory");
 }
+// Label smoothing's sum of w_c z_c of a piece, beside its slot: stored before
+// the slot is published (the fence orders the two for a reader that finds
+// the slot full and fences in turn), read from L2.
+__device__ __forceinline__ void PublishWz(float* wz, float v) {
+  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(wz), "f"(v)
+               : "memory");
+  __threadfence();
+}
+__device__ __forceinline__ float ReadWz(const float* wz) {
+  float v;
+  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];"
+               : "=f"(v)
+               : "l"(wz)
+               : "memory");
+  return v;
+}
 // The slot's 16 bytes read atomically (a compare-and-swap of zero with zero
 // leaves the slot unchanged and returns it whole).
 __device__ __forceinline__ PieceSlot ReadSlot(PieceSlot* slot) {
@@ -80,7 +96,7 @@ constexpr int kBulkChunks = 8;
 // in one atomic access, and merges them in a fixed order, every piece of a
 // row getting the same bits) and writes the gradient from shared memory. One
 // read and one write of the logits, through L2 once (L2 row pieces re-read it
-// there, bench/NOTES.md). Plain options only (z-loss, grad_scale).
+// there, bench/NOTES.md). Every option (kOpts below).
 // (bench/NOTES.md: v9.)
 //
 // What a piece waits for is the slowest piece of its row (bench/NOTES.md "v9,
@@ -107,7 +123,12 @@ constexpr int kBulkChunks = 8;
 // elements before that address (piece 0's) and after the last whole vector
 // (the last piece's) are the piece's edges, at most 2 * (vector width - 1),
 // read and written one at a time by one warp (PieceSpan).
-template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges>
+//
+// kOpts: softcap and label smoothing (ElementOptionsOn): z is the softcapped
+// logit in the statistics and the gradient, each piece's sum of w_c z_c goes
+// beside its slot (PublishWz), and the gradient takes OtherGrad's form.
+template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges,
+          bool kOpts>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     SmemPieceKernel(Params p, int per_row, long long ahead) {
   using Tr = Traits<T>;
@@ -123,6 +144,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   __shared__ unsigned long long landed[kBulkChunks];
   const WorkspaceHeader hdr = *p.header;
   if (hdr.error) return;  // uniform: nothing is written
+  const ElementOptions opts = MakeElementOptions(p);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -198,13 +220,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     if (kBulk) {
       // Each batch once its chunk has landed (batch q0 is chunk
       // (q0 - tid) / (kU * kBlock)).
-      st = SliceStats<T, kBlock>(reinterpret_cast<const T*>(kept), n, start,
-                                 tid, 0, nullptr, [&](int q0) {
-                                   MbarWait(&landed[(q0 - tid) / (kU * kBlock)],
-                                            parity);
-                                 });
+      st = SliceStats<T, kBlock, false, false, kOpts>(
+          reinterpret_cast<const T*>(kept), n, start, tid, 0, nullptr,
+          [&](int q0) {
+            MbarWait(&landed[(q0 - tid) / (kU * kBlock)], parity);
+          },
+          opts);
     } else {
-      st = SliceStats<T, kBlock, true>(src, n, start, tid, 0, kept);
+      st = SliceStats<T, kBlock, true, false, kOpts>(src, n, start, tid, 0,
+                                                     kept, NoWait(), opts);
     }
     // The warps' statistics to shared memory; warp 0 alone merges them (the
     // others go on to the barrier before the gradient, which is also the one
@@ -225,9 +249,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       Stats edges = EmptyStats();
       if (kEdges && span.edges > 0) {
         // The edges' statistics, one element a lane (fewer than 32).
-        edges = WarpMergeStats(edge_lane
-                                   ? ElementStats(edge_z, span.EdgeColumn(lane))
-                                   : EmptyStats());
+        const int c = span.EdgeColumn(lane);
+        edges = WarpMergeStats(!edge_lane ? EmptyStats()
+                               : kOpts    ? ElementStats(opts, edge_z, c)
+                                          : ElementStats(edge_z, c));
       }
       st = WarpMergeStats(lane < kWarps    ? scratch[lane]
                           : lane == kWarps ? edges
@@ -250,6 +275,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         float zy =
             holds_y ? Tr::Load(reinterpret_cast<const T*>(kept) + yl) : 0.0f;
         if (kEdges && y_edge != 0) zy = zy_edge;
+        if (kOpts) {
+          zy = OptionZ(opts, zy);
+          if (opts.smoothing) PublishWz(p.piece_wz + k, st.sum_wz);
+        }
         PublishSlot(row_slots + piece, st, zy);
       }
       // Every lane polls its piece's slot until the row's are all full, then
@@ -271,10 +300,16 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           }
         }
       }
+      if (kOpts && opts.smoothing) {
+        __threadfence();  // (pairs with PublishWz's: the slot was full)
+        ps.sum_wz =
+            lane < per_row ? ReadWz(p.piece_wz + (k - piece) + lane) : 0.0f;
+      }
       const Stats rs = WarpMergeStats(ps);
       const float zy =
           valid ? __shfl_sync(0xffffffffu, zy_lane, y_piece) : 0.0f;
-      const RowMath rm = MakeRowMath(p, hdr, rs, valid, zy, 1.0f);
+      const RowMath rm =
+          MakeRowMath(p, hdr, rs, valid, zy, TargetWeight(p, valid, y));
       const bool owner = y_piece == piece;
       if (lane == 0) {
         if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
@@ -289,11 +324,15 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
       const RowMath rm = rowmath;
-      GradientSlice<T, kBlock>(kept, out, nvec, tid, rm);
+      GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
-        Tr::Store(out + yl, rm.gy);
+        Tr::Store(
+            out + yl,
+            kOpts ? TargetGrad(rm, opts,
+                               Tr::Load(reinterpret_cast<const T*>(kept) + yl))
+                  : rm.gy);
       }
     }
     if (edge_lane) {
@@ -302,8 +341,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       float g = 0.0f;
       if (valid) {
         const RowMath rm = rowmath;
-        g = c == y ? rm.gy
-                   : fmaf(Exp2(fmaf(edge_z, kLog2e, -rm.lse_l2)), rm.a, rm.b);
+        g = c != y  ? ElementGrad<T, kOpts>(rm, opts, edge_z, c)
+            : kOpts ? TargetGrad(rm, opts, edge_z)
+                    : rm.gy;
       }
       Tr::Store(out_row + c, g);
     }
@@ -323,10 +363,10 @@ struct Plan {
   bool fits = false;
 };
 
-template <typename T, int kLoad, bool kEdges>
+template <typename T, int kLoad, bool kEdges, bool kOpts>
 cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   constexpr int kBlock = kThreads;
-  const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad, kEdges>;
+  const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts>;
   plan->smem = static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
   plan->fits = false;
   int device = 0, smem_max = 0;
@@ -363,10 +403,10 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
 // persistent grid of every block that fits with a piece of shared memory
 // (256 threads, four a SM); each taken item prefetches the piece 256 KiB of
 // logits ahead into L2 where four blocks fit a SM (none otherwise).
-template <typename T, int kLoad, bool kEdges>
+template <typename T, int kLoad, bool kEdges, bool kOpts>
 cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   Plan plan;
-  cudaError_t e = MakePlan<T, kLoad, kEdges>(p, per_row, &plan);
+  cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts>(p, per_row, &plan);
   if (e != cudaSuccess) return e;
   if (!plan.fits) return cudaErrorInvalidConfiguration;
   const long long grid = static_cast<long long>(plan.sms) * plan.per_sm;
@@ -380,7 +420,7 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   e = cudaMemsetAsync(p.pieces, 0, sizeof(PieceSlot) * p.rows * per_row,
                       stream);
   if (e != cudaSuccess) return e;
-  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges>
+  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges, kOpts>
       <<<static_cast<unsigned>(grid), kThreads, plan.smem, stream>>>(
           p, per_row,
           ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / plan.smem) : 0);
@@ -390,28 +430,42 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
 // Plans (fits != nullptr: says whether the shape runs) or launches the build
 // for `bulk` and `edges`. kRegisterLoads: the type has a build with the
 // threads' loads (2-byte logits).
+template <typename T, int kLoad, bool kEdges, bool kOpts>
+cudaError_t FitOrLaunchBuild(const Params& p, int per_row, bool* fits,
+                             cudaStream_t stream) {
+  if (fits == nullptr)
+    return LaunchPieces<T, kLoad, kEdges, kOpts>(p, per_row, stream);
+  Plan plan;
+  const cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts>(p, per_row, &plan);
+  *fits = plan.fits;
+  return e;
+}
 template <typename T, int kLoad, bool kEdges>
 cudaError_t FitOrLaunch(const Params& p, int per_row, bool* fits,
                         cudaStream_t stream) {
-  if (fits == nullptr)
-    return LaunchPieces<T, kLoad, kEdges>(p, per_row, stream);
-  Plan plan;
-  const cudaError_t e = MakePlan<T, kLoad, kEdges>(p, per_row, &plan);
-  *fits = plan.fits;
-  return e;
+  // (option builds with bulk copies only: ForBuild)
+  constexpr bool kOpts = kLoad == kLoadBulk;
+  return ElementOptionsOn(p) ? FitOrLaunchBuild<T, kLoad, kEdges, kOpts>(
+                                   p, per_row, fits, stream)
+                             : FitOrLaunchBuild<T, kLoad, kEdges, false>(
+                                   p, per_row, fits, stream);
 }
 
 template <typename T, bool kRegisterLoads>
 cudaError_t ForBuild(const Params& p, bool bulk, bool edges, int per_row,
                      bool* fits, cudaStream_t stream) {
   if (fits != nullptr) *fits = false;
-  if (bulk) {
+  if (bulk || ElementOptionsOn(p)) {
     return edges ? FitOrLaunch<T, kLoadBulk, true>(p, per_row, fits, stream)
                  : FitOrLaunch<T, kLoadBulk, false>(p, per_row, fits, stream);
   }
   // The threads' loads: 2-byte logits of whole-vector rows only (with edges
-  // that build spills; bulk copies measured as fast in place).
-  if (!kRegisterLoads || edges) return cudaErrorInvalidValue;
+  // that build spills; bulk copies measured as fast in place), plain options
+  // (so does the option build, its softcap's registers on top of two batches
+  // of loads in flight).
+  if (!kRegisterLoads || edges || ElementOptionsOn(p)) {
+    return cudaErrorInvalidValue;
+  }
   constexpr int kLoad = kRegisterLoads ? kLoadRegisters : kLoadBulk;
   return FitOrLaunch<T, kLoad, false>(p, per_row, fits, stream);
 }

@@ -26,13 +26,14 @@ namespace {
 // each row's pieces in a fixed order (one warp a row) and writes the row's
 // outputs. No cluster, no exchange, no barrier between blocks: a block's
 // reductions overlap the other resident blocks' loads. One read of the logits.
-// Plain options only (z-loss). Each thread keeps two batches of loads in
-// flight (SliceStats' prefetch).
+// Every option: kOpts builds take the softcap and label smoothing's sums
+// (SliceStats). Each thread keeps two batches of loads in flight (SliceStats'
+// prefetch).
 
 // kEdges: rows of any alignment and vocab, cut as smem_row_pieces.cu cuts
 // them (PieceSpan): whole vectors by the loop, the edges one element a lane of
 // warp 0, merged after the block's statistics.
-template <typename T, bool kEdges>
+template <typename T, bool kEdges, bool kOpts>
 __global__ void __launch_bounds__(kThreads, 4)
     PieceStatsKernel(Params p, int per_row) {
   __shared__ Stats scratch[kThreads / 32 + 1];
@@ -50,12 +51,16 @@ __global__ void __launch_bounds__(kThreads, 4)
   const bool edge_lane = kEdges && threadIdx.x < span.edges;
   const float edge_z =
       edge_lane ? Traits<T>::Load(in_row + span.EdgeColumn(threadIdx.x)) : 0.0f;
-  Stats st = SliceStats<T, kThreads, true>(s, n, start, threadIdx.x);
+  const ElementOptions opts = MakeElementOptions(p);
+  Stats st = SliceStats<T, kThreads, true, false, kOpts>(
+      s, n, start, threadIdx.x, 0, nullptr, NoWait(), opts);
   st = BlockMergeStats<kThreads>(st, scratch);
   if (kEdges && span.edges > 0 && threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const Stats edges = WarpMergeStats(
-        edge_lane ? ElementStats(edge_z, span.EdgeColumn(lane)) : EmptyStats());
+    const int c = span.EdgeColumn(lane);
+    const Stats edges = WarpMergeStats(!edge_lane ? EmptyStats()
+                                       : kOpts ? ElementStats(opts, edge_z, c)
+                                               : ElementStats(edge_z, c));
     st = WarpMergeStats(lane == 0 ? st : lane == 1 ? edges : EmptyStats());
   }
   if (threadIdx.x == 0) {
@@ -79,10 +84,12 @@ __global__ void __launch_bounds__(kThreads)
           : EmptyStats());
   const long long y = LoadTarget(p, row);
   const bool valid = y != p.ignore_index;
-  const float zy = valid ? Traits<T>::Load(static_cast<const T*>(p.logits) +
+  const float xy = valid ? Traits<T>::Load(static_cast<const T*>(p.logits) +
                                            row * p.stride + y)
                          : 0.0f;
-  const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, 1.0f);
+  const float zy = OptionZ(MakeElementOptions(p), xy);
+  const RowMath rm =
+      MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
   if (lane == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
 }
 
@@ -90,10 +97,16 @@ template <typename T>
 cudaError_t LaunchPieces(const Params& p, bool edges, int per_row,
                          cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.rows * per_row));
-  if (edges) {
-    PieceStatsKernel<T, true><<<grid, kThreads, 0, stream>>>(p, per_row);
+  const bool opts = ElementOptionsOn(p);
+  if (edges && opts) {
+    PieceStatsKernel<T, true, true><<<grid, kThreads, 0, stream>>>(p, per_row);
+  } else if (edges) {
+    PieceStatsKernel<T, true, false><<<grid, kThreads, 0, stream>>>(p, per_row);
+  } else if (opts) {
+    PieceStatsKernel<T, false, true><<<grid, kThreads, 0, stream>>>(p, per_row);
   } else {
-    PieceStatsKernel<T, false><<<grid, kThreads, 0, stream>>>(p, per_row);
+    PieceStatsKernel<T, false, false>
+        <<<grid, kThreads, 0, stream>>>(p, per_row);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

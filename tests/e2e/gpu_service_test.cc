@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/float16.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -517,6 +518,75 @@ TEST_F(GpuServiceTest, EvaluateMatchesTheCpuDevice) {
   EXPECT_EQ(responses[0].correct_tokens(), responses[1].correct_tokens());
   // Evaluate holds no tensor and returns its block memory.
   EXPECT_TRUE(gpu_.server()->store()->AwaitUsedBytes(0, absl::Seconds(5)));
+}
+
+// One row's NaN, +inf or -inf, or every logit of +-1e30: Evaluate's loss and
+// non-finite count agree with the CPU device's on the short rows' schedules
+// and the long rows' (forward only), with and without options.
+TEST_F(GpuServiceTest, EvaluateCountsNonFiniteRowsAsTheCpuDeviceDoes) {
+  const float specials[] = {NAN, INFINITY, -INFINITY, 1e30f};
+  for (int64_t vocab : {7, 8192, 50257, 128256}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      for (float special : specials) {
+        for (bool options : {false, true}) {
+          SCOPED_TRACE(absl::StrCat("vocab ", vocab, " ", DTypeName(dtype),
+                                    " special ", special, " options ",
+                                    options));
+          const int64_t rows = 8;
+          std::normal_distribution<float> normal(0.0f, 2.0f);
+          std::vector<float> values(rows * vocab);
+          for (int64_t i = 0; i < rows * vocab; ++i) {
+            values[i] = std::isfinite(special)
+                            ? (i % 2 == 0 ? special : -special)
+                            : normal(rng_);
+          }
+          if (!std::isfinite(special)) values[3 * vocab + vocab / 2] = special;
+          std::string logits(values.size() * DTypeSize(dtype), '\0');
+          ASSERT_TRUE(ConvertAndScale(values.data(), DType::kFloat32,
+                                      logits.data(), dtype, 0, rows * vocab, 1,
+                                      1.0f, nullptr)
+                          .ok());
+          std::vector<int32_t> targets(rows);
+          for (int64_t r = 0; r < rows; ++r) {
+            targets[r] = static_cast<int32_t>((r * 7919) % vocab);
+          }
+          pb::EvaluateResponse responses[2];
+          Endpoint* endpoints[2] = {&gpu_, &cpu_};
+          for (int side = 0; side < 2; ++side) {
+            grpc::ClientContext context;
+            auto writer =
+                endpoints[side]->stub()->Evaluate(&context, &responses[side]);
+            pb::EvaluateRequest request;
+            request.mutable_header()->set_vocab(vocab);
+            request.mutable_header()->set_logits_dtype(
+                dtype == DType::kFloat32 ? pb::DTYPE_FLOAT32
+                                         : pb::DTYPE_BFLOAT16);
+            request.mutable_header()->set_targets_dtype(pb::DTYPE_INT32);
+            if (options) {
+              auto* o = request.mutable_header()->mutable_options();
+              o->set_label_smoothing(0.1f);
+              o->set_softcap(30.0f);
+            }
+            ASSERT_TRUE(writer->Write(request));
+            request.mutable_block()->set_logits(logits);
+            request.mutable_block()->set_targets(Bytes(targets));
+            ASSERT_TRUE(writer->Write(request));
+            writer->WritesDone();
+            const grpc::Status status = writer->Finish();
+            ASSERT_TRUE(status.ok()) << status.error_message();
+          }
+          EXPECT_EQ(responses[0].nonfinite_rows(),
+                    responses[1].nonfinite_rows());
+          const double gpu = responses[0].loss(), cpu = responses[1].loss();
+          EXPECT_EQ(std::isnan(gpu), std::isnan(cpu)) << gpu << " vs " << cpu;
+          EXPECT_EQ(std::isinf(gpu), std::isinf(cpu)) << gpu << " vs " << cpu;
+          if (std::isfinite(cpu)) {
+            EXPECT_NEAR(gpu, cpu, 1e-4 * std::abs(cpu) + 1e-4);
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST_F(GpuServiceTest, DeviceOutOfMemoryIsResourceExhaustedAndServingGoesOn) {

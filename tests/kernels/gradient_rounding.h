@@ -29,6 +29,7 @@ struct RoundingCase {
   DType dtype = DType::kBFloat16;
   float label_smoothing = 0.1f;
   float z_loss_scale = 1e-4f;
+  float softcap = 0.0f;
   bool weights = false;
   double ignore_fraction = 0.25;
   double scale = 3.0;
@@ -90,6 +91,7 @@ inline CrossEntropyOptions RoundingOptions(const RoundingCase& c) {
   CrossEntropyOptions o;
   o.label_smoothing = c.label_smoothing;
   o.z_loss_scale = c.z_loss_scale;
+  o.softcap = c.softcap;
   o.reduction = Reduction::kMean;
   o.ignore_index = -100;
   o.grad_scale = c.grad_scale;
@@ -123,7 +125,9 @@ struct RoundingReport {
 };
 
 // Checks `gradient` (rows * vocab elements of c.dtype) against the fp64
-// gradient of the mean loss with label smoothing and z-loss.
+// gradient of the mean loss with label smoothing, z-loss and softcap (the
+// gradient with respect to the logits: dz/dx = 1 - tanh^2 folded in, into the
+// terms as well).
 inline RoundingReport CheckRounding(const RoundingCase& c,
                                     const RoundingInputs& in,
                                     const std::vector<uint8_t>& gradient,
@@ -140,12 +144,17 @@ inline RoundingReport CheckRounding(const RoundingCase& c,
   }
   const double s =
       denominator > 0 ? static_cast<double>(c.grad_scale) / denominator : 0.0;
-  std::vector<double> z(V);
+  std::vector<double> z(V), dfac(V, 1.0);
   for (int64_t r = 0; r < c.rows; ++r) {
     const int64_t y = in.targets[r];
     double m = -INFINITY;
     for (int64_t v = 0; v < V; ++v) {
       z[v] = ElementValue(in.logits, c.dtype, r * V + v);
+      if (c.softcap > 0) {
+        const double t = std::tanh(z[v] / c.softcap);
+        z[v] = c.softcap * t;
+        dfac[v] = 1 - t * t;
+      }
       m = std::max(m, z[v]);
     }
     double sum = 0;
@@ -159,8 +168,8 @@ inline RoundingReport CheckRounding(const RoundingCase& c,
       if (valid) {
         const double p = std::exp(z[v] - lse);
         const double hot = v == y ? (1 - eps) * wy : 0.0;
-        want = s * (p * a - hot - eps * w[v] / V);
-        terms = s * (p * std::fabs(a) + hot + eps * w[v] / V);
+        want = s * (p * a - hot - eps * w[v] / V) * dfac[v];
+        terms = s * (p * std::fabs(a) + hot + eps * w[v] / V) * dfac[v];
       }
       const double got = ElementValue(gradient, c.dtype, r * V + v);
       const double err = std::fabs(got - want);

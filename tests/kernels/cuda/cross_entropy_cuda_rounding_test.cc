@@ -1,7 +1,8 @@
 // The gradient's rounding promise on the GPU (docs/api.md "Precision"): label
-// smoothing's p_c A - eps w_c / V cancels, and each schedule that takes label
-// smoothing must keep the result within one rounding plus the stated slack of
-// the fp64 gradient. Skipped without a GPU.
+// smoothing's p_c A - eps w_c / V cancels, a softcap's factor multiplies every
+// rounding, and every schedule that can take the shape must keep the result
+// within one rounding plus the stated slack of the fp64 gradient. Skipped
+// without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -50,10 +51,16 @@ class DeviceBytes {
 // within one rounding and kFp32Units fp32 roundings of the terms.
 constexpr double kHalfUnits = 2.0;
 constexpr double kFp32Units = 24.0;
+// With a softcap (any dtype): one ulp and kSoftcapUnits roundings of the
+// terms (tanh's own rounding, ~2 ulp of c tanh, reaches every p_c).
+constexpr double kSoftcapUnits = 128.0;
 
-RoundingBound BoundFor(DType dtype) {
+RoundingBound BoundFor(DType dtype, bool softcap) {
   RoundingBound b;
-  if (dtype == DType::kFloat32) {
+  if (softcap) {
+    b.slack_ulps = 0.5;
+    b.k = kSoftcapUnits;
+  } else if (dtype == DType::kFloat32) {
     b.slack_ulps = 0.0;
     b.k = kFp32Units;
   } else {
@@ -104,23 +111,37 @@ std::vector<uint8_t> RunGpu(const RoundingCase& c, const RoundingInputs& in,
   return out;
 }
 
-// The schedules that take label smoothing (the others need plain options):
-// the automatic choice, then each by name.
+// Every forward+gradient schedule that can take the case's shape (rows of
+// `vocab` elements, unpadded, out of place): the automatic choice, then each
+// by name.
 void CheckEverySchedule(const RoundingCase& c) {
   const RoundingInputs in = MakeRoundingInputs(c);
+  const int64_t esize = static_cast<int64_t>(DTypeSize(c.dtype));
+  const bool whole_vectors = c.vocab * esize % 16 == 0;
   const struct {
     const char* name;
     CrossEntropyCudaSchedule schedule;
+    bool takes;
   } schedules[] = {
-      {"auto", CrossEntropyCudaSchedule::kAuto},
-      {"cluster register rows", CrossEntropyCudaSchedule::kClusterRegisterRows},
-      {"generic rows", CrossEntropyCudaSchedule::kGenericRows},
+      {"auto", CrossEntropyCudaSchedule::kAuto, true},
+      {"smem row pieces", CrossEntropyCudaSchedule::kSmemRowPieces, true},
+      {"L2 row pieces", CrossEntropyCudaSchedule::kL2RowPieces,
+       whole_vectors && esize == 2},
+      {"cluster slice rows", CrossEntropyCudaSchedule::kClusterSliceRows,
+       whole_vectors && c.vocab * esize <= 16 * 32 * 1024},
+      {"cluster stream rows", CrossEntropyCudaSchedule::kClusterStreamRows,
+       whole_vectors},
+      {"cluster register rows", CrossEntropyCudaSchedule::kClusterRegisterRows,
+       true},
+      {"generic rows", CrossEntropyCudaSchedule::kGenericRows, true},
   };
   for (const auto& s : schedules) {
+    if (!s.takes) continue;
     const std::string what = absl::StrCat(c.name, ", ", s.name);
     SCOPED_TRACE(what);
     const std::vector<uint8_t> grad = RunGpu(c, in, s.schedule);
-    const RoundingReport rep = CheckRounding(c, in, grad, BoundFor(c.dtype));
+    const RoundingReport rep =
+        CheckRounding(c, in, grad, BoundFor(c.dtype, c.softcap > 0));
     rounding_test::PrintRoundingReport(what, rep);
     EXPECT_EQ(rep.failures, 0) << rep.first_failures;
   }
@@ -186,6 +207,48 @@ TEST_F(CudaGradientRoundingTest, FullSmoothingBf16) {
   c.z_loss_scale = 0.0f;
   c.seed = 5;
   CheckEverySchedule(c);
+}
+
+// Softcap 30 (Gemma's final logits) with smoothing and z-loss: the factor
+// 1 - tanh^2 on every element, tanh's rounding in every p_c.
+TEST_F(CudaGradientRoundingTest, SoftcapBf16) {
+  RoundingCase c;
+  c.name = "bf16 256x128256 softcap=30 eps=0.1 z-loss";
+  c.softcap = 30.0f;
+  c.scale = 20.0;  // logits that reach the cap's curve
+  c.seed = 6;
+  CheckEverySchedule(c);
+}
+
+TEST_F(CudaGradientRoundingTest, SoftcapFp32) {
+  RoundingCase c;
+  c.name = "fp32 128x65536 softcap=30";
+  c.dtype = DType::kFloat32;
+  c.rows = 128;
+  c.vocab = 65536;
+  c.softcap = 30.0f;
+  c.label_smoothing = 0.0f;
+  c.scale = 20.0;
+  c.seed = 7;
+  CheckEverySchedule(c);
+}
+
+// Every option at once, odd vocabulary (the edges), fp16 with a scale.
+TEST_F(CudaGradientRoundingTest, AllOptionsOddVocab) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    RoundingCase c;
+    c.name = absl::StrCat(DTypeName(dtype),
+                          " 128x50257 softcap=30 eps=0.1 weights z-loss");
+    c.rows = 128;
+    c.vocab = 50257;
+    c.dtype = dtype;
+    c.softcap = 30.0f;
+    c.weights = true;
+    c.scale = 10.0;
+    if (dtype == DType::kFloat16) c.grad_scale = 2e6f;
+    c.seed = 8;
+    CheckEverySchedule(c);
+  }
 }
 
 }  // namespace

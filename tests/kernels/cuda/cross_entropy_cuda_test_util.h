@@ -93,7 +93,16 @@ inline void FromFloat(std::vector<uint8_t>* raw, DType dtype, int64_t i,
 
 // kGaussian: normal * scale + offset (the oracle's inputs).
 // kNonFinite: rows 1, 2, 3 (mod 4) hold one NaN, -inf or +inf.
-enum class Logits { kNormal, kHuge, kTargetDominant, kGaussian, kNonFinite };
+// kExtreme: finite logits of magnitude up to 1e30 (half of each row), the
+// others normal (fp16, whose largest is 65504: up to 6e4).
+enum class Logits {
+  kNormal,
+  kHuge,
+  kTargetDominant,
+  kGaussian,
+  kNonFinite,
+  kExtreme
+};
 
 struct Case {
   std::string name;
@@ -155,6 +164,9 @@ inline Inputs MakeInputs(const Case& c, uint32_t seed) {
       if (c.logits == Logits::kNonFinite && v == (r * 7919) % c.vocab) {
         const float special[4] = {x, NAN, -INFINITY, INFINITY};
         x = special[r % 4];
+      }
+      if (c.logits == Logits::kExtreme && (v + r) % 2 == 0) {
+        x *= c.dtype == DType::kFloat16 ? 1.5e4f : 2.5e29f;
       }
       if (c.logits == Logits::kGaussian) {
         x = static_cast<float>(gauss(rng) * c.scale + c.offset);
