@@ -39,7 +39,8 @@ struct CrossEntropyArgs {
   // gradient, terms = |s| (|A| p_c + (1 - eps) w_y [c == y] + eps w_c / V):
   // bf16 and fp16 within (0.5 + 1/32) ulp(g) + 2 * 2^-24 * terms; fp32 within
   // 1e-6 absolute (relative past 1), and for p_c >= 2^-64 within 0.5 ulp(g) +
-  // 24 * 2^-24 * terms; with softcap 1 ulp(g) + 128 * 2^-24 * terms.
+  // 24 * 2^-24 * terms; with softcap c 1 ulp(g) + max(128, 16 c) * 2^-24 *
+  // terms.
   void* gradient = nullptr;
 
   // Optional per-row outputs (nullptr = not requested); every row is written,

@@ -46,7 +46,7 @@ constexpr int kMaxStages = 8;
 // and exchange with the other's streaming. One read and one write of the
 // logits. Every option: kOpts builds take the softcap and label smoothing's
 // sums (SliceStats, GradientSlice).
-template <typename T, int kBlock, int kMinBlocks, bool kOpts>
+template <typename T, int kBlock, int kMinBlocks, int kOpts>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     TmaKernel(Params p, int stages, int stage_bytes) {
   using Tr = Traits<T>;
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     Stats st = SliceStats<T, kBlock, false, false, kOpts>(
         sl, n, start, tid, 0, nullptr, NoWait(), opts);
     const bool mine = y != p.ignore_index && y >= start && y < end;
-    *zy = mine ? OptionZ(opts, Tr::Load(sl + (y - start))) : 0.0f;
+    *zy = mine ? OptionZ<kOpts>(opts, Tr::Load(sl + (y - start))) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
     if (forward_only && tid == 0) issue(i + stages, r);
     if (csize == 1) {
@@ -212,8 +212,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         // the same thread stored there (program order).
         const int yl = static_cast<int>(y - start);
         if (owner && (yl / kVec) % kBlock == tid) {
-          Tr::Store(out + yl,
-                    kOpts ? TargetGrad(rm, opts, Tr::Load(sl + yl)) : rm.gy);
+          Tr::Store(
+              out + yl,
+              kOpts ? TargetGrad<kOpts>(rm, opts, Tr::Load(sl + yl)) : rm.gy);
         }
       }
       __syncthreads();  // every thread is done with this row's stage
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 // stage buffers of the slice as fit (at most kMaxStages), a persistent grid.
 // (One 512-thread block a SM, for rows past 16 slices of 32 KiB, measured
 // slower than the row pieces and left with the bench knobs: bench/NOTES.md.)
-template <typename T, bool kOpts>
+template <typename T, int kOpts>
 cudaError_t LaunchTma(const Params& p, int csize, cudaStream_t stream) {
   auto kernel = TmaKernel<T, 256, 2, kOpts>;
   int device = 0, per_sm = 0, optin = 0;
@@ -269,8 +270,9 @@ cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream) {
   return DispatchElementType(dtype, [&](auto element) {
     using T = typename decltype(element)::type;
-    return ElementOptionsOn(p) ? LaunchTma<T, true>(p, cluster, stream)
-                               : LaunchTma<T, false>(p, cluster, stream);
+    return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+      return LaunchTma<T, decltype(opts)::value>(p, cluster, stream);
+    });
   });
 }
 

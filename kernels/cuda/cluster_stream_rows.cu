@@ -83,7 +83,7 @@ __device__ float BlockSumFloat(float v, float* scratch) {
 // busy through each block's barrier (register rows' limit, bench/NOTES.md
 // v4). Every option: kOpts builds take the softcap and label smoothing's
 // sums (as SliceStats does).
-template <typename T, int kMinBlocks, bool kOpts>
+template <typename T, int kMinBlocks, int kOpts>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   const auto zof = [&](const uint4& v, int base, int u, int j) {
     if (!kOpts) return Tr::Get(v, j);
     return base + (u * kThreads + tid) * kVec + j < end
-               ? OptionZ(opts, Tr::Get(v, j))
+               ? OptionZ<kOpts>(opts, Tr::Get(v, j))
                : -INFINITY;
   };
 
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
     const bool valid = y != p.ignore_index;
     const bool owner = valid ? (y >= start && y < end) : rank == 0;
     const float xy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
-    const float zy = OptionZ(opts, xy);
+    const float zy = OptionZ<kOpts>(opts, xy);
 
     // Pass 1: online max and sum of 2^((z - shift) * log2e - m_l2), rescaled
     // when a batch raises the max; the argmax is found afterwards in the
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
         for (int j = 0; j < kVec; ++j) bmx = fmaxf(bmx, Tr::Get(cur[u], j));
       if (bmx > m_raw) {
         m_raw = bmx;
-        const float bm = kOpts ? OptionZ(opts, bmx) : bmx;
+        const float bm = kOpts ? OptionZ<kOpts>(opts, bmx) : bmx;
         if (bm > m) {
           const float nshift = ExponentShift(bm);
           // = fl(m * log2e), see lo
@@ -178,10 +178,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
         for (int j = 0; j < kVec; ++j) {
           const float z = zof(cur[u], base, u, j);
           acc[j % 2] += Exp2(fmaf(z - shift, kLog2e, -m_l2));
-          if (kOpts && opts.smoothing && z > -INFINITY) {
-            wz =
-                fmaf(OptionWeight(opts, base + (u * kThreads + tid) * kVec + j),
-                     z, wz);
+          if ((kOpts & kOptSmoothing) && z > -INFINITY) {
+            wz = fmaf(OptionWeight<kOpts>(
+                          opts, base + (u * kThreads + tid) * kVec + j),
+                      z, wz);
           }
         }
 #pragma unroll
@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
             if (e + j == yl) {
-              g[j] = kOpts ? TargetGrad(rm, opts, Tr::Get(cur[u], j)) : rm.gy;
+              g[j] = kOpts ? TargetGrad<kOpts>(rm, opts, Tr::Get(cur[u], j))
+                           : rm.gy;
             }
         }
         if (e + kVec <= end) {
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   }  // rows
 }
 
-template <typename T, bool kOpts>
+template <typename T, int kOpts>
 cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
   // The build for 3 blocks a SM: the one for 4 spills per-row state and
   // measured 25-35% slower (bench/NOTES.md, v5).
@@ -325,8 +326,9 @@ cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream) {
   return DispatchElementType(dtype, [&](auto element) {
     using T = typename decltype(element)::type;
-    return ElementOptionsOn(p) ? LaunchStream<T, true>(p, cluster, stream)
-                               : LaunchStream<T, false>(p, cluster, stream);
+    return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+      return LaunchStream<T, decltype(opts)::value>(p, cluster, stream);
+    });
   });
 }
 

@@ -32,17 +32,18 @@ struct CrossEntropyCudaResult {
 
 constexpr int kCrossEntropyBadTarget = 1;
 
-// The fused schedules, one a file in kernels/cuda/ (see dispatch.cc for which
-// shape takes which). kAuto is the production choice.
+// The fused schedules, one a file in kernels/cuda/ (schedule_policy.h says
+// which shape takes which; each takes every option). kAuto is the production
+// choice.
 enum class CrossEntropyCudaSchedule : int {
   kAuto = 0,
   kGenericRows = 1,          // generic_rows.cu: any alignment, any options
   kClusterRegisterRows = 2,  // cluster_register_rows.cu: rows <= 1 MiB
-  kClusterStreamRows = 3,    // cluster_stream_rows.cu: plain options
-  kClusterSliceRows = 4,     // cluster_slice_rows.cu: plain, 16 slices
-  kSplitRowForward = 5,      // split_row_forward.cu: plain, forward only
-  kL2RowPieces = 6,          // l2_row_pieces.cu: plain, 2-byte logits
-  kSmemRowPieces = 7,        // smem_row_pieces.cu: plain, forward+gradient
+  kClusterStreamRows = 3,    // cluster_stream_rows.cu: aligned rows
+  kClusterSliceRows = 4,     // cluster_slice_rows.cu: up to 16 slices
+  kSplitRowForward = 5,      // split_row_forward.cu: forward only
+  kL2RowPieces = 6,          // l2_row_pieces.cu: 2-byte logits
+  kSmemRowPieces = 7,        // smem_row_pieces.cu: forward+gradient
 };
 
 // For tests: run a named schedule on a shape it would not get by default

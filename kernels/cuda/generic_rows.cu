@@ -63,6 +63,9 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
     st.t += i == st.arg ? 0.0f : e;
   }
   if (st.m == -INFINITY) st.t = -1.0f;
+  // A +inf logit makes the row's sum NaN (inf - inf), as every schedule and
+  // the CPU count it: the max alone was skipped above.
+  if (st.m == INFINITY) st.t = NAN;
   st = BlockReduce<kGenericThreads>(st, scratch);  // also orders the zy read
   const RowMath rm = MakeRowMath(p, hdr, st, valid, zy, wy);
   if (threadIdx.x == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);

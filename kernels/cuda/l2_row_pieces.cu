@@ -61,7 +61,7 @@ __device__ __forceinline__ Stats MergeRowPieces(const Params& p, long long row,
   return WarpMergeStats(ps);
 }
 
-template <typename T, bool kOpts>
+template <typename T, int kOpts>
 __global__ void __launch_bounds__(kThreads, 4)
     L2PieceKernel(Params p, int per_row, int group_rows, int lookahead) {
   using Tr = Traits<T>;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       const long long y = LoadTarget(p, row);
       const bool valid = y != p.ignore_index;
       const float xy = valid ? __ldcg(p.row_zy + row) : 0.0f;
-      const float zy = OptionZ(opts, xy);
+      const float zy = OptionZ<kOpts>(opts, xy);
       const RowMath rm =
           MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
       const bool owner = valid ? (y >= start && y < start + n) : piece == 0;
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
         Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl,
-                  kOpts ? TargetGrad(rm, opts, row_xy) : rm.gy);
+                  kOpts ? TargetGrad<kOpts>(rm, opts, row_xy) : rm.gy);
       }
     }
     __syncthreads();  // rowmath and row_y are rewritten by the next item
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 // of `group_rows` rows, statistics two groups ahead of the gradient, a
 // persistent grid of every block that fits; the rows' done counts zeroed
 // first.
-template <typename T, bool kOpts>
+template <typename T, int kOpts>
 cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
                            cudaStream_t stream) {
   constexpr int kLookahead = 2;
@@ -225,14 +225,15 @@ cudaError_t LaunchL2RowPieces(const Params& p, DType dtype, int pieces,
                               int group_rows, cudaStream_t stream) {
   switch (dtype) {
     case DType::kBFloat16:
-      return ElementOptionsOn(p) ? LaunchL2Pieces<__nv_bfloat16, true>(
-                                       p, pieces, group_rows, stream)
-                                 : LaunchL2Pieces<__nv_bfloat16, false>(
-                                       p, pieces, group_rows, stream);
+      return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+        return LaunchL2Pieces<__nv_bfloat16, decltype(opts)::value>(
+            p, pieces, group_rows, stream);
+      });
     case DType::kFloat16:
-      return ElementOptionsOn(p)
-                 ? LaunchL2Pieces<__half, true>(p, pieces, group_rows, stream)
-                 : LaunchL2Pieces<__half, false>(p, pieces, group_rows, stream);
+      return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+        return LaunchL2Pieces<__half, decltype(opts)::value>(
+            p, pieces, group_rows, stream);
+      });
     default:
       return cudaErrorInvalidValue;
   }

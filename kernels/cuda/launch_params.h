@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace lossd {
 namespace cuda_ce {
@@ -74,11 +75,31 @@ struct Params {
   float* piece_wz;
 };
 
-// Whether a row's elements need the options' per-element work (softcap,
-// label smoothing): the schedules' option builds. Class weights alone and
-// z-loss are per-row terms (RowMath) and take the plain builds.
-inline bool ElementOptionsOn(const Params& p) {
-  return p.softcap > 0.0f || p.eps > 0.0f;
+// The options' per-element work a row needs, as the schedules' option builds
+// take it (a mask, a build each: a runtime test in the hot loops was compiled
+// as both sides computed and one selected, so smoothing paid for the softcap):
+// softcap and label smoothing. Class weights alone and z-loss are per-row
+// terms (RowMath) and take the plain build, 0.
+constexpr int kOptSoftcap = 1;
+constexpr int kOptSmoothing = 2;
+inline int ElementOptionsOn(const Params& p) {
+  return (p.softcap > 0.0f ? kOptSoftcap : 0) |
+         (p.eps > 0.0f ? kOptSmoothing : 0);
+}
+
+// Calls f(std::integral_constant<int, mask>()) for the option build `mask`.
+template <typename F>
+auto WithOptionBuild(int mask, F&& f) {
+  switch (mask) {
+    case kOptSoftcap:
+      return f(std::integral_constant<int, kOptSoftcap>());
+    case kOptSmoothing:
+      return f(std::integral_constant<int, kOptSmoothing>());
+    case kOptSoftcap | kOptSmoothing:
+      return f(std::integral_constant<int, kOptSoftcap | kOptSmoothing>());
+    default:
+      return f(std::integral_constant<int, 0>());
+  }
 }
 
 }  // namespace cuda_ce

@@ -85,6 +85,35 @@ __device__ __forceinline__ float Exp2(float x) {
   return r;
 }
 
+// 1/x on the special-function unit (1 ulp).
+__device__ __forceinline__ float Rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// tanh(u) in fp32 within 3 ulp (CUDA's tanhf: 2), for the softcap on every
+// element: two SFU operations and ~12 FMAs, no branch. |u| < 0.6: u + u^3
+// Q(u^2), Q a fitted degree-4 polynomial (0.8 ulp); past it 1 - 2 / (e^2|u|
+// + 1) with the reciprocal refined by one Newton step (the SFU's e^x carries
+// ~2 ulp); |u| >= 10 is 1 in fp32 (the clamp keeps e finite; NaN stays NaN).
+__device__ __forceinline__ float FastTanh(float u) {
+  const float a = fabsf(u);
+  const float ac = a > 10.0f ? 10.0f : a;
+  const float d = Exp2(ac * (2.0f * kLog2e)) + 1.0f;
+  float r = Rcp(d);
+  r = r * fmaf(-d, r, 2.0f);
+  const float big = copysignf(fmaf(-2.0f, r, 1.0f), u);
+  const float s = u * u;
+  float q = -0.005852169822901487f;
+  q = fmaf(q, s, 0.020753629505634308f);
+  q = fmaf(q, s, -0.05376870557665825f);
+  q = fmaf(q, s, 0.13331688940525055f);
+  q = fmaf(q, s, -0.3333328366279602f);
+  const float small = fmaf(u * s, q, u);
+  return a < 0.6f ? small : big;
+}
+
 // v * log2e as hi + lo with hi = fl(v * log2e): Exp2(fma(z, log2e, -hi))
 // then carries only the rounding of fma's result, and 2^-lo (folded into a
 // per-row or per-thread factor) restores the digits that fl(lse * log2e)
@@ -126,7 +155,7 @@ struct RowMath {
   float zloss;
   // Label smoothing: dz_c = -b w_c expm1(z_c - cut - ln w_c) with cut = lse +
   // ln(eps / (A V)) as cut_hi + cut_lo, for the c where p_c A and eps w_c / V
-  // cancel (CancelledGrad); cancel_b = |b|, or 0 where nothing cancels.
+  // cancel (OtherGrad); cancel_b = |b|, or 0 where nothing cancels.
   float cut_hi;
   float cut_lo;
   float cancel_b;
@@ -202,33 +231,55 @@ __device__ __forceinline__ RowMath MakeRowMath(const Params& p,
   return r;
 }
 
-// dz_c = p_c a + b w_c where the two cancel (|dz_c| < |b w_c| / 64 or so):
-// p_c carries the rounding of its exponent's argument (up to 2^-20 of p_c at
-// |log2 p_c| ~ 20) and of Exp2, which the cancellation multiplies by
-// |b w_c / dz_c|. The same value as -b w_c (A V p_c / (eps w_c) - 1) =
-// -b w_c expm1(d), d = (z_c - cut) - ln w_c, has z_c - cut_hi exact (Sterbenz)
-// and keeps the digits of d. Out of line: rare, and the hot loops keep their
-// registers (plain values: a reference would put RowMath on the stack).
-inline __device__ __noinline__ float CancelledGrad(float b, float cut_hi,
-                                                   float cut_lo, float z,
-                                                   float wc, float fast) {
-  if (!(wc > 0.0f)) return fast;
-  float d = __fsub_rn(__fsub_rn(z, cut_hi), cut_lo);
-  if (wc != 1.0f) d = __fsub_rn(d, logf(wc));
-  return -b * wc * expm1f(d);
+// expm1(d) where the cancelled form below is taken: there |expm1(d)| is
+// under the dtype's kCancelCut (1/64 bf16, 1/4 fp16 and fp32), so |d| < 0.29,
+// and the Taylor series to d^8 (d^4 for bf16) is within 2^-26 (2^-20) of it,
+// as FMAs: no call, no branch in the hot loops.
+template <typename T>
+__device__ __forceinline__ float Expm1Small(float d) {
+  constexpr bool kShort = Traits<T>::kCancelCut < 0.0625f;
+  float q = kShort ? 1.0f / 24 : 1.0f / 362880;
+  if (!kShort) {
+    q = fmaf(q, d, 1.0f / 40320);
+    q = fmaf(q, d, 1.0f / 5040);
+    q = fmaf(q, d, 1.0f / 720);
+    q = fmaf(q, d, 1.0f / 120);
+    q = fmaf(q, d, 1.0f / 24);
+  }
+  q = fmaf(q, d, 1.0f / 6);
+  q = fmaf(q, d, 0.5f);
+  q = fmaf(q, d, 1.0f);
+  return d * q;
 }
 
-// dz_c for c != y (before the softcap factor): the fast form, and where it
-// cancels by more than the dtype's Traits<T>::kCancelCut, CancelledGrad.
+// ln w_c for the cancelled form: the SFU's for halves (2^-21 absolute, far
+// under their rounding), the accurate one for fp32.
+template <typename T>
+__device__ __forceinline__ float LogWeight(float w) {
+  return Traits<T>::kVec == 4 ? logf(w) : __logf(w);
+}
+
+// dz_c for c != y (before the softcap factor): p_c a + b w_c, and where the
+// two cancel by more than the dtype's Traits<T>::kCancelCut (label
+// smoothing), the same value as -b w_c (A V p_c / (eps w_c) - 1) = -b w_c
+// expm1(d), d = (z_c - cut) - ln w_c, whose z_c - cut_hi is exact (Sterbenz)
+// and keeps the digits of d: p_c carries the rounding of its exponent's
+// argument (up to 2^-20 of p_c at |log2 p_c| ~ 20) and of Exp2, which the
+// cancellation multiplies by |b w_c / dz_c|. Both forms computed and one
+// selected: the band holds a few percent of a row, which as a branch made
+// nearly every warp take it.
 template <typename T>
 __device__ __forceinline__ float OtherGrad(const RowMath& r, float z,
                                            float wc) {
   const float fast =
       Exp2(fmaf(z - r.shift, kLog2e, -r.lse_l2)) * r.a + r.b * wc;
-  if (fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut) {
-    return CancelledGrad(r.b, r.cut_hi, r.cut_lo, z, wc, fast);
-  }
-  return fast;
+  if (r.cancel_b == 0.0f) return fast;  // (a row's: without smoothing)
+  float d = __fsub_rn(__fsub_rn(z, r.cut_hi), r.cut_lo);
+  if (wc != 1.0f) d = __fsub_rn(d, LogWeight<T>(wc));
+  const float cancelled = -r.b * wc * Expm1Small<T>(d);
+  return wc > 0.0f && fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut
+             ? cancelled
+             : fast;
 }
 
 __device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
@@ -261,33 +312,42 @@ __device__ __forceinline__ float SoftcapZ(float x, float c, float* dfac) {
 // and the total (prepare), not a load an element.
 struct ElementOptions {
   float cap;             // softcap c; 0: none
+  float inv_cap;         // 1 / c: x / c as one multiply (1.5 ulp, not 0.5)
   bool smoothing;        // eps > 0
   const float* weights;  // class weights where smoothing needs them, or null
 };
 __device__ __forceinline__ ElementOptions MakeElementOptions(const Params& p) {
   ElementOptions o;
   o.cap = p.softcap;
+  o.inv_cap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
   o.smoothing = p.eps > 0.0f;
   o.weights = o.smoothing ? p.weights : nullptr;
   return o;
 }
-// z from the logit x: the softcap if any.
+// z from the logit x in option build kOpts (launch_params.h): the softcap if
+// any.
+template <int kOpts>
 __device__ __forceinline__ float OptionZ(const ElementOptions& o, float x) {
-  return o.cap > 0.0f ? o.cap * tanhf(x / o.cap) : x;
+  return (kOpts & kOptSoftcap) ? o.cap * FastTanh(x * o.inv_cap) : x;
 }
 // z and dz/dx from the logit x.
+template <int kOpts>
 __device__ __forceinline__ float OptionZ(const ElementOptions& o, float x,
                                          float* dfac) {
-  if (!(o.cap > 0.0f)) {
+  if (!(kOpts & kOptSoftcap)) {
     *dfac = 1.0f;
     return x;
   }
-  return SoftcapZ(x, o.cap, dfac);
+  const float t = FastTanh(x * o.inv_cap);
+  *dfac = fmaf(-t, t, 1.0f);
+  return o.cap * t;
 }
 // w_c as label smoothing's terms need it (1 without class weights or without
 // smoothing, where b = 0 leaves it out of the gradient).
+template <int kOpts>
 __device__ __forceinline__ float OptionWeight(const ElementOptions& o, int c) {
-  return o.weights != nullptr ? __ldg(o.weights + c) : 1.0f;
+  return (kOpts & kOptSmoothing) && o.weights != nullptr ? __ldg(o.weights + c)
+                                                         : 1.0f;
 }
 // w_y of a row (1 without class weights or for an ignored row).
 __device__ __forceinline__ float TargetWeight(const Params& p, bool valid,

@@ -28,20 +28,21 @@ cudaError_t LaunchGenericRows(const Params& p, DType dtype,
 // cluster_register_rows.cu: clusters of `cluster` blocks a row, each holding
 // p.chunk = vectors_per_thread * 256 * vector width elements in registers
 // (vectors_per_thread 1, 2, 4, 8 or 16); `general` adds softcap, class
-// weights and label smoothing. 16-byte aligned rows.
+// weights and label smoothing. 16-byte aligned rows. Every other launcher
+// takes every option: it picks its option build (ElementOptionsOn).
 cudaError_t LaunchClusterRegisterRows(const Params& p, DType dtype,
                                       bool general, int vectors_per_thread,
                                       int cluster, cudaStream_t stream);
 
 // cluster_stream_rows.cu: persistent clusters of `cluster` blocks, p.chunk
-// elements each (a multiple of 256 vectors); plain options, 16-byte aligned
+// elements each (a multiple of 256 vectors); 16-byte aligned
 // rows, any vocab.
 cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream);
 
 // cluster_slice_rows.cu: persistent clusters of `cluster` (<= 16) blocks of
-// 256 threads, two a SM, p.chunk elements each kept in shared memory; plain
-// options, rows and vocab in whole 16-byte vectors.
+// 256 threads, two a SM, p.chunk elements each kept in shared memory; rows
+// and vocab in whole 16-byte vectors.
 // cudaErrorInvalidConfiguration when fewer than two slices fit a block.
 cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream);

@@ -79,7 +79,7 @@ struct NoWait {
   __device__ void operator()(int) const {}
 };
 template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false,
-          bool kOpts = false, typename Wait = NoWait>
+          int kOpts = 0, typename Wait = NoWait>
 __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
                                             int tid,
                                             unsigned long long policy = 0,
@@ -122,7 +122,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   };
   // z of element j of a vector (kOpts: the softcap; plain: the logit).
   const auto zof = [&](const uint4& v, int j) {
-    return kOpts ? OptionZ(opts, Tr::Get(v, j)) : Tr::Get(v, j);
+    return OptionZ<kOpts>(opts, Tr::Get(v, j));
   };
   uint4 ahead[kU];
   if (kPrefetch) load(tid, ahead);
@@ -150,7 +150,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
     const float bmx = BatchMax<T>(v);
     if (bmx > (kOpts ? m_raw : m)) {
       if (kOpts) m_raw = bmx;
-      const float bm = kOpts ? OptionZ(opts, bmx) : bmx;
+      const float bm = OptionZ<kOpts>(opts, bmx);
       if (bm > m) {
         const float nshift = ExponentShift(bm);
         // = fl(m * log2e), see lo
@@ -188,9 +188,10 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       for (int j = 0; j < kVec; ++j) {
         const float zj = in ? zof(v[u], j) : -INFINITY;
         acc[(u * kVec + j) % 4] += Exp2(fmaf(zj - shift, kLog2e, -m_l2));
-        if (kOpts && opts.smoothing && in) {
-          wz = fmaf(OptionWeight(opts, col0 + (q0 + u * kBlock) * kVec + j), zj,
-                    wz);
+        if ((kOpts & kOptSmoothing) && in) {
+          wz = fmaf(
+              OptionWeight<kOpts>(opts, col0 + (q0 + u * kBlock) * kVec + j),
+              zj, wz);
         }
       }
     }
@@ -239,7 +240,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
 // The gradient of one element from its logit x at column c (before the
 // target's fix-up): kOpts with the softcap's factor and label smoothing's w_c
 // (OtherGrad, which also keeps the digits where smoothing cancels).
-template <typename T, bool kOpts>
+template <typename T, int kOpts>
 __device__ __forceinline__ float ElementGrad(const RowMath& rm,
                                              const ElementOptions& opts,
                                              float x, int c) {
@@ -247,23 +248,28 @@ __device__ __forceinline__ float ElementGrad(const RowMath& rm,
     return fmaf(Exp2(fmaf(x - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b);
   }
   float dfac;
-  const float z = OptionZ(opts, x, &dfac);
-  return OtherGrad<T>(rm, z, OptionWeight(opts, c)) * dfac;
+  const float z = OptionZ<kOpts>(opts, x, &dfac);
+  if (!(kOpts & kOptSmoothing)) {
+    return fmaf(Exp2(fmaf(z - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b) *
+           dfac;
+  }
+  return OtherGrad<T>(rm, z, OptionWeight<kOpts>(opts, c)) * dfac;
 }
 
 // dz_y with the options: the softcap's factor at the target's logit x_y.
+template <int kOpts>
 __device__ __forceinline__ float TargetGrad(const RowMath& rm,
                                             const ElementOptions& opts,
                                             float xy) {
   float dfac;
-  OptionZ(opts, xy, &dfac);
+  OptionZ<kOpts>(opts, xy, &dfac);
   return rm.gy * dfac;
 }
 
 // Gradient of this thread's share of a slice (shared memory) into `out`
 // with streaming stores, columns from `col0`; the target column is fixed up
 // by the caller.
-template <typename T, int kBlock, bool kOpts = false>
+template <typename T, int kBlock, int kOpts = 0>
 __device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
                                               int tid, const RowMath& rm,
                                               const ElementOptions& opts = {},
@@ -363,12 +369,13 @@ __device__ __forceinline__ Stats ElementStats(float z, int c) {
   }
   return e;
 }
-// The same of a logit x at column c with the options (kOpts builds).
+// The same of a logit x at column c in option build kOpts.
+template <int kOpts>
 __device__ __forceinline__ Stats ElementStats(const ElementOptions& o, float x,
                                               int c) {
-  const float z = OptionZ(o, x);
+  const float z = OptionZ<kOpts>(o, x);
   Stats e = ElementStats(z, c);
-  if (o.smoothing) e.sum_wz = OptionWeight(o, c) * z;
+  if (kOpts & kOptSmoothing) e.sum_wz = OptionWeight<kOpts>(o, c) * z;
   return e;
 }
 

@@ -128,7 +128,7 @@ constexpr int kBulkChunks = 8;
 // logit in the statistics and the gradient, each piece's sum of w_c z_c goes
 // beside its slot (PublishWz), and the gradient takes OtherGrad's form.
 template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges,
-          bool kOpts>
+          int kOpts>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     SmemPieceKernel(Params p, int per_row, long long ahead) {
   using Tr = Traits<T>;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         // The edges' statistics, one element a lane (fewer than 32).
         const int c = span.EdgeColumn(lane);
         edges = WarpMergeStats(!edge_lane ? EmptyStats()
-                               : kOpts    ? ElementStats(opts, edge_z, c)
+                               : kOpts    ? ElementStats<kOpts>(opts, edge_z, c)
                                           : ElementStats(edge_z, c));
       }
       st = WarpMergeStats(lane < kWarps    ? scratch[lane]
@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
             holds_y ? Tr::Load(reinterpret_cast<const T*>(kept) + yl) : 0.0f;
         if (kEdges && y_edge != 0) zy = zy_edge;
         if (kOpts) {
-          zy = OptionZ(opts, zy);
-          if (opts.smoothing) PublishWz(p.piece_wz + k, st.sum_wz);
+          zy = OptionZ<kOpts>(opts, zy);
+          if (kOpts & kOptSmoothing) PublishWz(p.piece_wz + k, st.sum_wz);
         }
         PublishSlot(row_slots + piece, st, zy);
       }
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           }
         }
       }
-      if (kOpts && opts.smoothing) {
+      if ((kOpts & kOptSmoothing)) {
         __threadfence();  // (pairs with PublishWz's: the slot was full)
         ps.sum_wz =
             lane < per_row ? ReadWz(p.piece_wz + (k - piece) + lane) : 0.0f;
@@ -328,11 +328,11 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
-        Tr::Store(
-            out + yl,
-            kOpts ? TargetGrad(rm, opts,
-                               Tr::Load(reinterpret_cast<const T*>(kept) + yl))
-                  : rm.gy);
+        Tr::Store(out + yl,
+                  kOpts ? TargetGrad<kOpts>(
+                              rm, opts,
+                              Tr::Load(reinterpret_cast<const T*>(kept) + yl))
+                        : rm.gy);
       }
     }
     if (edge_lane) {
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       if (valid) {
         const RowMath rm = rowmath;
         g = c != y  ? ElementGrad<T, kOpts>(rm, opts, edge_z, c)
-            : kOpts ? TargetGrad(rm, opts, edge_z)
+            : kOpts ? TargetGrad<kOpts>(rm, opts, edge_z)
                     : rm.gy;
       }
       Tr::Store(out_row + c, g);
@@ -363,7 +363,7 @@ struct Plan {
   bool fits = false;
 };
 
-template <typename T, int kLoad, bool kEdges, bool kOpts>
+template <typename T, int kLoad, bool kEdges, int kOpts>
 cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   constexpr int kBlock = kThreads;
   const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts>;
@@ -403,7 +403,7 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
 // persistent grid of every block that fits with a piece of shared memory
 // (256 threads, four a SM); each taken item prefetches the piece 256 KiB of
 // logits ahead into L2 where four blocks fit a SM (none otherwise).
-template <typename T, int kLoad, bool kEdges, bool kOpts>
+template <typename T, int kLoad, bool kEdges, int kOpts>
 cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   Plan plan;
   cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts>(p, per_row, &plan);
@@ -430,7 +430,7 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
 // Plans (fits != nullptr: says whether the shape runs) or launches the build
 // for `bulk` and `edges`. kRegisterLoads: the type has a build with the
 // threads' loads (2-byte logits).
-template <typename T, int kLoad, bool kEdges, bool kOpts>
+template <typename T, int kLoad, bool kEdges, int kOpts>
 cudaError_t FitOrLaunchBuild(const Params& p, int per_row, bool* fits,
                              cudaStream_t stream) {
   if (fits == nullptr)
@@ -444,11 +444,14 @@ template <typename T, int kLoad, bool kEdges>
 cudaError_t FitOrLaunch(const Params& p, int per_row, bool* fits,
                         cudaStream_t stream) {
   // (option builds with bulk copies only: ForBuild)
-  constexpr bool kOpts = kLoad == kLoadBulk;
-  return ElementOptionsOn(p) ? FitOrLaunchBuild<T, kLoad, kEdges, kOpts>(
-                                   p, per_row, fits, stream)
-                             : FitOrLaunchBuild<T, kLoad, kEdges, false>(
-                                   p, per_row, fits, stream);
+  if constexpr (kLoad != kLoadBulk) {
+    return FitOrLaunchBuild<T, kLoad, kEdges, 0>(p, per_row, fits, stream);
+  } else {
+    return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+      return FitOrLaunchBuild<T, kLoad, kEdges, decltype(opts)::value>(
+          p, per_row, fits, stream);
+    });
+  }
 }
 
 template <typename T, bool kRegisterLoads>

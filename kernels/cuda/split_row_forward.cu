@@ -33,7 +33,7 @@ namespace {
 // kEdges: rows of any alignment and vocab, cut as smem_row_pieces.cu cuts
 // them (PieceSpan): whole vectors by the loop, the edges one element a lane of
 // warp 0, merged after the block's statistics.
-template <typename T, bool kEdges, bool kOpts>
+template <typename T, bool kEdges, int kOpts>
 __global__ void __launch_bounds__(kThreads, 4)
     PieceStatsKernel(Params p, int per_row) {
   __shared__ Stats scratch[kThreads / 32 + 1];
@@ -58,9 +58,10 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (kEdges && span.edges > 0 && threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const int c = span.EdgeColumn(lane);
-    const Stats edges = WarpMergeStats(!edge_lane ? EmptyStats()
-                                       : kOpts ? ElementStats(opts, edge_z, c)
-                                               : ElementStats(edge_z, c));
+    const Stats edges =
+        WarpMergeStats(!edge_lane ? EmptyStats()
+                       : kOpts    ? ElementStats<kOpts>(opts, edge_z, c)
+                                  : ElementStats(edge_z, c));
     st = WarpMergeStats(lane == 0 ? st : lane == 1 ? edges : EmptyStats());
   }
   if (threadIdx.x == 0) {
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(kThreads)
   const float xy = valid ? Traits<T>::Load(static_cast<const T*>(p.logits) +
                                            row * p.stride + y)
                          : 0.0f;
-  const float zy = OptionZ(MakeElementOptions(p), xy);
+  const float zy =
+      p.softcap > 0.0f ? OptionZ<kOptSoftcap>(MakeElementOptions(p), xy) : xy;
   const RowMath rm =
       MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
   if (lane == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
@@ -97,17 +99,17 @@ template <typename T>
 cudaError_t LaunchPieces(const Params& p, bool edges, int per_row,
                          cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.rows * per_row));
-  const bool opts = ElementOptionsOn(p);
-  if (edges && opts) {
-    PieceStatsKernel<T, true, true><<<grid, kThreads, 0, stream>>>(p, per_row);
-  } else if (edges) {
-    PieceStatsKernel<T, true, false><<<grid, kThreads, 0, stream>>>(p, per_row);
-  } else if (opts) {
-    PieceStatsKernel<T, false, true><<<grid, kThreads, 0, stream>>>(p, per_row);
-  } else {
-    PieceStatsKernel<T, false, false>
-        <<<grid, kThreads, 0, stream>>>(p, per_row);
-  }
+  WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
+    constexpr int kOpts = decltype(opts)::value;
+    if (edges) {
+      PieceStatsKernel<T, true, kOpts>
+          <<<grid, kThreads, 0, stream>>>(p, per_row);
+    } else {
+      PieceStatsKernel<T, false, kOpts>
+          <<<grid, kThreads, 0, stream>>>(p, per_row);
+    }
+    return 0;
+  });
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   constexpr int kRowsPerBlock = kThreads / 32;

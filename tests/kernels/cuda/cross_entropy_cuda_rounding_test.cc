@@ -5,6 +5,7 @@
 // without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -51,15 +52,13 @@ class DeviceBytes {
 // within one rounding and kFp32Units fp32 roundings of the terms.
 constexpr double kHalfUnits = 2.0;
 constexpr double kFp32Units = 24.0;
-// With a softcap (any dtype): one ulp and kSoftcapUnits roundings of the
-// terms (tanh's own rounding, ~2 ulp of c tanh, reaches every p_c).
-constexpr double kSoftcapUnits = 128.0;
-
-RoundingBound BoundFor(DType dtype, bool softcap) {
+// With a softcap c (any dtype): one ulp and max(128, 16 c) roundings of the
+// terms (tanh's own rounding, a few ulp of c tanh, reaches every p_c).
+RoundingBound BoundFor(DType dtype, float softcap) {
   RoundingBound b;
-  if (softcap) {
+  if (softcap > 0) {
     b.slack_ulps = 0.5;
-    b.k = kSoftcapUnits;
+    b.k = std::max(128.0, 16.0 * softcap);
   } else if (dtype == DType::kFloat32) {
     b.slack_ulps = 0.0;
     b.k = kFp32Units;
@@ -141,7 +140,7 @@ void CheckEverySchedule(const RoundingCase& c) {
     SCOPED_TRACE(what);
     const std::vector<uint8_t> grad = RunGpu(c, in, s.schedule);
     const RoundingReport rep =
-        CheckRounding(c, in, grad, BoundFor(c.dtype, c.softcap > 0));
+        CheckRounding(c, in, grad, BoundFor(c.dtype, c.softcap));
     rounding_test::PrintRoundingReport(what, rep);
     EXPECT_EQ(rep.failures, 0) << rep.first_failures;
   }
