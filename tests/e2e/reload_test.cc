@@ -288,6 +288,47 @@ TEST_F(ReloadTest, NewQuotaAppliesToTheNextRequest) {
             64);
 }
 
+// Issue 31: an emptied quota file (a ConfigMap caught empty, a shell's '>')
+// is a failed reload, by the period and by SIGHUP alike, and every limit in
+// force stays; it used to count as a success that dropped them all. A file
+// of comments only is a deliberate "no per-tenant limit".
+TEST_F(ReloadTest, EmptyQuotaFileKeepsTheQuotasInForce) {
+  MountedVolume config_map(dir_, {{"quotas", "alpha max_tensors=1\n"}});
+  ServerConfig config = BaseConfig();
+  config.auth.tokens_file = Pki::Get()->Path("empty-quota-tokens");
+  std::ofstream(config.auth.tokens_file) << "tok-a alpha\n";
+  config.quota_file = config_map.Path("quotas");
+  Start(config);
+  Caller alpha(server_->port(), "tok-a");
+  ASSERT_TRUE(alpha.Upload(2).ok());
+  ASSERT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", ""}});
+  ASSERT_TRUE(AwaitReloads("quotas", "failure", 1));
+  EXPECT_EQ(
+      Metric("lossd_config_last_reload_successful", {{"config", "quotas"}}), 0);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 1);
+  EXPECT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", " \n\t\r\n"}});
+  ASSERT_TRUE(AwaitReloads("quotas", "failure", 2));
+  const absl::Status sighup = server_->Reload();
+  EXPECT_EQ(sighup.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(sighup.message().find("the quota file is empty"), std::string::npos)
+      << sighup;
+  EXPECT_EQ(Reloads("quotas", "failure"), 3);
+  EXPECT_EQ(Reloads("quotas", "success"), 0);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 1);
+  EXPECT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", "# no per-tenant limits\n"}});
+  ASSERT_TRUE(AwaitReloads("quotas", "success", 1));
+  EXPECT_EQ(
+      Metric("lossd_config_last_reload_successful", {{"config", "quotas"}}), 1);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 0);
+  EXPECT_TRUE(alpha.Upload(2).ok());
+}
+
 TEST_F(ReloadTest, CertificateRotationReachesNewConnectionsOnly) {
   Pki* pki = Pki::Get();
   MountedVolume secret(dir_, {{"tls.crt", pki->Read("server.pem")},
@@ -398,6 +439,22 @@ TEST_F(ReloadTest, StartRefusesAMalformedQuotaFile) {
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(server.status().message().find("line 2"), std::string::npos)
       << server.status();
+}
+
+TEST_F(ReloadTest, StartRefusesAnEmptyQuotaFile) {
+  const std::string path = Pki::Get()->Path("empty-quotas");
+  for (const std::string text : {"", "\n\n  \t\n"}) {
+    std::ofstream(path, std::ios::trunc) << text;
+    ServerConfig config = BaseConfig();
+    config.quota_file = path;
+    auto server = LossdServer::Start(config);
+    ASSERT_FALSE(server.ok());
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(server.status().message().find("--quota_file '" + path +
+                                             "': the quota file is empty"),
+              std::string::npos)
+        << server.status();
+  }
 }
 
 }  // namespace
