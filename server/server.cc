@@ -221,6 +221,11 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
     server->data_plane_ = std::move(*plane);
     service_options.data_plane = server->data_plane_.get();
   }
+  absl::StatusOr<std::unique_ptr<ListPageTokens>> list_tokens =
+      ListPageTokens::Create(server->store_->instance_id());
+  if (!list_tokens.ok()) return list_tokens.status();
+  server->list_tokens_ = std::move(*list_tokens);
+  service_options.list_tokens = server->list_tokens_.get();
   server->service_ = std::make_unique<LossdService>(
       server->store_.get(), service_options, server->metrics_.get());
 

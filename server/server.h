@@ -19,6 +19,7 @@
 #include "server/data_plane.h"
 #include "server/device.h"
 #include "server/metrics.h"
+#include "server/page_token.h"
 #include "server/quota.h"
 #include "server/reload.h"
 #include "server/service.h"
@@ -188,6 +189,8 @@ class LossdServer {
   // Used by service_'s uploads; stopped by Drain once no RPC runs (and
   // destroyed after service_).
   std::unique_ptr<DataPlane> data_plane_;
+  // The key of List's page tokens; used by service_.
+  std::unique_ptr<ListPageTokens> list_tokens_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
