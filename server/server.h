@@ -117,7 +117,9 @@ class LossdServer {
   // host:metrics_port), then writes the port files (atomically, metrics
   // first). INVALID_ARGUMENT / UNIMPLEMENTED for a bad config, UNAVAILABLE
   // when an address cannot be bound, INTERNAL when a port file cannot be
-  // written.
+  // written. For the whole process, turns off OpenSSL's clean-up at exit
+  // (OPENSSL_INIT_NO_ATEXIT) when no OpenSSL call came before: gRPC's threads
+  // may still use OpenSSL then.
   static absl::StatusOr<std::unique_ptr<LossdServer>> Start(
       const ServerConfig& config);
 
