@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -24,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/server.h"
 #include "tests/e2e/scrape.h"
@@ -377,6 +379,49 @@ TEST_F(ReloadTest, CertificateRotationReachesNewConnectionsOnly) {
   // The connection made before the rotation keeps working.
   EXPECT_EQ(connected.state(), GRPC_CHANNEL_READY);
   EXPECT_TRUE(connected.List().ok());
+}
+
+// gRPC's certificate provider opens the staged key and certificate one after
+// the other and reads again only when a file's modification time (whole
+// seconds) changed across its reads: two versions staged in the same second
+// could hand it the key of one and the certificate of the other. Each
+// version is dated at least a second after the previous one.
+TEST_F(ReloadTest, StagedCertificateVersionsAreDatedAtLeastASecondApart) {
+  Pki* pki = Pki::Get();
+  const std::string tmpdir = dir_ + "-tmp";
+  std::filesystem::create_directories(tmpdir);
+  const char* saved = std::getenv("TMPDIR");
+  const std::string saved_tmpdir = saved != nullptr ? saved : "";
+  ::setenv("TMPDIR", tmpdir.c_str(), 1);
+  AuthOptions options;
+  options.tls_cert_file = pki->Path("server.pem");
+  options.tls_key_file = pki->Path("server.key");
+  absl::StatusOr<std::unique_ptr<Authenticator>> auth =
+      Authenticator::Create(options);
+  if (saved != nullptr) {
+    ::setenv("TMPDIR", saved_tmpdir.c_str(), 1);
+  } else {
+    ::unsetenv("TMPDIR");
+  }
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  std::string current;
+  for (const auto& entry : std::filesystem::directory_iterator(tmpdir)) {
+    current = entry.path().string() + "/current/";
+  }
+  ASSERT_FALSE(current.empty());
+  auto mtime = [&current](const char* name) {
+    struct stat info {};
+    EXPECT_EQ(::stat((current + name).c_str(), &info), 0) << name;
+    return static_cast<int64_t>(info.st_mtime);
+  };
+  int64_t previous = mtime("cert.pem");
+  EXPECT_EQ(mtime("key.pem"), previous);
+  for (int reload = 0; reload < 3; ++reload) {
+    ASSERT_TRUE((*auth)->ReloadTls().ok());
+    EXPECT_GE(mtime("cert.pem"), previous + 1) << "reload " << reload;
+    EXPECT_EQ(mtime("key.pem"), mtime("cert.pem"));
+    previous = mtime("cert.pem");
+  }
 }
 
 TEST_F(ReloadTest, ClientCaRotationForMutualTls) {
