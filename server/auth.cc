@@ -97,8 +97,10 @@ absl::StatusOr<int64_t> NotAfter(const char* what, const X509* certificate) {
   return static_cast<int64_t>(timegm(&tm));
 }
 
-absl::Status WritePrivateFile(const std::string& path,
-                              const std::string& text) {
+// Writes `text` to a new file only the owner can read, modified at
+// `mtime_seconds`.
+absl::Status WritePrivateFile(const std::string& path, const std::string& text,
+                              int64_t mtime_seconds) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
                         S_IRUSR | S_IWUSR);
   if (fd < 0) {
@@ -116,6 +118,15 @@ absl::Status WritePrivateFile(const std::string& path,
           absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
     }
     written += static_cast<size_t>(n);
+  }
+  struct timespec times[2] = {};
+  times[0].tv_nsec = UTIME_OMIT;
+  times[1].tv_sec = static_cast<time_t>(mtime_seconds);
+  if (::futimens(fd, times) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("cannot set the time of ", path,
+                                            ": ", std::strerror(error)));
   }
   if (::close(fd) != 0) {
     return absl::InternalError(
@@ -314,9 +325,14 @@ absl::Status Authenticator::ReloadTls() {
 
 absl::Status Authenticator::Stage(const TlsMaterial& material) {
   // A new directory, then one rename of the symlink that the watched paths
-  // go through: the provider (which re-reads on its own schedule) sees the
-  // old set or the new one, never a key of one and a certificate of the
-  // other.
+  // go through. The provider (which re-reads on its own schedule) opens the
+  // key and the certificate one after the other, so a rename between the two
+  // would hand it the key of one version and the certificate of the other,
+  // and every new handshake would fail until its next read. It reads again
+  // when a file's modification time, in whole seconds, changed across its
+  // reads: so each version's files are dated at least a second after the
+  // previous version's, however fast reloads follow each other.
+  const int64_t mtime = std::max<int64_t>(::time(nullptr), stage_mtime_ + 1);
   const int version = stage_version_ + 1;
   const std::string name = absl::StrCat("v", version);
   const std::string dir = absl::StrCat(stage_dir_, "/", name);
@@ -324,15 +340,15 @@ absl::Status Authenticator::Stage(const TlsMaterial& material) {
     return absl::InternalError(
         absl::StrCat("cannot create ", dir, ": ", std::strerror(errno)));
   }
-  absl::Status status =
-      WritePrivateFile(absl::StrCat(dir, "/", kKeyFile), material.private_key);
+  absl::Status status = WritePrivateFile(absl::StrCat(dir, "/", kKeyFile),
+                                         material.private_key, mtime);
   if (status.ok()) {
     status = WritePrivateFile(absl::StrCat(dir, "/", kCertFile),
-                              material.cert_chain);
+                              material.cert_chain, mtime);
   }
   if (status.ok() && !material.client_ca.empty()) {
-    status =
-        WritePrivateFile(absl::StrCat(dir, "/", kCaFile), material.client_ca);
+    status = WritePrivateFile(absl::StrCat(dir, "/", kCaFile),
+                              material.client_ca, mtime);
   }
   const std::string link = absl::StrCat(stage_dir_, "/current.tmp");
   ::unlink(link.c_str());
@@ -353,6 +369,7 @@ absl::Status Authenticator::Stage(const TlsMaterial& material) {
   // the previous one.
   if (version > 2) RemoveVersion(absl::StrCat(stage_dir_, "/v", version - 2));
   stage_version_ = version;
+  stage_mtime_ = mtime;
   return absl::OkStatus();
 }
 

@@ -137,8 +137,9 @@ class Authenticator {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::string> TenantOfCertificate(
       const grpc::AuthContext* auth_context) const;
-  // Writes `material` as a new version of the staged files and points the
-  // watched paths at it (one rename of a symlink, as Kubernetes does).
+  // Writes `material` as a new version of the staged files, dated at least a
+  // second after the previous version's, and points the watched paths at it
+  // (one rename of a symlink, as Kubernetes does).
   absl::Status Stage(const TlsMaterial& material)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -154,6 +155,8 @@ class Authenticator {
   int64_t cert_not_after_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t client_ca_not_after_ ABSL_GUARDED_BY(mu_) = 0;
   int stage_version_ ABSL_GUARDED_BY(mu_) = 0;
+  // Modification time (seconds since epoch) of the latest staged files.
+  int64_t stage_mtime_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace lossd

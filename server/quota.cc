@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -48,6 +49,15 @@ absl::Status ApplyQuotaField(absl::string_view field, TenantLimits* limits) {
 
 absl::StatusOr<QuotaConfig> ParseQuotaFile(absl::string_view text,
                                            TenantLimits base) {
+  // A file of nothing but whitespace is what a truncated or failed write
+  // leaves (an emptied ConfigMap, a shell's '>'), never a configuration: were
+  // it read as "no line", a reload would drop every limit. A file meant to
+  // set none holds a comment at least, as the shipped one does.
+  if (absl::StripAsciiWhitespace(text).empty()) {
+    return absl::InvalidArgumentError(
+        "the quota file is empty (nothing but whitespace); a file that sets "
+        "no per-tenant limit holds a comment at least");
+  }
   // Two passes: the default line may come anywhere, and every tenant's line
   // starts from it.
   std::vector<std::pair<int, std::vector<absl::string_view>>> lines;

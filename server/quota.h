@@ -36,9 +36,10 @@ struct QuotaConfig {
 // lines "TENANT KEY=VALUE..." with KEY one of max_bytes (a byte count such as
 // 4G), max_tensors, max_inflight; TENANT "*" is the default line, whose keys
 // replace `base`'s; a tenant's line starts from the defaults and replaces the
-// keys it names. '#' starts a comment. INVALID_ARGUMENT naming the line for an
-// unknown key, a malformed or negative value, a repeated tenant, or a line
-// without a key.
+// keys it names. '#' starts a comment. INVALID_ARGUMENT for an empty text
+// (nothing but whitespace; one with only comments sets no limit), and naming
+// the line for an unknown key, a malformed or negative value, a repeated
+// tenant, or a line without a key.
 absl::StatusOr<QuotaConfig> ParseQuotaFile(absl::string_view text,
                                            TenantLimits base);
 

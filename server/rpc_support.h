@@ -22,6 +22,7 @@
 #include "server/auth.h"
 #include "server/data_plane.h"
 #include "server/metrics.h"
+#include "server/page_token.h"
 #include "server/quota.h"
 #include "server/tensor_store.h"
 
@@ -49,6 +50,9 @@ struct ServiceOptions {
   // Receives the bytes of uploads whose header has a data_token; null = the
   // server offers no data connections. Must outlive the service's RPCs.
   DataPlane* data_plane = nullptr;
+  // Makes and opens List's page tokens; List fails INTERNAL without it. Must
+  // outlive the service.
+  const ListPageTokens* list_tokens = nullptr;
 };
 
 // The striped uploads in progress (striped_uploads.h).

@@ -19,6 +19,7 @@
 #include "server/data_plane.h"
 #include "server/device.h"
 #include "server/metrics.h"
+#include "server/page_token.h"
 #include "server/quota.h"
 #include "server/reload.h"
 #include "server/service.h"
@@ -116,7 +117,9 @@ class LossdServer {
   // host:metrics_port), then writes the port files (atomically, metrics
   // first). INVALID_ARGUMENT / UNIMPLEMENTED for a bad config, UNAVAILABLE
   // when an address cannot be bound, INTERNAL when a port file cannot be
-  // written.
+  // written. For the whole process, turns off OpenSSL's clean-up at exit
+  // (OPENSSL_INIT_NO_ATEXIT) when no OpenSSL call came before: gRPC's threads
+  // may still use OpenSSL then.
   static absl::StatusOr<std::unique_ptr<LossdServer>> Start(
       const ServerConfig& config);
 
@@ -188,6 +191,8 @@ class LossdServer {
   // Used by service_'s uploads; stopped by Drain once no RPC runs (and
   // destroyed after service_).
   std::unique_ptr<DataPlane> data_plane_;
+  // The key of List's page tokens; used by service_.
+  std::unique_ptr<ListPageTokens> list_tokens_;
   std::unique_ptr<LossdService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;

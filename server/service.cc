@@ -15,6 +15,7 @@
 #include "server/download_reactor.h"
 #include "server/evaluate_reactor.h"
 #include "server/linear_evaluation.h"
+#include "server/page_token.h"
 #include "server/staged.h"
 #include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
@@ -274,9 +275,13 @@ absl::Status LossdService::DoList(const std::string& tenant,
                                   const pb::ListRequest& request,
                                   pb::ListResponse* response) {
   ASSIGN_OR_RETURN(const ListSpec spec, ValidateListRequest(request));
+  const ListPageTokens* tokens = rpc_.options().list_tokens;
+  if (tokens == nullptr) return absl::InternalError("no page-token key");
+  const ListTokenScope scope{tenant, request.page_size()};
   ListPosition after;
-  after.created_unix_nanos = spec.after_created_unix_nanos;
-  after.handle = spec.after_handle;
+  if (!request.page_token().empty()) {
+    ASSIGN_OR_RETURN(after, tokens->Open(request.page_token(), scope));
+  }
   bool more = false;
   const std::vector<TensorRecord> page = rpc_.store()->List(
       tenant, after, static_cast<size_t>(spec.page_size), &more);
@@ -284,8 +289,10 @@ absl::Status LossdService::DoList(const std::string& tenant,
     ToProto(info, response->add_tensors());
   }
   if (more && !page.empty()) {
-    response->set_next_page_token(ListPageToken(
-        absl::ToUnixNanos(page.back().created), page.back().handle));
+    ListPosition last;
+    last.created_unix_nanos = absl::ToUnixNanos(page.back().created);
+    last.handle = page.back().handle;
+    response->set_next_page_token(tokens->Make(scope, last));
   }
   FillServerInfo(response->mutable_server());
   return absl::OkStatus();

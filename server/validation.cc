@@ -13,7 +13,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
 #include "common/checked_math.h"
 #include "common/echo.h"
 #include "common/handle.h"
@@ -32,10 +31,6 @@ absl::Status CheckFinite(double value, absl::string_view field) {
   }
   return absl::OkStatus();
 }
-
-// Opens every page token, so that a token of another server version or a
-// made-up one is refused rather than read as a position.
-constexpr absl::string_view kPageTokenMagic = "lossd.List.v1:";
 
 }  // namespace
 
@@ -89,37 +84,7 @@ absl::StatusOr<ListSpec> ValidateListRequest(const pb::ListRequest& request) {
   if (request.page_size() > 0) {
     spec.page_size = std::min(request.page_size(), kMaxListPageSize);
   }
-  if (request.page_token().empty()) return spec;
-  std::string raw;
-  const absl::Status invalid = absl::InvalidArgumentError(absl::StrCat(
-      "page_token (", request.page_token().size(),
-      " bytes) is not a next_page_token of this server's List; start again "
-      "without one"));
-  if (!absl::WebSafeBase64Unescape(request.page_token(), &raw)) return invalid;
-  absl::string_view rest = raw;
-  if (!absl::ConsumePrefix(&rest, kPageTokenMagic) ||
-      rest.size() != 8 + kHandleLength) {
-    return invalid;
-  }
-  uint64_t nanos = 0;
-  for (int i = 0; i < 8; ++i) {
-    nanos |= uint64_t{static_cast<unsigned char>(rest[i])} << (8 * i);
-  }
-  const absl::string_view handle = rest.substr(8);
-  if (!IsWellFormedHandle(handle)) return invalid;
-  spec.after_created_unix_nanos = static_cast<int64_t>(nanos);
-  spec.after_handle = std::string(handle);
   return spec;
-}
-
-std::string ListPageToken(int64_t created_unix_nanos,
-                          absl::string_view handle) {
-  std::string raw(kPageTokenMagic);
-  const uint64_t nanos = static_cast<uint64_t>(created_unix_nanos);
-  for (int i = 0; i < 8; ++i)
-    raw.push_back(static_cast<char>(nanos >> (8 * i)));
-  raw.append(handle.data(), handle.size());
-  return absl::WebSafeBase64Escape(raw);
 }
 
 absl::StatusOr<CrossEntropyOptions> ParseLossOptions(

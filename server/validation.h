@@ -55,23 +55,17 @@ absl::Status CheckLabel(absl::string_view label, absl::string_view field);
 inline constexpr int kDefaultListPageSize = 100;
 inline constexpr int kMaxListPageSize = 1000;
 
-// A List request, checked: the page's size, and where it starts (after the
-// tensor created at `after_created_unix_nanos` with handle `after_handle`;
-// from the first tensor when `after_handle` is empty).
+// A List request's page size, checked. Where the page starts is in its
+// page_token, which only the instance that made it can open
+// (server/page_token.h).
 struct ListSpec {
   int page_size = kDefaultListPageSize;
-  int64_t after_created_unix_nanos = 0;
-  std::string after_handle;
 };
 
-// INVALID_ARGUMENT: page_size < 0 (one above kMaxListPageSize is cut to it);
-// a page_token that is not one ListPageToken made. Thread-safe.
+// INVALID_ARGUMENT: page_size < 0 (one above kMaxListPageSize is cut to it).
+// Thread-safe.
 absl::StatusOr<ListSpec> ValidateListRequest(
     const lossd::v1::ListRequest& request);
-
-// The opaque next_page_token of a page whose last tensor is `handle`, created
-// at `created_unix_nanos`. Thread-safe.
-std::string ListPageToken(int64_t created_unix_nanos, absl::string_view handle);
 
 // LossOptions (all but class_weights, a handle the caller resolves) as
 // CrossEntropyOptions. INVALID_ARGUMENT: label_smoothing outside [0, 1];

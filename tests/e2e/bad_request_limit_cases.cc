@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "tests/e2e/bad_requests.h"
 
 namespace lossd {
@@ -169,6 +170,57 @@ void BadRequestsTest::AddLimitCases(std::vector<Case>* cases) {
         request.set_page_token(huge);
         return List(request);
       }));
+  // Issue 31: a page token is sealed to its instance, tenant and page_size
+  // (an HMAC); these start from a real one. A flipped bit, a cut, another
+  // page_size and the unsigned format of old are all refused.
+  auto page_token = [this](int32_t page_size) {
+    pb::ListRequest request;
+    request.set_page_size(page_size);
+    pb::ListResponse response;
+    EXPECT_TRUE(List(request, &response).ok());
+    EXPECT_NE(response.next_page_token(), "");
+    return response.next_page_token();
+  };
+  auto list_from = [this](int32_t page_size, std::string token) {
+    pb::ListRequest request;
+    request.set_page_size(page_size);
+    request.set_page_token(std::move(token));
+    return List(request);
+  };
+  add("list: page_token with one bit of its position flipped",
+      Code::INVALID_ARGUMENT, "is not a next_page_token",
+      [page_token, list_from] {
+        std::string raw;
+        EXPECT_TRUE(absl::WebSafeBase64Unescape(page_token(1), &raw));
+        raw[4] = static_cast<char>(raw[4] ^ 0x01);  // the creation time
+        return list_from(1, absl::WebSafeBase64Escape(raw));
+      });
+  add("list: page_token with one bit of its MAC flipped",
+      Code::INVALID_ARGUMENT, "is not a next_page_token",
+      [page_token, list_from] {
+        std::string raw;
+        EXPECT_TRUE(absl::WebSafeBase64Unescape(page_token(1), &raw));
+        raw.back() = static_cast<char>(raw.back() ^ 0x80);
+        return list_from(1, absl::WebSafeBase64Escape(raw));
+      });
+  add("list: page_token cut by one character", Code::INVALID_ARGUMENT,
+      "is not a next_page_token", [page_token, list_from] {
+        const std::string token = page_token(1);
+        return list_from(1, token.substr(0, token.size() - 1));
+      });
+  add("list: page_token sent with another page_size", Code::INVALID_ARGUMENT,
+      "for this caller and page_size",
+      [page_token, list_from] { return list_from(2, page_token(1)); });
+  add("list: page_token sent with the default page_size",
+      Code::INVALID_ARGUMENT, "for this caller and page_size",
+      [page_token, list_from] { return list_from(0, page_token(1)); });
+  add("list: unsigned page_token of the old format", Code::INVALID_ARGUMENT,
+      "is not a next_page_token", [this, list_from] {
+        // "lossd.List.v1:", 8 bytes of creation time, a handle of this
+        // instance: what a client could forge before tokens were sealed.
+        std::string raw = "lossd.List.v1:" + std::string(8, '\0') + logits_;
+        return list_from(1, absl::WebSafeBase64Escape(raw));
+      });
 
   // ----------------------------------------------- upload idempotency keys
   auto keyed = [](pb::UploadRequest header, const std::string& key) {

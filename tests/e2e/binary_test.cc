@@ -42,37 +42,7 @@ class LossdProcess {
   // Starts lossd (with `extra_args` after the usual ones) and waits (by
   // reading its stderr) until it serves.
   void Start(const std::vector<std::string>& extra_args = {}) {
-    char dir_template[] = "/tmp/lossd_binary_test.XXXXXX";
-    ASSERT_NE(mkdtemp(dir_template), nullptr);
-    port_file_ = std::string(dir_template) + "/port";
-    metrics_port_file_ = std::string(dir_template) + "/metrics_port";
-    int pipe_fds[2];
-    ASSERT_EQ(pipe(pipe_fds), 0);
-    pid_ = fork();
-    ASSERT_GE(pid_, 0);
-    if (pid_ == 0) {
-      dup2(pipe_fds[1], STDERR_FILENO);
-      close(pipe_fds[0]);
-      close(pipe_fds[1]);
-      const std::string port_file_flag = "--port_file=" + port_file_;
-      const std::string metrics_port_file_flag =
-          "--metrics_port_file=" + metrics_port_file_;
-      std::vector<std::string> args = {
-          LOSSD_BINARY,          "--port=0",
-          "--host=127.0.0.1",    "--device=cpu",
-          "--memory_budget=64M", "--drain_timeout=20s",
-          port_file_flag,        "--metrics_port=0",
-          "--data_port=0",       metrics_port_file_flag};
-      args.insert(args.end(), extra_args.begin(), extra_args.end());
-      std::vector<char*> argv;
-      for (std::string& arg : args) argv.push_back(arg.data());
-      argv.push_back(nullptr);
-      execv(LOSSD_BINARY, argv.data());
-      _exit(127);
-    }
-    close(pipe_fds[1]);
-    stderr_ = fdopen(pipe_fds[0], "r");
-    ASSERT_NE(stderr_, nullptr);
+    ASSERT_NO_FATAL_FAILURE(Spawn(extra_args));
     std::string line;
     while (ReadLine(&line)) {
       log_ += line;
@@ -89,6 +59,20 @@ class LossdProcess {
     ASSERT_GT(metrics_port_, 0);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
                                    grpc::InsecureChannelCredentials());
+  }
+
+  // Starts lossd as Start does, for flags it must refuse: reads its stderr
+  // until it exits and returns its exit status, or kills it and returns -2
+  // once it serves.
+  int StartExpectingExit(const std::vector<std::string>& extra_args) {
+    Spawn(extra_args);
+    if (pid_ <= 0) return -1;
+    std::string line;
+    while (ReadLine(&line)) {
+      log_ += line;
+      if (line.find("serving on") != std::string::npos) return -2;
+    }
+    return Wait();
   }
 
   // Sends SIGTERM and returns the exit status (-1 unless it exited).
@@ -129,6 +113,41 @@ class LossdProcess {
   const std::string& log() const { return log_; }
 
  private:
+  // Forks and execs lossd with its stderr on a pipe (stderr_).
+  void Spawn(const std::vector<std::string>& extra_args) {
+    char dir_template[] = "/tmp/lossd_binary_test.XXXXXX";
+    ASSERT_NE(mkdtemp(dir_template), nullptr);
+    port_file_ = std::string(dir_template) + "/port";
+    metrics_port_file_ = std::string(dir_template) + "/metrics_port";
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    pid_ = fork();
+    ASSERT_GE(pid_, 0);
+    if (pid_ == 0) {
+      dup2(pipe_fds[1], STDERR_FILENO);
+      close(pipe_fds[0]);
+      close(pipe_fds[1]);
+      const std::string port_file_flag = "--port_file=" + port_file_;
+      const std::string metrics_port_file_flag =
+          "--metrics_port_file=" + metrics_port_file_;
+      std::vector<std::string> args = {
+          LOSSD_BINARY,          "--port=0",
+          "--host=127.0.0.1",    "--device=cpu",
+          "--memory_budget=64M", "--drain_timeout=20s",
+          port_file_flag,        "--metrics_port=0",
+          "--data_port=0",       metrics_port_file_flag};
+      args.insert(args.end(), extra_args.begin(), extra_args.end());
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      execv(LOSSD_BINARY, argv.data());
+      _exit(127);
+    }
+    close(pipe_fds[1]);
+    stderr_ = fdopen(pipe_fds[0], "r");
+    ASSERT_NE(stderr_, nullptr);
+  }
+
   bool ReadLine(std::string* line) {
     char buffer[4096];
     if (fgets(buffer, sizeof(buffer), stderr_) == nullptr) return false;
@@ -324,6 +343,26 @@ TEST(BinaryTest, SighupReloadsTokensAndQuotas) {
                                 {{"config", "quotas"}, {"result", "failure"}}),
       1.0);
   EXPECT_EQ(lossd.TerminateAndWait(), 0) << lossd.log();
+  std::filesystem::remove_all(dir);
+}
+
+// Issue 31: an empty quota file (what a truncated write leaves) is refused at
+// start with a message naming it and exit status 1, as an empty tokens file
+// is; it used to start with no per-tenant limit at all.
+TEST(BinaryTest, RefusesToStartWithAnEmptyQuotaFile) {
+  char dir_template[] = "/tmp/lossd_empty_quota_test.XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  for (const std::string text : {"", " \n\t\n"}) {
+    std::ofstream(dir + "/quotas", std::ios::trunc) << text;
+    LossdProcess lossd;
+    EXPECT_EQ(lossd.StartExpectingExit({"--quota_file=" + dir + "/quotas"}), 1)
+        << lossd.log();
+    EXPECT_NE(lossd.log().find("--quota_file '" + dir +
+                               "/quotas': the quota file is empty"),
+              std::string::npos)
+        << lossd.log();
+  }
   std::filesystem::remove_all(dir);
 }
 

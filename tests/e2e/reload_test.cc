@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -24,6 +25,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/server.h"
 #include "tests/e2e/scrape.h"
@@ -288,6 +290,47 @@ TEST_F(ReloadTest, NewQuotaAppliesToTheNextRequest) {
             64);
 }
 
+// Issue 31: an emptied quota file (a ConfigMap caught empty, a shell's '>')
+// is a failed reload, by the period and by SIGHUP alike, and every limit in
+// force stays; it used to count as a success that dropped them all. A file
+// of comments only is a deliberate "no per-tenant limit".
+TEST_F(ReloadTest, EmptyQuotaFileKeepsTheQuotasInForce) {
+  MountedVolume config_map(dir_, {{"quotas", "alpha max_tensors=1\n"}});
+  ServerConfig config = BaseConfig();
+  config.auth.tokens_file = Pki::Get()->Path("empty-quota-tokens");
+  std::ofstream(config.auth.tokens_file) << "tok-a alpha\n";
+  config.quota_file = config_map.Path("quotas");
+  Start(config);
+  Caller alpha(server_->port(), "tok-a");
+  ASSERT_TRUE(alpha.Upload(2).ok());
+  ASSERT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", ""}});
+  ASSERT_TRUE(AwaitReloads("quotas", "failure", 1));
+  EXPECT_EQ(
+      Metric("lossd_config_last_reload_successful", {{"config", "quotas"}}), 0);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 1);
+  EXPECT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", " \n\t\r\n"}});
+  ASSERT_TRUE(AwaitReloads("quotas", "failure", 2));
+  const absl::Status sighup = server_->Reload();
+  EXPECT_EQ(sighup.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(sighup.message().find("the quota file is empty"), std::string::npos)
+      << sighup;
+  EXPECT_EQ(Reloads("quotas", "failure"), 3);
+  EXPECT_EQ(Reloads("quotas", "success"), 0);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 1);
+  EXPECT_EQ(alpha.Upload(2).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+
+  config_map.Update({{"quotas", "# no per-tenant limits\n"}});
+  ASSERT_TRUE(AwaitReloads("quotas", "success", 1));
+  EXPECT_EQ(
+      Metric("lossd_config_last_reload_successful", {{"config", "quotas"}}), 1);
+  EXPECT_EQ(server_->quotas()->LimitsOf("alpha").max_tensors, 0);
+  EXPECT_TRUE(alpha.Upload(2).ok());
+}
+
 TEST_F(ReloadTest, CertificateRotationReachesNewConnectionsOnly) {
   Pki* pki = Pki::Get();
   MountedVolume secret(dir_, {{"tls.crt", pki->Read("server.pem")},
@@ -336,6 +379,49 @@ TEST_F(ReloadTest, CertificateRotationReachesNewConnectionsOnly) {
   // The connection made before the rotation keeps working.
   EXPECT_EQ(connected.state(), GRPC_CHANNEL_READY);
   EXPECT_TRUE(connected.List().ok());
+}
+
+// gRPC's certificate provider opens the staged key and certificate one after
+// the other and reads again only when a file's modification time (whole
+// seconds) changed across its reads: two versions staged in the same second
+// could hand it the key of one and the certificate of the other. Each
+// version is dated at least a second after the previous one.
+TEST_F(ReloadTest, StagedCertificateVersionsAreDatedAtLeastASecondApart) {
+  Pki* pki = Pki::Get();
+  const std::string tmpdir = dir_ + "-tmp";
+  std::filesystem::create_directories(tmpdir);
+  const char* saved = std::getenv("TMPDIR");
+  const std::string saved_tmpdir = saved != nullptr ? saved : "";
+  ::setenv("TMPDIR", tmpdir.c_str(), 1);
+  AuthOptions options;
+  options.tls_cert_file = pki->Path("server.pem");
+  options.tls_key_file = pki->Path("server.key");
+  absl::StatusOr<std::unique_ptr<Authenticator>> auth =
+      Authenticator::Create(options);
+  if (saved != nullptr) {
+    ::setenv("TMPDIR", saved_tmpdir.c_str(), 1);
+  } else {
+    ::unsetenv("TMPDIR");
+  }
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  std::string current;
+  for (const auto& entry : std::filesystem::directory_iterator(tmpdir)) {
+    current = entry.path().string() + "/current/";
+  }
+  ASSERT_FALSE(current.empty());
+  auto mtime = [&current](const char* name) {
+    struct stat info {};
+    EXPECT_EQ(::stat((current + name).c_str(), &info), 0) << name;
+    return static_cast<int64_t>(info.st_mtime);
+  };
+  int64_t previous = mtime("cert.pem");
+  EXPECT_EQ(mtime("key.pem"), previous);
+  for (int reload = 0; reload < 3; ++reload) {
+    ASSERT_TRUE((*auth)->ReloadTls().ok());
+    EXPECT_GE(mtime("cert.pem"), previous + 1) << "reload " << reload;
+    EXPECT_EQ(mtime("key.pem"), mtime("cert.pem"));
+    previous = mtime("cert.pem");
+  }
 }
 
 TEST_F(ReloadTest, ClientCaRotationForMutualTls) {
@@ -398,6 +484,22 @@ TEST_F(ReloadTest, StartRefusesAMalformedQuotaFile) {
   EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(server.status().message().find("line 2"), std::string::npos)
       << server.status();
+}
+
+TEST_F(ReloadTest, StartRefusesAnEmptyQuotaFile) {
+  const std::string path = Pki::Get()->Path("empty-quotas");
+  for (const std::string text : {"", "\n\n  \t\n"}) {
+    std::ofstream(path, std::ios::trunc) << text;
+    ServerConfig config = BaseConfig();
+    config.quota_file = path;
+    auto server = LossdServer::Start(config);
+    ASSERT_FALSE(server.ok());
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(server.status().message().find("--quota_file '" + path +
+                                             "': the quota file is empty"),
+              std::string::npos)
+        << server.status();
+  }
 }
 
 }  // namespace

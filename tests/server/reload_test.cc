@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/quota.h"
@@ -45,11 +46,23 @@ TEST(ParseQuotaFileTest, DefaultLineAndTenantLinesStartFromIt) {
   EXPECT_EQ(beta.max_bytes, 1 << 20);
   EXPECT_EQ(beta.max_tensors, 0);
   EXPECT_EQ(beta.max_in_flight, 9);
-  // An empty file: the flags for everyone.
-  absl::StatusOr<QuotaConfig> empty = ParseQuotaFile("# none\n", base);
-  ASSERT_TRUE(empty.ok());
-  EXPECT_EQ(empty->defaults.max_bytes, 100);
-  EXPECT_TRUE(empty->overrides.empty());
+  // A file of comments only (as deploy/k8s/base/quotas ships): the flags for
+  // everyone.
+  absl::StatusOr<QuotaConfig> comments = ParseQuotaFile("# none\n", base);
+  ASSERT_TRUE(comments.ok());
+  EXPECT_EQ(comments->defaults.max_bytes, 100);
+  EXPECT_TRUE(comments->overrides.empty());
+}
+
+// Issue 31: what a truncated write leaves is refused, not read as "no limit".
+TEST(ParseQuotaFileTest, RefusesAnEmptyFile) {
+  for (const std::string text : {"", "\n", " \t\r\n\n  ", "\v\f"}) {
+    absl::StatusOr<QuotaConfig> config = ParseQuotaFile(text, TenantLimits());
+    ASSERT_FALSE(config.ok()) << absl::CEscape(text);
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(config.status().message(), HasSubstr("the quota file is empty"))
+        << absl::CEscape(text);
+  }
 }
 
 TEST(ParseQuotaFileTest, RefusesMalformedLinesNamingThem) {
