@@ -226,6 +226,10 @@ PYBIND11_MODULE(_lossd, m) {
   m.attr("LOSSD_SERVICE") = kLossdService;
 
   RegisterStatusTranslator();
+  // os.register_at_fork's hooks (lossd/__init__.py); see py_client.h.
+  m.def("_before_fork", &BeforeFork);
+  m.def("_after_fork_in_parent", &AfterForkInParent);
+  m.def("_after_fork_in_child", &AfterForkInChild);
 
   py::class_<TensorInfo>(m, "TensorInfo", "Metadata of a stored tensor.")
       .def_readonly("handle", &TensorInfo::handle)
@@ -421,8 +425,10 @@ PYBIND11_MODULE(_lossd, m) {
              options.chunk_bytes = static_cast<std::size_t>(chunk_bytes);
              options.piece_bytes = static_cast<std::size_t>(piece_bytes);
              options.max_message_bytes = static_cast<int>(max_message_bytes);
+             CheckGrpcUsableHere();
              std::unique_ptr<Client> client =
                  ValueOrThrow(Client::Connect(target, std::move(options)));
+             NoteGrpcUsed();
              return std::make_unique<PyClient>(
                  target, std::shared_ptr<Client>(std::move(client)));
            }),

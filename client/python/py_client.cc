@@ -3,6 +3,7 @@
 
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -14,6 +15,14 @@
 #include "client/python/errors.h"
 
 namespace py = pybind11;
+
+// gRPC's fork handlers (src/core/lib/iomgr/fork_posix.cc), in libgrpc but in
+// no public header: grpcio's Python module calls them the same way, from
+// os.register_at_fork. Each does nothing unless GRPC_ENABLE_FORK_SUPPORT
+// was set when gRPC started.
+void grpc_prefork();
+void grpc_postfork_parent();
+void grpc_postfork_child();
 
 namespace lossd {
 namespace python {
@@ -93,6 +102,77 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 }
 
 }  // namespace
+
+void ThrowForkedClient(const std::string& message) {
+  py::object error = py::module_::import("lossd._errors").attr("ForkedClient");
+  PyErr_SetString(error.ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
+void PyClient::ThrowForked() const {
+  ThrowForkedClient(absl::StrCat(
+      "this lossd.Client (", target_, ") was made in process ", owner_pid_,
+      " and cannot be used in process ", getpid(),
+      ", a child of fork(): gRPC channels and connections do not survive "
+      "fork(); make a new lossd.Client in the child"));
+}
+
+namespace {
+
+// The process whose gRPC state is usable: where the first client connected,
+// or a child whose fork gRPC's handlers saw. 0 until a client connects.
+pid_t grpc_pid = 0;
+// Whether BeforeFork ran gRPC's prefork handler for the fork under way.
+bool fork_handled = false;
+
+bool ForkSupportEnabled() {
+  const char* value = std::getenv("GRPC_ENABLE_FORK_SUPPORT");
+  return value != nullptr &&
+         (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0 ||
+          std::strcmp(value, "True") == 0);
+}
+
+}  // namespace
+
+void CheckGrpcUsableHere() {
+  if (grpc_pid == 0 || grpc_pid == getpid()) return;
+  ThrowForkedClient(absl::StrCat(
+      "gRPC was started in process ", grpc_pid, " and this is process ",
+      getpid(),
+      ", a child of fork() that gRPC's fork handlers did not see: a new "
+      "channel here would wait forever. Set GRPC_ENABLE_FORK_SUPPORT=1 in the "
+      "environment before the first lossd.Client (and fork with no lossd "
+      "call in flight), or start children with multiprocessing's \"spawn\" "
+      "or \"forkserver\""));
+}
+
+void NoteGrpcUsed() {
+  if (grpc_pid == 0) grpc_pid = getpid();
+}
+
+void BeforeFork() {
+  fork_handled = false;
+  if (grpc_pid != getpid() || !ForkSupportEnabled()) return;
+  // gRPC's handler stops its threads and waits for calls in flight, whose
+  // callbacks (upload_from sources, download_to sinks) may need the GIL.
+  py::gil_scoped_release release;
+  grpc_prefork();
+  fork_handled = true;
+}
+
+void AfterForkInParent() {
+  if (!fork_handled) return;
+  fork_handled = false;
+  py::gil_scoped_release release;
+  grpc_postfork_parent();
+}
+
+void AfterForkInChild() {
+  if (!fork_handled) return;
+  fork_handled = false;
+  grpc_postfork_child();
+  grpc_pid = getpid();
+}
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
                   py::handle shape, const std::string& label,

@@ -106,6 +106,11 @@ class Unauthenticated(Error):
     code = StatusCode.UNAUTHENTICATED
 
 
+class ForkedClient(FailedPrecondition, RuntimeError):
+    """A lossd.Client used in a child of fork(): its gRPC channel and connections belong to the
+    parent. Raised by every call at once (never a hang); make a new lossd.Client in the child."""
+
+
 ERRORS = {cls.code: cls for cls in (
     Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
     PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange, Unimplemented,
