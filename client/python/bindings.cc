@@ -226,10 +226,6 @@ PYBIND11_MODULE(_lossd, m) {
   m.attr("LOSSD_SERVICE") = kLossdService;
 
   RegisterStatusTranslator();
-  // os.register_at_fork's hooks (lossd/__init__.py); see py_client.h.
-  m.def("_before_fork", &BeforeFork);
-  m.def("_after_fork_in_parent", &AfterForkInParent);
-  m.def("_after_fork_in_child", &AfterForkInChild);
 
   py::class_<TensorInfo>(m, "TensorInfo", "Metadata of a stored tensor.")
       .def_readonly("handle", &TensorInfo::handle)

@@ -3,7 +3,6 @@
 
 #include <pybind11/stl.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -15,14 +14,6 @@
 #include "client/python/errors.h"
 
 namespace py = pybind11;
-
-// gRPC's fork handlers (src/core/lib/iomgr/fork_posix.cc), in libgrpc but in
-// no public header: grpcio's Python module calls them the same way, from
-// os.register_at_fork. Each does nothing unless GRPC_ENABLE_FORK_SUPPORT
-// was set when gRPC started.
-void grpc_prefork();
-void grpc_postfork_parent();
-void grpc_postfork_child();
 
 namespace lossd {
 namespace python {
@@ -119,18 +110,9 @@ void PyClient::ThrowForked() const {
 
 namespace {
 
-// The process whose gRPC state is usable: where the first client connected,
-// or a child whose fork gRPC's handlers saw. 0 until a client connects.
+// The process where the first client connected, whose gRPC state is usable;
+// 0 until a client connects.
 pid_t grpc_pid = 0;
-// Whether BeforeFork ran gRPC's prefork handler for the fork under way.
-bool fork_handled = false;
-
-bool ForkSupportEnabled() {
-  const char* value = std::getenv("GRPC_ENABLE_FORK_SUPPORT");
-  return value != nullptr &&
-         (std::strcmp(value, "1") == 0 || std::strcmp(value, "true") == 0 ||
-          std::strcmp(value, "True") == 0);
-}
 
 }  // namespace
 
@@ -139,39 +121,14 @@ void CheckGrpcUsableHere() {
   ThrowForkedClient(absl::StrCat(
       "gRPC was started in process ", grpc_pid, " and this is process ",
       getpid(),
-      ", a child of fork() that gRPC's fork handlers did not see: a new "
-      "channel here would wait forever. Set GRPC_ENABLE_FORK_SUPPORT=1 in the "
-      "environment before the first lossd.Client (and fork with no lossd "
-      "call in flight), or start children with multiprocessing's \"spawn\" "
-      "or \"forkserver\""));
+      ", a child of fork(): a new channel here can wait forever, since "
+      "gRPC's threads stayed in the parent. Make the child's clients in "
+      "children started with multiprocessing's \"spawn\" or \"forkserver\", "
+      "or fork before the parent's first lossd.Client"));
 }
 
 void NoteGrpcUsed() {
   if (grpc_pid == 0) grpc_pid = getpid();
-}
-
-void BeforeFork() {
-  fork_handled = false;
-  if (grpc_pid != getpid() || !ForkSupportEnabled()) return;
-  // gRPC's handler stops its threads and waits for calls in flight, whose
-  // callbacks (upload_from sources, download_to sinks) may need the GIL.
-  py::gil_scoped_release release;
-  grpc_prefork();
-  fork_handled = true;
-}
-
-void AfterForkInParent() {
-  if (!fork_handled) return;
-  fork_handled = false;
-  py::gil_scoped_release release;
-  grpc_postfork_parent();
-}
-
-void AfterForkInChild() {
-  if (!fork_handled) return;
-  fork_handled = false;
-  grpc_postfork_child();
-  grpc_pid = getpid();
 }
 
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,

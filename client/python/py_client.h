@@ -91,18 +91,15 @@ class PyClient {
 };
 
 // gRPC's process-wide state (its threads and pollers, started by the first
-// channel) does not survive fork(): in the child a new channel waits forever
-// unless gRPC's fork handlers ran around the fork, which they do only with
-// GRPC_ENABLE_FORK_SUPPORT=1 in the environment before the first client
-// (lossd/__init__.py registers ForkHandlers with os.register_at_fork). So a
-// client made in a child of fork() after gRPC had started in an ancestor
-// raises lossd.ForkedClient instead of hanging, unless the handlers ran.
-// All of these run with the GIL held, which orders them.
+// channel) does not survive fork(): in the child a new channel can wait
+// forever. gRPC's own fork handlers (GRPC_ENABLE_FORK_SUPPORT) were tried and
+// hung the child now and then (1 run in 3 under ctest), so they are not
+// used: a client made in a child of fork() after gRPC had started in an
+// ancestor raises lossd.ForkedClient instead. A child forked before the
+// parent's first client is free to make its own. All of these run with the
+// GIL held, which orders them.
 void CheckGrpcUsableHere();  // before a client connects
 void NoteGrpcUsed();         // after it connected
-void BeforeFork();
-void AfterForkInParent();
-void AfterForkInChild();
 [[noreturn]] void ThrowForkedClient(const std::string& message);
 
 // The methods of lossd.Client (their docstrings are in bindings.cc).

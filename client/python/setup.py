@@ -32,6 +32,23 @@ def project_version():
     return match.group(1)
 
 
+# The extension's shared libraries that a machine with the same Python and glibc may lack:
+# protobuf, Abseil and re2 (gRPC itself is linked in; client/python/CMakeLists.txt says why).
+# Carried in lossd/lib under their sonames, as auditwheel does, and found through the
+# extension's RPATH ($ORIGIN/lib). A process that loaded the same soname first (Debian's
+# python3-protobuf) shares that copy: the same library.
+BUNDLED = re.compile(r"^lib(protobuf|absl_\w+|re2)\.so")
+
+
+def bundle_libraries(extension, folder):
+    listing = subprocess.run(["ldd", str(extension)], capture_output=True, text=True,
+                             check=True).stdout
+    for soname, path in re.findall(r"^\s*(\S+) => (/\S+)", listing, re.M):
+        if BUNDLED.match(soname):
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, folder / soname)
+
+
 class CMakeBuild(build_ext):
     """Builds lossd._lossd with CMake instead of setuptools' compiler."""
 
@@ -70,6 +87,7 @@ class CMakeBuild(build_ext):
             if source == extension and shutil.which("strip"):
                 # A RelWithDebInfo build's debug information triples the wheel.
                 subprocess.check_call(["strip", "--strip-debug", str(target)])
+        bundle_libraries(extension, destination / "lib")
 
     def _configure(self, build_dir):
         if (build_dir / "CMakeCache.txt").exists():

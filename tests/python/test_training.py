@@ -1,6 +1,6 @@
 """lossd in a training job's shapes of use, against a real lossd (CPU device): one client shared
-by N threads, a client after fork() (the parent's client raises a clear error in the child, never
-hangs; a new client there works with GRPC_ENABLE_FORK_SUPPORT=1 and raises without), several
+by N threads, fork() (in a child forked after the parent's first client every lossd call raises
+lossd.ForkedClient at once, never hangs; a child forked before it makes its own client), several
 processes (DDP-style ranks) each with its own client against one server,
 and lossd.torch inside a compiled function."""
 
@@ -54,12 +54,12 @@ def test_one_client_many_threads(client):
 
 # Run in a fresh interpreter so that the fork happens from a process whose only threads are the
 # client's (pytest's own state stays out of the child).
-FORK_SCRIPT = """
+FORK_AFTER_CLIENT = """
 import os, sys
 import numpy as np
 import lossd
 client = lossd.Client(ADDRESS)
-handle = client.upload(np.ones((2, 3), dtype=np.float32)).handle  # the parent's channel is busy
+handle = client.upload(np.ones((2, 3), dtype=np.float32)).handle  # gRPC's threads are running
 pid = os.fork()
 if pid == 0:
     code = 0
@@ -74,17 +74,12 @@ if pid == 0:
         code = 12
     except lossd.ForkedClient:
         pass
-    if FORK_SUPPORT:  # gRPC's fork handlers ran: a client made in the child works
-        with lossd.Client(ADDRESS) as fresh:
-            if fresh.describe(handle).shape != (2, 3):
-                code = 13
-    else:  # they did not: a new channel would hang, so making a client raises
-        try:
-            lossd.Client(ADDRESS)
+    try:  # a new channel here could wait forever: making a client raises instead
+        lossd.Client(ADDRESS)
+        code = 13
+    except lossd.ForkedClient as error:
+        if "spawn" not in str(error):
             code = 14
-        except lossd.ForkedClient as error:
-            if "GRPC_ENABLE_FORK_SUPPORT" not in str(error):
-                code = 15
     del client  # freeing the inherited client must not touch the parent's channel
     os._exit(code)
 _, status = os.waitpid(pid, 0)
@@ -94,15 +89,36 @@ client.release(handle)
 print("ok")
 """
 
+FORK_BEFORE_CLIENT = """
+import os
+import numpy as np
+import lossd
+pid = os.fork()  # before any client: gRPC has not started anywhere yet
+if pid == 0:
+    with lossd.Client(ADDRESS) as child:
+        handle = child.upload(np.ones((2, 3), dtype=np.float32)).handle
+        code = 0 if child.release(handle) == 24 else 20
+    os._exit(code)
+with lossd.Client(ADDRESS) as parent:
+    assert parent.info().device == "cpu"
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+print("ok")
+"""
 
-@pytest.mark.parametrize("fork_support", ["default", "GRPC_ENABLE_FORK_SUPPORT=1"])
-def test_client_after_fork(server, fork_support):
+
+@pytest.mark.parametrize("fork_support", [None, "1"], ids=["plain", "GRPC_ENABLE_FORK_SUPPORT"])
+@pytest.mark.parametrize("script", [FORK_AFTER_CLIENT, FORK_BEFORE_CLIENT],
+                         ids=["fork_after_client", "fork_before_client"])
+def test_client_and_fork(server, script, fork_support):
+    """A client after fork() raises lossd.ForkedClient in the child at once; a child forked
+    before the parent's first client makes its own; neither hangs, with or without gRPC's fork
+    support variable (which users of grpcio set)."""
     environment = dict(os.environ)
-    if fork_support != "default":
-        name, value = fork_support.split("=")
-        environment[name] = value
-    code = "ADDRESS = %r\nFORK_SUPPORT = %r\n%s" % (
-        server.address, fork_support != "default", textwrap.dedent(FORK_SCRIPT))
+    environment.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    if fork_support:
+        environment["GRPC_ENABLE_FORK_SUPPORT"] = fork_support
+    code = "ADDRESS = %r\n%s" % (server.address, textwrap.dedent(script))
     # The timeout is the test: a hang in the child or the parent fails it instead of CI.
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, env=environment)

@@ -14,9 +14,7 @@ evaluate_async, linear_forward_async and backward_async return concurrent.future
 ``from lossd.v1 import lossd_pb2, lossd_pb2_grpc`` for the raw gRPC stubs.
 """
 
-import os as _os
-
-from . import _errors, _futures, _lossd
+from . import _errors, _futures
 from ._errors import (
     Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
     ForkedClient, Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
@@ -25,11 +23,6 @@ from ._lossd import (
     LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, LinearForwardResult,
     ListResult, ServerInfo, TensorInfo)
 from ._version import __version__
-
-# gRPC's fork handlers around every fork() (they act only with GRPC_ENABLE_FORK_SUPPORT=1 set
-# before the first client; without it a client made in the child raises ForkedClient).
-_os.register_at_fork(before=_lossd._before_fork, after_in_parent=_lossd._after_fork_in_parent,
-                     after_in_child=_lossd._after_fork_in_child)
 
 for _name, _method in _futures.METHODS.items():
     setattr(Client, _name, _method)

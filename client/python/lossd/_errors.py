@@ -107,8 +107,10 @@ class Unauthenticated(Error):
 
 
 class ForkedClient(FailedPrecondition, RuntimeError):
-    """A lossd.Client used in a child of fork(): its gRPC channel and connections belong to the
-    parent. Raised by every call at once (never a hang); make a new lossd.Client in the child."""
+    """lossd after fork(): a call of a client the parent made, or a new client in a child forked
+    after the parent's first client (gRPC's threads stayed in the parent, so either could wait
+    forever). Raised at once instead; start such children with multiprocessing's "spawn" or
+    "forkserver", or fork before the first client."""
 
 
 ERRORS = {cls.code: cls for cls in (
