@@ -172,11 +172,19 @@ absl::StatusOr<std::unique_ptr<OutputTensorFile>> OutputTensorFile::Create(
   if (mode == WriteMode::kMapped) {
     const uint64_t file_bytes =
         out->data_offset_ + elements * DTypeSize(out->file_dtype_);
-    if (ftruncate(out->fd_, static_cast<off_t>(file_bytes)) != 0) {
+    // The file's pages allocated (fallocate) and mapped (MAP_POPULATE) in two
+    // calls rather than one fault per 4 KiB page as the writes reach them: a
+    // 0.49 GiB .npy in /dev/shm downloaded in 1.8-2.9 s with per-page faults
+    // (CPU build machine). fallocate is not on every file system; there the
+    // file is only sized.
+    const int allocated =
+        posix_fallocate(out->fd_, 0, static_cast<off_t>(file_bytes));
+    if (allocated != 0 &&
+        ftruncate(out->fd_, static_cast<off_t>(file_bytes)) != 0) {
       return ErrnoError(errno, "cannot size", out->temp_path_);
     }
     void* mapping = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE,
-                         MAP_SHARED, out->fd_, 0);
+                         MAP_SHARED | MAP_POPULATE, out->fd_, 0);
     if (mapping == MAP_FAILED) {
       return ErrnoError(errno, "cannot mmap", out->temp_path_);
     }

@@ -421,8 +421,10 @@ PYBIND11_MODULE(_lossd, m) {
              options.chunk_bytes = static_cast<std::size_t>(chunk_bytes);
              options.piece_bytes = static_cast<std::size_t>(piece_bytes);
              options.max_message_bytes = static_cast<int>(max_message_bytes);
+             CheckGrpcUsableHere();
              std::unique_ptr<Client> client =
                  ValueOrThrow(Client::Connect(target, std::move(options)));
+             NoteGrpcUsed();
              return std::make_unique<PyClient>(
                  target, std::shared_ptr<Client>(std::move(client)));
            }),

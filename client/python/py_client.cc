@@ -94,6 +94,43 @@ CrossEntropyOptions LossOptions(int64_t ignore_index, double label_smoothing,
 
 }  // namespace
 
+void ThrowForkedClient(const std::string& message) {
+  py::object error = py::module_::import("lossd._errors").attr("ForkedClient");
+  PyErr_SetString(error.ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
+void PyClient::ThrowForked() const {
+  ThrowForkedClient(absl::StrCat(
+      "this lossd.Client (", target_, ") was made in process ", owner_pid_,
+      " and cannot be used in process ", getpid(),
+      ", a child of fork(): gRPC channels and connections do not survive "
+      "fork(); make a new lossd.Client in the child"));
+}
+
+namespace {
+
+// The process where the first client connected, whose gRPC state is usable;
+// 0 until a client connects.
+pid_t grpc_pid = 0;
+
+}  // namespace
+
+void CheckGrpcUsableHere() {
+  if (grpc_pid == 0 || grpc_pid == getpid()) return;
+  ThrowForkedClient(absl::StrCat(
+      "gRPC was started in process ", grpc_pid, " and this is process ",
+      getpid(),
+      ", a child of fork(): a new channel here can wait forever, since "
+      "gRPC's threads stayed in the parent. Make the child's clients in "
+      "children started with multiprocessing's \"spawn\" or \"forkserver\", "
+      "or fork before the parent's first lossd.Client"));
+}
+
+void NoteGrpcUsed() {
+  if (grpc_pid == 0) grpc_pid = getpid();
+}
+
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
                   py::handle shape, const std::string& label,
                   const std::optional<std::string>& idempotency_key,

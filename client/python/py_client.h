@@ -6,6 +6,7 @@
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
+#include <unistd.h>
 // In every file of the module: without it, a std::vector or std::optional
 // is cast as an opaque type, not a Python list or None.
 #include <pybind11/stl.h>
@@ -26,10 +27,19 @@ namespace python {
 
 // lossd.Client: owns a lossd::Client. Calls hold a reference of their own,
 // so close() while another thread is in a call frees the client after it.
+//
+// A client belongs to the process that made it. After fork() the child has
+// the parent's gRPC channel and data connections without the threads that
+// serve them, and a call there could wait forever; so a call in another
+// process raises lossd.ForkedClient at once, and the child's copy is never
+// freed (freeing it would shut down the parent's channel from a process
+// without its threads).
 class PyClient {
  public:
   PyClient(std::string target, std::shared_ptr<Client> client)
-      : target_(std::move(target)), client_(std::move(client)) {}
+      : target_(std::move(target)),
+        client_(std::move(client)),
+        owner_pid_(getpid()) {}
   ~PyClient() { Close(); }
 
   const std::string& target() const { return target_; }
@@ -37,6 +47,7 @@ class PyClient {
 
   std::shared_ptr<Client> Get() const {
     if (!client_) throw py::value_error("the lossd.Client is closed");
+    if (getpid() != owner_pid_) ThrowForked();
     return client_;
   }
 
@@ -45,6 +56,13 @@ class PyClient {
   // client.
   void Close() {
     if (!client_) return;
+    if (getpid() != owner_pid_) {
+      // The inherited copy in a child of fork(): left allocated on purpose
+      // (see the class comment); the close hooks belong to the parent too.
+      new std::shared_ptr<Client>(std::move(client_));
+      close_hooks_.clear();
+      return;
+    }
     std::vector<py::object> hooks = std::move(close_hooks_);
     close_hooks_.clear();
     for (py::object& hook : hooks) {
@@ -64,10 +82,25 @@ class PyClient {
   }
 
  private:
+  [[noreturn]] void ThrowForked() const;
+
   const std::string target_;
   std::shared_ptr<Client> client_;
+  const pid_t owner_pid_;
   std::vector<py::object> close_hooks_;
 };
+
+// gRPC's process-wide state (its threads and pollers, started by the first
+// channel) does not survive fork(): in the child a new channel can wait
+// forever. gRPC's own fork handlers (GRPC_ENABLE_FORK_SUPPORT) were tried and
+// hung the child now and then (1 run in 3 under ctest), so they are not
+// used: a client made in a child of fork() after gRPC had started in an
+// ancestor raises lossd.ForkedClient instead. A child forked before the
+// parent's first client is free to make its own. All of these run with the
+// GIL held, which orders them.
+void CheckGrpcUsableHere();  // before a client connects
+void NoteGrpcUsed();         // after it connected
+[[noreturn]] void ThrowForkedClient(const std::string& message);
 
 // The methods of lossd.Client (their docstrings are in bindings.cc).
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,

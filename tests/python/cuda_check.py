@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA path of lossd.torch checked on a GPU machine without pytest (the device machine's
 Python has torch but no pytest): test_torch.py's test_cuda_tensors as a plain script, plus
-gradient accumulation and linear_cross_entropy with CUDA hidden states, against a lossd it starts (--lossd; its CPU device unless --device).
+cross_entropy_async from a side stream, gradient accumulation and linear_cross_entropy with CUDA hidden states, against a lossd it starts (--lossd; its CPU device unless --device).
 
   PYTHONPATH=<lossd package folder> python3 tests/python/cuda_check.py --lossd=build/server/lossd
 Exits 0 when every case matches F.cross_entropy, 1 on a mismatch, 77 without a CUDA device."""
@@ -59,6 +59,35 @@ def case(client, name, reduction, rows, vocab, seed):
         problem = close(actual, expected, name)
         if problem:
             problems.append("%s: %s" % (what, problem))
+    return problems
+
+
+def overlapped(client):
+    """cross_entropy_async from CUDA logits made on a side stream, with a matmul queued after
+    each start (the next micro-batch's compute): every loss and gradient as F.cross_entropy's."""
+    side = torch.cuda.Stream()
+    weight = torch.randn(2048, 2048, device="cuda")
+    pending, inputs = [], []
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(100 + seed)
+        logits = torch.randn(256, 32000, generator=generator)
+        target = torch.randint(0, 32000, (256,), generator=generator)
+        with torch.cuda.stream(side):
+            x = (logits.cuda(non_blocking=True) * 1.0).requires_grad_()
+            pending.append(lossd.torch.cross_entropy_async(x, target.cuda(), client=client))
+            weight = weight @ weight.T / 2048  # queued behind the upload's start
+        inputs.append((x, logits, target))
+    problems = []
+    for (x, logits, target), handle in zip(inputs, pending):
+        handle.result().backward()
+        reference_x = logits.double().requires_grad_()
+        reference = F.cross_entropy(reference_x, target)
+        reference.backward()
+        for what, actual, expected in (("loss", handle.result(), reference.float()),
+                                       ("gradient", x.grad, reference_x.grad.float())):
+            problem = close(actual, expected, "fp32")
+            if problem:
+                problems.append("%s: %s" % (what, problem))
     return problems
 
 
@@ -139,6 +168,10 @@ def main():
                         status = "ok" if not problems else "FAILED " + "; ".join(problems)
                         print("%s %s %dx%d: %s" % (name, reduction, rows, vocab, status))
                         failures += bool(problems)
+            problems = overlapped(client)
+            print("cross_entropy_async, 4 in flight from a side stream:",
+                  "ok" if not problems else problems)
+            failures += bool(problems)
             problems = accumulation(client)
             print("accumulation into .grad:", "ok" if not problems else problems)
             failures += bool(problems)

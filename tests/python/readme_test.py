@@ -1,13 +1,16 @@
-"""Runs the README's Python section as a user would: its `export PYTHONPATH=...` line (with the
-build folder this test was configured for, when that is not build/) in bash from the repository
-root, then its Python example under /usr/bin/python3 against a real lossd (LOSSD_TARGET names
-it; the README's default is localhost:50051)."""
+"""Runs the README's Python section as a user would: its install commands (the block that makes
+~/lossd-venv and pip-installs client/python) in bash from the repository root, with HOME a
+temporary folder so that ~/lossd-venv is a fresh venv, then its Python example under that venv's
+python against a real lossd (LOSSD_TARGET names it; the README's default is localhost:50051).
+LOSSD_CMAKE_BUILD_DIR points pip's build at this test's build folder, as the README suggests."""
 
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reference"))
 from lossd_testing import LossdServer  # noqa: E402
@@ -23,25 +26,44 @@ def main():
 
     with open(args.readme) as f:
         readme = f.read()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    exports = re.findall(r"^(export PYTHONPATH=\S+)$", readme, re.M)
-    if not blocks or len(exports) != 1:
-        sys.exit("README: expected a ```python block and one 'export PYTHONPATH=' line")
-    export = exports[0]
-    build = os.path.realpath(args.build)
-    if build != os.path.realpath(os.path.join(args.root, "build")):
-        export = export.replace("$PWD/build/", build + "/")
+    section = readme[readme.index("## From Python and PyTorch"):]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    installs = [block for block in re.findall(r"```\n(.*?)```", section, re.S)
+                if "pip install" in block]
+    if not blocks or len(installs) != 1:
+        sys.exit("README: expected one block with 'pip install' and a ```python block in its "
+                 "Python section")
+    install = installs[0]
+    if not install.startswith("bash scripts/setup\n") or "--system-site-packages" not in install:
+        sys.exit("README: the Python section's install block must start with bash scripts/setup "
+                 "and make a venv with --system-site-packages")
+    python = re.search(r"run `(\S+/python) train.py`", section)
+    if not python:
+        sys.exit("README: expected 'run `VENV/bin/python train.py`' in its Python section")
 
-    with LossdServer(args.lossd, "cpu") as server:
-        script = "set -euo pipefail\ncd %s\n%s\nexec /usr/bin/python3 -\n" % (args.root, export)
-        environment = dict(os.environ, LOSSD_TARGET=server.address)
+    home = tempfile.mkdtemp(prefix="lossd-readme-")
+    try:
+        environment = dict(os.environ, HOME=home,
+                           LOSSD_CMAKE_BUILD_DIR=os.path.realpath(args.build))
         environment.pop("PYTHONPATH", None)
-        result = subprocess.run(["bash", "-c", script], input=blocks[0], text=True,
-                                capture_output=True, env=environment, timeout=240)
-        print(result.stdout, result.stderr)
+        script = "set -euo pipefail\ncd %s\n%s" % (args.root, install)
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                                env=environment, timeout=900)
+        print(result.stdout[-4000:], result.stderr[-4000:])
         if result.returncode != 0:
-            sys.exit("the README's Python example failed (exit %d)" % result.returncode)
-    print("README Python example ran (%s)" % export)
+            sys.exit("the README's install commands failed (exit %d)" % result.returncode)
+
+        with LossdServer(args.lossd, "cpu") as server:
+            environment["LOSSD_TARGET"] = server.address
+            command = "cd %s\nexec %s -\n" % (home, python.group(1))
+            result = subprocess.run(["bash", "-c", command], input=blocks[0], text=True,
+                                    capture_output=True, env=environment, timeout=240)
+            print(result.stdout, result.stderr)
+            if result.returncode != 0:
+                sys.exit("the README's Python example failed (exit %d)" % result.returncode)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    print("README install commands and Python example ran")
 
 
 if __name__ == "__main__":

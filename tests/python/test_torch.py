@@ -260,6 +260,7 @@ def test_device_transfer_pieces_on_the_cpu(server, monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
     piece = 64 << 10
@@ -276,3 +277,24 @@ def test_device_transfer_pieces_on_the_cpu(server, monkeypatch):
     assert len({address for address, _, _ in cudart.registered}) == len(cudart.registered)
     client.close()
     assert sorted(cudart.unregistered) == sorted(a for a, _, _ in cudart.registered)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_out_is_reused(client, dtype):
+    """grad_out: the backward writes the gradient into the caller's tensor and hands that very
+    tensor to autograd, step after step (no fresh memory per step)."""
+    torch.manual_seed(3)
+    buffer = torch.full((24, 70), float("nan"), dtype=dtype)
+    for step in range(2):
+        leaf = torch.randn(24, 70).to(dtype).requires_grad_()
+        targets = torch.randint(0, 70, (24,))
+        loss = lossd.torch.cross_entropy(leaf, targets, client=client, grad_out=buffer)
+        (gradient,) = torch.autograd.grad(loss * 3.0, [leaf])
+        assert gradient.data_ptr() == buffer.data_ptr()
+        reference = leaf.detach().float().requires_grad_()
+        (F.cross_entropy(reference, targets) * 3.0).backward()
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(buffer.float(), reference.grad, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="grad_out"):
+        lossd.torch.cross_entropy(leaf, targets, client=client,
+                                  grad_out=torch.empty(24, 71, dtype=dtype))

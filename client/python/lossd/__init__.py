@@ -8,22 +8,30 @@
     client.release(handle)
 
 lossd.Client wraps the C++ lossd::Client (data connections, stripes); every call releases the GIL
-and raises a lossd.Error subclass per gRPC code. ``import lossd.torch`` for the PyTorch autograd
-function ``lossd.torch.cross_entropy``.
+and raises a lossd.Error subclass per gRPC code. upload_async, forward_async, download_async,
+evaluate_async, linear_forward_async and backward_async return concurrent.futures.Future objects.
+``import lossd.torch`` for the PyTorch autograd function ``lossd.torch.cross_entropy``;
+``from lossd.v1 import lossd_pb2, lossd_pb2_grpc`` for the raw gRPC stubs.
 """
 
-from . import _errors
+from . import _errors, _futures
 from ._errors import (
     Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error, FailedPrecondition,
-    Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
-    StatusCode, Unauthenticated, Unavailable, Unimplemented, Unknown)
+    ForkedClient, Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
+    ResourceExhausted, StatusCode, Unauthenticated, Unavailable, Unimplemented, Unknown)
 from ._lossd import (
     LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, LinearForwardResult,
     ListResult, ServerInfo, TensorInfo)
+from ._version import __version__
+
+for _name, _method in _futures.METHODS.items():
+    setattr(Client, _name, _method)
+del _name, _method
 
 # Shown as lossd.X (help(), reprs, tracebacks) rather than the private modules defining them.
 for _cls in (Client, TensorInfo, ServerInfo, ListResult, ForwardResult, LinearForwardResult,
-             BackwardResult, EvaluateResult, StatusCode, Error, *_errors.ERRORS.values()):
+             BackwardResult, EvaluateResult, StatusCode, Error, ForkedClient,
+             *_errors.ERRORS.values()):
     _cls.__module__ = __name__
 del _cls
 
@@ -33,5 +41,5 @@ __all__ = [
     "EvaluateResult", "LOSSD_SERVICE", "StatusCode", "Error", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal",
-    "Unavailable", "DataLoss", "Unauthenticated",
+    "Unavailable", "DataLoss", "Unauthenticated", "ForkedClient", "__version__",
 ]

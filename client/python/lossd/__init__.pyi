@@ -2,7 +2,7 @@
 from ._errors import (
     Aborted as Aborted, AlreadyExists as AlreadyExists, Cancelled as Cancelled,
     DataLoss as DataLoss, DeadlineExceeded as DeadlineExceeded, Error as Error,
-    FailedPrecondition as FailedPrecondition, Internal as Internal,
+    FailedPrecondition as FailedPrecondition, ForkedClient as ForkedClient, Internal as Internal,
     InvalidArgument as InvalidArgument, NotFound as NotFound, OutOfRange as OutOfRange,
     PermissionDenied as PermissionDenied, ResourceExhausted as ResourceExhausted,
     StatusCode as StatusCode, Unauthenticated as Unauthenticated, Unavailable as Unavailable,
@@ -12,3 +12,5 @@ from ._lossd import (
     EvaluateResult as EvaluateResult, ForwardResult as ForwardResult,
     LinearForwardResult as LinearForwardResult, ListResult as ListResult,
     ServerInfo as ServerInfo, TensorInfo as TensorInfo)
+
+__version__: str

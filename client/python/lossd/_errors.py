@@ -106,6 +106,13 @@ class Unauthenticated(Error):
     code = StatusCode.UNAUTHENTICATED
 
 
+class ForkedClient(FailedPrecondition, RuntimeError):
+    """lossd after fork(): a call of a client the parent made, or a new client in a child forked
+    after the parent's first client (gRPC's threads stayed in the parent, so either could wait
+    forever). Raised at once instead; start such children with multiprocessing's "spawn" or
+    "forkserver", or fork before the first client."""
+
+
 ERRORS = {cls.code: cls for cls in (
     Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
     PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange, Unimplemented,

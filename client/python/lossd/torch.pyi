@@ -1,4 +1,5 @@
 # Type stubs of lossd.torch.
+from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 import torch
@@ -9,7 +10,21 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, *, client: Client,
                   weight: Union[None, str, torch.Tensor] = None, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0,
                   z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
-                  grad_scale: float = 1.0, label: str = "logits") -> torch.Tensor: ...
+                  grad_scale: float = 1.0, label: str = "logits",
+                  grad_out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+class PendingLoss:
+    future: Future[Any]
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
+    def result(self, timeout: Optional[float] = None) -> torch.Tensor: ...
+
+def cross_entropy_async(input: torch.Tensor, target: torch.Tensor, *, client: Client,
+                        weight: Union[None, str, torch.Tensor] = None, ignore_index: int = -100,
+                        reduction: str = "mean", label_smoothing: float = 0.0,
+                        z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
+                        grad_scale: float = 1.0, label: str = "logits",
+                        grad_out: Optional[torch.Tensor] = None) -> PendingLoss: ...
 
 def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch.Tensor, *,
                          client: Client, bias_handle: Optional[str] = None,
