@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <iterator>
 #include <memory>
@@ -133,6 +134,15 @@ absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
     return absl::InvalidArgumentError(
         absl::StrCat("token_grad_output (", request.token_grad_output().size(),
                      " values) is only for reduction NONE with a gradient"));
+  }
+  // A non-finite factor would turn its row's dX and every row of dW into
+  // NaN; it is a bad request, as a non-finite Backward factor is.
+  const auto& factors = request.token_grad_output();
+  for (int i = 0; i < factors.size(); ++i) {
+    if (!std::isfinite(factors[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token_grad_output[", i, "] = ", factors[i], " is not finite"));
+    }
   }
   return spec;
 }
