@@ -196,7 +196,8 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
       }
     }
   }
-  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+  if (args.options.reduction == Reduction::kMean &&
+      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
       total.denominator == 0.0) {
     total.denominator = args.options.normalizer > 0.0 ? args.options.normalizer
                                                       : target_weight_sum;

@@ -645,7 +645,8 @@ absl::Status LinearCrossEntropyCuda(
     chunk.denominator = r.denominator;
     AddChunkResult(chunk, &total);
   }
-  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+  if (args.options.reduction == Reduction::kMean &&
+      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
       total.denominator == 0.0) {
     total.denominator = args.options.normalizer > 0.0
                             ? args.options.normalizer
