@@ -320,7 +320,9 @@ TEST_F(LinearCancelTest, GivenAccumulatorGetsAllOrNothing) {
       << code;
   ASSERT_GE(SecondsUntilUsed(used, absl::Seconds(60)), 0.0);
   request.set_weight_grad(reference_acc);
-  ASSERT_TRUE(LinearForward(request, absl::Seconds(120), &response).ok());
+  const grpc::Status reference =
+      LinearForward(request, absl::Seconds(120), &response);
+  ASSERT_TRUE(reference.ok()) << reference.error_message();
   const std::string got = Download(cancelled_acc);
   EXPECT_TRUE(got == Download(reference_acc) || got == zeros)
       << "the cancelled call added part of its gradient";
