@@ -5,6 +5,7 @@
 #define LOSSD_KERNELS_LINEAR_CROSS_ENTROPY_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "kernels/cross_entropy.h"
 
@@ -96,6 +97,13 @@ struct LinearCrossEntropyArgs {
   float* token_loss = nullptr;      // [rows]
   float* token_lse = nullptr;       // [rows]
   int32_t* token_argmax = nullptr;  // [rows]
+
+  // Asked before each chunk of rows (never inside one), from the calling
+  // thread; once it returns true the call stops and returns CANCELLED. The
+  // outputs are then partly written (dX of the chunks done, dW and dbias
+  // holding those chunks' sum, per-row outputs): a caller that may stop a
+  // call lets it write only into buffers it can discard. Empty: never asked.
+  std::function<bool()> cancelled;
 };
 
 }  // namespace lossd

@@ -66,6 +66,11 @@ absl::Status CpuDevice::CopyFromHost(void* buffer, size_t offset,
   return absl::OkStatus();
 }
 
+absl::Status CpuDevice::CopyWithin(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
 absl::Status CpuDevice::ReadConverted(const void* buffer, DType src_dtype,
                                       int64_t first, int64_t count,
                                       int64_t row_length, float scale,
@@ -92,6 +97,11 @@ absl::Status CpuDevice::CrossEntropy(const CrossEntropyArgs& args,
 absl::Status CpuDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                            CrossEntropyResult* result) {
   return LinearCrossEntropyCpu(args, result);
+}
+
+int64_t CpuDevice::LinearCrossEntropyWorkspaceBytes(
+    const LinearCrossEntropyArgs& args) const {
+  return LinearCrossEntropyCpuWorkspaceBytes(args);
 }
 
 }  // namespace lossd

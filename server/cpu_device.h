@@ -28,6 +28,7 @@ class CpuDevice final : public Device {
   void Free(void* buffer, size_t bytes) override;
   absl::Status CopyFromHost(void* buffer, size_t offset, const void* host,
                             size_t bytes) override;
+  absl::Status CopyWithin(void* dst, const void* src, size_t bytes) override;
   absl::Status ReadConverted(const void* buffer, DType src_dtype, int64_t first,
                              int64_t count, int64_t row_length, float scale,
                              const float* host_row_scale, void* host_dst,
@@ -40,6 +41,10 @@ class CpuDevice final : public Device {
   // LinearCrossEntropyCpu (OpenBLAS).
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;
+  // LinearCrossEntropyCpuWorkspaceBytes: its scratch is host memory, the
+  // CPU device's.
+  int64_t LinearCrossEntropyWorkspaceBytes(
+      const LinearCrossEntropyArgs& args) const override;
 
  private:
   const int num_threads_;

@@ -737,6 +737,47 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   return status;
 }
 
+absl::Status CudaDevice::CopyWithin(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  const absl::Status status =
+      Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+            "device copy");
+  const absl::Status synced =
+      Check(cudaStreamSynchronize(stream), "device copy synchronize");
+  ReleaseStream(stream);
+  return status.ok() ? synced : status;
+}
+
+namespace {
+
+// The kernel's configuration for `args`, as LinearCrossEntropy runs it.
+LinearCrossEntropyCudaConfig LinearConfig(const LinearCrossEntropyArgs& args) {
+  LinearCrossEntropyCudaConfig config;
+  if (args.fast_products) config.precision = LinearPrecision::kFast;
+  return config;
+}
+
+// The device block of LinearCrossEntropy's host arrays: token_grad_output
+// first, then the per-token outputs.
+TokenOutputs LinearTokenBlock(const LinearCrossEntropyArgs& args) {
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
+  return LayOutTokenOutputs(
+      args, rows,
+      args.token_grad_output != nullptr ? AlignUp(rows * sizeof(float)) : 0);
+}
+
+}  // namespace
+
+int64_t CudaDevice::LinearCrossEntropyWorkspaceBytes(
+    const LinearCrossEntropyArgs& args) const {
+  const LinearCrossEntropyCudaConfig config = LinearConfig(args);
+  return static_cast<int64_t>(
+      PlanLinearCrossEntropyCuda(args, &config).workspace_bytes +
+      LinearTokenBlock(args).end);
+}
+
 absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                             CrossEntropyResult* result) {
   if (result == nullptr) {
@@ -748,9 +789,7 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
   // One block for the host arrays the kernel reads or writes on the device.
   const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
   const size_t grad_output_offset = 0;
-  const TokenOutputs outputs = LayOutTokenOutputs(
-      args, rows,
-      args.token_grad_output != nullptr ? AlignUp(rows * sizeof(float)) : 0);
+  const TokenOutputs outputs = LinearTokenBlock(args);
   const size_t block_bytes = outputs.end;
 
   ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
@@ -773,8 +812,7 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
     PointTokenOutputs(outputs, block, &device_args);
     // Its INTERNAL errors are looked at again below (Check of the final
     // synchronize), where a sticky one is fatal.
-    LinearCrossEntropyCudaConfig config;
-    if (device_args.fast_products) config.precision = LinearPrecision::kFast;
+    const LinearCrossEntropyCudaConfig config = LinearConfig(device_args);
     status = LinearCrossEntropyCuda(device_args, result, stream, &config);
     if (!status.ok()) cudaGetLastError();
   }

@@ -86,6 +86,8 @@ class CudaDevice final : public Device {
   absl::Status FinishWrites(void* buffer) override;
   // Scales and converts on the device into scratch memory, then copies to the
   // host through pinned memory.
+  // cudaMemcpyAsync on a stream of the pool, then a synchronize.
+  absl::Status CopyWithin(void* dst, const void* src, size_t bytes) override;
   absl::Status ReadConverted(const void* buffer, DType src_dtype, int64_t first,
                              int64_t count, int64_t row_length, float scale,
                              const float* host_row_scale, void* host_dst,
@@ -99,6 +101,10 @@ class CudaDevice final : public Device {
   // arrays staged through one device block.
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;
+  // The kernel's planned workspace (PlanLinearCrossEntropyCuda) and the
+  // block staging the per-token arrays.
+  int64_t LinearCrossEntropyWorkspaceBytes(
+      const LinearCrossEntropyArgs& args) const override;
 
  private:
   // A pinned host buffer of staging_bytes and the event of the last copy that

@@ -135,14 +135,28 @@ class Device {
   virtual absl::Status CrossEntropy(const CrossEntropyArgs& args,
                                     CrossEntropyResult* result) = 0;
 
+  // Copies `bytes` bytes from `src` to `dst`, both inside allocations of this
+  // device and not overlapping. Blocks until the copy is done. INTERNAL on a
+  // device failure.
+  virtual absl::Status CopyWithin(void* dst, const void* src, size_t bytes) = 0;
+
+  // The device memory LinearCrossEntropy(args) allocates for itself beyond
+  // its inputs and outputs (its workspace), for the caller to charge to the
+  // memory budget before the call. Pure; 0 for a device without it.
+  virtual int64_t LinearCrossEntropyWorkspaceBytes(
+      const LinearCrossEntropyArgs& /*args*/) const {
+    return 0;
+  }
+
   // Runs the linear cross-entropy contract of kernels/linear_cross_entropy.h
   // (LinearForward). x, weight, bias, targets, class_weights, dx, grad_weight
   // and grad_bias are device pointers; token_grad_output and the per-token
   // outputs are HOST pointers (staged by the device when it must).
   // INVALID_ARGUMENT for bad arguments or a target out of range (then no
   // buffer is changed); RESOURCE_EXHAUSTED when its working memory does not
-  // fit; INTERNAL for a device failure. Blocks until the result is ready.
-  // UNIMPLEMENTED on a device without it.
+  // fit; CANCELLED when args.cancelled said so between chunks (the outputs
+  // then partly written); INTERNAL for a device failure. Blocks until the
+  // result is ready. UNIMPLEMENTED on a device without it.
   virtual absl::Status LinearCrossEntropy(
       const LinearCrossEntropyArgs& /*args*/, CrossEntropyResult* /*result*/) {
     return absl::UnimplementedError("this device has no linear cross-entropy");

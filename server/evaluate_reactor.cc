@@ -172,6 +172,7 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     }
     config_.options = config_.spec.options;
     config_.tenant = admission_.tenant();
+    config_.cancelled = CancellationOf(context_);
     config_.vocab = config_.spec.vocab;
     config_.logits_dtype = config_.spec.logits_dtype;
     config_.targets_dtype = config_.spec.targets_dtype;

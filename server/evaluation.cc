@@ -241,6 +241,11 @@ absl::Status EvaluationLane::RunLinear(int64_t rows, const void* targets,
   args.weight_hidden = config_->spec.hidden;
   args.weight_dtype = config_->logits_dtype;
   if (config_->bias != nullptr) args.bias_dtype = config_->logits_dtype;
+  args.cancelled = config_->cancelled;
+  ASSIGN_OR_RETURN(const ScratchBuffer workspace,
+                   store_->ChargeWorkspace(
+                       store_->device()->LinearCrossEntropyWorkspaceBytes(args),
+                       "the evaluation's working memory over hidden states"));
   return store_->device()->LinearCrossEntropy(args, result);
 }
 

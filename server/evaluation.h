@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -45,6 +46,10 @@ struct EvaluationConfig {
   // (and bias [vocab], or null); device memory the reactor's leases hold.
   const void* weight = nullptr;
   const void* bias = nullptr;
+  // The RPC's cancellation (or passed deadline): asked between the chunks of
+  // rows of a block over hidden states, whose kernel may run long. Empty:
+  // never asked.
+  std::function<bool()> cancelled;
 };
 
 // What an evaluation's blocks add up to.

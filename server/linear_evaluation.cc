@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <iterator>
 #include <memory>
@@ -134,6 +135,15 @@ absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
         absl::StrCat("token_grad_output (", request.token_grad_output().size(),
                      " values) is only for reduction NONE with a gradient"));
   }
+  // A non-finite factor would turn its row's dX and every row of dW into
+  // NaN; it is a bad request, as a non-finite Backward factor is.
+  const auto& factors = request.token_grad_output();
+  for (int i = 0; i < factors.size(); ++i) {
+    if (!std::isfinite(factors[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token_grad_output[", i, "] = ", factors[i], " is not finite"));
+    }
+  }
   return spec;
 }
 
@@ -177,7 +187,8 @@ absl::Status Zero(Device* device, void* buffer, int64_t bytes) {
 
 absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
                               const pb::LinearForwardRequest& request,
-                              pb::LinearForwardResponse* response) {
+                              pb::LinearForwardResponse* response,
+                              const std::function<bool()>& cancelled) {
   ASSIGN_OR_RETURN(const LinearSpec spec,
                    ValidateLinearForwardRequest(request));
   const CrossEntropyOptions& options = spec.forward.options;
@@ -359,10 +370,16 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
                                ? nullptr
                                : request.token_grad_output().data();
   args.dx_mode = mode;
+  // In place, dX goes beside the hidden states until the commit, so that a
+  // call that fails or stops part-way leaves them as they were.
+  ScratchBuffer staged_dx;
   switch (mode) {
-    case GradientMode::kInPlace:
-      args.dx = hidden->data();
+    case GradientMode::kInPlace: {
+      ASSIGN_OR_RETURN(staged_dx, store->AllocateScratch(hidden->bytes()));
+      args.dx_mode = GradientMode::kOutOfPlace;
+      args.dx = staged_dx.data();
       break;
+    }
     case GradientMode::kOutOfPlace:
       args.dx = dx->data();
       break;
@@ -388,6 +405,17 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   args.token_lse = token_lse.empty() ? nullptr : token_lse.data();
   args.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
 
+  ASSIGN_OR_RETURN(
+      const ScratchBuffer workspace,
+      store->ChargeWorkspace(device->LinearCrossEntropyWorkspaceBytes(args),
+                             "LinearForward's working memory"));
+
+  const bool adds_to_given = weight_grad != nullptr || bias_grad != nullptr;
+  const auto stopped = [&cancelled] { return cancelled && cancelled(); };
+  if (stopped()) {
+    return absl::CancelledError("LinearForward cancelled before it started");
+  }
+  if (!adds_to_given) args.cancelled = cancelled;
   CrossEntropyResult result;
   const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(device->LinearCrossEntropy(args, &result));
@@ -396,6 +424,15 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   if (rpc->metrics() != nullptr) {
     rpc->metrics()->ObserveKernel(device->name(), "linear_cross_entropy",
                                   elapsed.count());
+  }
+  // Nobody would receive the new handles: they go, and the hidden states
+  // keep their values.
+  if (!adds_to_given && stopped()) {
+    return absl::CancelledError("LinearForward cancelled before its commit");
+  }
+  if (mode == GradientMode::kInPlace) {
+    RETURN_IF_ERROR(device->CopyWithin(hidden->data(), staged_dx.data(),
+                                       static_cast<size_t>(hidden->bytes())));
   }
 
   // Commit: new tensors get their handles, the hidden states become dX.

@@ -5,6 +5,7 @@
 #ifndef LOSSD_SERVER_LINEAR_EVALUATION_H_
 #define LOSSD_SERVER_LINEAR_EVALUATION_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,10 +18,20 @@ namespace lossd {
 // request, resolves and leases its tensors, creates the out-of-place dX and
 // missing accumulators, runs the device's LinearCrossEntropy and commits the
 // results into `response`. Codes as the LinearForward RPC documents
-// (proto/lossd/v1/lossd.proto); on any error nothing is changed. Thread-safe.
+// (proto/lossd/v1/lossd.proto); on any error nothing is changed.
+//
+// `cancelled` (the RPC's cancellation or passed deadline) is asked before
+// the device call, between its chunks of rows and before the commit; once it
+// is true the call returns CANCELLED having changed nothing: in-place dX is
+// written beside the hidden states (working memory charged to the budget)
+// and copied over them only at the commit, new tensors are dropped. A call
+// writing an accumulator the request named cannot take back what it added,
+// so it is asked only before the device call and then runs to the end (the
+// accumulator gets all of the call's gradient or none). Thread-safe.
 absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
                               const lossd::v1::LinearForwardRequest& request,
-                              lossd::v1::LinearForwardResponse* response);
+                              lossd::v1::LinearForwardResponse* response,
+                              const std::function<bool()>& cancelled);
 
 }  // namespace lossd
 

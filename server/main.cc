@@ -3,6 +3,7 @@
 // token and quota files.
 #include <csignal>
 #include <cstdio>
+#include <string>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -16,10 +17,16 @@ int main(int argc, char** argv) {
       "lossd [--port=50051] [--device=auto|cpu|cuda] [--memory_budget=8G] ...");
   // --help and --helpshort list the flags of files that look like the
   // program's main file (".../lossd.cc" by absl's default); lossd's are all
-  // in server/flags.cc. --helpfull still adds those of gRPC and absl.
+  // in server/flags.cc. --helpfull still adds those of gRPC and absl. absl
+  // heads each file's flags with the path the file was compiled from, a
+  // build machine's: lossd's are headed "lossd" instead.
   absl::FlagsUsageConfig usage;
+  usage.normalize_filename = [](absl::string_view file) -> std::string {
+    if (absl::EndsWith(file, "server/flags.cc")) return "lossd";
+    return std::string(file);
+  };
   const auto lossd_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "server/flags.cc");
+    return file == "lossd" || absl::EndsWith(file, "server/flags.cc");
   };
   usage.contains_help_flags = lossd_flags;
   usage.contains_helpshort_flags = lossd_flags;

@@ -2,6 +2,7 @@
 #include "server/rpc_support.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -216,6 +217,13 @@ absl::StatusOr<ReadLease> LeaseClassWeights(TensorStore* store,
     return absl::InvalidArgumentError("class_weights holds a gradient");
   }
   return store->BeginRead(std::move(weights));
+}
+
+std::function<bool()> CancellationOf(grpc::CallbackServerContext* context) {
+  return [context] {
+    return context->IsCancelled() ||
+           std::chrono::system_clock::now() > context->deadline();
+  };
 }
 
 }  // namespace lossd

@@ -6,6 +6,7 @@
 #define LOSSD_SERVER_RPC_SUPPORT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -161,6 +162,13 @@ class Admission {
 
 // A stored tensor's metadata as the API's TensorInfo.
 void ToProto(const TensorRecord& info, lossd::v1::TensorInfo* out);
+
+// Whether the RPC of `context` is cancelled or past its deadline, for work
+// to ask between its steps. The deadline is read from the server's own clock
+// as well: gRPC marks the call cancelled only once a thread of its own gets
+// to it, which a long step on the thread serving the call may hold up.
+// `context` must outlive the function. Thread-safe.
+std::function<bool()> CancellationOf(grpc::CallbackServerContext* context);
 
 // Serializes the response of a raw (ByteBuffer) reactor into `out`.
 template <typename Message>

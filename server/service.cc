@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -236,21 +237,28 @@ grpc::ServerUnaryReactor* LossdService::Release(
 grpc::ServerUnaryReactor* LossdService::Forward(
     grpc::CallbackServerContext* context, const pb::ForwardRequest* request,
     pb::ForwardResponse* response) {
-  LOSSD_UNARY("Forward", context, DoForward(tenant, *request, response));
+  const std::function<bool()> cancelled = CancellationOf(context);
+  LOSSD_UNARY("Forward", context,
+              DoForward(tenant, *request, response, cancelled));
 }
 
 grpc::ServerUnaryReactor* LossdService::Backward(
     grpc::CallbackServerContext* context, const pb::BackwardRequest* request,
     pb::BackwardResponse* response) {
-  LOSSD_UNARY("Backward", context, DoBackward(tenant, *request, response));
+  const std::function<bool()> cancelled = CancellationOf(context);
+  LOSSD_UNARY("Backward", context,
+              DoBackward(tenant, *request, response, cancelled));
 }
 
 grpc::ServerUnaryReactor* LossdService::LinearForward(
     grpc::CallbackServerContext* context,
     const pb::LinearForwardRequest* request,
     pb::LinearForwardResponse* response) {
+  // Asked between the call's chunks of rows: a passed deadline or a
+  // cancellation stops the work.
+  const std::function<bool()> cancelled = CancellationOf(context);
   LOSSD_UNARY("LinearForward", context,
-              RunLinearForward(&rpc_, tenant, *request, response));
+              RunLinearForward(&rpc_, tenant, *request, response, cancelled));
 }
 
 grpc::ServerUnaryReactor* LossdService::GetServerInfo(
@@ -309,7 +317,8 @@ absl::Status LossdService::DoRelease(const std::string& tenant,
 
 absl::Status LossdService::DoForward(const std::string& tenant,
                                      const pb::ForwardRequest& request,
-                                     pb::ForwardResponse* response) {
+                                     pb::ForwardResponse* response,
+                                     const std::function<bool()>& cancelled) {
   // Request-only checks first: nothing is looked up for a malformed request.
   ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
   const CrossEntropyOptions& options = spec.options;
@@ -403,6 +412,11 @@ absl::Status LossdService::DoForward(const std::string& tenant,
   args.token_lse = token_lse.empty() ? nullptr : token_lse.data();
   args.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
 
+  // The pass is one sweep over the logits and is not interrupted; a call
+  // cancelled before it starts does not run it, and one cancelled while it
+  // ran keeps no new gradient. In place, the logits are already the
+  // gradient by then: that call finishes as if it had not been cancelled.
+  if (cancelled()) return absl::CancelledError("Forward cancelled");
   CrossEntropyResult result;
   const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(device->CrossEntropy(args, &result));
@@ -411,6 +425,9 @@ absl::Status LossdService::DoForward(const std::string& tenant,
   if (rpc_.metrics() != nullptr) {
     rpc_.metrics()->ObserveKernel(device->name(), "cross_entropy",
                                   elapsed.count());
+  }
+  if (mode != GradientMode::kInPlace && cancelled()) {
+    return absl::CancelledError("Forward cancelled");
   }
 
   switch (mode) {
@@ -447,12 +464,19 @@ absl::Status LossdService::DoForward(const std::string& tenant,
 
 absl::Status LossdService::DoBackward(const std::string& tenant,
                                       const pb::BackwardRequest& request,
-                                      pb::BackwardResponse* response) {
+                                      pb::BackwardResponse* response,
+                                      const std::function<bool()>& cancelled) {
   ASSIGN_OR_RETURN(GradOutput grad_output, ValidateBackwardRequest(request));
   const double scale = grad_output.scale;
   std::vector<float> token_scale = std::move(grad_output.token_scale);
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
                    rpc_.store()->Get(tenant, request.gradient()));
+  // A materializing pass scales the gradient in place and is not
+  // interrupted (half a pass could not be told from a whole one); it is not
+  // started for a call already cancelled.
+  if (request.materialize() && cancelled()) {
+    return absl::CancelledError("Backward cancelled");
+  }
   bool kernel_launched = false;
   const auto start = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(

@@ -6,6 +6,7 @@
 #define LOSSD_SERVER_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -109,12 +110,17 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
   absl::Status DoRelease(const std::string& tenant,
                          const lossd::v1::ReleaseRequest& request,
                          lossd::v1::ReleaseResponse* response);
+  // `cancelled`: the RPC's cancellation (or passed deadline), asked before
+  // the kernel and, unless in place, before the gradient is kept.
   absl::Status DoForward(const std::string& tenant,
                          const lossd::v1::ForwardRequest& request,
-                         lossd::v1::ForwardResponse* response);
+                         lossd::v1::ForwardResponse* response,
+                         const std::function<bool()>& cancelled);
+  // `cancelled` as DoForward's, asked before a materializing pass.
   absl::Status DoBackward(const std::string& tenant,
                           const lossd::v1::BackwardRequest& request,
-                          lossd::v1::BackwardResponse* response);
+                          lossd::v1::BackwardResponse* response,
+                          const std::function<bool()>& cancelled);
 
   RpcSupport rpc_;
 };

@@ -489,6 +489,24 @@ absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(int64_t bytes) {
       static_cast<size_t>(bytes));
 }
 
+absl::StatusOr<ScratchBuffer> TensorStore::ChargeWorkspace(
+    int64_t bytes, absl::string_view what) {
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace of ", bytes, " bytes"));
+  }
+  if (bytes == 0) return ScratchBuffer();
+  if (absl::Status reserved = account_->Reserve(bytes); !reserved.ok()) {
+    return absl::Status(reserved.code(),
+                        absl::StrCat(what, ": ", reserved.message()));
+  }
+  // Device::Free ignores the null buffer: the allocation only returns the
+  // bytes to the account.
+  return ScratchBuffer(
+      std::make_shared<internal::Allocation>(device_, nullptr, bytes, account_),
+      static_cast<size_t>(bytes));
+}
+
 absl::StatusOr<std::shared_ptr<Tensor>> TensorStore::Publish(
     const std::string& tenant, std::string label, DType dtype,
     std::vector<int64_t> shape, TensorState state,

@@ -17,6 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/cross_entropy.h"
@@ -348,6 +349,13 @@ class TensorStore {
   // Allocates `bytes` (> 0) of working memory on the device under the
   // budget. RESOURCE_EXHAUSTED as Create.
   absl::StatusOr<ScratchBuffer> AllocateScratch(int64_t bytes);
+
+  // Charges `bytes` (>= 0) of working memory that the device allocates by
+  // itself (a kernel's workspace) to the budget, until the result goes; its
+  // data() is null. RESOURCE_EXHAUSTED as Create, the message beginning with
+  // `what`.
+  absl::StatusOr<ScratchBuffer> ChargeWorkspace(int64_t bytes,
+                                                absl::string_view what);
 
   // The tensor `handle` of `tenant`, touched as used. INVALID_ARGUMENT (before
   // any lookup) when the handle is empty or not of the shape of

@@ -364,11 +364,14 @@ absl::Status CrossEntropyCpu(const CrossEntropyArgs& args,
     if (valid_tokens > 0) {
       out.loss = totals.loss / denominator;
       out.z_loss = totals.z_loss / denominator;
-      out.denominator = denominator;
     } else {
       out.loss = 0.0;
       out.z_loss = 0.0;
     }
+    // An explicit normalizer is D whether or not a row is valid (as Evaluate
+    // reports it); the automatic one is 0 without valid rows.
+    if (valid_tokens > 0 || options.normalizer > 0.0)
+      out.denominator = denominator;
   }
   *result = out;
   return absl::OkStatus();

@@ -125,11 +125,12 @@ absl::Status CrossEntropyReference(const CrossEntropyArgs& args,
     if (valid_tokens > 0) {
       out.loss /= denominator;
       out.z_loss /= denominator;
-      out.denominator = denominator;
     } else {
       out.loss = 0.0;
       out.z_loss = 0.0;
     }
+    if (valid_tokens > 0 || options.normalizer > 0.0)
+      out.denominator = denominator;
   }
   *result = out;
   return absl::OkStatus();

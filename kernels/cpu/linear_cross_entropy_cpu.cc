@@ -51,7 +51,31 @@ const float* RowsAsFloat(const void* tensor, DType dtype, int64_t hidden,
   return scratch->data();
 }
 
+// The chunk of rows and the block of W's rows the call works in.
+int64_t ChunkRows(const LinearCrossEntropyArgs& args) {
+  return std::clamp<int64_t>(kChunkBytes / (args.vocab * 4), 1,
+                             std::max<int64_t>(args.rows, 1));
+}
+int64_t BlockRows(const LinearCrossEntropyArgs& args) {
+  return std::clamp<int64_t>(kBlockBytes / (args.hidden * 4), 1, args.vocab);
+}
+
 }  // namespace
+
+int64_t LinearCrossEntropyCpuWorkspaceBytes(
+    const LinearCrossEntropyArgs& args) {
+  if (args.vocab < 1 || args.hidden < 1) return 0;
+  const int64_t chunk_rows = ChunkRows(args);
+  int64_t floats = chunk_rows * args.vocab;  // the logits
+  if (args.dx_mode != GradientMode::kNone) floats += chunk_rows * args.hidden;
+  if (args.dtype != DType::kFloat32) {
+    floats += chunk_rows * args.hidden;       // X's rows as fp32
+    floats += BlockRows(args) * args.hidden;  // W's rows as fp32
+  }
+  if (args.bias != nullptr) floats += args.vocab;
+  if (args.grad_bias != nullptr) floats += args.vocab;
+  return floats * static_cast<int64_t>(sizeof(float));
+}
 
 absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
                                    CrossEntropyResult* result) {
@@ -77,10 +101,8 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
   const int64_t rows = args.rows;
   const int64_t hidden = args.hidden;
   const int64_t vocab = args.vocab;
-  const int64_t chunk_rows = std::clamp<int64_t>(kChunkBytes / (vocab * 4), 1,
-                                                 std::max<int64_t>(rows, 1));
-  const int64_t block_rows =
-      std::clamp<int64_t>(kBlockBytes / (hidden * 4), 1, vocab);
+  const int64_t chunk_rows = ChunkRows(args);
+  const int64_t block_rows = BlockRows(args);
   const bool gradient = LinearCrossEntropyWantsGradient(args);
   const bool want_dw = args.accumulate != AccumulateMode::kNone;
   const bool want_dx = args.dx_mode != GradientMode::kNone;
@@ -108,6 +130,11 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
 
   CrossEntropyResult total;
   for (int64_t row0 = 0; row0 < rows; row0 += chunk_rows) {
+    if (args.cancelled && args.cancelled()) {
+      return absl::CancelledError(
+          absl::StrCat("linear_cross_entropy: cancelled after ", row0, " of ",
+                       rows, " rows"));
+    }
     const int64_t count = std::min(chunk_rows, rows - row0);
     const int c = static_cast<int>(count);
     const float* x =
@@ -196,7 +223,8 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
       }
     }
   }
-  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+  if (args.options.reduction == Reduction::kMean &&
+      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
       total.denominator == 0.0) {
     total.denominator = args.options.normalizer > 0.0 ? args.options.normalizer
                                                       : target_weight_sum;

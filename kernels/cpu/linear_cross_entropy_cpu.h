@@ -54,10 +54,18 @@ void AddChunkResult(const CrossEntropyResult& chunk, CrossEntropyResult* total);
 // result is nullptr, or a target is out of range (checked for every row
 // before anything is written: then nothing is written); RESOURCE_EXHAUSTED
 // when the scratch (one chunk of fp32 logits, a block of W) cannot be
-// allocated. Deterministic for a given OpenBLAS thread count. Borrows every
-// buffer for the call. Thread safety: reentrant for distinct outputs.
+// allocated; CANCELLED when args.cancelled said so before a chunk (the
+// outputs then hold the chunks done). Deterministic for a given OpenBLAS thread
+// count. Borrows every buffer for the call. Thread safety: reentrant for
+// distinct outputs.
 absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
                                    CrossEntropyResult* result);
+
+// The host memory LinearCrossEntropyCpu allocates for `args` beyond its
+// inputs and outputs (the chunk of fp32 logits, dX's fp32 chunk, 16-bit rows
+// converted to fp32, the bias and its column sums), so that a caller can
+// charge it to a budget before the call. Pure.
+int64_t LinearCrossEntropyCpuWorkspaceBytes(const LinearCrossEntropyArgs& args);
 
 }  // namespace lossd
 

@@ -494,9 +494,36 @@ absl::Status LinearCrossEntropyCuda(
                         "linear_cross_entropy: bias copy");
   }
 
+  // A call that may be cancelled enqueues a chunk only once the one before
+  // it is done, and asks first: a cancellation then stops the GPU after the
+  // chunk it is running (the price: the launches of each chunk no longer
+  // overlap the chunk before).
+  const bool cancellable = static_cast<bool>(args.cancelled);
+  cudaEvent_t chunk_done = nullptr;
+  if (cancellable && status.ok()) {
+    status = CudaStatus(
+        cudaEventCreateWithFlags(&chunk_done, cudaEventDisableTiming),
+        "linear_cross_entropy: chunk event");
+  }
   const std::size_t es = DTypeSize(args.dtype);
   const std::size_t ts = DTypeSize(args.targets_dtype);
   for (int64_t chunk = 0; status.ok() && chunk < chunks; ++chunk) {
+    if (cancellable) {
+      if (chunk > 0) {
+        status = CudaStatus(cudaEventRecord(chunk_done, stream),
+                            "linear_cross_entropy: chunk event");
+      }
+      if (status.ok() && chunk > 0) {
+        status = CudaStatus(cudaEventSynchronize(chunk_done),
+                            "linear_cross_entropy: chunk wait");
+      }
+      if (status.ok() && args.cancelled()) {
+        status = absl::CancelledError(
+            absl::StrCat("linear_cross_entropy: cancelled after ",
+                         chunk * chunk_rows, " of ", args.rows, " rows"));
+      }
+      if (!status.ok()) break;
+    }
     const int64_t row0 = chunk * chunk_rows;
     const int64_t count = std::min(chunk_rows, args.rows - row0);
     const ChunkGemms& g = count == chunk_rows ? *full : *tail;
@@ -630,6 +657,7 @@ absl::Status LinearCrossEntropyCuda(
       CudaStatus(cudaFreeAsync(block, stream), "linear_cross_entropy: free");
   const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
                                          "linear_cross_entropy: synchronize");
+  if (chunk_done != nullptr) cudaEventDestroy(chunk_done);
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(freed);
   RETURN_IF_ERROR(synced);
@@ -645,7 +673,8 @@ absl::Status LinearCrossEntropyCuda(
     chunk.denominator = r.denominator;
     AddChunkResult(chunk, &total);
   }
-  if (args.options.reduction == Reduction::kMean && total.valid_tokens > 0 &&
+  if (args.options.reduction == Reduction::kMean &&
+      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
       total.denominator == 0.0) {
     total.denominator = args.options.normalizer > 0.0
                             ? args.options.normalizer

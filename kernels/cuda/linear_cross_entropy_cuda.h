@@ -76,10 +76,15 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
 // cuBLASLt algorithms per shape (no in-place split-K reductions), fixed-order
 // reductions. Allocates its workspace stream-ordered (cudaMallocAsync).
 //
+// With args.cancelled set, the host waits before enqueueing a chunk until the
+// one before is done and asks it then, so that a cancellation stops the GPU
+// after the chunk it is running.
+//
 // Returns OK; INVALID_ARGUMENT when ValidateLinearCrossEntropyArgs fails,
 // result is nullptr, or a target is out of range (the message names the first
 // such row and value; nothing is written); RESOURCE_EXHAUSTED when device
-// memory runs out (outputs may then be partly written); INTERNAL for other
+// memory runs out (outputs may then be partly written); CANCELLED when
+// args.cancelled said so (outputs partly written); INTERNAL for other
 // CUDA or cuBLASLt errors. Synchronizes `stream` twice (after the target
 // check, and at the end). Borrows every buffer until it returns. Thread
 // safety: reentrant for distinct outputs (a cuBLASLt handle per thread and

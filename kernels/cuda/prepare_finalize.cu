@@ -95,10 +95,11 @@ __global__ void __launch_bounds__(kReduceThreads) PrepareKernel(Params p) {
     h.bad_row = bad != LLONG_MAX ? bad : -1;
     h.valid = valid;
     // As the reference: a mean over zero valid rows is 0; a zero D with valid
-    // rows (weights summing to 0) gives NaN/Inf as torch does.
+    // rows (weights summing to 0) gives NaN/Inf as torch does. An explicit
+    // normalizer is D even without valid rows (as Evaluate reports it).
     const bool mean = p.reduction == static_cast<int>(Reduction::kMean);
     const double d = p.normalizer > 0 ? p.normalizer : wsum;
-    h.denominator = mean && valid > 0 ? d : 0.0;
+    h.denominator = mean && (valid > 0 || p.normalizer > 0) ? d : 0.0;
     double s = p.grad_scale;
     if (mean) s = valid > 0 ? s / d : 0.0;
     h.scale = static_cast<float>(s);

@@ -387,6 +387,20 @@ void BadRequestsTest::AddRpcCases(std::vector<Case>* cases) {
           r->mutable_per_token()->add_values(i == 2 ? kNaN : 1.0f);
         }
       }));
+  add("backward: per-token +inf", Code::INVALID_ARGUMENT,
+      "grad_output[0] = inf is not finite",
+      BackwardWith(gradient_none_, [kInf](auto* r) {
+        for (int i = 0; i < kRows; ++i) {
+          r->mutable_per_token()->add_values(i == 0 ? kInf : 1.0f);
+        }
+      }));
+  add("backward: per-token -inf last", Code::INVALID_ARGUMENT,
+      "grad_output[3] = -inf is not finite",
+      BackwardWith(gradient_none_, [kInf](auto* r) {
+        for (int i = 0; i < kRows; ++i) {
+          r->mutable_per_token()->add_values(i == kRows - 1 ? -kInf : 1.0f);
+        }
+      }));
   add("backward: another factor after materialize", Code::FAILED_PRECONDITION,
       "materialized with another grad_output",
       BackwardWith(gradient_materialized_,
@@ -400,6 +414,37 @@ void BadRequestsTest::AddRpcCases(std::vector<Case>* cases) {
       BackwardWith(released_, [](auto* r) { r->set_scalar(1.0); }));
   add("backward: foreign", Code::NOT_FOUND, "belongs to instance",
       BackwardWith(foreign_, [](auto* r) { r->set_scalar(1.0); }));
+
+  // ------------------------------------------------------- LinearForward
+  // A non-finite per-row factor, in place with a new accumulator: refused
+  // before the hidden states are written or an accumulator is made.
+  add("linear: token_grad_output NaN", Code::INVALID_ARGUMENT,
+      "token_grad_output[1] = nan is not finite",
+      LinearForwardWith(
+          [kNaN](auto* r) { r->set_token_grad_output(1, kNaN); }));
+  add("linear: token_grad_output +inf", Code::INVALID_ARGUMENT,
+      "token_grad_output[0] = inf is not finite",
+      LinearForwardWith(
+          [kInf](auto* r) { r->set_token_grad_output(0, kInf); }));
+  add("linear: token_grad_output -inf, out of place", Code::INVALID_ARGUMENT,
+      "token_grad_output[3] = -inf is not finite",
+      LinearForwardWith([kInf](auto* r) {
+        r->set_mode(pb::GRADIENT_MODE_OUT_OF_PLACE);
+        r->set_token_grad_output(3, -kInf);
+      }));
+  add("linear: token_grad_output NaN, dX only", Code::INVALID_ARGUMENT,
+      "token_grad_output[2] = nan is not finite",
+      LinearForwardWith([kNaN](auto* r) {
+        r->set_accumulate(pb::ACCUMULATE_MODE_NONE);
+        r->set_token_grad_output(2, kNaN);
+      }));
+  add("linear: NaN grad_scale", Code::INVALID_ARGUMENT, "not finite",
+      LinearForwardWith(
+          [kNaN](auto* r) { r->mutable_options()->set_grad_scale(kNaN); }));
+  add("linear: token_grad_output too short", Code::INVALID_ARGUMENT,
+      "token_grad_output has 3 values, the hidden states have 4 rows",
+      LinearForwardWith(
+          [](auto* r) { r->mutable_token_grad_output()->RemoveLast(); }));
 
   // ------------------------------------------------------------ Evaluate
   const pb::EvaluateRequest good =

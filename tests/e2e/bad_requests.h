@@ -38,6 +38,7 @@ using Code = grpc::StatusCode;
 constexpr int64_t kBudget = 1 << 20;
 constexpr int64_t kRows = 4;
 constexpr int64_t kVocab = 5;
+constexpr int64_t kHidden = 3;  // of hidden_ and head_ (LinearForward)
 
 inline unsigned TestSeed() {
   const char* text = std::getenv("LOSSD_TEST_SEED");
@@ -160,6 +161,10 @@ class BadRequestsTest : public ::testing::Test {
         Put(pb::DTYPE_INT32, {kVocab}, Bytes(std::vector<int32_t>(kVocab, 1)));
     weights_2d_ = Put(pb::DTYPE_FLOAT32, {1, kVocab},
                       Bytes(std::vector<float>(kVocab, 0.5f)));
+    hidden_ = Put(pb::DTYPE_FLOAT32, {kRows, kHidden},
+                  Bytes(random_logits(kRows * kHidden)));
+    head_ = Put(pb::DTYPE_FLOAT32, {kVocab, kHidden},
+                Bytes(random_logits(kVocab * kHidden)));
     gradient_mean_ =
         Gradient(random_logits(kRows * kVocab), pb::REDUCTION_MEAN);
     gradient_none_ =
@@ -345,6 +350,26 @@ class BadRequestsTest : public ::testing::Test {
     });
   }
 
+  // LinearForward on hidden_ and head_ with targets64_, reduction NONE, in
+  // place with a new weight accumulator, every token_grad_output 1 unless
+  // `mutate` changes it.
+  std::function<grpc::Status()> LinearForwardWith(
+      std::function<void(pb::LinearForwardRequest*)> mutate) {
+    return [this, mutate] {
+      pb::LinearForwardRequest request;
+      request.set_hidden(hidden_);
+      request.set_weight(head_);
+      request.set_targets_handle(targets64_);
+      request.mutable_options()->set_reduction(pb::REDUCTION_NONE);
+      request.set_accumulate(pb::ACCUMULATE_MODE_ADD);
+      for (int64_t i = 0; i < kRows; ++i) request.add_token_grad_output(1.0f);
+      mutate(&request);
+      grpc::ClientContext context;
+      pb::LinearForwardResponse response;
+      return stub_->LinearForward(&context, request, &response);
+    };
+  }
+
   std::function<grpc::Status()> BackwardWith(
       std::string handle, std::function<void(pb::BackwardRequest*)> mutate) {
     return [this, handle, mutate] {
@@ -442,8 +467,8 @@ class BadRequestsTest : public ::testing::Test {
   std::vector<int64_t> targets_values_;
   std::string logits_, big_, targets64_, targets32_, short_targets_,
       float_targets_, weights_, short_weights_, int_weights_, weights_2d_,
-      gradient_mean_, gradient_none_, gradient_materialized_, released_,
-      foreign_, unknown_, malformed_;
+      hidden_, head_, gradient_mean_, gradient_none_, gradient_materialized_,
+      released_, foreign_, unknown_, malformed_;
 };
 
 }  // namespace bad_requests

@@ -356,6 +356,77 @@ TEST_F(EvaluateLinearTest, EqualsLinearForwardWithoutGradient) {
   }
 }
 
+// Issue 31: a mean whose every row is ignored divides by D = normalizer when
+// one is given (and by nothing otherwise), and Forward, LinearForward (with
+// and without a gradient) and Evaluate (over logits and over hidden states)
+// all report that D, with a loss of 0 and no valid rows.
+TEST_F(EvaluateLinearTest, AllRowsIgnoredAgreeOnTheDenominator) {
+  Problem p = MakeProblem(9, 8, 11, DType::kFloat32, 17);
+  std::fill(p.targets.begin(), p.targets.end(), kIgnored);
+  const Head head = Store(p);
+  const std::vector<int64_t> shape = {p.rows};
+  absl::StatusOr<TensorInfo> targets = client_->Upload(
+      DType::kInt64, shape, p.targets.data(), p.targets.size() * 8);
+  ASSERT_TRUE(targets.ok()) << targets.status();
+  std::vector<float> logits(p.rows * p.vocab, 0.25f);
+  for (double normalizer : {100.0, 0.0}) {
+    SCOPED_TRACE(absl::StrCat("normalizer ", normalizer));
+    CrossEntropyOptions loss;
+    loss.reduction = Reduction::kMean;
+    loss.normalizer = normalizer;
+    loss.ignore_index = kIgnored;
+    const auto expect = [&](const char* what, double got_loss,
+                            int64_t got_valid, double got_denominator) {
+      SCOPED_TRACE(what);
+      EXPECT_EQ(got_loss, 0.0);
+      EXPECT_EQ(got_valid, 0);
+      EXPECT_EQ(got_denominator, normalizer);
+    };
+
+    ForwardOptions forward;
+    forward.loss = loss;
+    forward.mode = GradientMode::kOutOfPlace;
+    const std::string z = Put(DType::kFloat32, logits, {p.rows, p.vocab});
+    absl::StatusOr<ForwardResult> on_logits =
+        client_->Forward(z, Targets::Handle(targets->handle), forward);
+    ASSERT_TRUE(on_logits.ok()) << on_logits.status();
+    expect("Forward", on_logits->loss, on_logits->valid_tokens,
+           on_logits->denominator);
+
+    for (GradientMode mode : {GradientMode::kNone, GradientMode::kInPlace}) {
+      const std::string x = Put(p.dtype, p.x, {p.rows, p.width});
+      LinearForwardOptions linear;
+      linear.loss = loss;
+      linear.mode = mode;
+      absl::StatusOr<LinearForwardResult> stored = client_->LinearForward(
+          x, head.weight, Targets::Handle(targets->handle), linear);
+      ASSERT_TRUE(stored.ok()) << stored.status();
+      expect(mode == GradientMode::kNone ? "LinearForward, no gradient"
+                                         : "LinearForward, in place",
+             stored->forward.loss, stored->forward.valid_tokens,
+             stored->forward.denominator);
+    }
+
+    EvaluateOptions over_hidden;
+    over_hidden.loss = loss;
+    over_hidden.weight = head.weight;
+    absl::StatusOr<EvaluateResult> hidden =
+        Evaluate(client_.get(), p, over_hidden, 4);
+    ASSERT_TRUE(hidden.ok()) << hidden.status();
+    expect("Evaluate over hidden states", hidden->loss, hidden->valid_tokens,
+           hidden->denominator);
+
+    EvaluateOptions over_logits;
+    over_logits.loss = loss;
+    absl::StatusOr<EvaluateResult> streamed =
+        client_->Evaluate(p.rows, p.vocab, DType::kFloat32, logits.data(),
+                          DType::kInt64, p.targets.data(), over_logits, 4);
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    expect("Evaluate over logits", streamed->loss, streamed->valid_tokens,
+           streamed->denominator);
+  }
+}
+
 // Evaluate's metrics: every block's bytes (H values a row, not V) and a
 // linear_cross_entropy kernel run per block.
 TEST_F(EvaluateLinearTest, CountsBytesAndKernelRuns) {

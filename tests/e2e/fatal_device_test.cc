@@ -40,6 +40,9 @@ class BreakingDevice final : public Device {
                             size_t bytes) override {
     return cpu_.CopyFromHost(buffer, offset, host, bytes);
   }
+  absl::Status CopyWithin(void* dst, const void* src, size_t bytes) override {
+    return cpu_.CopyWithin(dst, src, bytes);
+  }
   absl::Status ReadConverted(const void* buffer, DType src_dtype, int64_t first,
                              int64_t count, int64_t row_length, float scale,
                              const float* host_row_scale, void* host_dst,

@@ -3,9 +3,12 @@
 // validation of bad inputs (nothing changed).
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "tests/kernels/linear_cross_entropy_test_util.h"
 
@@ -177,4 +180,71 @@ TEST(LinearCrossEntropyCpuTest, BadInputsChangeNothing) {
 }
 
 }  // namespace
+// Issue 31: the cancellation predicate is asked before each chunk of rows
+// (never inside one): the call stops with CANCELLED at the first chunk
+// boundary after it turns true, having written only the chunks before it.
+TEST(LinearCrossEntropyCpuTest, CancelledStopsAtAChunkBoundary) {
+  // 2048 fp32 logits a row: 4096 rows a 32 MiB chunk, so 3 chunks.
+  Case c;
+  c.rows = 3 * 4096;
+  c.hidden = 4;
+  c.vocab = 2048;
+  c.dx_mode = GradientMode::kOutOfPlace;
+  for (int stop_after : {0, 1, 2}) {
+    SCOPED_TRACE(stop_after);
+    Problem p(c);
+    const std::vector<uint8_t> poisoned = p.dx;
+    int asked = 0;
+    LinearCrossEntropyArgs args = p.Args();
+    args.cancelled = [&asked, stop_after] { return asked++ >= stop_after; };
+    CrossEntropyResult result;
+    const absl::Status status = LinearCrossEntropyCpu(args, &result);
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+    EXPECT_EQ(asked, stop_after + 1);
+    // dX of the chunks done is written, of the others not.
+    const size_t chunk_bytes = size_t{4096} * c.hidden * 4;
+    for (int chunk = 0; chunk < 3; ++chunk) {
+      const bool same = std::equal(p.dx.begin() + chunk * chunk_bytes,
+                                   p.dx.begin() + (chunk + 1) * chunk_bytes,
+                                   poisoned.begin() + chunk * chunk_bytes);
+      EXPECT_EQ(same, chunk >= stop_after) << "chunk " << chunk;
+    }
+  }
+  // Never true: the call runs to the end, asking once a chunk.
+  Problem p(c);
+  int asked = 0;
+  LinearCrossEntropyArgs args = p.Args();
+  args.cancelled = [&asked] {
+    ++asked;
+    return false;
+  };
+  CrossEntropyResult result;
+  ASSERT_TRUE(LinearCrossEntropyCpu(args, &result).ok());
+  EXPECT_EQ(asked, 3);
+}
+
+// The workspace a caller charges before the call: the chunk of fp32 logits,
+// dX's fp32 chunk, 16-bit rows converted to fp32, the bias and its sums.
+TEST(LinearCrossEntropyCpuTest, WorkspaceBytesFollowTheChunks) {
+  Case c;
+  c.rows = 3 * 4096;
+  c.hidden = 4;
+  c.vocab = 2048;
+  Problem p(c);
+  LinearCrossEntropyArgs args = p.Args();
+  args.dx_mode = GradientMode::kNone;
+  args.dx = nullptr;
+  EXPECT_EQ(LinearCrossEntropyCpuWorkspaceBytes(args), int64_t{32} << 20);
+  args.dx_mode = GradientMode::kOutOfPlace;
+  EXPECT_EQ(LinearCrossEntropyCpuWorkspaceBytes(args),
+            (int64_t{32} << 20) + 4096 * 4 * 4);
+  args.dtype = DType::kBFloat16;
+  EXPECT_EQ(LinearCrossEntropyCpuWorkspaceBytes(args),
+            (int64_t{32} << 20) + 2 * 4096 * 4 * 4 + 2048 * 4 * 4);
+  // Few rows: one chunk of those rows.
+  args.rows = 3;
+  args.dtype = DType::kFloat32;
+  EXPECT_EQ(LinearCrossEntropyCpuWorkspaceBytes(args), (3 * 2048 + 3 * 4) * 4);
+}
+
 }  // namespace lossd
