@@ -152,7 +152,17 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
   // The terms are exp(z - m) * 2^lo: undo the rounding of m * log2e.
   st.t = ((lt[0] + lt[1]) + (lt[2] + lt[3])) * exp2f(-m_l2.lo);
   if (st.m == -INFINITY) {
+    // Empty, or NaN (never the max) and -inf only, which must stay NaN:
+    // looked for in memory (rare), not in the registers (the hot path's).
     st.t = -1.0f;
+#pragma unroll 1
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll 1
+      for (int j = 0; j < kVec; ++j) {
+        const int c = start + (k * kThreads + tid) * kVec + j;
+        if (c < vocab && isnan(Tr::Load(in + c))) st.t = NAN;
+      }
+    }
   } else if (st.t < 1.0625f) {
     // One element dominates this slice: 1 + t lost t's low digits, so sum
     // the others alone (rare; keeps p_y -> 1 exact in the gradient). Re-read

@@ -192,7 +192,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
     st.sum_wz = wz;
     st.arg = INT_MAX;
     if (m == -INFINITY) {
-      st.t = -1.0f;
+      // Empty, or NaN (never the max) and -inf only: the NaN stays.
+      const float sum = acc[0] + acc[1];
+      st.t = isnan(sum) ? sum : -1.0f;
     } else {
       // First index of m: in the batch that set it (earlier ones were below).
       uint4 v[kU];

@@ -47,9 +47,11 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
   st.t = 0.0f;
   st.sum_wz = 0.0f;
   st.arg = INT_MAX;
+  bool nan = false;  // (never the max, but the row's sum is NaN)
   for (int i = threadIdx.x; i < vocab; i += kGenericThreads) {
     float z = Tr::Load(in + i);
     if (c > 0) z = SoftcapZ(z, c, &unused);
+    nan = nan || isnan(z);
     if (z > st.m) {
       st.m = z;
       st.arg = i;
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
     const float e = expf(z - st.m);
     st.t += i == st.arg ? 0.0f : e;
   }
-  if (st.m == -INFINITY) st.t = -1.0f;
+  if (st.m == -INFINITY) st.t = nan ? NAN : -1.0f;
   // A +inf logit makes the row's sum NaN (inf - inf), as every schedule and
   // the CPU count it: the max alone was skipped above.
   if (st.m == INFINITY) st.t = NAN;

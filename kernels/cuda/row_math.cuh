@@ -39,7 +39,10 @@ __device__ __forceinline__ void Combine(Stats& a, const Stats& b) {
   // Accurate expf: a few calls per thread, and __expf's argument rounding
   // would cost the row sum several ulps (issue 3, oracle seed 1199677219).
   const float t =
-      m == -INFINITY ? -1.0f : win.t + (1.0f + lose.t) * expf(lose.m - m);
+      m == -INFINITY
+          // (no finite z: empty, unless a NaN was seen, which stays)
+          ? (isnan(win.t) || isnan(lose.t) ? NAN : -1.0f)
+          : win.t + (1.0f + lose.t) * expf(lose.m - m);
   a.arg = win.arg;
   a.m = m;
   a.t = t;
@@ -376,6 +379,8 @@ __device__ __forceinline__ Stats WarpMergeStats(const Stats& v) {
   float wz = v.sum_wz;
   if (m != -INFINITY) {
     u = (v.arg == arg && v.m == m) ? v.t : (1.0f + v.t) * expf(v.m - m);
+  } else if (isnan(v.t)) {
+    u = v.t;  // (a NaN with no finite z beside it: the sum stays NaN)
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -385,7 +390,7 @@ __device__ __forceinline__ Stats WarpMergeStats(const Stats& v) {
   Stats r;
   r.m = m;
   r.arg = arg;
-  r.t = m == -INFINITY ? -1.0f : u;
+  r.t = m == -INFINITY && !isnan(u) ? -1.0f : u;
   r.sum_wz = wz;
   return r;
 }

@@ -201,7 +201,9 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   st.sum_wz = wz;
   st.arg = kPrefetch ? arg : INT_MAX;
   if (m == -INFINITY) {
-    st.t = -1.0f;
+    // Empty, or NaN (never the max) and -inf only: the NaN stays in the sum.
+    const float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    st.t = isnan(sum) ? sum : -1.0f;
   } else {
 #pragma unroll 1
     for (int u = kU - 1; u >= 0 && !kPrefetch; --u) {
