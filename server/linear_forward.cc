@@ -1,9 +1,9 @@
-// LinearForward (linear_evaluation.h): request checks, leases on every tensor
-// the call reads or writes, the accumulators' creation, the device call.
-#include "server/linear_evaluation.h"
+// LinearForward (linear_forward.h): request checks, leases on every tensor
+// the call reads or writes, the accumulators' creation, the device call; the
+// loss inputs, per-row outputs and result are Forward's (forward.h).
+#include "server/linear_forward.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -16,7 +16,7 @@
 #include "common/handle.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
-#include "server/staged.h"
+#include "server/forward.h"
 #include "server/validation.h"
 
 namespace lossd {
@@ -231,13 +231,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
     ASSIGN_OR_RETURN(
         targets_tensor,
         LookupField(store, tenant, "targets_handle", request.targets_handle()));
-    if (!IsTargetsDType(targets_tensor->dtype()) ||
-        targets_tensor->shape() != std::vector<int64_t>{rows}) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("targets must be int32 or int64 [", rows, "], got ",
-                       DTypeName(targets_tensor->dtype()), " ",
-                       ShapeString(targets_tensor->shape())));
-    }
+    RETURN_IF_ERROR(CheckStoredTargets(*targets_tensor, rows));
   } else {
     RETURN_IF_ERROR(CheckInlineTargets(
         request.targets_inline(), spec.forward.inline_targets_dtype, rows));
@@ -276,26 +270,17 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   if (bias != nullptr) {
     ASSIGN_OR_RETURN(bias_lease, store->TryBeginRead(bias));
   }
-  ReadLease targets_lease;
-  Staged inline_targets;
-  const void* targets = nullptr;
-  DType targets_dtype = spec.forward.inline_targets_dtype;
+  LossInputs loss_inputs(options);
   if (targets_tensor != nullptr) {
-    targets_dtype = targets_tensor->dtype();
-    ASSIGN_OR_RETURN(targets_lease, store->TryBeginRead(targets_tensor));
-    targets = targets_tensor->data();
+    ASSIGN_OR_RETURN(ReadLease targets_lease,
+                     store->TryBeginRead(targets_tensor));
+    loss_inputs.UseStoredTargets(std::move(targets_lease));
   } else {
-    const std::string& data = request.targets_inline().data();
-    RETURN_IF_ERROR(inline_targets.Stage(device, data.data(), data.size()));
-    targets = inline_targets.get();
+    RETURN_IF_ERROR(loss_inputs.StageInlineTargets(
+        device, request.targets_inline(), spec.forward.inline_targets_dtype));
   }
-  ReadLease class_weights_lease;
-  if (!request.options().class_weights().empty()) {
-    ASSIGN_OR_RETURN(
-        class_weights_lease,
-        LeaseClassWeights(store, tenant, request.options().class_weights(),
-                          vocab));
-  }
+  RETURN_IF_ERROR(loss_inputs.UseClassWeights(
+      store, tenant, request.options().class_weights(), vocab));
   Accumulator grad_weight;
   Accumulator grad_bias;
   if (weight_grad != nullptr) {
@@ -343,14 +328,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
     }
   }
 
-  const int64_t outputs_rows = rows;
-  std::vector<float> token_loss(request.outputs().token_loss() ? outputs_rows
-                                                               : 0);
-  std::vector<float> token_lse(request.outputs().token_lse() ? outputs_rows
-                                                             : 0);
-  std::vector<int32_t> token_argmax(
-      request.outputs().token_argmax() ? outputs_rows : 0);
-
+  TokenOutputs outputs(request.outputs(), rows);
   LinearCrossEntropyArgs args;
   args.rows = rows;
   args.hidden = width;
@@ -359,13 +337,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   args.x = hidden->data();
   args.weight = weight->data();
   args.bias = bias != nullptr ? bias->data() : nullptr;
-  args.targets_dtype = targets_dtype;
-  args.targets = targets;
-  args.class_weights =
-      class_weights_lease.tensor() == nullptr
-          ? nullptr
-          : static_cast<const float*>(class_weights_lease.tensor()->data());
-  args.options = options;
+  loss_inputs.FillArgs(&args);
   args.token_grad_output = request.token_grad_output().empty()
                                ? nullptr
                                : request.token_grad_output().data();
@@ -401,9 +373,7 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   args.weight_hidden = weight->shape()[1];
   args.weight_dtype = weight->dtype();
   if (bias != nullptr) args.bias_dtype = bias->dtype();
-  args.token_loss = token_loss.empty() ? nullptr : token_loss.data();
-  args.token_lse = token_lse.empty() ? nullptr : token_lse.data();
-  args.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
+  outputs.FillArgs(&args);
 
   ASSIGN_OR_RETURN(
       const ScratchBuffer workspace,
@@ -417,14 +387,10 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   }
   if (!adds_to_given) args.cancelled = cancelled;
   CrossEntropyResult result;
-  const auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(device->LinearCrossEntropy(args, &result));
-  const std::chrono::duration<double> elapsed =
-      std::chrono::steady_clock::now() - start;
-  if (rpc->metrics() != nullptr) {
-    rpc->metrics()->ObserveKernel(device->name(), "linear_cross_entropy",
-                                  elapsed.count());
-  }
+  ASSIGN_OR_RETURN(
+      const double seconds,
+      TimeKernel(rpc->metrics(), *device, "linear_cross_entropy",
+                 [&] { return device->LinearCrossEntropy(args, &result); }));
   // Nobody would receive the new handles: they go, and the hidden states
   // keep their values.
   if (!adds_to_given && stopped()) {
@@ -446,32 +412,10 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   }
   if (weight_grad != nullptr) response->set_weight_grad(weight_grad->handle());
   if (bias_grad != nullptr) response->set_bias_grad(bias_grad->handle());
-  pb::ForwardResponse* out = response->mutable_result();
-  switch (mode) {
-    case GradientMode::kInPlace:
-      hidden_lease.FinishInPlace(options.reduction);
-      out->set_gradient(hidden->handle());
-      break;
-    case GradientMode::kOutOfPlace: {
-      dx->MarkFilled();
-      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> made,
-                       dx->Commit(options.reduction));
-      out->set_gradient(made->handle());
-      break;
-    }
-    case GradientMode::kNone:
-      break;
-  }
-  out->set_loss(result.loss);
-  out->set_z_loss(result.z_loss);
-  out->set_valid_tokens(result.valid_tokens);
-  out->set_correct_tokens(result.correct_tokens);
-  out->set_nonfinite_rows(result.nonfinite_rows);
-  out->set_denominator(result.denominator);
-  out->set_kernel_seconds(elapsed.count());
-  out->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
-  out->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
-  out->mutable_token_argmax()->Add(token_argmax.begin(), token_argmax.end());
+  RETURN_IF_ERROR(CommitGradient(mode, options.reduction, *hidden,
+                                 &hidden_lease, dx.get(),
+                                 response->mutable_result()));
+  SetResult(result, seconds, outputs, response->mutable_result());
   return absl::OkStatus();
 }
 
