@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kernels/cuda/gemm_sm90.h"
@@ -132,27 +133,38 @@ class LtProduct {
   cublasLtMatmulHeuristicResult_t heuristic_ = {};
 };
 
-// Median milliseconds of `reps` runs of `f`, each between its own events,
-// after two warm-up runs.
-template <typename F>
-float MedianMs(int reps, F f) {
-  f();
-  f();
-  std::vector<cudaEvent_t> ev(2 * reps);
+// Median milliseconds of `reps` runs of each of `fs`, each run between its
+// own events, after two warm-up runs each. The functions take turns within a
+// repetition, so that all of them see the same clocks and temperature.
+std::vector<float> MedianMs(int reps,
+                            const std::vector<std::function<void()>>& fs) {
+  const size_t n = fs.size();
+  for (const auto& f : fs) {
+    f();
+    f();
+  }
+  std::vector<cudaEvent_t> ev(2 * reps * n);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventRecord(ev[2 * i]));
-    f();
-    CHECK_CUDA(cudaEventRecord(ev[2 * i + 1]));
+    for (size_t j = 0; j < n; ++j) {
+      CHECK_CUDA(cudaEventRecord(ev[2 * (i * n + j)]));
+      fs[j]();
+      CHECK_CUDA(cudaEventRecord(ev[2 * (i * n + j) + 1]));
+    }
   }
   CHECK_CUDA(cudaEventSynchronize(ev.back()));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    CHECK_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+  std::vector<float> medians(n);
+  for (size_t j = 0; j < n; ++j) {
+    std::vector<float> ms(reps);
+    for (int i = 0; i < reps; ++i) {
+      CHECK_CUDA(cudaEventElapsedTime(&ms[i], ev[2 * (i * n + j)],
+                                      ev[2 * (i * n + j) + 1]));
+    }
+    std::sort(ms.begin(), ms.end());
+    medians[j] = ms[reps / 2];
   }
   for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
+  return medians;
 }
 
 void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
@@ -175,25 +187,36 @@ void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
   const LtProduct lt(handle, s, bf16 ? CUDA_R_16BF : CUDA_R_32F,
                      workspace_bytes);
   const double flop = 2.0 * s.rows * s.depth * s.cols;
-  const float lt_ms = MedianMs(reps, [&] { lt.Run(x, w, z_ref, workspace); });
+  cuda_gemm::GemmSm90Args args;
+  args.x = x;
+  args.w = w;
+  args.z = z;
+  args.rows = s.rows;
+  args.cols = s.cols;
+  args.depth = s.depth;
+  args.z_stride = s.cols;
+  args.z_type = z_type;
+  const int clusters[2] = {1, 2};
+  std::vector<std::function<void()>> runs = {
+      [&] { lt.Run(x, w, z_ref, workspace); }};
+  for (int cluster : clusters) {
+    runs.push_back([&args, &z, cluster] {
+      cuda_gemm::GemmSm90Args a = args;
+      a.cluster = cluster;
+      a.z = z;
+      CHECK_CUDA(cuda_gemm::GemmSm90(a, nullptr));
+    });
+  }
+  const std::vector<float> ms = MedianMs(reps, runs);
+  const int chosen = cuda_gemm::GemmSm90Cluster(cuda_gemm::ShapeOf(args));
   std::printf("%lld x %lld x %lld %s: cuBLASLt %.3f ms (%.0f TFLOP/s)\n",
               static_cast<long long>(s.rows), static_cast<long long>(s.depth),
-              static_cast<long long>(s.cols), bf16 ? "bf16 Z" : "fp32 Z", lt_ms,
-              flop / lt_ms * 1e-9);
-  for (int cluster : {1, 2}) {
-    cuda_gemm::GemmSm90Args args;
-    args.x = x;
-    args.w = w;
-    args.z = z;
-    args.rows = s.rows;
-    args.cols = s.cols;
-    args.depth = s.depth;
-    args.z_stride = s.cols;
-    args.z_type = z_type;
-    args.cluster = cluster;
+              static_cast<long long>(s.cols), bf16 ? "bf16 Z" : "fp32 Z", ms[0],
+              flop / ms[0] * 1e-9);
+  for (int c = 0; c < 2; ++c) {
+    // Each variant's own Z against cuBLASLt's.
     CHECK_CUDA(cudaMemset(z, 0, s.rows * s.cols * es));
-    const float ms =
-        MedianMs(reps, [&] { CHECK_CUDA(cuda_gemm::GemmSm90(args, nullptr)); });
+    runs[1 + c]();
     CHECK_CUDA(cudaMemset(diff, 0, 2 * sizeof(unsigned)));
     if (bf16) {
       MaxDiff<<<1024, 256>>>(static_cast<const __nv_bfloat16*>(z),
@@ -210,9 +233,10 @@ void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
     std::memcpy(&d, &host[0], 4);
     std::memcpy(&m, &host[1], 4);
     std::printf(
-        "  lossd sm90 cluster %d: %.3f ms (%.0f TFLOP/s), %.3fx cuBLASLt; "
+        "  lossd sm90 cluster %d%s: %.3f ms (%.0f TFLOP/s), %.3fx cuBLASLt; "
         "max |Z - cuBLASLt's| %.3g of max |Z| %.3g\n",
-        cluster, ms, flop / ms * 1e-9, ms / lt_ms, d, m);
+        clusters[c], clusters[c] == chosen ? " (policy)" : "", ms[1 + c],
+        flop / ms[1 + c] * 1e-9, ms[1 + c] / ms[0], d, m);
   }
   cudaFree(x);
   cudaFree(w);
@@ -228,9 +252,11 @@ void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
 int main(int argc, char** argv) {
   int reps = 10;
   bool quick = false;
+  bool bf16_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--reps=", 7) == 0) reps = std::atoi(argv[i] + 7);
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--bf16") == 0) bf16_only = true;
   }
   reps = std::max(reps, 1);
   cudaDeviceProp prop;
@@ -244,6 +270,7 @@ int main(int argc, char** argv) {
   for (const auto& s : shapes) {
     for (auto t : {lossd::cuda_gemm::ZType::kBFloat16,
                    lossd::cuda_gemm::ZType::kFloat32}) {
+      if (bf16_only && t != lossd::cuda_gemm::ZType::kBFloat16) continue;
       lossd::Bench(s, t, reps, handle);
     }
   }

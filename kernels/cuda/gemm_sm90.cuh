@@ -24,16 +24,32 @@ namespace cuda_gemm {
 // With kCluster = 2 the blocks of a cluster take two adjacent row tiles of
 // one column tile: each loads half of the W box and multicasts it to both,
 // which halves W's traffic out of L2.
-constexpr int kStages = 4;
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kXStageBytes = kTileRows * kDepthBlock * 2;  // 16 KiB
 constexpr int kWStageBytes = kTileCols * kDepthBlock * 2;  // 32 KiB
-// The 128-byte swizzle repeats every 8 rows of 128 bytes: every operand box
-// starts on a 1024-byte boundary, hence the slack.
-constexpr int kSmemBytes =
-    kStages * (kXStageBytes + kWStageBytes) + 2 * kStages * 8 + 1024;
+constexpr int kMaxStages = 4;
 constexpr int kFragmentValues = kTileCols / 2;
+
+// Shared memory: the ring's stages, then each consumer warpgroup's staging
+// buffer for its epilogue (Epilogue::kStagingBytes), then the barriers. As
+// many stages as fit in the opt-in 227 KiB, at most kMaxStages. The 128-byte
+// swizzle repeats every 8 rows of 128 bytes: every box starts on a
+// 1024-byte boundary, hence the slack.
+template <int kStagingBytes>
+struct SmemLayout {
+  static constexpr int kLimit = 227 * 1024;
+  static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
+  static constexpr int kFit =
+      (kLimit - 1024 - kConsumerWarpgroups * kStagingBytes - kBarrierBytes) /
+      (kXStageBytes + kWStageBytes);
+  static constexpr int kStages = kFit < kMaxStages ? kFit : kMaxStages;
+  static_assert(kStages >= 2, "the epilogue's staging leaves no ring");
+  static constexpr int kStaging = kStages * (kXStageBytes + kWStageBytes);
+  static constexpr int kBarriers =
+      kStaging + kConsumerWarpgroups * kStagingBytes;
+  static constexpr int kBytes = kBarriers + kBarrierBytes + 1024;
+};
 
 // Where a thread's accumulator values sit in Z (wgmma's m64nN f32 layout):
 // value i is at row RowOf(i), column ColOf(i). A thread holds two rows, 8
@@ -51,12 +67,28 @@ struct FragmentCoords {
   }
 };
 
-// An epilogue is a copyable struct with
+// A consumer warpgroup's part of the tile: its 64 x 256 corner in Z, and
+// what its epilogue may use besides the fragment.
+struct WarpgroupTile {
+  int row;                 // first of the 64 rows
+  int col;                 // first of the 256 columns
+  int thread;              // 0 .. 127 in the warpgroup
+  int barrier;             // a named barrier id for the warpgroup's 128 threads
+  unsigned char* staging;  // Epilogue::kStagingBytes, 1024-byte aligned
+};
+
+// An epilogue is a struct (a __grid_constant__ kernel parameter, so that it
+// may hold TMA tensor maps) with
+//   static constexpr int kStagingBytes;  // shared memory a warpgroup
 //   __device__ void operator()(const float (&acc)[kFragmentValues],
-//                              const FragmentCoords& at) const;
-// called by every thread of a consumer warpgroup once its part of a tile is
-// final. Values past Z's rows or columns are zeros (TMA fills the boxes'
-// out-of-bounds rows with zeros) and the epilogue must not store them.
+//                              const FragmentCoords& at,
+//                              const WarpgroupTile& wg) const;
+//   __device__ void Finish(const WarpgroupTile& wg) const;
+// The call is made by every thread of a consumer warpgroup once its part of
+// a tile is final; Finish once at the end (for asynchronous stores to
+// complete before the block's shared memory goes). Values past Z's rows or
+// columns are zeros (TMA fills the boxes' out-of-bounds rows with zeros) and
+// the epilogue must not store them.
 
 namespace sm90 {
 
@@ -103,10 +135,11 @@ __device__ __forceinline__ void MbarArriveCluster(uint64_t* bar,
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                : "=r"(remote)
                : "r"(SmemAddr(bar)), "r"(rank));
-  asm volatile(
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
-          remote)
-      : "memory");
+  // The default (.release at CTA scope), as the stage's readers were this
+  // block's wgmma: a cluster-scope release here waits for the thread's
+  // earlier global stores, and made the clustered product 1.8x slower.
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote)
+               : "memory");
 }
 
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
@@ -159,6 +192,35 @@ __device__ __forceinline__ uint64_t SwizzledDescriptor(const void* p) {
   const uint64_t addr = SmemAddr(p);
   return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+// Z's TMA stores: a box from shared memory into global memory, tracked as a
+// bulk group of the issuing thread.
+__device__ __forceinline__ void TmaStore(const CUtensorMap* map,
+                                         const void* src, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], "
+      "[%3];" ::"l"(map),
+      "r"(c0), "r"(c1), "r"(SmemAddr(src))
+      : "memory");
+}
+__device__ __forceinline__ void BulkCommit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// The thread's bulk stores have read their shared memory.
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// ... and have completed.
+__device__ __forceinline__ void BulkWait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+// Generic-proxy writes to shared memory become visible to the TMA unit.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void NamedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void WgmmaFence() {
@@ -247,15 +309,17 @@ template <int kCluster, typename Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmSm90Kernel(const __grid_constant__ CUtensorMap x_map,
                    const __grid_constant__ CUtensorMap w_map, int rows,
-                   int cols, int depth, Epilogue epilogue) {
+                   int cols, int depth,
+                   const __grid_constant__ Epilogue epilogue) {
+  using Layout = SmemLayout<Epilogue::kStagingBytes>;
+  constexpr int kStages = Layout::kStages;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
       smem_raw + ((1024 - (sm90::SmemAddr(smem_raw) & 1023)) & 1023);
   unsigned char* x_smem = smem;
   unsigned char* w_smem = smem + kStages * kXStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(
-      smem + kStages * (kXStageBytes + kWStageBytes));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
   uint64_t* empty = full + kStages;
 
   const int warpgroup = threadIdx.x / 128;
@@ -320,6 +384,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int lane_in_group = threadIdx.x % 128;
     const int warp = lane_in_group / 32;
     const int lane = lane_in_group % 32;
+    WarpgroupTile wg;
+    wg.thread = lane_in_group;
+    wg.barrier = 1 + consumer;
+    wg.staging = smem + Layout::kStaging + consumer * Epilogue::kStagingBytes;
     float acc[kFragmentValues];
     int stage = 0;
     unsigned phase = 0;
@@ -374,8 +442,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       FragmentCoords at;
       at.row = row0 + consumer * 64 + warp * 16 + lane / 4;
       at.col = col0 + 2 * (lane % 4);
-      epilogue(acc, at);
+      wg.row = row0 + consumer * 64;
+      wg.col = col0;
+      epilogue(acc, at, wg);
     }
+    epilogue.Finish(wg);
   }
   // No block may leave while a peer can still multicast into it or arrive
   // on its barriers.

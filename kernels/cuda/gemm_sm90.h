@@ -25,8 +25,9 @@ struct GemmSm90Args {
   int64_t depth = 0;
   int64_t z_stride = 0;
   ZType z_type = ZType::kBFloat16;
-  // Blocks that share each W tile by TMA multicast: 1 or 2.
-  int cluster = 2;
+  // Blocks that share each W tile by TMA multicast: 1 or 2, or 0 for the
+  // policy's choice (GemmSm90Cluster).
+  int cluster = 0;
 };
 
 // The policy's shape for `args` (pointer alignment read from the pointers).
@@ -35,7 +36,7 @@ GemmSm90Shape ShapeOf(const GemmSm90Args& args);
 // Enqueues Z = X W^T on `stream` on the current device. cudaSuccess, or
 // cudaErrorNotSupported where GemmSm90Eligibility says no on this device
 // (nothing is enqueued: use cuBLASLt), cudaErrorInvalidValue for a cluster
-// other than 1 or 2, or the error of the driver's tensor map encoder or of
+// other than 0, 1 or 2, or the error of the driver's tensor map encoder or of
 // the launch. Thread-safe.
 cudaError_t GemmSm90(const GemmSm90Args& args, cudaStream_t stream);
 

@@ -47,5 +47,15 @@ GemmSm90Fit GemmSm90Eligibility(const GemmSm90Shape& shape, int major,
   return GemmSm90Fit::kYes;
 }
 
+bool ZByTensorStore(const GemmSm90Shape& shape) {
+  return shape.z_aligned16 &&
+         (shape.z_stride * shape.z_element_bytes) % 16 == 0 &&
+         (shape.cols * shape.z_element_bytes) % 16 == 0;
+}
+
+int GemmSm90Cluster(const GemmSm90Shape& shape) {
+  return shape.z_element_bytes == 2 ? 2 : 1;
+}
+
 }  // namespace cuda_gemm
 }  // namespace lossd

@@ -44,6 +44,7 @@ struct GemmSm90Shape {
   int z_element_bytes = 2;  // 2 (bf16) or 4 (fp32)
   bool operands_aligned = false;  // X and W 16-byte aligned
   bool z_aligned = false;         // Z aligned to its element
+  bool z_aligned16 = false;       // Z 16-byte aligned
 };
 
 // The policy: kYes when the sm_90a kernel takes the product on a device of
@@ -51,6 +52,19 @@ struct GemmSm90Shape {
 // (the caller then uses cuBLASLt).
 GemmSm90Fit GemmSm90Eligibility(const GemmSm90Shape& shape, int major,
                                 int minor);
+
+// Whether the kernel stores Z with TMA (through shared memory, overlapped
+// with the next tile) rather than from registers: a tensor map needs Z
+// 16-byte aligned and its row stride a multiple of 16 bytes, and a row of
+// whole 16-byte pieces, as TMA stores a box's last piece of a row whole
+// (on the H100 it wrote the 16-byte piece's columns past the end).
+bool ZByTensorStore(const GemmSm90Shape& shape);
+
+// The cluster size for GemmSm90Args::cluster 0: two blocks sharing W tiles
+// for bf16 Z; one for fp32 Z, whose staged store waits between its two
+// halves, and a waiting block then stalls its peer too (H100: 1.09-1.17x
+// cuBLASLt's time with two, 1.00-1.05x with one).
+int GemmSm90Cluster(const GemmSm90Shape& shape);
 
 struct TileCoord {
   int row_tile;

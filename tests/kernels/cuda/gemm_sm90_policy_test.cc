@@ -64,6 +64,36 @@ TEST(GemmSm90PolicyTest, RaggedShapesAreTaken) {
   EXPECT_EQ(GemmSm90Eligibility(s, 9, 0), GemmSm90Fit::kYes);
 }
 
+TEST(GemmSm90PolicyTest, ZGoesByTmaWhenItsRowsAreWhole16BytePieces) {
+  GemmSm90Shape s = BenchShape();
+  s.z_aligned16 = true;
+  EXPECT_TRUE(ZByTensorStore(s));  // 128256 bf16: 16032 pieces
+  s.z_stride = 128255;
+  EXPECT_FALSE(ZByTensorStore(s));
+  s.z_stride = 128260;
+  s.z_element_bytes = 4;
+  EXPECT_TRUE(ZByTensorStore(s));
+  s.z_stride = 128258;
+  EXPECT_FALSE(ZByTensorStore(s));
+  // A row that ends inside a 16-byte piece: TMA would write the piece whole.
+  s.z_stride = 128264;
+  s.z_element_bytes = 2;
+  s.cols = 128257;
+  EXPECT_FALSE(ZByTensorStore(s));
+  s.cols = 128256;
+  EXPECT_TRUE(ZByTensorStore(s));
+  s = BenchShape();
+  s.z_aligned16 = false;
+  EXPECT_FALSE(ZByTensorStore(s));
+}
+
+TEST(GemmSm90PolicyTest, ClusterOfTwoForBf16ZOnly) {
+  GemmSm90Shape s = BenchShape();
+  EXPECT_EQ(GemmSm90Cluster(s), 2);
+  s.z_element_bytes = 4;
+  EXPECT_EQ(GemmSm90Cluster(s), 1);
+}
+
 TEST(GemmSm90PolicyTest, TileOrderIsABijectionInBands) {
   for (int row_tiles : {1, 5, 16, 17, 40, 64}) {
     for (int col_tiles : {1, 3, 501}) {

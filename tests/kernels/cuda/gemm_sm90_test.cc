@@ -148,18 +148,24 @@ class GemmSm90Test : public ::testing::Test {
   }
 };
 
+// Z rows of whole 16-byte pieces (stride and row) go out by TMA
+// (ZByTensorStore), others from the registers; the cases cover both with
+// each Z type, and the columns between a row's end and its stride.
 TEST_F(GemmSm90Test, OneRowAndAFewColumns) {
   for (int cluster : {1, 2}) {
-    Check({1, 7, 64, 7, ZType::kBFloat16, cluster}, 1);
-    Check({1, 7, 64, 8, ZType::kFloat32, cluster}, 2);
+    Check({1, 7, 64, 7, ZType::kBFloat16, cluster}, 1);    // registers
+    Check({1, 7, 64, 8, ZType::kFloat32, cluster}, 2);     // registers
+    Check({1, 8, 64, 16, ZType::kBFloat16, cluster}, 11);  // TMA
+    Check({1, 4, 64, 8, ZType::kFloat32, cluster}, 12);    // TMA
   }
 }
 
 TEST_F(GemmSm90Test, RaggedTilesAndDepth) {
   // 72 is a whole number of 16-byte rows but not of 64-wide depth blocks.
   for (int cluster : {1, 2}) {
-    Check({200, 300, 72, 300, ZType::kBFloat16, cluster}, 3);
-    Check({200, 300, 72, 304, ZType::kFloat32, cluster}, 4);
+    Check({200, 300, 72, 304, ZType::kBFloat16, cluster}, 3);   // registers
+    Check({200, 296, 72, 304, ZType::kBFloat16, cluster}, 13);  // TMA
+    Check({200, 300, 72, 304, ZType::kFloat32, cluster}, 4);    // TMA
   }
 }
 
@@ -174,8 +180,15 @@ TEST_F(GemmSm90Test, MoreTilesThanBlocksWithAnOddRowTileCount) {
   // 11 x 18 tiles: each block takes several, and the second block of the
   // last cluster unit has no rows.
   for (int cluster : {1, 2}) {
-    Check({1300, 4500, 64, 4500, ZType::kBFloat16, cluster}, 7);
+    Check({1300, 4496, 32, 4504, ZType::kBFloat16, cluster}, 7);  // TMA
+    Check({1300, 4500, 32, 4500, ZType::kFloat32, cluster}, 9);   // TMA
   }
+  Check({1300, 4500, 32, 4504, ZType::kBFloat16, 2}, 10);  // registers
+}
+
+TEST_F(GemmSm90Test, PolicyClusterSize) {
+  Check({300, 600, 64, 600, ZType::kBFloat16, 0}, 14);
+  Check({300, 600, 64, 600, ZType::kFloat32, 0}, 15);
 }
 
 TEST_F(GemmSm90Test, DeepProduct) {
@@ -191,7 +204,7 @@ TEST_F(GemmSm90Test, RefusesWhatThePolicyRefuses) {
   args.z_stride = 4;
   EXPECT_EQ(GemmSm90(args, nullptr), cudaErrorNotSupported);
   args.depth = 16;
-  args.cluster = 3;
+  args.cluster = 3;  // neither 0 (the policy's), 1 nor 2
   EXPECT_EQ(GemmSm90(args, nullptr), cudaErrorInvalidValue);
 }
 
