@@ -54,17 +54,22 @@ __device__ __forceinline__ unsigned Pack(__nv_bfloat16, float a, float b) {
 }
 
 // Stores the accumulator through shared memory with TMA: the warpgroup
-// writes its 64 x 256 values into its staging buffer as boxes of 64 rows by
-// 128 bytes, 128-byte swizzled (a quad's 16-byte pieces of 8 rows fall on
-// distinct banks), and one thread hands the boxes to the TMA unit, which
-// clips them at Z's edges. The warpgroup goes on to its next tile while the
-// stores drain; it waits only before it writes the buffer again.
+// writes its 64 x 256 values, a chunk of columns at a time, into the halves
+// of its staging buffer in turn, as boxes of 64 rows by 128 bytes, 128-byte
+// swizzled (a quad's 16-byte pieces of 8 rows fall on distinct banks), and
+// one thread hands each chunk's boxes to the TMA unit, which clips them at
+// Z's edges. A half is written again once its previous chunk has been read,
+// while the other half's stores drain: the warpgroup goes on to its next
+// tile without waiting for its last chunk.
 template <typename T>
 struct TmaStoreZ {
   static constexpr int kStagingBytes = 32 * 1024;
   static constexpr int kBoxCols = 128 / sizeof(T);
   static constexpr int kBoxBytes = 64 * 128;
-  static constexpr int kChunkCols = kBoxCols * (kStagingBytes / kBoxBytes);
+  static constexpr int kChunkBytes = kStagingBytes / 2;
+  static constexpr int kChunkCols = kBoxCols * (kChunkBytes / kBoxBytes);
+  static_assert(kTileCols / kChunkCols % 2 == 0,
+                "each tile starts on the first half");
   CUtensorMap map;  // Z, in [64, kBoxCols] boxes
   int rows;
 
@@ -80,14 +85,15 @@ struct TmaStoreZ {
 #pragma unroll
     for (int i = 0; i < kFragmentValues; i += 2) {
       const int chunk = i / kChunkValues;
+      unsigned char* half = wg.staging + (chunk % 2) * kChunkBytes;
       if (i % kChunkValues == 0) {
-        if (wg.thread == 0) sm90::BulkWaitRead();
+        if (wg.thread == 0) sm90::BulkWaitRead<1>();
         sm90::NamedBarrier(wg.barrier, 128);
       }
       const int r = (wg.thread / 32) * 16 + lane / 4 + ((i & 2) << 2);
       const int c = 8 * (i / 4) + 2 * q - chunk * kChunkCols;
       const int byte = (c % kBoxCols) * static_cast<int>(sizeof(T));
-      unsigned char* at = wg.staging + (c / kBoxCols) * kBoxBytes + r * 128 +
+      unsigned char* at = half + (c / kBoxCols) * kBoxBytes + r * 128 +
                           (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
       if (sizeof(T) == 2) {
         *reinterpret_cast<unsigned*>(at) =
@@ -100,8 +106,8 @@ struct TmaStoreZ {
         sm90::NamedBarrier(wg.barrier, 128);
         if (wg.thread == 0) {
 #pragma unroll
-          for (int b = 0; b < kStagingBytes / kBoxBytes; ++b) {
-            sm90::TmaStore(&map, wg.staging + b * kBoxBytes,
+          for (int b = 0; b < kChunkBytes / kBoxBytes; ++b) {
+            sm90::TmaStore(&map, half + b * kBoxBytes,
                            wg.col + chunk * kChunkCols + b * kBoxCols, wg.row);
           }
           sm90::BulkCommit();

@@ -207,9 +207,11 @@ __device__ __forceinline__ void TmaStore(const CUtensorMap* map,
 __device__ __forceinline__ void BulkCommit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
-// The thread's bulk stores have read their shared memory.
+// The thread's bulk store groups but the newest kPending have read their
+// shared memory (groups complete in order).
+template <int kPending>
 __device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 // ... and have completed.
 __device__ __forceinline__ void BulkWait() {

@@ -60,10 +60,12 @@ GemmSm90Fit GemmSm90Eligibility(const GemmSm90Shape& shape, int major,
 // (on the H100 it wrote the 16-byte piece's columns past the end).
 bool ZByTensorStore(const GemmSm90Shape& shape);
 
-// The cluster size for GemmSm90Args::cluster 0: two blocks sharing W tiles
-// for bf16 Z; one for fp32 Z, whose staged store waits between its two
-// halves, and a waiting block then stalls its peer too (H100: 1.09-1.17x
-// cuBLASLt's time with two, 1.00-1.05x with one).
+// The cluster size for GemmSm90Args::cluster 0: two blocks sharing each W
+// tile by multicast. With Z stored by TMA the two sizes are within the runs'
+// noise of each other at the bench's shapes (H100, five runs, mean time over
+// cuBLASLt's for bf16 Z: 1.017 and 1.001 with two, 1.017 and 1.023 with
+// one), and two halve W's traffic out of L2, which counts for more once the
+// epilogue stores no Z.
 int GemmSm90Cluster(const GemmSm90Shape& shape);
 
 struct TileCoord {

@@ -87,11 +87,11 @@ TEST(GemmSm90PolicyTest, ZGoesByTmaWhenItsRowsAreWhole16BytePieces) {
   EXPECT_FALSE(ZByTensorStore(s));
 }
 
-TEST(GemmSm90PolicyTest, ClusterOfTwoForBf16ZOnly) {
+TEST(GemmSm90PolicyTest, TwoBlocksAClusterForEitherZ) {
   GemmSm90Shape s = BenchShape();
   EXPECT_EQ(GemmSm90Cluster(s), 2);
   s.z_element_bytes = 4;
-  EXPECT_EQ(GemmSm90Cluster(s), 1);
+  EXPECT_EQ(GemmSm90Cluster(s), 2);
 }
 
 TEST(GemmSm90PolicyTest, TileOrderIsABijectionInBands) {
