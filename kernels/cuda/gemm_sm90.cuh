@@ -17,7 +17,7 @@ namespace cuda_gemm {
 
 // Shape (one block, persistent over tiles of Z):
 //   warpgroup 0: one thread issues TMA loads of X [128, 64] and W [256, 64]
-//     boxes into a ring of kStages stages (full/empty mbarriers);
+//     boxes into a ring of stages (SmemLayout; full/empty mbarriers);
 //   warpgroups 1, 2: each owns 64 of the tile's 128 rows, issues
 //     wgmma m64n256k16 on the stage, then hands its 64 x 256 fp32
 //     accumulator (128 values a thread) to the epilogue.
@@ -313,9 +313,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                    const __grid_constant__ CUtensorMap w_map, int rows,
                    int cols, int depth,
                    const __grid_constant__ Epilogue epilogue) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = SmemLayout<Epilogue::kStagingBytes>;
   constexpr int kStages = Layout::kStages;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
       smem_raw + ((1024 - (sm90::SmemAddr(smem_raw) & 1023)) & 1023);
@@ -387,6 +387,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = lane_in_group / 32;
     const int lane = lane_in_group % 32;
     WarpgroupTile wg;
+    wg.row = 0;
+    wg.col = 0;
     wg.thread = lane_in_group;
     wg.barrier = 1 + consumer;
     wg.staging = smem + Layout::kStaging + consumer * Epilogue::kStagingBytes;
@@ -454,6 +456,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // on its barriers.
   __syncwarp();
   if (kCluster > 1) sm90::ClusterSync();
+#elif defined(__CUDA_ARCH__)
+  // Built for a device without sm_90a's features: fail loudly rather than
+  // leave Z unwritten (the library is built for sm_90a alone).
+  __trap();
 #endif
 }
 
