@@ -25,12 +25,6 @@
 namespace lossd {
 namespace {
 
-// Sub-buffers of one device block start at this alignment (the kernel loads
-// 16-byte vectors; 256 matches cudaMalloc's own guarantee).
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
 // Copies an upload's bytes into pinned staging. The staging buffer is read
 // next by the GPU's DMA, not by the CPU, so large copies use non-temporal
 // stores: no read for ownership of the destination and no eviction of the
