@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "common/dtype.h"
+#include "kernels/cuda/launch_params.h"
 
 namespace lossd {
 namespace cuda_ce {
@@ -80,6 +81,17 @@ cudaError_t DispatchElementType(DType dtype, const Launch& launch) {
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// Returns launch(ElementTag<T>(), opts) for the element type of `dtype` and
+// p's option build (WithOptionBuild): the entry of a schedule with option
+// builds.
+template <typename Launch>
+cudaError_t DispatchBuild(const Params& p, DType dtype, const Launch& launch) {
+  return DispatchElementType(dtype, [&](auto element) {
+    return WithOptionBuild(ElementOptionsOn(p),
+                           [&](auto opts) { return launch(element, opts); });
+  });
 }
 
 }  // namespace cuda_ce

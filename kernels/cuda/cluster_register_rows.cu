@@ -58,18 +58,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
   uint4 data[VPT];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    const int e = start + (k * kThreads + tid) * kVec;
-    if (e + kVec <= vocab) {
-      data[k] = __ldcs(reinterpret_cast<const uint4*>(in + e));
-    } else {
-      // Tail (or past the row): -inf never wins the max and adds exp() = 0.
-      float f[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        f[j] = e + j < vocab ? Tr::Load(in + e + j) : -INFINITY;
-      }
-      Tr::Pack(f, &data[k]);
-    }
+    // Tail (or past the row): -inf never wins the max and adds exp() = 0.
+    data[k] = LoadVectorPadded<T, true>(in, start + (k * kThreads + tid) * kVec,
+                                        vocab);
   }
   const long long y = LoadTarget(p, row);
   const WorkspaceHeader& hdr = *p.header;
@@ -207,19 +198,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
 
   if (!kGeneral && !valid) {
     // Ignored row: zeros (the formula would give NaN for non-finite logits).
-    const float zero[kVec] = {};
-    uint4 zv;
-    Tr::Pack(zero, &zv);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int e = start + (k * kThreads + tid) * kVec;
-      if (e + kVec <= vocab) {
-        __stcs(reinterpret_cast<uint4*>(out + e), zv);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j)
-          if (e + j < vocab) Tr::Store(out + e + j, 0.0f);
-      }
+      StoreZeroVector(out, start + (k * kThreads + tid) * kVec, vocab);
     }
     return;
   }
@@ -251,15 +232,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
       for (int j = 0; j < kVec; ++j)
         if (j == yj) g[j] = rm.gy;
     }
-    if (e + kVec <= vocab) {
-      uint4 v;
-      Tr::Pack(g, &v);
-      __stcs(reinterpret_cast<uint4*>(out + e), v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j)
-        if (e + j < vocab) Tr::Store(out + e + j, g[j]);
-    }
+    StoreVector(out, e, vocab, g);
   }
 }
 

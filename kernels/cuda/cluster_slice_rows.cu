@@ -269,12 +269,9 @@ cudaError_t LaunchClusterSliceRows(const Params& p, int csize,
 
 cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream) {
-  return DispatchElementType(dtype, [&](auto element) {
-    using T = typename decltype(element)::type;
-    return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
-      return LaunchClusterSliceRows<T, decltype(opts)::value>(p, cluster,
-                                                              stream);
-    });
+  return DispatchBuild(p, dtype, [&](auto element, auto opts) {
+    return LaunchClusterSliceRows<typename decltype(element)::type,
+                                  decltype(opts)::value>(p, cluster, stream);
   });
 }
 

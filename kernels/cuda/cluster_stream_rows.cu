@@ -32,43 +32,11 @@ namespace {
 template <typename T, bool kLastUse>
 __device__ __forceinline__ void LoadBatch(const T* in, int base, int tid,
                                           int end, uint4 (&v)[kU]) {
-  using Tr = Traits<T>;
-  constexpr int kVec = Tr::kVec;
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
-    const int e = base + (u * kThreads + tid) * kVec;
-    if (e + kVec <= end) {
-      const uint4* ptr = reinterpret_cast<const uint4*>(in + e);
-      v[u] = kLastUse ? __ldcs(ptr) : *ptr;
-    } else {
-      float f[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        f[j] = e + j < end ? Tr::Load(in + e + j) : -INFINITY;
-      }
-      Tr::Pack(f, &v[u]);
-    }
+    v[u] = LoadVectorPadded<T, kLastUse>(
+        in, base + (u * kThreads + tid) * Traits<T>::kVec, end);
   }
-}
-
-// Fixed-order block sum; the result is valid in every thread. `scratch`
-// holds one float per warp plus one.
-__device__ float BlockSumFloat(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    constexpr int kWarps = kThreads / 32;
-    float w = scratch[threadIdx.x % kWarps];
-#pragma unroll
-    for (int o = kWarps / 2; o > 0; o >>= 1)
-      w += __shfl_xor_sync(0xffffffffu, w, o);
-    if (threadIdx.x == 0) scratch[kWarps] = w;
-  }
-  __syncthreads();
-  return scratch[kThreads / 32];
 }
 
 // Logits [N, V] with row stride; grid = N * C blocks in clusters of C, block
@@ -157,19 +125,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         m_raw = bmx;
         const float bm = kOpts ? OptionZ<T, kOpts>(opts, bmx) : bmx;
         if (bm > m) {
-          const float nshift = ExponentShift(bm);
-          // = fl(m * log2e), see lo
-          const float nl2 = nshift != 0.0f ? 0.0f : __fmul_rn(bm, kLog2e);
-          float f = 0.0f;
-          if (m > -INFINITY) {
-            f = shift == 0.0f && nshift == 0.0f ? Exp2(m_l2 - nl2)
-                                                : Exp2((m - bm) * kLog2e);
-          }
+          const float f = RaiseMax(bm, &m, &shift, &m_l2);
           acc[0] *= f;
           acc[1] *= f;
-          m = bm;
-          shift = nshift;
-          m_l2 = nl2;
           arg_base = base;
         }
       }
@@ -235,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             t += c == row_st.arg ? 0.0f : e;
           }
       }
-      t = BlockSumFloat(t, fscratch);
+      t = BlockReduce<kThreads>(t, fscratch);
       if (tid < csize) *cluster.map_shared_rank(&tbox[rank], tid) = t;
       cluster.sync();
       row_st.t = tbox[0];
@@ -252,21 +210,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if (!valid) {
       // Ignored row: zeros, no re-read (the formula would give NaN for
       // non-finite logits).
-      const float zero[kVec] = {};
-      uint4 zv;
-      Tr::Pack(zero, &zv);
 #pragma unroll 1
       for (int base = start; base < end; base += kBatch) {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
-          const int e = base + (u * kThreads + tid) * kVec;
-          if (e + kVec <= end) {
-            __stcs(reinterpret_cast<uint4*>(out + e), zv);
-          } else {
-#pragma unroll
-            for (int j = 0; j < kVec; ++j)
-              if (e + j < end) Tr::Store(out + e + j, 0.0f);
-          }
+          StoreZeroVector(out, base + (u * kThreads + tid) * kVec, end);
         }
       }
       continue;
@@ -296,15 +244,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                            : rm.gy;
             }
         }
-        if (e + kVec <= end) {
-          uint4 v;
-          Tr::Pack(g, &v);
-          __stcs(reinterpret_cast<uint4*>(out + e), v);
-        } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j)
-            if (e + j < end) Tr::Store(out + e + j, g[j]);
-        }
+        StoreVector(out, e, end, g);
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
@@ -327,11 +267,9 @@ cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
 
 cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream) {
-  return DispatchElementType(dtype, [&](auto element) {
-    using T = typename decltype(element)::type;
-    return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
-      return LaunchStream<T, decltype(opts)::value>(p, cluster, stream);
-    });
+  return DispatchBuild(p, dtype, [&](auto element, auto opts) {
+    return LaunchStream<typename decltype(element)::type,
+                        decltype(opts)::value>(p, cluster, stream);
   });
 }
 

@@ -107,6 +107,50 @@ __device__ __forceinline__ long long LoadTarget(const Params& p,
                      : static_cast<const int*>(p.targets)[row];
 }
 
+// The kVec elements of T from column e, those at or past `end` as -inf
+// (never the max, exp() = 0): one 16-byte load where all lie before `end`,
+// evict-first (__ldcs) for kLastUse, the read the gradient replaces.
+template <typename T, bool kLastUse>
+__device__ __forceinline__ uint4 LoadVectorPadded(const T* in, int e, int end) {
+  using Tr = Traits<T>;
+  if (e + Tr::kVec <= end) {
+    const uint4* ptr = reinterpret_cast<const uint4*>(in + e);
+    return kLastUse ? __ldcs(ptr) : *ptr;
+  }
+  float f[Tr::kVec];
+#pragma unroll
+  for (int j = 0; j < Tr::kVec; ++j) {
+    f[j] = e + j < end ? Tr::Load(in + e + j) : -INFINITY;
+  }
+  uint4 v;
+  Tr::Pack(f, &v);
+  return v;
+}
+
+// Gradient values g of the kVec elements of T from column e, those before
+// `end`: one streaming 16-byte store where all of them lie before it.
+template <typename T>
+__device__ __forceinline__ void StoreVector(T* out, int e, int end,
+                                            const float (&g)[Traits<T>::kVec]) {
+  using Tr = Traits<T>;
+  if (e + Tr::kVec <= end) {
+    uint4 v;
+    Tr::Pack(g, &v);
+    __stcs(reinterpret_cast<uint4*>(out + e), v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < Tr::kVec; ++j)
+      if (e + j < end) Tr::Store(out + e + j, g[j]);
+  }
+}
+
+// Zeros for the same (an ignored row's gradient).
+template <typename T>
+__device__ __forceinline__ void StoreZeroVector(T* out, int e, int end) {
+  const float zero[Traits<T>::kVec] = {};
+  StoreVector(out, e, end, zero);
+}
+
 }  // namespace cuda_ce
 }  // namespace lossd
 

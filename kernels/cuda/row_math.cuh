@@ -58,20 +58,29 @@ __device__ __forceinline__ Stats ShuffleStats(const Stats& a, int lane_mask) {
   return b;
 }
 
-// Block-wide fixed-order reduction; the result is valid in every thread.
-// `scratch` holds one Stats per warp plus one.
-template <int kBlock>
-__device__ Stats BlockReduce(Stats v, Stats* scratch) {
+// The lane-mask shuffles BlockReduce combines: Stats by Combine, a float by
+// addition.
+__device__ __forceinline__ void ShuffleCombine(Stats& v, int lane_mask) {
+  Combine(v, ShuffleStats(v, lane_mask));
+}
+__device__ __forceinline__ void ShuffleCombine(float& v, int lane_mask) {
+  v += __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+
+// Block-wide fixed-order reduction (of Stats, or a float sum); the result is
+// valid in every thread. `scratch` holds one value per warp plus one.
+template <int kBlock, typename V>
+__device__ V BlockReduce(V v, V* scratch) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) Combine(v, ShuffleStats(v, o));
+  for (int o = 16; o > 0; o >>= 1) ShuffleCombine(v, o);
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
     constexpr int kWarps = kBlock / 32;
-    Stats w = scratch[threadIdx.x % kWarps];
+    V w = scratch[threadIdx.x % kWarps];
 #pragma unroll
-    for (int o = kWarps / 2; o > 0; o >>= 1) Combine(w, ShuffleStats(w, o));
+    for (int o = kWarps / 2; o > 0; o >>= 1) ShuffleCombine(w, o);
     if (threadIdx.x == 0) scratch[kWarps] = w;
   }
   __syncthreads();
@@ -143,6 +152,25 @@ __device__ __forceinline__ Log2Split SplitLog2(float v) {
 constexpr float kHugeLogit = 1048576.0f;  // 2^20
 __device__ __forceinline__ float ExponentShift(float m) {
   return fabsf(m) >= kHugeLogit && isfinite(m) ? m : 0.0f;
+}
+
+// A running max m raised to bm (> m): returns the factor that takes sums
+// relative to the old max to the new one (0 while m was -inf) and updates m,
+// its shift (ExponentShift) and fl(m * log2e) (0 with a shift).
+__device__ __forceinline__ float RaiseMax(float bm, float* m, float* shift,
+                                          float* m_l2) {
+  const float nshift = ExponentShift(bm);
+  // = fl(m * log2e), see SplitLog2
+  const float nl2 = nshift != 0.0f ? 0.0f : __fmul_rn(bm, kLog2e);
+  float f = 0.0f;
+  if (*m > -INFINITY) {
+    f = *shift == 0.0f && nshift == 0.0f ? Exp2(*m_l2 - nl2)
+                                         : Exp2((*m - bm) * kLog2e);
+  }
+  *m = bm;
+  *shift = nshift;
+  *m_l2 = nl2;
+  return f;
 }
 
 // Everything the gradient and the row outputs need, from the row's statistics.

@@ -152,19 +152,9 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       if (kOpts) m_raw = bmx;
       const float bm = OptionZ<T, kOpts>(opts, bmx);
       if (bm > m) {
-        const float nshift = ExponentShift(bm);
-        // = fl(m * log2e), see lo
-        const float nl2 = nshift != 0.0f ? 0.0f : __fmul_rn(bm, kLog2e);
-        float f = 0.0f;
-        if (m > -INFINITY) {
-          f = shift == 0.0f && nshift == 0.0f ? Exp2(m_l2 - nl2)
-                                              : Exp2((m - bm) * kLog2e);
-        }
+        const float f = RaiseMax(bm, &m, &shift, &m_l2);
 #pragma unroll
         for (int a = 0; a < 4; ++a) acc[a] *= f;
-        m = bm;
-        shift = nshift;
-        m_l2 = nl2;
         arg_q = q0;
         if (kPrefetch) {
           // The first argmax now, from registers: a re-read after the loop
