@@ -1,0 +1,49 @@
+// The CPU backend of the post-training losses of kernels/post_training.h
+// (distillation, policy-gradient losses, segment sums), with the argument and
+// data checks every backend shares. Row math is fp64, so it is also the oracle
+// other backends' tests compare with.
+#ifndef LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
+#define LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
+
+#include "absl/status/status.h"
+#include "kernels/post_training.h"
+
+namespace lossd {
+
+// Checks everything about `args` that needs no tensor data: the base
+// arguments as ValidateCrossEntropyArgs (targets may be nullptr only for a
+// distillation with alpha 0); label_smoothing, class_weights and z_loss_scale
+// off; at most one of distillation and policy; the fields of each (ranges,
+// enum values, exactly one teacher, top_k in [1, min(vocab, 512)], non-null
+// pointers); segments' count in [1, rows] and a segment reduction only with
+// Reduction::kMean.
+//
+// Returns OK or INVALID_ARGUMENT naming the field. Reads no memory behind any
+// pointer. Thread safety: pure function.
+absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args);
+
+// Checks the data of the small inputs, which must be HOST pointers here (a GPU
+// backend copies them to the host first): targets in [0, vocab) or
+// ignore_index; top-k indices in [0, vocab) and distinct within a row, top-k
+// logprobs not NaN and <= 0; advantages, sampling and reference logprobs
+// finite; segment ids in [0, count). Call after ValidatePostTrainingArgs.
+//
+// Returns OK or INVALID_ARGUMENT naming the first bad element. Reads only.
+absl::Status CheckPostTrainingData(const PostTrainingArgs& args);
+
+// Computes the loss, the gradient (as args.base.mode says), the per-token
+// outputs and `*result` with fp64 row math and one rounding per gradient
+// element. Rows are split over `num_threads` threads (0 = hardware
+// concurrency); totals are summed in row order, so the result does not depend
+// on the thread count.
+//
+// Returns OK, or INVALID_ARGUMENT (as the two checks above, or result ==
+// nullptr) having written nothing. Non-finite logits give non-finite rows,
+// counted in result->base.nonfinite_rows, not an error. Ownership: borrows
+// every buffer for the call. Thread safety: reentrant.
+absl::Status PostTrainingCpu(const PostTrainingArgs& args,
+                             PostTrainingResult* result, int num_threads = 0);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
