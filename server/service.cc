@@ -17,6 +17,7 @@
 #include "server/evaluate_reactor.h"
 #include "server/linear_evaluation.h"
 #include "server/page_token.h"
+#include "server/post_training_forward.h"
 #include "server/staged.h"
 #include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
@@ -319,6 +320,9 @@ absl::Status LossdService::DoForward(const std::string& tenant,
                                      const pb::ForwardRequest& request,
                                      pb::ForwardResponse* response,
                                      const std::function<bool()>& cancelled) {
+  if (IsPostTrainingForward(request)) {
+    return RunPostTrainingForward(&rpc_, tenant, request, response, cancelled);
+  }
   // Request-only checks first: nothing is looked up for a malformed request.
   ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
   const CrossEntropyOptions& options = spec.options;

@@ -1,0 +1,551 @@
+// Forward with a post-training loss: checks, host copies of the small inputs,
+// leases and the device call (see post_training_forward.h).
+#include "server/post_training_forward.h"
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/checked_math.h"
+#include "common/dtype.h"
+#include "common/handle.h"
+#include "common/status_macros.h"
+#include "common/tensor_math.h"
+#include "kernels/cpu/post_training_cpu.h"
+#include "kernels/post_training.h"
+#include "server/staged.h"
+#include "server/validation.h"
+
+namespace lossd {
+namespace {
+
+namespace pb = ::lossd::v1;
+
+constexpr DType kFloat32Only[] = {DType::kFloat32};
+constexpr DType kInt32Only[] = {DType::kInt32};
+
+// A small input ([rows] or [rows, k]) of a handle or inline bytes, read onto
+// the host: the server checks its values there before any write, whatever
+// the device.
+struct HostInput {
+  DType dtype = DType::kInvalid;
+  std::vector<char> bytes;
+  Staged staged;  // the bytes on the device for the kernel
+  const void* host() const { return bytes.data(); }
+};
+
+// One handle-or-inline field of the request.
+struct InputField {
+  const char* name;      // "policy.advantages", for messages
+  bool set = false;      // either form present
+  bool inline_ = false;  // inline bytes (else a handle)
+  const std::string* handle = nullptr;
+  const pb::InlineTensor* inline_tensor = nullptr;
+};
+
+InputField Field(const char* name, bool has_handle, const std::string& handle,
+                 bool has_inline, const pb::InlineTensor& inline_tensor) {
+  InputField field;
+  field.name = name;
+  field.set = has_handle || has_inline;
+  field.inline_ = has_inline;
+  field.handle = &handle;
+  field.inline_tensor = &inline_tensor;
+  return field;
+}
+
+// Request-only checks of a field: a well-formed handle, or an inline dtype
+// among `allowed`.
+absl::Status CheckField(const InputField& field,
+                        absl::Span<const DType> allowed) {
+  if (!field.set) return absl::OkStatus();
+  if (field.inline_) {
+    return ParseDType(field.inline_tensor->dtype(),
+                      absl::StrCat(field.name, "_inline.dtype"), false, allowed)
+        .status();
+  }
+  return CheckHandle(*field.handle, absl::StrCat(field.name, "_handle"));
+}
+
+// Reads `field` as `rows` x `width` elements of one of `allowed` onto the host
+// into `*out`: a [rows, width] tensor, or a [rows] one when width is 0.
+absl::Status ReadInput(TensorStore* store, const std::string& tenant,
+                       const InputField& field, int64_t rows, int64_t width,
+                       absl::Span<const DType> allowed, HostInput* out) {
+  const bool vector = width == 0;
+  if (vector) width = 1;
+  const std::string shape = vector ? absl::StrCat("[", rows, "]")
+                                   : absl::StrCat("[", rows, ", ", width, "]");
+  std::string allowed_names;
+  for (DType dtype : allowed) {
+    if (!allowed_names.empty()) absl::StrAppend(&allowed_names, " or ");
+    absl::StrAppend(&allowed_names, DTypeName(dtype));
+  }
+  const std::optional<int64_t> count = CheckedMul(rows, width);
+  if (!count.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field.name, ": ", shape, " is too large"));
+  }
+  if (field.inline_) {
+    ASSIGN_OR_RETURN(
+        out->dtype,
+        ParseDType(field.inline_tensor->dtype(),
+                   absl::StrCat(field.name, "_inline.dtype"), false, allowed));
+    const std::string& data = field.inline_tensor->data();
+    const int64_t need = *count * static_cast<int64_t>(DTypeSize(out->dtype));
+    if (static_cast<int64_t>(data.size()) != need) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field.name, "_inline has ", data.size(), " bytes; ",
+                       shape, " of ", DTypeName(out->dtype), " needs ", need));
+    }
+    out->bytes.assign(data.begin(), data.end());
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
+                   store->Get(tenant, *field.handle));
+  bool dtype_ok = false;
+  for (DType dtype : allowed) dtype_ok |= tensor->dtype() == dtype;
+  const std::vector<int64_t>& dims = tensor->shape();
+  const bool shape_ok =
+      vector ? (dims.size() == 1 && dims[0] == rows)
+             : (dims.size() == 2 && dims[0] == rows && dims[1] == width);
+  if (!dtype_ok || !shape_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field.name, "_handle must be ", allowed_names, " ", shape, ", got ",
+        DTypeName(tensor->dtype()), " ", ShapeString(dims)));
+  }
+  out->dtype = tensor->dtype();
+  out->bytes.resize(static_cast<size_t>(*count) * DTypeSize(out->dtype));
+  ReadLease lease = store->BeginRead(std::move(tensor));
+  const Tensor& held = *lease.tensor();
+  return held.device()->ReadConverted(held.data(), held.dtype(), 0, *count,
+                                      std::max<int64_t>(width, 1), 1.0f,
+                                      nullptr, out->bytes.data(), out->dtype);
+}
+
+// The top-k k of a request: the field, or a handle's width.
+absl::StatusOr<int64_t> TopKWidth(TensorStore* store, const std::string& tenant,
+                                  const pb::TopKTeacher& top_k) {
+  if (top_k.k() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "distillation.teacher_top_k.k = ", top_k.k(), " must be >= 1"));
+  }
+  if (top_k.k() > 0) return top_k.k();
+  const std::string* handle = nullptr;
+  if (top_k.indices_case() == pb::TopKTeacher::kIndicesHandle) {
+    handle = &top_k.indices_handle();
+  } else if (top_k.logprobs_case() == pb::TopKTeacher::kLogprobsHandle) {
+    handle = &top_k.logprobs_handle();
+  } else {
+    return absl::InvalidArgumentError(
+        "distillation.teacher_top_k.k is required with inline tensors");
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor, store->Get(tenant, *handle));
+  if (tensor->shape().size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("distillation.teacher_top_k tensors must be [N, k], got ",
+                     ShapeString(tensor->shape())));
+  }
+  return tensor->shape()[1];
+}
+
+// The fields of the request's distillation, policy and segments.
+struct Fields {
+  InputField indices, logprobs, advantages, sampling, reference, segment_ids;
+};
+
+Fields FieldsOf(const pb::ForwardRequest& request) {
+  const pb::TopKTeacher& top_k = request.distillation().teacher_top_k();
+  const pb::PolicyGradient& policy = request.policy();
+  const pb::Segments& segments = request.segments();
+  Fields fields;
+  fields.indices =
+      Field("distillation.teacher_top_k.indices",
+            top_k.indices_case() == pb::TopKTeacher::kIndicesHandle,
+            top_k.indices_handle(),
+            top_k.indices_case() == pb::TopKTeacher::kIndicesInline,
+            top_k.indices_inline());
+  fields.logprobs =
+      Field("distillation.teacher_top_k.logprobs",
+            top_k.logprobs_case() == pb::TopKTeacher::kLogprobsHandle,
+            top_k.logprobs_handle(),
+            top_k.logprobs_case() == pb::TopKTeacher::kLogprobsInline,
+            top_k.logprobs_inline());
+  fields.advantages =
+      Field("policy.advantages",
+            policy.advantages_case() == pb::PolicyGradient::kAdvantagesHandle,
+            policy.advantages_handle(),
+            policy.advantages_case() == pb::PolicyGradient::kAdvantagesInline,
+            policy.advantages_inline());
+  fields.sampling = Field("policy.sampling_logprobs",
+                          policy.sampling_logprobs_case() ==
+                              pb::PolicyGradient::kSamplingLogprobsHandle,
+                          policy.sampling_logprobs_handle(),
+                          policy.sampling_logprobs_case() ==
+                              pb::PolicyGradient::kSamplingLogprobsInline,
+                          policy.sampling_logprobs_inline());
+  fields.reference = Field("policy.reference_logprobs",
+                           policy.reference_logprobs_case() ==
+                               pb::PolicyGradient::kReferenceLogprobsHandle,
+                           policy.reference_logprobs_handle(),
+                           policy.reference_logprobs_case() ==
+                               pb::PolicyGradient::kReferenceLogprobsInline,
+                           policy.reference_logprobs_inline());
+  fields.segment_ids = Field(
+      "segments.ids", segments.ids_case() == pb::Segments::kIdsHandle,
+      segments.ids_handle(), segments.ids_case() == pb::Segments::kIdsInline,
+      segments.ids_inline());
+  return fields;
+}
+
+// Request-only checks and the enum values, before any lookup.
+absl::Status CheckRequest(const pb::ForwardRequest& request,
+                          const Fields& fields) {
+  if (request.has_distillation() && request.has_policy()) {
+    return absl::InvalidArgumentError(
+        "distillation and policy cannot be combined in one Forward");
+  }
+  if (!request.options().class_weights().empty()) {
+    return absl::InvalidArgumentError(
+        "options.class_weights does not compose with distillation, policy "
+        "or segments");
+  }
+  if (request.has_distillation()) {
+    const pb::Distillation& kd = request.distillation();
+    if (kd.teacher_case() == pb::Distillation::TEACHER_NOT_SET) {
+      return absl::InvalidArgumentError(
+          "distillation needs a teacher: teacher_logits or teacher_top_k");
+    }
+    if (kd.teacher_case() == pb::Distillation::kTeacherLogits) {
+      RETURN_IF_ERROR(
+          CheckHandle(kd.teacher_logits(), "distillation.teacher_logits"));
+    } else {
+      if (!fields.indices.set || !fields.logprobs.set) {
+        return absl::InvalidArgumentError(
+            "distillation.teacher_top_k needs indices and logprobs");
+      }
+      RETURN_IF_ERROR(CheckField(fields.indices, kTargetsDTypes));
+      RETURN_IF_ERROR(CheckField(fields.logprobs, kFloat32Only));
+      if (!pb::TopKTail_IsValid(kd.teacher_top_k().tail())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown distillation.teacher_top_k.tail ",
+                         kd.teacher_top_k().tail()));
+      }
+    }
+    if (!pb::Divergence_IsValid(kd.divergence())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown distillation.divergence ", kd.divergence()));
+    }
+  }
+  if (request.has_policy()) {
+    const pb::PolicyGradient& policy = request.policy();
+    if (!pb::PolicyLoss_IsValid(policy.loss()) ||
+        policy.loss() == pb::POLICY_LOSS_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.loss must be IMPORTANCE_SAMPLING, PPO_CLIP or CISPO, got ",
+          policy.loss()));
+    }
+    if (!pb::KlEstimator_IsValid(policy.kl_estimator())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown policy.kl_estimator ", policy.kl_estimator()));
+    }
+    if (!fields.advantages.set || !fields.sampling.set) {
+      return absl::InvalidArgumentError(
+          "policy needs advantages and sampling_logprobs");
+    }
+    RETURN_IF_ERROR(CheckField(fields.advantages, kFloat32Only));
+    RETURN_IF_ERROR(CheckField(fields.sampling, kFloat32Only));
+    RETURN_IF_ERROR(CheckField(fields.reference, kFloat32Only));
+  }
+  if (request.has_segments()) {
+    if (!fields.segment_ids.set) {
+      return absl::InvalidArgumentError("segments needs ids");
+    }
+    RETURN_IF_ERROR(CheckField(fields.segment_ids, kInt32Only));
+    if (!pb::SegmentReduction_IsValid(request.segments().reduction())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown segments.reduction ", request.segments().reduction()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsPostTrainingForward(const pb::ForwardRequest& request) {
+  return request.has_distillation() || request.has_policy() ||
+         request.has_segments();
+}
+
+absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
+                                    const pb::ForwardRequest& request,
+                                    pb::ForwardResponse* response,
+                                    const std::function<bool()>& cancelled) {
+  TensorStore* store = rpc->store();
+  Device* device = store->device();
+  // Request-only checks first: nothing is looked up for a malformed request.
+  RETURN_IF_ERROR(CheckHandle(request.logits(), "logits"));
+  ASSIGN_OR_RETURN(const CrossEntropyOptions options,
+                   ParseLossOptions(request.options()));
+  ASSIGN_OR_RETURN(const GradientMode mode, ParseMode(request.mode()));
+  RETURN_IF_ERROR(CheckLabel(request.gradient_label(), "gradient_label"));
+  const Fields fields = FieldsOf(request);
+  RETURN_IF_ERROR(CheckRequest(request, fields));
+  const InputField targets_field = Field(
+      "targets", request.targets_case() == pb::ForwardRequest::kTargetsHandle,
+      request.targets_handle(),
+      request.targets_case() == pb::ForwardRequest::kTargetsInline,
+      request.targets_inline());
+  RETURN_IF_ERROR(CheckField(targets_field, kTargetsDTypes));
+
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
+                   store->Get(tenant, request.logits()));
+  if (!IsLogitsDType(logits->dtype()) || logits->shape().size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logits must be a 2-D float tensor, got ", DTypeName(logits->dtype()),
+        " ", ShapeString(logits->shape())));
+  }
+  const int64_t rows = logits->shape()[0];
+  const int64_t vocab = logits->shape()[1];
+
+  PostTrainingArgs args;
+  args.base.rows = rows;
+  args.base.vocab = vocab;
+  args.base.row_stride = vocab;
+  args.base.logits_dtype = logits->dtype();
+  args.base.logits = logits->data();
+  args.base.options = options;
+  args.base.mode = mode;
+
+  // The small inputs, on the host, so that every value is checked before
+  // anything is written (the device may not be host-accessible).
+  HostInput targets, indices, logprobs, advantages, sampling, reference, ids;
+  if (targets_field.set) {
+    RETURN_IF_ERROR(ReadInput(store, tenant, targets_field, rows, 0,
+                              kTargetsDTypes, &targets));
+    args.base.targets = targets.host();
+    args.base.targets_dtype = targets.dtype;
+  }
+  DistillationArgs kd;
+  ReadLease teacher_lease;
+  if (request.has_distillation()) {
+    const pb::Distillation& message = request.distillation();
+    kd.temperature = message.has_temperature() ? message.temperature() : 1.0f;
+    kd.alpha = message.alpha();
+    kd.divergence = message.divergence() == pb::DIVERGENCE_UNSPECIFIED
+                        ? Divergence::kForwardKl
+                        : static_cast<Divergence>(message.divergence());
+    kd.beta = message.beta();
+    if (message.teacher_case() == pb::Distillation::kTeacherLogits) {
+      if (message.teacher_logits() == request.logits()) {
+        return absl::InvalidArgumentError(
+            "distillation.teacher_logits names the student's logits");
+      }
+      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> teacher,
+                       store->Get(tenant, message.teacher_logits()));
+      if (!IsLogitsDType(teacher->dtype()) ||
+          teacher->shape() != logits->shape()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "distillation.teacher_logits must be a float tensor of the "
+            "logits' shape ",
+            ShapeString(logits->shape()), ", got ", DTypeName(teacher->dtype()),
+            " ", ShapeString(teacher->shape())));
+      }
+      if (teacher->state() != TensorState::kLogits) {
+        return absl::FailedPreconditionError(
+            "distillation.teacher_logits holds a gradient");
+      }
+      teacher_lease = store->BeginRead(std::move(teacher));
+      kd.teacher_logits = teacher_lease.tensor()->data();
+      kd.teacher_dtype = teacher_lease.tensor()->dtype();
+      kd.teacher_row_stride = vocab;
+    } else {
+      const pb::TopKTeacher& top_k = message.teacher_top_k();
+      ASSIGN_OR_RETURN(kd.top_k, TopKWidth(store, tenant, top_k));
+      if (kd.top_k < 1 || kd.top_k > std::min<int64_t>(vocab, 512)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("distillation.teacher_top_k.k = ", kd.top_k,
+                         " must be in [1, min(V, 512)] = [1, ",
+                         std::min<int64_t>(vocab, 512), "]"));
+      }
+      RETURN_IF_ERROR(ReadInput(store, tenant, fields.indices, rows, kd.top_k,
+                                kTargetsDTypes, &indices));
+      RETURN_IF_ERROR(ReadInput(store, tenant, fields.logprobs, rows, kd.top_k,
+                                kFloat32Only, &logprobs));
+      kd.top_k_indices = indices.host();
+      kd.top_k_indices_dtype = indices.dtype;
+      kd.top_k_logprobs = reinterpret_cast<const float*>(logprobs.host());
+      kd.tail = top_k.tail() == pb::TOP_K_TAIL_UNSPECIFIED
+                    ? TopKTail::kRenormalize
+                    : static_cast<TopKTail>(top_k.tail());
+    }
+    args.distillation = &kd;
+  }
+  PolicyArgs policy;
+  if (request.has_policy()) {
+    const pb::PolicyGradient& message = request.policy();
+    policy.loss = static_cast<PolicyLossKind>(message.loss());
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.advantages, rows, 0,
+                              kFloat32Only, &advantages));
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.sampling, rows, 0,
+                              kFloat32Only, &sampling));
+    policy.advantages = reinterpret_cast<const float*>(advantages.host());
+    policy.sampling_logprobs = reinterpret_cast<const float*>(sampling.host());
+    if (fields.reference.set) {
+      RETURN_IF_ERROR(ReadInput(store, tenant, fields.reference, rows, 0,
+                                kFloat32Only, &reference));
+      policy.reference_logprobs =
+          reinterpret_cast<const float*>(reference.host());
+    }
+    policy.epsilon_low =
+        message.has_epsilon_low() ? message.epsilon_low() : 0.2f;
+    policy.epsilon_high = message.has_epsilon_high() ? message.epsilon_high()
+                                                     : policy.epsilon_low;
+    policy.kl_coef = message.kl_coef();
+    policy.kl_estimator =
+        message.kl_estimator() == pb::KL_ESTIMATOR_UNSPECIFIED
+            ? KlEstimator::kK3
+            : static_cast<KlEstimator>(message.kl_estimator());
+    args.policy = &policy;
+  }
+  SegmentArgs segments;
+  if (request.has_segments()) {
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.segment_ids, rows, 0,
+                              kInt32Only, &ids));
+    segments.ids = reinterpret_cast<const int32_t*>(ids.host());
+    segments.count = request.segments().count();
+    segments.reduction =
+        static_cast<SegmentReduction>(request.segments().reduction());
+    args.segments = &segments;
+  }
+  {
+    // The gradient buffer comes later (after the leases); the mode itself is
+    // checked by ParseMode.
+    PostTrainingArgs checked = args;
+    checked.base.mode = GradientMode::kNone;
+    RETURN_IF_ERROR(ValidatePostTrainingArgs(checked));
+    RETURN_IF_ERROR(CheckPostTrainingData(checked));
+  }
+
+  // Checked: now onto the device (no copy on a host-accessible one).
+  auto stage = [&](HostInput* input) -> absl::StatusOr<const void*> {
+    RETURN_IF_ERROR(
+        input->staged.Stage(device, input->bytes.data(), input->bytes.size()));
+    return input->staged.get();
+  };
+  if (args.base.targets != nullptr) {
+    ASSIGN_OR_RETURN(args.base.targets, stage(&targets));
+  }
+  if (kd.top_k_indices != nullptr) {
+    ASSIGN_OR_RETURN(kd.top_k_indices, stage(&indices));
+    ASSIGN_OR_RETURN(const void* staged, stage(&logprobs));
+    kd.top_k_logprobs = static_cast<const float*>(staged);
+  }
+  if (args.policy != nullptr) {
+    ASSIGN_OR_RETURN(const void* a, stage(&advantages));
+    ASSIGN_OR_RETURN(const void* s, stage(&sampling));
+    policy.advantages = static_cast<const float*>(a);
+    policy.sampling_logprobs = static_cast<const float*>(s);
+    if (policy.reference_logprobs != nullptr) {
+      ASSIGN_OR_RETURN(const void* r, stage(&reference));
+      policy.reference_logprobs = static_cast<const float*>(r);
+    }
+  }
+  if (args.segments != nullptr) {
+    ASSIGN_OR_RETURN(const void* staged, stage(&ids));
+    segments.ids = static_cast<const int32_t*>(staged);
+  }
+
+  ASSIGN_OR_RETURN(ForwardLease lease,
+                   store->BeginForward(logits, mode == GradientMode::kInPlace));
+  std::unique_ptr<PendingTensor> gradient;
+  if (mode == GradientMode::kOutOfPlace) {
+    ASSIGN_OR_RETURN(
+        gradient,
+        store->Create(tenant, logits->dtype(), logits->shape(),
+                      request.gradient_label(), TensorState::kGradient));
+  }
+  const pb::Outputs& outputs = request.outputs();
+  std::vector<float> token_loss(outputs.token_loss() ? rows : 0);
+  std::vector<float> token_lse(outputs.token_lse() ? rows : 0);
+  std::vector<int32_t> token_argmax(outputs.token_argmax() ? rows : 0);
+  std::vector<float> token_logprob(outputs.token_logprob() ? rows : 0);
+  std::vector<float> token_entropy(outputs.token_entropy() ? rows : 0);
+  args.base.gradient = mode == GradientMode::kInPlace      ? logits->data()
+                       : mode == GradientMode::kOutOfPlace ? gradient->data()
+                                                           : nullptr;
+  args.base.token_loss = token_loss.empty() ? nullptr : token_loss.data();
+  args.base.token_lse = token_lse.empty() ? nullptr : token_lse.data();
+  args.base.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
+  args.token_logprob = token_logprob.empty() ? nullptr : token_logprob.data();
+  args.token_entropy = token_entropy.empty() ? nullptr : token_entropy.data();
+
+  if (cancelled()) return absl::CancelledError("Forward cancelled");
+  PostTrainingResult result;
+  const auto start = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(device->PostTraining(args, &result));
+  const std::chrono::duration<double> elapsed =
+      std::chrono::steady_clock::now() - start;
+  if (rpc->metrics() != nullptr) {
+    rpc->metrics()->ObserveKernel(device->name(), "post_training",
+                                  elapsed.count());
+  }
+  if (mode != GradientMode::kInPlace && cancelled()) {
+    return absl::CancelledError("Forward cancelled");
+  }
+  // A segment reduction is a mean (over segments) for Backward's checks.
+  const Reduction reduction = options.reduction;
+  switch (mode) {
+    case GradientMode::kInPlace:
+      lease.FinishInPlace(reduction);
+      response->set_gradient(logits->handle());
+      break;
+    case GradientMode::kOutOfPlace: {
+      gradient->MarkFilled();
+      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> out,
+                       gradient->Commit(reduction));
+      response->set_gradient(out->handle());
+      break;
+    }
+    case GradientMode::kNone:
+      break;
+  }
+  response->set_loss(result.base.loss);
+  response->set_valid_tokens(result.base.valid_tokens);
+  response->set_correct_tokens(result.base.correct_tokens);
+  response->set_nonfinite_rows(result.base.nonfinite_rows);
+  response->set_denominator(result.base.denominator);
+  response->set_kernel_seconds(result.base.kernel_seconds > 0
+                                   ? result.base.kernel_seconds
+                                   : elapsed.count());
+  response->set_distillation_loss(result.distillation_loss);
+  if (args.policy != nullptr) {
+    pb::PolicyStats* stats = response->mutable_policy_stats();
+    stats->set_clipped_tokens(result.policy.clipped_tokens);
+    stats->set_ratio_sum(result.policy.ratio_sum);
+    stats->set_approx_kl_sum(result.policy.approx_kl_sum);
+    stats->set_kl_sum(result.policy.kl_sum);
+    stats->set_entropy_sum(result.policy.entropy_sum);
+  }
+  response->mutable_segment_loss()->Add(result.segment_loss.begin(),
+                                        result.segment_loss.end());
+  response->mutable_segment_tokens()->Add(result.segment_tokens.begin(),
+                                          result.segment_tokens.end());
+  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
+  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
+  response->mutable_token_argmax()->Add(token_argmax.begin(),
+                                        token_argmax.end());
+  response->mutable_token_logprob()->Add(token_logprob.begin(),
+                                         token_logprob.end());
+  response->mutable_token_entropy()->Add(token_entropy.begin(),
+                                         token_entropy.end());
+  return absl::OkStatus();
+}
+
+}  // namespace lossd
