@@ -133,7 +133,9 @@ struct PostTrainingResult {
   CrossEntropyResult base;
   double distillation_loss = 0.0;  // the divergence term alone, reduced
   PolicyStatsResult policy;
-  std::vector<double> segment_loss;     // [segments->count] unreduced sums
+  std::vector<double> segment_loss;  // [segments->count] unreduced sums
+  // [segments->count] unreduced sums of the divergence term alone.
+  std::vector<double> segment_distillation;
   std::vector<int64_t> segment_tokens;  // [segments->count] valid tokens
 };
 

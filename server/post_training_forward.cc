@@ -420,6 +420,11 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                               kInt32Only, &ids));
     segments.ids = reinterpret_cast<const int32_t*>(ids.host());
     segments.count = request.segments().count();
+    if (segments.count < 1 || segments.count > rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("segments.count = ", segments.count,
+                       " must be in [1, N = ", rows, "]"));
+    }
     segments.reduction =
         static_cast<SegmentReduction>(request.segments().reduction());
     args.segments = &segments;

@@ -494,10 +494,9 @@ absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
   if (args.segments != nullptr) {
     const SegmentArgs& segments = *args.segments;
     if (segments.ids == nullptr) return Invalid("segment ids are missing");
-    if (segments.count < 1 ||
-        segments.count > std::max<int64_t>(base.rows, 1)) {
+    if (segments.count < 1 || segments.count > INT32_MAX) {
       return Invalid(absl::StrCat("segments.count = ", segments.count,
-                                  " must be in [1, N = ", base.rows, "]"));
+                                  " must be in [1, 2^31)"));
     }
     const int reduction = static_cast<int>(segments.reduction);
     if (reduction < 0 || reduction > 2) {
@@ -720,6 +719,7 @@ absl::Status PostTrainingCpu(const PostTrainingArgs& args,
     out.base.loss = loss;
     out.distillation_loss = distillation;
   }
+  out.segment_distillation = std::move(segment_distillation);
   *result = std::move(out);
   return absl::OkStatus();
 }

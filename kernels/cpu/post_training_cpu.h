@@ -15,7 +15,7 @@ namespace lossd {
 // distillation with alpha 0); label_smoothing, class_weights and z_loss_scale
 // off; at most one of distillation and policy; the fields of each (ranges,
 // enum values, exactly one teacher, top_k in [1, min(vocab, 512)], non-null
-// pointers); segments' count in [1, rows] and a segment reduction only with
+// pointers); segments' count in [1, 2^31) and a segment reduction only with
 // Reduction::kMean.
 //
 // Returns OK or INVALID_ARGUMENT naming the field. Reads no memory behind any

@@ -288,6 +288,76 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
       }));
   add("segments: no ids", Code::INVALID_ARGUMENT, "segments needs ids",
       ForwardWith([](auto* r) { r->mutable_segments()->set_count(1); }));
+
+  // ----------------------------------------------------------- Evaluate
+  // A distillation header with a top-k teacher of k = 2 in the blocks.
+  auto kd_header = [] {
+    pb::EvaluateRequest request =
+        EvalHeader(kVocab, pb::DTYPE_FLOAT32, pb::DTYPE_INT32);
+    request.mutable_header()->mutable_distillation()->set_alpha(0.0f);
+    request.mutable_header()->set_teacher_top_k(2);
+    request.mutable_header()->set_teacher_indices_dtype(pb::DTYPE_INT32);
+    return request;
+  };
+  // One block of one row with `indices` and logprobs -1.
+  auto kd_block = [](std::vector<int32_t> indices) {
+    pb::EvaluateRequest request =
+        EvalBlock(std::string(kVocab * 4, '\0'), std::string());
+    request.mutable_block()->set_teacher_indices(Bytes(indices));
+    request.mutable_block()->set_teacher_logprobs(
+        Bytes(std::vector<float>(indices.size(), -1.0f)));
+    return request;
+  };
+  add("evaluate distillation: a teacher in the header", Code::INVALID_ARGUMENT,
+      "header.distillation.teacher must be unset", [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->mutable_distillation()->set_teacher_logits(
+            logits_);
+        return Evaluate({header});
+      });
+  add("evaluate distillation: two teacher forms", Code::INVALID_ARGUMENT,
+      "exactly one of header.teacher_logits_dtype and header.teacher_top_k",
+      [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_teacher_logits_dtype(pb::DTYPE_FLOAT32);
+        return Evaluate({header});
+      });
+  add("evaluate distillation: k > V", Code::INVALID_ARGUMENT,
+      "top-k k = 6 must be in [1, min(V, 512)]", [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_teacher_top_k(6);
+        return Evaluate({header});
+      });
+  add("evaluate distillation: over data connections", Code::INVALID_ARGUMENT,
+      "not over data connections", [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_data_token(std::string(16, 'x'));
+        return Evaluate({header});
+      });
+  add("evaluate distillation: a block's index out of range",
+      Code::INVALID_ARGUMENT, "top-k index [0, 1] = 5 is outside [0, 5)",
+      [this, kd_header, kd_block] {
+        return Evaluate({kd_header(), kd_block({0, kVocab})});
+      });
+  add("evaluate distillation: a block's indices of the wrong size",
+      Code::INVALID_ARGUMENT,
+      "block 0: teacher_indices has 4 bytes; 1 rows need 8",
+      [this, kd_header, kd_block] {
+        pb::EvaluateRequest block = kd_block({0, 1});
+        block.mutable_block()->set_teacher_indices(
+            Bytes(std::vector<int32_t>{0}));
+        return Evaluate({kd_header(), block});
+      });
+  add("evaluate segments: an id past the count", Code::INVALID_ARGUMENT,
+      "segment id [0] = 3 is outside [0, 3)", [this] {
+        pb::EvaluateRequest header =
+            EvalHeader(kVocab, pb::DTYPE_FLOAT32, pb::DTYPE_INT32);
+        header.mutable_header()->mutable_segments()->set_count(3);
+        pb::EvaluateRequest block =
+            EvalBlock(std::string(kVocab * 4, '\0'), std::string(4, '\0'));
+        block.mutable_block()->set_segment_ids(Bytes(std::vector<int32_t>{3}));
+        return Evaluate({header, block});
+      });
 }
 
 }  // namespace bad_requests

@@ -410,6 +410,11 @@ class Oracle:
             for name in ("ratio_sum", "approx_kl_sum", "kl_sum", "entropy_sum"):
                 check_close(name, getattr(stats, name), extras[name], 1e-5, 1e-5)
 
+        if family != "policy" and case["reduction"] != "NONE":
+            self.evaluate_case(rng, case, request, rows, vocab, dtype, logits_bytes, targets,
+                               send_targets, float(loss.detach()), float(distill_loss),
+                               denominator, seg_loss, seg_tokens, int(valid.sum()))
+
         if mode != "GRADIENT_MODE_NONE":
             scale_factor = 1.0 if grad_scale is None else float(np.float32(grad_scale))
             (loss * scale_factor).backward()
@@ -422,6 +427,66 @@ class Oracle:
             check_close("gradient", got, ref, tolerance)
         for handle in [logits_handle]:
             self.stub.Release(pb2.ReleaseRequest(handle=handle))
+
+    def evaluate_case(self, rng, case, forward, rows, vocab, dtype, logits_bytes, targets,
+                      send_targets, loss_ref, distill_ref, denominator, seg_loss, seg_tokens,
+                      valid_tokens):
+        """The same rows through Evaluate in 1-3 blocks, the teacher and ids in the blocks."""
+        pb2 = self.pb2
+        header = pb2.EvaluateHeader(vocab=vocab,
+                                    logits_dtype=pb2.DType.Value(lt.FLOAT_DTYPES[dtype][0]),
+                                    targets_dtype=pb2.DTYPE_INT64)
+        header.options.CopyFrom(forward.options)
+        teacher_rows = None
+        if case["family"] == "distillation":
+            kd = case["kd"]
+            header.distillation.CopyFrom(forward.distillation)
+            header.distillation.ClearField("teacher")
+            if kd["teacher"] == "dense":
+                header.teacher_logits_dtype = pb2.DType.Value(lt.FLOAT_DTYPES[kd["teacher_dtype"]][0])
+                teacher_rows = lt.encode_float(kd["teacher_values"], kd["teacher_dtype"])[0]
+            else:
+                header.teacher_top_k = kd["indices"].shape[1]
+                header.teacher_indices_dtype = pb2.DTYPE_INT64
+                header.teacher_top_k_tail = pb2.TopKTail.Value("TOP_K_TAIL_" + kd["tail"])
+        if case["segments"] is not None:
+            header.segments.count = case["segments"]["count"]
+            header.segments.reduction = forward.segments.reduction
+        cuts = sorted(rng.sample(range(1, rows), min(rows - 1, rng.randint(0, 2))))
+        bounds = [0] + cuts + [rows]
+        row_bytes = len(logits_bytes) // rows
+
+        def requests():
+            yield pb2.EvaluateRequest(header=header)
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                block = pb2.RowBlock(logits=logits_bytes[start * row_bytes:end * row_bytes])
+                if send_targets:
+                    block.targets = targets[start:end].astype("<i8").tobytes()
+                if teacher_rows is not None:
+                    t_bytes = len(teacher_rows) // rows
+                    block.teacher_logits = teacher_rows[start * t_bytes:end * t_bytes]
+                elif case["family"] == "distillation":
+                    kd = case["kd"]
+                    block.teacher_indices = kd["indices"][start:end].astype("<i8").tobytes()
+                    block.teacher_logprobs = kd["logprobs"][start:end].astype("<f4").tobytes()
+                if case["segments"] is not None:
+                    block.segment_ids = case["segments"]["ids"][start:end].astype(
+                        "<i4").tobytes()
+                yield pb2.EvaluateRequest(block=block)
+
+        response = self.stub.Evaluate(requests())
+        check_close("evaluate loss", response.loss, loss_ref, 1e-6, 1e-5)
+        check_close("evaluate distillation_loss", response.distillation_loss, distill_ref,
+                    1e-6, 1e-5)
+        check_close("evaluate denominator", response.denominator, denominator, 1e-9, 1e-9)
+        check(response.valid_tokens == valid_tokens, "evaluate valid_tokens %d != %d" %
+              (response.valid_tokens, valid_tokens))
+        if seg_loss is not None:
+            check(list(response.segment_tokens) == seg_tokens.tolist(),
+                  "evaluate segment_tokens differ")
+            check_close("evaluate segment_loss", response.segment_loss,
+                        seg_loss.detach().numpy(), 1e-5, 1e-5)
+        self.coverage.update(["evaluate"])
 
     def boundary_case(self):
         """A ratio of exactly 1 against epsilon 0: at the boundary, not clipped."""
