@@ -1,8 +1,6 @@
-// The post-training losses every compute backend implements beside plain
-// cross entropy: distillation against a dense or top-k teacher, per-token
-// policy-gradient losses, and per-segment sums for packed sequences. Plain C++
-// with standard headers only (as kernels/cross_entropy.h), so .cu files can
-// include it; nothing here knows about handles, gRPC or absl.
+// The post-training losses' contract beside cross entropy (distillation, policy
+// losses, segment sums) for every backend. Standard headers only, so that .cu
+// files include it; nothing here knows about handles, gRPC or absl.
 #ifndef LOSSD_KERNELS_POST_TRAINING_H_
 #define LOSSD_KERNELS_POST_TRAINING_H_
 

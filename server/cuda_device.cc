@@ -21,6 +21,7 @@
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/linear_cross_entropy_cuda.h"
+#include "kernels/cuda/post_training_cuda_host.h"
 
 namespace lossd {
 namespace {
@@ -734,6 +735,21 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   ReleaseStaging(*staging);
   ReleaseStream(stream);
   RETURN_IF_ERROR(synced);
+  return status;
+}
+
+absl::Status CudaDevice::PostTraining(const PostTrainingArgs& args,
+                                      PostTrainingResult* result) {
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  absl::Status status = PostTrainingCuda(args, result, stream);
+  if (status.code() == absl::StatusCode::kInternal) {
+    // A sticky error is fatal for the device: Check reports it.
+    const absl::Status synced =
+        Check(cudaStreamSynchronize(stream), "post_training");
+    if (!synced.ok()) status = synced;
+  }
+  ReleaseStream(stream);
   return status;
 }
 

@@ -1,7 +1,6 @@
-// Evaluate with a post-training loss (EvaluateHeader.distillation or
-// .segments): the teacher's rows and the segment ids come in each RowBlock
-// beside the logits. What the header fixes for every block, and how the
-// blocks' sums become the response's loss.
+// Evaluate with distillation or segments: what the header fixes for every
+// block (the teacher's rows and segment ids come in the blocks), and how the
+// blocks' sums become the response.
 #ifndef LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
 #define LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
 

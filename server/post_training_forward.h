@@ -1,8 +1,6 @@
-// Forward with a post-training loss (ForwardRequest.distillation, .policy or
-// .segments): the request's checks, its small inputs brought to the host for
-// checking and staged for the device, leases on the logits and the teacher,
-// and the device call. Apart from the cross-entropy Forward so that each
-// stays readable; both share the store's leases and the response message.
+// Forward with a post-training loss (distillation, policy, segments): checks,
+// small inputs read to the host and checked before any lease, the device call;
+// apart from the cross-entropy Forward so that each stays readable.
 #ifndef LOSSD_SERVER_POST_TRAINING_FORWARD_H_
 #define LOSSD_SERVER_POST_TRAINING_FORWARD_H_
 

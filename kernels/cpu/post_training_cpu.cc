@@ -1,7 +1,5 @@
-// Checks and the fp64 CPU backend of the post-training losses. Every loss is a
-// cross entropy with another target distribution or a per-row coefficient, so
-// a row is: its statistics (max, lse at temperature 1 and at the distillation
-// temperature), its loss, then one gradient pass over the vocabulary.
+// Checks and the fp64 CPU backend of the post-training losses: per row its
+// statistics, its loss, then one gradient pass over the vocabulary.
 #include "kernels/cpu/post_training_cpu.h"
 
 #include <algorithm>
@@ -92,19 +90,6 @@ double BucketDivergence(const DistillationArgs& kd,
   return d;
 }
 
-// What one row contributes to the totals.
-struct RowTotals {
-  bool valid = false;
-  double loss = 0.0;
-  double distillation = 0.0;
-  bool correct = false;
-  bool clipped = false;
-  double ratio = 0.0;
-  double approx_kl = 0.0;
-  double kl = 0.0;
-  double entropy = 0.0;
-};
-
 // Everything the rows share.
 struct Plan {
   const PostTrainingArgs* args;
@@ -124,7 +109,8 @@ struct Scratch {
   std::vector<int64_t> stamp;  // stamp[c] == row + 1: c is in the row's top k
 };
 
-RowTotals ComputeRow(const Plan& plan, int64_t row, Scratch* scratch) {
+PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t row,
+                                 Scratch* scratch) {
   const PostTrainingArgs& args = *plan.args;
   const CrossEntropyArgs& base = args.base;
   const int64_t vocab = base.vocab;
@@ -158,7 +144,7 @@ RowTotals ComputeRow(const Plan& plan, int64_t row, Scratch* scratch) {
     args.token_entropy[row] = static_cast<float>(entropy);
   }
 
-  RowTotals totals;
+  PostTrainingRowTotals totals;
   const bool has_target = base.targets != nullptr;
   const int64_t y =
       has_target ? LoadTarget(base.targets, base.targets_dtype, row) : -1;
@@ -577,6 +563,115 @@ absl::Status CheckPostTrainingData(const PostTrainingArgs& args) {
   return absl::OkStatus();
 }
 
+PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args) {
+  const CrossEntropyOptions& options = args.base.options;
+  const int64_t rows = args.base.rows;
+  const SegmentArgs* segments = args.segments;
+  PostTrainingPlan plan;
+  plan.segment_reduction =
+      segments == nullptr ? SegmentReduction::kNone : segments->reduction;
+  plan.segment_tokens.assign(segments == nullptr ? 0 : segments->count, 0);
+  for (int64_t row = 0; row < rows; ++row) {
+    if (!RowIsValid(args, row)) continue;
+    ++plan.valid_tokens;
+    if (segments != nullptr) ++plan.segment_tokens[segments->ids[row]];
+  }
+  for (int64_t tokens : plan.segment_tokens) {
+    plan.nonempty_segments += tokens > 0;
+  }
+  const bool mean = options.reduction == Reduction::kMean;
+  if (plan.segment_reduction != SegmentReduction::kNone) {
+    plan.denominator = options.normalizer > 0.0
+                           ? options.normalizer
+                           : static_cast<double>(plan.nonempty_segments);
+    plan.have_denominator =
+        plan.nonempty_segments > 0 || options.normalizer > 0.0;
+  } else if (mean) {
+    plan.denominator = options.normalizer > 0.0
+                           ? options.normalizer
+                           : static_cast<double>(plan.valid_tokens);
+    plan.have_denominator = plan.valid_tokens > 0 || options.normalizer > 0.0;
+  }
+  plan.row_scale.assign(rows, 0.0);
+  for (int64_t row = 0; row < rows; ++row) {
+    if (!RowIsValid(args, row)) continue;
+    double factor = 1.0;
+    switch (plan.segment_reduction) {
+      case SegmentReduction::kNone:
+        if (mean) factor = 1.0 / plan.denominator;
+        break;
+      case SegmentReduction::kSeqMeanTokenMean:
+        factor = 1.0 /
+                 (plan.denominator *
+                  static_cast<double>(plan.segment_tokens[segments->ids[row]]));
+        break;
+      case SegmentReduction::kSeqMeanTokenSum:
+        factor = 1.0 / plan.denominator;
+        break;
+    }
+    plan.row_scale[row] = factor;
+  }
+  return plan;
+}
+
+PostTrainingResult ReducePostTrainingRows(
+    const PostTrainingArgs& args, const PostTrainingPlan& plan,
+    const std::vector<PostTrainingRowTotals>& totals) {
+  const CrossEntropyOptions& options = args.base.options;
+  const SegmentArgs* segments = args.segments;
+  const SegmentReduction segment_reduction = plan.segment_reduction;
+  PostTrainingResult out;
+  out.base.valid_tokens = plan.valid_tokens;
+  out.segment_loss.assign(plan.segment_tokens.size(), 0.0);
+  out.segment_tokens = plan.segment_tokens;
+  out.segment_distillation.assign(plan.segment_tokens.size(), 0.0);
+  double loss = 0.0, distillation = 0.0;
+  for (size_t row = 0; row < totals.size(); ++row) {
+    const PostTrainingRowTotals& t = totals[row];
+    if (!t.valid) continue;
+    if (!std::isfinite(t.loss)) ++out.base.nonfinite_rows;
+    out.base.correct_tokens += t.correct;
+    out.policy.clipped_tokens += t.clipped;
+    out.policy.ratio_sum += t.ratio;
+    out.policy.approx_kl_sum += t.approx_kl;
+    out.policy.kl_sum += t.kl;
+    out.policy.entropy_sum += t.entropy;
+    if (segments != nullptr) {
+      out.segment_loss[segments->ids[row]] += t.loss;
+      out.segment_distillation[segments->ids[row]] += t.distillation;
+    }
+    if (segment_reduction == SegmentReduction::kNone) {
+      loss += t.loss;
+      distillation += t.distillation;
+    }
+  }
+  if (segment_reduction != SegmentReduction::kNone) {
+    for (size_t s = 0; s < plan.segment_tokens.size(); ++s) {
+      if (plan.segment_tokens[s] == 0) continue;
+      const double per =
+          segment_reduction == SegmentReduction::kSeqMeanTokenMean
+              ? static_cast<double>(plan.segment_tokens[s])
+              : 1.0;
+      loss += out.segment_loss[s] / per;
+      distillation += out.segment_distillation[s] / per;
+    }
+  }
+  const bool reduce_mean = options.reduction == Reduction::kMean ||
+                           segment_reduction != SegmentReduction::kNone;
+  if (reduce_mean) {
+    const bool any = segment_reduction != SegmentReduction::kNone
+                         ? plan.nonempty_segments > 0
+                         : plan.valid_tokens > 0;
+    out.base.loss = any ? loss / plan.denominator : 0.0;
+    out.distillation_loss = any ? distillation / plan.denominator : 0.0;
+    if (plan.have_denominator) out.base.denominator = plan.denominator;
+  } else {
+    out.base.loss = loss;
+    out.distillation_loss = distillation;
+  }
+  return out;
+}
+
 absl::Status PostTrainingCpu(const PostTrainingArgs& args,
                              PostTrainingResult* result, int num_threads) {
   if (result == nullptr) return Invalid("result is nullptr");
@@ -586,74 +681,26 @@ absl::Status PostTrainingCpu(const PostTrainingArgs& args,
   if (!status.ok()) return status;
 
   const CrossEntropyArgs& base = args.base;
-  const CrossEntropyOptions& options = base.options;
   const int64_t rows = base.rows;
-  const SegmentArgs* segments = args.segments;
-  const SegmentReduction segment_reduction =
-      segments == nullptr ? SegmentReduction::kNone : segments->reduction;
-
   // The reduction's factors depend on the targets and segment ids only, so
-  // they are known before any row is computed.
-  int64_t valid_tokens = 0;
-  std::vector<int64_t> segment_tokens(segments == nullptr ? 0
-                                                          : segments->count);
-  for (int64_t row = 0; row < rows; ++row) {
-    if (!RowIsValid(args, row)) continue;
-    ++valid_tokens;
-    if (segments != nullptr) ++segment_tokens[segments->ids[row]];
-  }
-  int64_t nonempty_segments = 0;
-  for (int64_t tokens : segment_tokens) nonempty_segments += tokens > 0;
-  const bool mean = options.reduction == Reduction::kMean;
-  double denominator = 0.0;
-  bool have_denominator = false;
-  if (segment_reduction != SegmentReduction::kNone) {
-    denominator = options.normalizer > 0.0
-                      ? options.normalizer
-                      : static_cast<double>(nonempty_segments);
-    have_denominator = nonempty_segments > 0 || options.normalizer > 0.0;
-  } else if (mean) {
-    denominator = options.normalizer > 0.0 ? options.normalizer
-                                           : static_cast<double>(valid_tokens);
-    have_denominator = valid_tokens > 0 || options.normalizer > 0.0;
-  }
-  // The factor of each row's loss in the reduced loss.
-  Plan plan;
-  plan.args = &args;
-  plan.gradient = base.mode == GradientMode::kNone ? nullptr : base.gradient;
-  plan.row_scale.assign(rows, 0.0);
-  for (int64_t row = 0; row < rows; ++row) {
-    if (!RowIsValid(args, row)) continue;
-    double factor = 1.0;
-    switch (segment_reduction) {
-      case SegmentReduction::kNone:
-        if (mean) factor = 1.0 / denominator;
-        break;
-      case SegmentReduction::kSeqMeanTokenMean:
-        factor = 1.0 / (denominator * static_cast<double>(
-                                          segment_tokens[segments->ids[row]]));
-        break;
-      case SegmentReduction::kSeqMeanTokenSum:
-        factor = 1.0 / denominator;
-        break;
-    }
-    plan.row_scale[row] = factor;
+  // they are known before any row is computed. The gradient scale is folded
+  // into the gradient's factors only.
+  const PostTrainingPlan plan = PlanPostTraining(args);
+  Plan gradient_plan;
+  gradient_plan.args = &args;
+  gradient_plan.gradient =
+      base.mode == GradientMode::kNone ? nullptr : base.gradient;
+  gradient_plan.row_scale = plan.row_scale;
+  for (double& scale : gradient_plan.row_scale) {
+    scale *= base.options.grad_scale;
   }
 
-  std::vector<RowTotals> totals(rows);
+  std::vector<PostTrainingRowTotals> totals(rows);
   unsigned threads = num_threads > 0 ? static_cast<unsigned>(num_threads)
                                      : std::thread::hardware_concurrency();
   threads = std::max(
       1u, std::min<unsigned>(
               threads, static_cast<unsigned>(std::max<int64_t>(1, rows / 8))));
-  // The gradient scale is folded into the per-row factor for the gradient
-  // only; the loss uses the unscaled factor.
-  std::vector<double> gradient_scale(rows);
-  for (int64_t row = 0; row < rows; ++row) {
-    gradient_scale[row] = plan.row_scale[row] * options.grad_scale;
-  }
-  Plan gradient_plan = plan;
-  gradient_plan.row_scale = gradient_scale;
   auto work = [&](unsigned thread) {
     Scratch scratch;
     scratch.x.resize(base.vocab);
@@ -670,57 +717,7 @@ absl::Status PostTrainingCpu(const PostTrainingArgs& args,
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
   work(0);
   for (std::thread& thread : pool) thread.join();
-
-  PostTrainingResult out;
-  out.base.valid_tokens = valid_tokens;
-  out.segment_loss.assign(segment_tokens.size(), 0.0);
-  out.segment_tokens = segment_tokens;
-  std::vector<double> segment_distillation(segment_tokens.size(), 0.0);
-  double loss = 0.0, distillation = 0.0;
-  for (int64_t row = 0; row < rows; ++row) {
-    const RowTotals& t = totals[row];
-    if (!t.valid) continue;
-    if (!std::isfinite(t.loss)) ++out.base.nonfinite_rows;
-    out.base.correct_tokens += t.correct;
-    out.policy.clipped_tokens += t.clipped;
-    out.policy.ratio_sum += t.ratio;
-    out.policy.approx_kl_sum += t.approx_kl;
-    out.policy.kl_sum += t.kl;
-    out.policy.entropy_sum += t.entropy;
-    if (segments != nullptr) {
-      out.segment_loss[segments->ids[row]] += t.loss;
-      segment_distillation[segments->ids[row]] += t.distillation;
-    }
-    if (segment_reduction == SegmentReduction::kNone) {
-      loss += t.loss;
-      distillation += t.distillation;
-    }
-  }
-  if (segment_reduction != SegmentReduction::kNone) {
-    for (size_t s = 0; s < segment_tokens.size(); ++s) {
-      if (segment_tokens[s] == 0) continue;
-      const double per =
-          segment_reduction == SegmentReduction::kSeqMeanTokenMean
-              ? static_cast<double>(segment_tokens[s])
-              : 1.0;
-      loss += out.segment_loss[s] / per;
-      distillation += segment_distillation[s] / per;
-    }
-  }
-  const bool reduce_mean = mean || segment_reduction != SegmentReduction::kNone;
-  if (reduce_mean) {
-    const bool any = segment_reduction != SegmentReduction::kNone
-                         ? nonempty_segments > 0
-                         : valid_tokens > 0;
-    out.base.loss = any ? loss / denominator : 0.0;
-    out.distillation_loss = any ? distillation / denominator : 0.0;
-    if (have_denominator) out.base.denominator = denominator;
-  } else {
-    out.base.loss = loss;
-    out.distillation_loss = distillation;
-  }
-  out.segment_distillation = std::move(segment_distillation);
-  *result = std::move(out);
+  *result = ReducePostTrainingRows(args, plan, totals);
   return absl::OkStatus();
 }
 

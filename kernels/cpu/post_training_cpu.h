@@ -1,9 +1,10 @@
-// The CPU backend of the post-training losses of kernels/post_training.h
-// (distillation, policy-gradient losses, segment sums), with the argument and
-// data checks every backend shares. Row math is fp64, so it is also the oracle
-// other backends' tests compare with.
+// The fp64 CPU backend of kernels/post_training.h and the checks, plan and
+// reduction every backend shares; being fp64, it is the other backends' oracle.
 #ifndef LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
 #define LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
+
+#include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/post_training.h"
@@ -30,6 +31,43 @@ absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args);
 //
 // Returns OK or INVALID_ARGUMENT naming the first bad element. Reads only.
 absl::Status CheckPostTrainingData(const PostTrainingArgs& args);
+
+// What one row contributes to the totals (every backend's rows report this).
+struct PostTrainingRowTotals {
+  bool valid = false;  // its target is not ignore_index (or there are none)
+  double loss = 0.0;
+  double distillation = 0.0;
+  bool correct = false;
+  bool clipped = false;
+  double ratio = 0.0;
+  double approx_kl = 0.0;
+  double kl = 0.0;
+  double entropy = 0.0;
+};
+
+// The reduction of a problem, known from its targets and segment ids alone:
+// each row's factor in the reduced loss (0 for ignored rows; without
+// grad_scale), the counts and the denominator.
+struct PostTrainingPlan {
+  std::vector<double> row_scale;
+  int64_t valid_tokens = 0;
+  std::vector<int64_t> segment_tokens;
+  int64_t nonempty_segments = 0;
+  SegmentReduction segment_reduction = SegmentReduction::kNone;
+  double denominator = 0.0;
+  bool have_denominator = false;
+};
+
+// The plan of `args`, whose targets and segment ids are HOST pointers, valid
+// (CheckPostTrainingData). Pure.
+PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args);
+
+// The result from the rows' totals, summed in row order (so every backend
+// that reports the same rows gets the same bits). `args` as for the plan.
+// Pure.
+PostTrainingResult ReducePostTrainingRows(
+    const PostTrainingArgs& args, const PostTrainingPlan& plan,
+    const std::vector<PostTrainingRowTotals>& totals);
 
 // Computes the loss, the gradient (as args.base.mode says), the per-token
 // outputs and `*result` with fp64 row math and one rounding per gradient

@@ -1,6 +1,5 @@
-// The bad-request table for the post-training losses of Forward
-// (distillation, policy, segments): each malformed input is INVALID_ARGUMENT
-// (or its lookup's code) and leaves the store, the logits included, as it was.
+// The bad-request table's rows for distillation, policy losses and segments:
+// each gets INVALID_ARGUMENT (or its lookup's code) and changes nothing.
 #include <cmath>
 #include <cstdint>
 #include <functional>

@@ -1,9 +1,6 @@
-// Tests of the CPU post-training losses (kernels/cpu/post_training_cpu.h):
-// the gradient against central finite differences of the loss for every
-// divergence, tail, policy loss, KL estimator and segment reduction; the
-// properties (divergences >= 0, gradient rows sum to 0, shift invariance);
-// special cases that must agree (a top-k teacher with k = V and a dense one);
-// clipping exactly at epsilon; segments; and validation.
+// The CPU post-training losses: gradients against finite differences for every
+// divergence, tail, policy loss and segment reduction; properties; k = V as the
+// dense teacher; clipping exactly at epsilon; segments; validation.
 #include "kernels/cpu/post_training_cpu.h"
 
 #include <algorithm>
