@@ -19,7 +19,7 @@
 #include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/loss_options.h"
-#include "kernels/post_training.h"
+#include "common/post_training_options.h"
 
 namespace lossd {
 

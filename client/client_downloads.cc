@@ -138,6 +138,151 @@ absl::Status StreamDownload(
   return absl::OkStatus();
 }
 
+// Receives stripe i of `elements` elements of `element_bytes` over
+// connection fds[i] of `connections`: straight into `base`, or (base null)
+// piece by piece through `*sink`, connection i using scratch(2i) and
+// scratch(2i + 1) (`piece` bytes each) so that receiving piece k + 1
+// overlaps the sink's work on piece k. The sink's error, else the first
+// connection's; a sink error stops every connection at once.
+absl::Status ReceiveStripes(const std::vector<int>& fds, int connections,
+                            int64_t elements, int64_t element_bytes,
+                            int64_t piece, uint8_t* base,
+                            const DownloadSink* sink,
+                            const std::function<char*(int)>& scratch,
+                            int64_t total, const ProgressCallback& progress) {
+  absl::Mutex mu;
+  int64_t done = 0;
+  absl::Status sink_error;  // guarded by mu
+  const std::function<void(std::size_t)> count = [&](std::size_t n) {
+    absl::MutexLock lock(&mu);
+    done += static_cast<int64_t>(n);
+    if (progress) progress(done, total);
+  };
+  std::vector<absl::Status> results(fds.size());
+  std::vector<std::thread> receivers;
+  for (int i = 0; i < connections; ++i) {
+    receivers.emplace_back([&, i] {
+      const int fd = fds[static_cast<std::size_t>(i)];
+      const ElementRange range = StripeElements(elements, i, connections);
+      const int64_t begin = range.first * element_bytes;
+      const int64_t end = range.end * element_bytes;
+      absl::Status& result = results[static_cast<std::size_t>(i)];
+      if (base != nullptr) {
+        result = ReceiveOverDataConnection(
+            fd, reinterpret_cast<char*>(base) + begin,
+            static_cast<std::size_t>(end - begin), count);
+        return;
+      }
+      auto size_of = [&](int64_t k) {
+        return static_cast<std::size_t>(
+            std::min(piece, end - begin - k * piece));
+      };
+      result = PipelinePieces(
+          (end - begin + piece - 1) / piece, scratch(2 * i), scratch(2 * i + 1),
+          [&](int64_t k, char* buffer) -> absl::StatusOr<const void*> {
+            RETURN_IF_ERROR(
+                ReceiveOverDataConnection(fd, buffer, size_of(k), count));
+            return buffer;
+          },
+          [&](int64_t k, const void* data) {
+            absl::Status sunk = (*sink)(begin + k * piece, data, size_of(k));
+            if (!sunk.ok()) {
+              // The sink's error is the download's; the other connections
+              // stop at once (their receives then fail).
+              absl::MutexLock lock(&mu);
+              if (sink_error.ok()) sink_error = sunk;
+              for (int open : fds) shutdown(open, SHUT_RDWR);
+            }
+            return sunk;
+          });
+    });
+  }
+  for (std::thread& receiver : receivers) receiver.join();
+  absl::MutexLock lock(&mu);
+  absl::Status failed = sink_error;
+  for (const absl::Status& result : results) {
+    if (!result.ok() && failed.ok()) failed = result;
+  }
+  return failed;
+}
+
+// What the streams of a ranged download share: the request's fields, where
+// the bytes go, and what the streams report back.
+struct RangedDownload {
+  const std::string& handle;
+  DType as_dtype;
+  int64_t chunk_bytes;
+  int64_t elements;
+  int64_t element_bytes;
+  int streams;
+  int64_t total;
+  uint8_t* base;             // null: through sink
+  const DownloadSink* sink;  // with a scratch buffer of `piece` bytes each
+  std::function<char*(int)> scratch;
+  int64_t piece;
+
+  absl::Mutex mu;
+  TensorInfo first_header;  // guarded by mu
+  // A server older than ranged Download ignores offset and length and
+  // announces the whole tensor: then fetch it as one stream instead.
+  std::atomic<bool> no_ranges{false};
+};
+
+// Range i (not empty) of `download`'s streams, on `stub` under `context`;
+// `count` is told of each chunk's bytes.
+absl::Status DownloadRange(RangedDownload* download, int i,
+                           v1::Lossd::Stub* stub, grpc::ClientContext* context,
+                           const std::function<void(int64_t)>& count) {
+  const ElementRange range =
+      StripeElements(download->elements, i, download->streams);
+  const int64_t offset = range.first * download->element_bytes;
+  const int64_t length = (range.end - range.first) * download->element_bytes;
+  v1::DownloadRequest request;
+  request.set_handle(download->handle);
+  request.set_dtype(static_cast<v1::DType>(download->as_dtype));
+  request.set_chunk_bytes(download->chunk_bytes);
+  request.set_offset(offset);
+  request.set_length(length);
+  int64_t written = 0;
+  std::optional<PieceAssembler> pieces;
+  if (download->base == nullptr) {
+    pieces.emplace(*download->sink, offset, download->scratch(i),
+                   download->piece);
+  }
+  RETURN_IF_ERROR(StreamDownload(
+      stub, context, request,
+      [&](const TensorInfo& header) {
+        if (header.bytes == download->total) {
+          download->no_ranges = true;
+          return absl::FailedPreconditionError(
+              "the server has no ranged Download");
+        }
+        if (header.bytes != length) {
+          return absl::DataLossError(
+              absl::StrCat("asked for bytes [", offset, ", ", offset + length,
+                           "), the server announced ", header.bytes));
+        }
+        if (i == 0) {
+          absl::MutexLock lock(&download->mu);
+          download->first_header = header;
+        }
+        return absl::OkStatus();
+      },
+      [&](const void* data, std::size_t bytes) {
+        // StreamDownload never passes more than the header's count.
+        if (pieces.has_value()) {
+          RETURN_IF_ERROR(pieces->Add(data, bytes));
+        } else {
+          std::memcpy(download->base + offset + written, data, bytes);
+        }
+        written += static_cast<int64_t>(bytes);
+        count(static_cast<int64_t>(bytes));
+        return absl::OkStatus();
+      },
+      nullptr));
+  return pieces.has_value() ? pieces->Flush() : absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Client::DownloadStream(
@@ -206,69 +351,15 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
                                       i, nullptr, 0, nullptr);
     }
     if (failed.ok() && !unreachable) {
-      const int64_t elements = total / element_bytes;
-      const int64_t piece = PieceBytes(options_, element_bytes);
       std::optional<Channel::Lease> scratch;
       if (base == nullptr) {
         scratch.emplace(channel_.get(), 2 * connections, options_.piece_bytes);
       }
-      absl::Mutex mu;
-      int64_t done = 0;
-      absl::Status sink_error;  // guarded by mu
-      const std::function<void(std::size_t)> count = [&](std::size_t n) {
-        absl::MutexLock lock(&mu);
-        done += static_cast<int64_t>(n);
-        if (progress) progress(done, total);
-      };
-      std::vector<absl::Status> results(fds.size());
-      std::vector<std::thread> receivers;
-      for (int i = 0; i < connections; ++i) {
-        receivers.emplace_back([&, i] {
-          const int fd = fds[static_cast<std::size_t>(i)];
-          const ElementRange range = StripeElements(elements, i, connections);
-          const int64_t begin = range.first * element_bytes;
-          const int64_t end = range.end * element_bytes;
-          absl::Status& result = results[static_cast<std::size_t>(i)];
-          if (base != nullptr) {
-            result = ReceiveOverDataConnection(
-                fd, reinterpret_cast<char*>(base) + begin,
-                static_cast<std::size_t>(end - begin), count);
-            return;
-          }
-          // Receiving piece k + 1 overlaps the sink's work on piece k.
-          auto size_of = [&](int64_t k) {
-            return static_cast<std::size_t>(
-                std::min(piece, end - begin - k * piece));
-          };
-          result = PipelinePieces(
-              (end - begin + piece - 1) / piece, (*scratch)[2 * i],
-              (*scratch)[2 * i + 1],
-              [&](int64_t k, char* buffer) -> absl::StatusOr<const void*> {
-                RETURN_IF_ERROR(
-                    ReceiveOverDataConnection(fd, buffer, size_of(k), count));
-                return buffer;
-              },
-              [&](int64_t k, const void* data) {
-                absl::Status sunk =
-                    (*destination.sink)(begin + k * piece, data, size_of(k));
-                if (!sunk.ok()) {
-                  // The sink's error is the download's; the other
-                  // connections stop at once (their receives then fail).
-                  absl::MutexLock lock(&mu);
-                  if (sink_error.ok()) sink_error = sunk;
-                  for (int open : fds) shutdown(open, SHUT_RDWR);
-                }
-                return sunk;
-              });
-        });
-      }
-      for (std::thread& receiver : receivers) receiver.join();
+      failed = ReceiveStripes(
+          fds, connections, total / element_bytes, element_bytes,
+          PieceBytes(options_, element_bytes), base, destination.sink,
+          [&scratch](int i) { return (*scratch)[i]; }, total, progress);
       received = true;
-      absl::MutexLock lock(&mu);
-      failed = sink_error;
-      for (const absl::Status& result : results) {
-        if (!result.ok() && failed.ok()) failed = result;
-      }
     }
   }
   // A failed transfer's connections go first: a server still sending on
@@ -356,75 +447,36 @@ absl::StatusOr<bool> Client::DownloadInRanges(
     whole.bytes = total;
     RETURN_IF_ERROR((*destination.on_header)(whole));
   }
-  const int64_t piece = PieceBytes(options_, element_bytes);
   std::optional<Channel::Lease> scratch;
   if (base == nullptr) {
     scratch.emplace(channel_.get(), streams, options_.piece_bytes);
   }
-  absl::Mutex mu;
-  TensorInfo first_header;
-  // A server older than ranged Download ignores offset and length and
-  // announces the whole tensor: then fetch it as one stream instead.
-  std::atomic<bool> no_ranges{false};
+  RangedDownload download{handle,
+                          as_dtype,
+                          static_cast<int64_t>(options_.chunk_bytes),
+                          elements,
+                          element_bytes,
+                          streams,
+                          total,
+                          base,
+                          destination.sink,
+                          [&scratch](int i) { return (*scratch)[i]; },
+                          PieceBytes(options_, element_bytes)};
   const std::vector<absl::Status> results = RunParallel(
       streams, options_, total, progress,
       [&](int i, grpc::ClientContext* context,
           const std::function<void(int64_t)>& count) {
         const ElementRange range = StripeElements(elements, i, streams);
-        const int64_t offset = range.first * element_bytes;
-        const int64_t length = (range.end - range.first) * element_bytes;
         // An empty range is nothing to fetch (length 0 would mean "to the
         // end").
-        if (length == 0) return absl::OkStatus();
+        if (range.end == range.first) return absl::OkStatus();
         const std::shared_ptr<grpc::Channel> channel =
             i == 0 ? channel_->channel : channel_->StripeChannel(target_, i);
         if (i > 0) RETURN_IF_ERROR(AwaitConnected(channel.get(), i));
         std::unique_ptr<v1::Lossd::Stub> stub = v1::Lossd::NewStub(channel);
-        v1::DownloadRequest request;
-        request.set_handle(handle);
-        request.set_dtype(static_cast<v1::DType>(as_dtype));
-        request.set_chunk_bytes(static_cast<int64_t>(options_.chunk_bytes));
-        request.set_offset(offset);
-        request.set_length(length);
-        int64_t written = 0;
-        std::optional<PieceAssembler> pieces;
-        if (base == nullptr) {
-          pieces.emplace(*destination.sink, offset, (*scratch)[i], piece);
-        }
-        RETURN_IF_ERROR(StreamDownload(
-            stub.get(), context, request,
-            [&](const TensorInfo& header) {
-              if (header.bytes == total) {
-                no_ranges = true;
-                return absl::FailedPreconditionError(
-                    "the server has no ranged Download");
-              }
-              if (header.bytes != length) {
-                return absl::DataLossError(absl::StrCat(
-                    "asked for bytes [", offset, ", ", offset + length,
-                    "), the server announced ", header.bytes));
-              }
-              if (i == 0) {
-                absl::MutexLock lock(&mu);
-                first_header = header;
-              }
-              return absl::OkStatus();
-            },
-            [&](const void* data, std::size_t bytes) {
-              // StreamDownload never passes more than the header's count.
-              if (pieces.has_value()) {
-                RETURN_IF_ERROR(pieces->Add(data, bytes));
-              } else {
-                std::memcpy(base + offset + written, data, bytes);
-              }
-              written += static_cast<int64_t>(bytes);
-              count(static_cast<int64_t>(bytes));
-              return absl::OkStatus();
-            },
-            nullptr));
-        return pieces.has_value() ? pieces->Flush() : absl::OkStatus();
+        return DownloadRange(&download, i, stub.get(), context, count);
       });
-  if (no_ranges) {
+  if (download.no_ranges) {
     if (vector != nullptr) vector->clear();
     return false;
   }
@@ -435,7 +487,8 @@ absl::StatusOr<bool> Client::DownloadInRanges(
     if (status.code() != absl::StatusCode::kCancelled) return status;
   }
   if (first_error != nullptr) return *first_error;
-  *info = first_header;
+  absl::MutexLock lock(&download.mu);
+  *info = download.first_header;
   info->bytes = total;
   return true;
 }

@@ -8,28 +8,10 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/post_training_options.h"
 #include "kernels/cross_entropy.h"
 
 namespace lossd {
-
-// Values match lossd.v1.Divergence.
-enum class Divergence : int { kForwardKl = 1, kReverseKl = 2, kJsd = 3 };
-// Values match lossd.v1.TopKTail.
-enum class TopKTail : int { kRenormalize = 1, kBucket = 2 };
-// Values match lossd.v1.PolicyLoss.
-enum class PolicyLossKind : int {
-  kImportanceSampling = 1,
-  kPpoClip = 2,
-  kCispo = 3,
-};
-// Values match lossd.v1.KlEstimator.
-enum class KlEstimator : int { kK1 = 1, kK2 = 2, kK3 = 3 };
-// Values match lossd.v1.SegmentReduction (0: the options' reduction).
-enum class SegmentReduction : int {
-  kNone = 0,
-  kSeqMeanTokenMean = 1,
-  kSeqMeanTokenSum = 2,
-};
 
 // Distillation of the student logits z against a teacher (docs/api.md,
 // "Distillation"). With u = z / temperature, p = softmax(u) and the teacher's

@@ -181,12 +181,15 @@ EvaluationLoss ReducePostTrainingEvaluation(
   return result;
 }
 
-absl::Status EvaluationLane::EvaluatePostTraining(
-    const PostTrainingBlock& block) {
-  const PostTrainingEvaluation& post = config_->post;
-  const int64_t row_bytes = config_->spec.row_bytes;
-  block_ = EvaluationSums();
-  const int64_t number = blocks_++;
+namespace {
+
+// The rows of a post-training block `number`, each input checked to hold one
+// entry a row (INVALID_ARGUMENT naming the block otherwise); 0 for no rows.
+absl::StatusOr<int64_t> PostTrainingBlockRows(
+    const EvaluationConfig& config,
+    const EvaluationLane::PostTrainingBlock& block, int64_t number) {
+  const PostTrainingEvaluation& post = config.post;
+  const int64_t row_bytes = config.spec.row_bytes;
   auto bad = [number](const std::string& what) {
     return absl::InvalidArgumentError(
         absl::StrCat("block ", number, ": ", what));
@@ -198,7 +201,7 @@ absl::Status EvaluationLane::EvaluatePostTraining(
                             row_bytes, " bytes"));
   }
   const int64_t rows = logits_bytes / row_bytes;
-  if (rows == 0) return absl::OkStatus();
+  if (rows == 0) return 0;
   // Each input: one entry of `bytes` per row (`width` of them), or absent.
   auto expect = [&](absl::string_view data, int64_t per_row, const char* what,
                     bool optional) -> absl::Status {
@@ -210,14 +213,14 @@ absl::Status EvaluationLane::EvaluatePostTraining(
     return absl::OkStatus();
   };
   const bool targets_optional = post.distill && post.distillation.alpha == 0.0f;
-  RETURN_IF_ERROR(expect(
-      block.targets, static_cast<int64_t>(DTypeSize(config_->targets_dtype)),
-      "targets", targets_optional));
+  RETURN_IF_ERROR(expect(block.targets,
+                         static_cast<int64_t>(DTypeSize(config.targets_dtype)),
+                         "targets", targets_optional));
   const int64_t k = post.distillation.top_k;
   if (post.distill && post.distillation.top_k == 0) {
     RETURN_IF_ERROR(expect(
         block.teacher_logits,
-        config_->vocab * static_cast<int64_t>(DTypeSize(post.teacher_dtype)),
+        config.vocab * static_cast<int64_t>(DTypeSize(post.teacher_dtype)),
         "teacher_logits", false));
   } else if (post.distill) {
     RETURN_IF_ERROR(
@@ -230,6 +233,20 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   if (post.segmented) {
     RETURN_IF_ERROR(expect(block.segment_ids, 4, "segment_ids", false));
   }
+  return rows;
+}
+
+}  // namespace
+
+absl::Status EvaluationLane::EvaluatePostTraining(
+    const PostTrainingBlock& block) {
+  const PostTrainingEvaluation& post = config_->post;
+  block_ = EvaluationSums();
+  const int64_t number = blocks_++;
+  ASSIGN_OR_RETURN(const int64_t rows,
+                   PostTrainingBlockRows(*config_, block, number));
+  if (rows == 0) return absl::OkStatus();
+  const int64_t k = post.distillation.top_k;
   if (metrics_ != nullptr) {
     metrics_->AddTransferBytes(
         TransferDirection::kEvaluate,

@@ -283,6 +283,244 @@ bool IsPostTrainingForward(const pb::ForwardRequest& request) {
          request.has_segments();
 }
 
+namespace {
+
+// Everything a post-training Forward reads besides the logits: the small
+// inputs on the host (then staged), the teacher's lease, the kernel's
+// arguments pointing at them.
+struct Inputs {
+  HostInput targets, indices, logprobs, advantages, sampling, reference, ids;
+  ReadLease teacher;
+  DistillationArgs kd;
+  PolicyArgs policy;
+  SegmentArgs segments;
+  PostTrainingArgs args;
+};
+
+// The distillation's teacher (leased, or read to the host) into in->kd.
+absl::Status ReadDistillation(TensorStore* store, const std::string& tenant,
+                              const pb::ForwardRequest& request,
+                              const Fields& fields, const Tensor& logits,
+                              Inputs* in) {
+  const int64_t rows = logits.shape()[0];
+  const int64_t vocab = logits.shape()[1];
+  const pb::Distillation& message = request.distillation();
+  in->kd.temperature = message.has_temperature() ? message.temperature() : 1.0f;
+  in->kd.alpha = message.alpha();
+  in->kd.divergence = message.divergence() == pb::DIVERGENCE_UNSPECIFIED
+                          ? Divergence::kForwardKl
+                          : static_cast<Divergence>(message.divergence());
+  in->kd.beta = message.beta();
+  if (message.teacher_case() == pb::Distillation::kTeacherLogits) {
+    if (message.teacher_logits() == request.logits()) {
+      return absl::InvalidArgumentError(
+          "distillation.teacher_logits names the student's logits");
+    }
+    ASSIGN_OR_RETURN(std::shared_ptr<Tensor> teacher,
+                     store->Get(tenant, message.teacher_logits()));
+    if (!IsLogitsDType(teacher->dtype()) ||
+        teacher->shape() != logits.shape()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "distillation.teacher_logits must be a float tensor of the "
+          "logits' shape ",
+          ShapeString(logits.shape()), ", got ", DTypeName(teacher->dtype()),
+          " ", ShapeString(teacher->shape())));
+    }
+    if (teacher->state() != TensorState::kLogits) {
+      return absl::FailedPreconditionError(
+          "distillation.teacher_logits holds a gradient");
+    }
+    in->teacher = store->BeginRead(std::move(teacher));
+    in->kd.teacher_logits = in->teacher.tensor()->data();
+    in->kd.teacher_dtype = in->teacher.tensor()->dtype();
+    in->kd.teacher_row_stride = vocab;
+  } else {
+    const pb::TopKTeacher& top_k = message.teacher_top_k();
+    ASSIGN_OR_RETURN(in->kd.top_k, TopKWidth(store, tenant, top_k));
+    if (in->kd.top_k < 1 || in->kd.top_k > std::min<int64_t>(vocab, 512)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("distillation.teacher_top_k.k = ", in->kd.top_k,
+                       " must be in [1, min(V, 512)] = [1, ",
+                       std::min<int64_t>(vocab, 512), "]"));
+    }
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.indices, rows, in->kd.top_k,
+                              kTargetsDTypes, &in->indices));
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.logprobs, rows,
+                              in->kd.top_k, kFloat32Only, &in->logprobs));
+    in->kd.top_k_indices = in->indices.host();
+    in->kd.top_k_indices_dtype = in->indices.dtype;
+    in->kd.top_k_logprobs = reinterpret_cast<const float*>(in->logprobs.host());
+    in->kd.tail = top_k.tail() == pb::TOP_K_TAIL_UNSPECIFIED
+                      ? TopKTail::kRenormalize
+                      : static_cast<TopKTail>(top_k.tail());
+  }
+
+  in->args.distillation = &in->kd;
+  return absl::OkStatus();
+}
+
+// The policy's inputs, read to the host, into in->policy.
+absl::Status ReadPolicy(TensorStore* store, const std::string& tenant,
+                        const pb::ForwardRequest& request, const Fields& fields,
+                        int64_t rows, Inputs* in) {
+  const pb::PolicyGradient& message = request.policy();
+  in->policy.loss = static_cast<PolicyLossKind>(message.loss());
+  RETURN_IF_ERROR(ReadInput(store, tenant, fields.advantages, rows, 0,
+                            kFloat32Only, &in->advantages));
+  RETURN_IF_ERROR(ReadInput(store, tenant, fields.sampling, rows, 0,
+                            kFloat32Only, &in->sampling));
+  in->policy.advantages = reinterpret_cast<const float*>(in->advantages.host());
+  in->policy.sampling_logprobs =
+      reinterpret_cast<const float*>(in->sampling.host());
+  if (fields.reference.set) {
+    RETURN_IF_ERROR(ReadInput(store, tenant, fields.reference, rows, 0,
+                              kFloat32Only, &in->reference));
+    in->policy.reference_logprobs =
+        reinterpret_cast<const float*>(in->reference.host());
+  }
+  in->policy.epsilon_low =
+      message.has_epsilon_low() ? message.epsilon_low() : 0.2f;
+  in->policy.epsilon_high = message.has_epsilon_high() ? message.epsilon_high()
+                                                       : in->policy.epsilon_low;
+  in->policy.kl_coef = message.kl_coef();
+  in->policy.kl_estimator =
+      message.kl_estimator() == pb::KL_ESTIMATOR_UNSPECIFIED
+          ? KlEstimator::kK3
+          : static_cast<KlEstimator>(message.kl_estimator());
+
+  in->args.policy = &in->policy;
+  return absl::OkStatus();
+}
+
+// The segment ids, read to the host, into in->segments.
+absl::Status ReadSegments(TensorStore* store, const std::string& tenant,
+                          const pb::ForwardRequest& request,
+                          const Fields& fields, int64_t rows, Inputs* in) {
+  RETURN_IF_ERROR(ReadInput(store, tenant, fields.segment_ids, rows, 0,
+                            kInt32Only, &in->ids));
+  in->segments.ids = reinterpret_cast<const int32_t*>(in->ids.host());
+  in->segments.count = request.segments().count();
+  if (in->segments.count < 1 || in->segments.count > rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("in->segments.count = ", in->segments.count,
+                     " must be in [1, N = ", rows, "]"));
+  }
+  in->segments.reduction =
+      static_cast<SegmentReduction>(request.segments().reduction());
+
+  in->args.segments = &in->segments;
+  return absl::OkStatus();
+}
+
+// The checked small inputs onto the device (no copy on a host-accessible
+// one); the arguments then point there.
+absl::Status StageInputs(Device* device, Inputs* in) {
+  auto stage = [device](HostInput* input) -> absl::StatusOr<const void*> {
+    RETURN_IF_ERROR(
+        input->staged.Stage(device, input->bytes.data(), input->bytes.size()));
+    return input->staged.get();
+  };
+  if (in->args.base.targets != nullptr) {
+    ASSIGN_OR_RETURN(in->args.base.targets, stage(&in->targets));
+  }
+  if (in->kd.top_k_indices != nullptr) {
+    ASSIGN_OR_RETURN(in->kd.top_k_indices, stage(&in->indices));
+    ASSIGN_OR_RETURN(const void* staged, stage(&in->logprobs));
+    in->kd.top_k_logprobs = static_cast<const float*>(staged);
+  }
+  if (in->args.policy != nullptr) {
+    ASSIGN_OR_RETURN(const void* a, stage(&in->advantages));
+    ASSIGN_OR_RETURN(const void* s, stage(&in->sampling));
+    in->policy.advantages = static_cast<const float*>(a);
+    in->policy.sampling_logprobs = static_cast<const float*>(s);
+    if (in->policy.reference_logprobs != nullptr) {
+      ASSIGN_OR_RETURN(const void* r, stage(&in->reference));
+      in->policy.reference_logprobs = static_cast<const float*>(r);
+    }
+  }
+  if (in->args.segments != nullptr) {
+    ASSIGN_OR_RETURN(const void* staged, stage(&in->ids));
+    in->segments.ids = static_cast<const int32_t*>(staged);
+  }
+  return absl::OkStatus();
+}
+
+// Reads and checks every input of `request` on `logits` into *in: nothing is
+// leased for writing yet, so an error changes nothing.
+absl::Status ReadInputs(TensorStore* store, const std::string& tenant,
+                        const pb::ForwardRequest& request, const Fields& fields,
+                        const Tensor& logits, Inputs* in) {
+  const int64_t rows = logits.shape()[0];
+  const InputField targets_field = Field(
+      "targets", request.targets_case() == pb::ForwardRequest::kTargetsHandle,
+      request.targets_handle(),
+      request.targets_case() == pb::ForwardRequest::kTargetsInline,
+      request.targets_inline());
+  RETURN_IF_ERROR(CheckField(targets_field, kTargetsDTypes));
+  if (targets_field.set) {
+    RETURN_IF_ERROR(ReadInput(store, tenant, targets_field, rows, 0,
+                              kTargetsDTypes, &in->targets));
+    in->args.base.targets = in->targets.host();
+    in->args.base.targets_dtype = in->targets.dtype;
+  }
+  if (request.has_distillation()) {
+    RETURN_IF_ERROR(
+        ReadDistillation(store, tenant, request, fields, logits, in));
+  }
+  if (request.has_policy()) {
+    RETURN_IF_ERROR(ReadPolicy(store, tenant, request, fields, rows, in));
+  }
+  if (request.has_segments()) {
+    RETURN_IF_ERROR(ReadSegments(store, tenant, request, fields, rows, in));
+  }
+  // The gradient buffer comes later (after the leases); the mode itself is
+  // checked by ParseMode.
+  PostTrainingArgs checked = in->args;
+  checked.base.mode = GradientMode::kNone;
+  RETURN_IF_ERROR(ValidatePostTrainingArgs(checked));
+  return CheckPostTrainingData(checked);
+}
+
+// The response's fields from the result and the per-token outputs.
+void FillResponse(const PostTrainingResult& result, bool policy, double elapsed,
+                  const std::vector<float>& token_loss,
+                  const std::vector<float>& token_lse,
+                  const std::vector<int32_t>& token_argmax,
+                  const std::vector<float>& token_logprob,
+                  const std::vector<float>& token_entropy,
+                  pb::ForwardResponse* response) {
+  response->set_loss(result.base.loss);
+  response->set_valid_tokens(result.base.valid_tokens);
+  response->set_correct_tokens(result.base.correct_tokens);
+  response->set_nonfinite_rows(result.base.nonfinite_rows);
+  response->set_denominator(result.base.denominator);
+  response->set_kernel_seconds(
+      result.base.kernel_seconds > 0 ? result.base.kernel_seconds : elapsed);
+  response->set_distillation_loss(result.distillation_loss);
+  if (policy) {
+    pb::PolicyStats* stats = response->mutable_policy_stats();
+    stats->set_clipped_tokens(result.policy.clipped_tokens);
+    stats->set_ratio_sum(result.policy.ratio_sum);
+    stats->set_approx_kl_sum(result.policy.approx_kl_sum);
+    stats->set_kl_sum(result.policy.kl_sum);
+    stats->set_entropy_sum(result.policy.entropy_sum);
+  }
+  response->mutable_segment_loss()->Add(result.segment_loss.begin(),
+                                        result.segment_loss.end());
+  response->mutable_segment_tokens()->Add(result.segment_tokens.begin(),
+                                          result.segment_tokens.end());
+  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
+  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
+  response->mutable_token_argmax()->Add(token_argmax.begin(),
+                                        token_argmax.end());
+  response->mutable_token_logprob()->Add(token_logprob.begin(),
+                                         token_logprob.end());
+  response->mutable_token_entropy()->Add(token_entropy.begin(),
+                                         token_entropy.end());
+}
+
+}  // namespace
+
 absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                                     const pb::ForwardRequest& request,
                                     pb::ForwardResponse* response,
@@ -297,12 +535,6 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
   RETURN_IF_ERROR(CheckLabel(request.gradient_label(), "gradient_label"));
   const Fields fields = FieldsOf(request);
   RETURN_IF_ERROR(CheckRequest(request, fields));
-  const InputField targets_field = Field(
-      "targets", request.targets_case() == pb::ForwardRequest::kTargetsHandle,
-      request.targets_handle(),
-      request.targets_case() == pb::ForwardRequest::kTargetsInline,
-      request.targets_inline());
-  RETURN_IF_ERROR(CheckField(targets_field, kTargetsDTypes));
 
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
                    store->Get(tenant, request.logits()));
@@ -312,160 +544,17 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
         " ", ShapeString(logits->shape())));
   }
   const int64_t rows = logits->shape()[0];
-  const int64_t vocab = logits->shape()[1];
-
-  PostTrainingArgs args;
+  Inputs in;
+  PostTrainingArgs& args = in.args;
   args.base.rows = rows;
-  args.base.vocab = vocab;
-  args.base.row_stride = vocab;
+  args.base.vocab = logits->shape()[1];
+  args.base.row_stride = args.base.vocab;
   args.base.logits_dtype = logits->dtype();
   args.base.logits = logits->data();
   args.base.options = options;
   args.base.mode = mode;
-
-  // The small inputs, on the host, so that every value is checked before
-  // anything is written (the device may not be host-accessible).
-  HostInput targets, indices, logprobs, advantages, sampling, reference, ids;
-  if (targets_field.set) {
-    RETURN_IF_ERROR(ReadInput(store, tenant, targets_field, rows, 0,
-                              kTargetsDTypes, &targets));
-    args.base.targets = targets.host();
-    args.base.targets_dtype = targets.dtype;
-  }
-  DistillationArgs kd;
-  ReadLease teacher_lease;
-  if (request.has_distillation()) {
-    const pb::Distillation& message = request.distillation();
-    kd.temperature = message.has_temperature() ? message.temperature() : 1.0f;
-    kd.alpha = message.alpha();
-    kd.divergence = message.divergence() == pb::DIVERGENCE_UNSPECIFIED
-                        ? Divergence::kForwardKl
-                        : static_cast<Divergence>(message.divergence());
-    kd.beta = message.beta();
-    if (message.teacher_case() == pb::Distillation::kTeacherLogits) {
-      if (message.teacher_logits() == request.logits()) {
-        return absl::InvalidArgumentError(
-            "distillation.teacher_logits names the student's logits");
-      }
-      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> teacher,
-                       store->Get(tenant, message.teacher_logits()));
-      if (!IsLogitsDType(teacher->dtype()) ||
-          teacher->shape() != logits->shape()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "distillation.teacher_logits must be a float tensor of the "
-            "logits' shape ",
-            ShapeString(logits->shape()), ", got ", DTypeName(teacher->dtype()),
-            " ", ShapeString(teacher->shape())));
-      }
-      if (teacher->state() != TensorState::kLogits) {
-        return absl::FailedPreconditionError(
-            "distillation.teacher_logits holds a gradient");
-      }
-      teacher_lease = store->BeginRead(std::move(teacher));
-      kd.teacher_logits = teacher_lease.tensor()->data();
-      kd.teacher_dtype = teacher_lease.tensor()->dtype();
-      kd.teacher_row_stride = vocab;
-    } else {
-      const pb::TopKTeacher& top_k = message.teacher_top_k();
-      ASSIGN_OR_RETURN(kd.top_k, TopKWidth(store, tenant, top_k));
-      if (kd.top_k < 1 || kd.top_k > std::min<int64_t>(vocab, 512)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("distillation.teacher_top_k.k = ", kd.top_k,
-                         " must be in [1, min(V, 512)] = [1, ",
-                         std::min<int64_t>(vocab, 512), "]"));
-      }
-      RETURN_IF_ERROR(ReadInput(store, tenant, fields.indices, rows, kd.top_k,
-                                kTargetsDTypes, &indices));
-      RETURN_IF_ERROR(ReadInput(store, tenant, fields.logprobs, rows, kd.top_k,
-                                kFloat32Only, &logprobs));
-      kd.top_k_indices = indices.host();
-      kd.top_k_indices_dtype = indices.dtype;
-      kd.top_k_logprobs = reinterpret_cast<const float*>(logprobs.host());
-      kd.tail = top_k.tail() == pb::TOP_K_TAIL_UNSPECIFIED
-                    ? TopKTail::kRenormalize
-                    : static_cast<TopKTail>(top_k.tail());
-    }
-    args.distillation = &kd;
-  }
-  PolicyArgs policy;
-  if (request.has_policy()) {
-    const pb::PolicyGradient& message = request.policy();
-    policy.loss = static_cast<PolicyLossKind>(message.loss());
-    RETURN_IF_ERROR(ReadInput(store, tenant, fields.advantages, rows, 0,
-                              kFloat32Only, &advantages));
-    RETURN_IF_ERROR(ReadInput(store, tenant, fields.sampling, rows, 0,
-                              kFloat32Only, &sampling));
-    policy.advantages = reinterpret_cast<const float*>(advantages.host());
-    policy.sampling_logprobs = reinterpret_cast<const float*>(sampling.host());
-    if (fields.reference.set) {
-      RETURN_IF_ERROR(ReadInput(store, tenant, fields.reference, rows, 0,
-                                kFloat32Only, &reference));
-      policy.reference_logprobs =
-          reinterpret_cast<const float*>(reference.host());
-    }
-    policy.epsilon_low =
-        message.has_epsilon_low() ? message.epsilon_low() : 0.2f;
-    policy.epsilon_high = message.has_epsilon_high() ? message.epsilon_high()
-                                                     : policy.epsilon_low;
-    policy.kl_coef = message.kl_coef();
-    policy.kl_estimator =
-        message.kl_estimator() == pb::KL_ESTIMATOR_UNSPECIFIED
-            ? KlEstimator::kK3
-            : static_cast<KlEstimator>(message.kl_estimator());
-    args.policy = &policy;
-  }
-  SegmentArgs segments;
-  if (request.has_segments()) {
-    RETURN_IF_ERROR(ReadInput(store, tenant, fields.segment_ids, rows, 0,
-                              kInt32Only, &ids));
-    segments.ids = reinterpret_cast<const int32_t*>(ids.host());
-    segments.count = request.segments().count();
-    if (segments.count < 1 || segments.count > rows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("segments.count = ", segments.count,
-                       " must be in [1, N = ", rows, "]"));
-    }
-    segments.reduction =
-        static_cast<SegmentReduction>(request.segments().reduction());
-    args.segments = &segments;
-  }
-  {
-    // The gradient buffer comes later (after the leases); the mode itself is
-    // checked by ParseMode.
-    PostTrainingArgs checked = args;
-    checked.base.mode = GradientMode::kNone;
-    RETURN_IF_ERROR(ValidatePostTrainingArgs(checked));
-    RETURN_IF_ERROR(CheckPostTrainingData(checked));
-  }
-
-  // Checked: now onto the device (no copy on a host-accessible one).
-  auto stage = [&](HostInput* input) -> absl::StatusOr<const void*> {
-    RETURN_IF_ERROR(
-        input->staged.Stage(device, input->bytes.data(), input->bytes.size()));
-    return input->staged.get();
-  };
-  if (args.base.targets != nullptr) {
-    ASSIGN_OR_RETURN(args.base.targets, stage(&targets));
-  }
-  if (kd.top_k_indices != nullptr) {
-    ASSIGN_OR_RETURN(kd.top_k_indices, stage(&indices));
-    ASSIGN_OR_RETURN(const void* staged, stage(&logprobs));
-    kd.top_k_logprobs = static_cast<const float*>(staged);
-  }
-  if (args.policy != nullptr) {
-    ASSIGN_OR_RETURN(const void* a, stage(&advantages));
-    ASSIGN_OR_RETURN(const void* s, stage(&sampling));
-    policy.advantages = static_cast<const float*>(a);
-    policy.sampling_logprobs = static_cast<const float*>(s);
-    if (policy.reference_logprobs != nullptr) {
-      ASSIGN_OR_RETURN(const void* r, stage(&reference));
-      policy.reference_logprobs = static_cast<const float*>(r);
-    }
-  }
-  if (args.segments != nullptr) {
-    ASSIGN_OR_RETURN(const void* staged, stage(&ids));
-    segments.ids = static_cast<const int32_t*>(staged);
-  }
+  RETURN_IF_ERROR(ReadInputs(store, tenant, request, fields, *logits, &in));
+  RETURN_IF_ERROR(StageInputs(device, &in));
 
   ASSIGN_OR_RETURN(ForwardLease lease,
                    store->BeginForward(logits, mode == GradientMode::kInPlace));
@@ -521,35 +610,8 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
     case GradientMode::kNone:
       break;
   }
-  response->set_loss(result.base.loss);
-  response->set_valid_tokens(result.base.valid_tokens);
-  response->set_correct_tokens(result.base.correct_tokens);
-  response->set_nonfinite_rows(result.base.nonfinite_rows);
-  response->set_denominator(result.base.denominator);
-  response->set_kernel_seconds(result.base.kernel_seconds > 0
-                                   ? result.base.kernel_seconds
-                                   : elapsed.count());
-  response->set_distillation_loss(result.distillation_loss);
-  if (args.policy != nullptr) {
-    pb::PolicyStats* stats = response->mutable_policy_stats();
-    stats->set_clipped_tokens(result.policy.clipped_tokens);
-    stats->set_ratio_sum(result.policy.ratio_sum);
-    stats->set_approx_kl_sum(result.policy.approx_kl_sum);
-    stats->set_kl_sum(result.policy.kl_sum);
-    stats->set_entropy_sum(result.policy.entropy_sum);
-  }
-  response->mutable_segment_loss()->Add(result.segment_loss.begin(),
-                                        result.segment_loss.end());
-  response->mutable_segment_tokens()->Add(result.segment_tokens.begin(),
-                                          result.segment_tokens.end());
-  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
-  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
-  response->mutable_token_argmax()->Add(token_argmax.begin(),
-                                        token_argmax.end());
-  response->mutable_token_logprob()->Add(token_logprob.begin(),
-                                         token_logprob.end());
-  response->mutable_token_entropy()->Add(token_entropy.begin(),
-                                         token_entropy.end());
+  FillResponse(result, args.policy != nullptr, elapsed.count(), token_loss,
+               token_lse, token_argmax, token_logprob, token_entropy, response);
   return absl::OkStatus();
 }
 

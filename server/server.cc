@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/data_wire.h"
+#include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/cpu_device.h"
@@ -47,6 +48,84 @@ absl::Status WritePortFile(const std::string& path, int port) {
         absl::StrCat("cannot rename ", tmp, " to ", path));
   }
   return absl::OkStatus();
+}
+
+// The ports that -1 turns off.
+absl::Status CheckOptionalPorts(const ServerConfig& config) {
+  if (config.metrics_port < -1 || config.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_port ", config.metrics_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  if (config.health_port < -1 || config.health_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("health_port ", config.health_port,
+                     " is outside [-1, 65535] (-1 = off)"));
+  }
+  if (config.data_port < -1 || config.data_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data_port ", config.data_port, " is outside [-1, 65535] (-1 = off)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDataConnectionLimits(const ServerConfig& config) {
+  if (config.data_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data_timeout must be > 0");
+  }
+  if (config.data_max_connections < 1 || config.data_max_connections > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("data_max_connections ",
+                                                   config.data_max_connections,
+                                                   " is outside [1, 4096]"));
+  }
+  if (config.data_auth_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data_auth_timeout must be > 0");
+  }
+  if (config.data_max_unauthenticated_per_peer < kMaxDataConnections ||
+      config.data_max_unauthenticated_per_peer > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_max_unauthenticated_per_peer ",
+                     config.data_max_unauthenticated_per_peer, " is outside [",
+                     kMaxDataConnections, ", 65536]"));
+  }
+  return absl::OkStatus();
+}
+
+// INVALID_ARGUMENT naming the first field of `config` out of its range.
+absl::Status CheckConfig(const ServerConfig& config) {
+  if (config.port < 0 || config.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("port ", config.port, " is outside [0, 65535]"));
+  }
+  if (config.chunk_bytes <= 0 ||
+      config.chunk_bytes > config.max_message_bytes / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", config.chunk_bytes, " is outside [1, ",
+                     config.max_message_bytes / 2, "]"));
+  }
+  if (config.ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("ttl must be > 0");
+  }
+  if (config.memory_budget < 0) {
+    return absl::InvalidArgumentError("memory_budget must be >= 0");
+  }
+  RETURN_IF_ERROR(CheckOptionalPorts(config));
+  RETURN_IF_ERROR(CheckDataConnectionLimits(config));
+  const TenantLimits& limits = config.tenant_limits;
+  if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
+      limits.max_in_flight < 0) {
+    return absl::InvalidArgumentError("tenant quotas must be >= 0 (0 = none)");
+  }
+  if (config.reload_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("reload_interval must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+// "host:port", an IPv6 host in brackets.
+std::string HostPort(const std::string& host, int port) {
+  return absl::StrCat(
+      host.find(':') != std::string::npos ? "[" + host + "]" : host, ":", port);
 }
 
 }  // namespace
@@ -101,188 +180,143 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
   if (OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, nullptr) != 1) {
     return absl::InternalError("cannot initialise OpenSSL");
   }
-  if (config.port < 0 || config.port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("port ", config.port, " is outside [0, 65535]"));
-  }
-  if (config.chunk_bytes <= 0 ||
-      config.chunk_bytes > config.max_message_bytes / 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk_bytes ", config.chunk_bytes, " is outside [1, ",
-                     config.max_message_bytes / 2, "]"));
-  }
-  if (config.ttl <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("ttl must be > 0");
-  }
-  if (config.memory_budget < 0) {
-    return absl::InvalidArgumentError("memory_budget must be >= 0");
-  }
-  if (config.metrics_port < -1 || config.metrics_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics_port ", config.metrics_port,
-                     " is outside [-1, 65535] (-1 = off)"));
-  }
-  if (config.health_port < -1 || config.health_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("health_port ", config.health_port,
-                     " is outside [-1, 65535] (-1 = off)"));
-  }
-  if (config.data_port < -1 || config.data_port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data_port ", config.data_port, " is outside [-1, 65535] (-1 = off)"));
-  }
-  if (config.data_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("data_timeout must be > 0");
-  }
-  if (config.data_max_connections < 1 || config.data_max_connections > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("data_max_connections ",
-                                                   config.data_max_connections,
-                                                   " is outside [1, 4096]"));
-  }
-  if (config.data_auth_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("data_auth_timeout must be > 0");
-  }
-  if (config.data_max_unauthenticated_per_peer < kMaxDataConnections ||
-      config.data_max_unauthenticated_per_peer > 65536) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data_max_unauthenticated_per_peer ",
-                     config.data_max_unauthenticated_per_peer, " is outside [",
-                     kMaxDataConnections, ", 65536]"));
-  }
-  const TenantLimits& limits = config.tenant_limits;
-  if (limits.max_bytes < 0 || limits.max_tensors < 0 ||
-      limits.max_in_flight < 0) {
-    return absl::InvalidArgumentError("tenant quotas must be >= 0 (0 = none)");
-  }
-  if (config.reload_interval <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("reload_interval must be > 0");
-  }
+  RETURN_IF_ERROR(CheckConfig(config));
   std::unique_ptr<LossdServer> server(new LossdServer());
   server->config_ = config;
-  AuthOptions auth_options = config.auth;
-  auth_options.tls_refresh = config.reload_interval;
-  absl::StatusOr<std::unique_ptr<Authenticator>> authenticator =
-      Authenticator::Create(auth_options);
-  if (!authenticator.ok()) return authenticator.status();
-  server->authenticator_ = std::move(*authenticator);
-  if (limits.max_bytes > 0 || limits.max_tensors > 0 ||
-      limits.max_in_flight > 0 || !config.quota_file.empty()) {
-    server->quotas_ = std::make_shared<TenantQuotas>(limits);
-  }
-  if (!config.quota_file.empty()) {
-    const absl::Status status = server->ReloadQuotas();
-    if (!status.ok()) return status;
-  }
-  auto device = config.device_factory
-                    ? config.device_factory()
-                    : CreateDevice(config.device, config.threads,
-                                   config.device_reserve, config.staging_bytes);
-  if (!device.ok()) return device.status();
-  server->device_ = std::move(*device);
+  RETURN_IF_ERROR(server->StartAccessControl());
+  RETURN_IF_ERROR(server->StartDeviceAndStore());
+  ServiceOptions service_options;
+  RETURN_IF_ERROR(server->StartService(&service_options));
+  const std::string address = HostPort(config.host, config.port);
+  RETURN_IF_ERROR(server->StartGrpcServers(address));
+  server->SetServing("", true);
+  server->SetServing(kReadinessService, true);
+  server->WatchDevice();
+  server->sweeper_ = std::thread([raw = server.get()] { raw->SweepLoop(); });
+  server->WatchConfigFiles();
+  RETURN_IF_ERROR(server->WritePortFiles());
+  server->ReportStart(address, service_options.version);
+  return server;
+}
 
+absl::Status LossdServer::StartAccessControl() {
+  AuthOptions auth_options = config_.auth;
+  auth_options.tls_refresh = config_.reload_interval;
+  ASSIGN_OR_RETURN(authenticator_, Authenticator::Create(auth_options));
+  const TenantLimits& limits = config_.tenant_limits;
+  if (limits.max_bytes > 0 || limits.max_tensors > 0 ||
+      limits.max_in_flight > 0 || !config_.quota_file.empty()) {
+    quotas_ = std::make_shared<TenantQuotas>(limits);
+  }
+  if (!config_.quota_file.empty()) RETURN_IF_ERROR(ReloadQuotas());
+  return absl::OkStatus();
+}
+
+absl::Status LossdServer::StartDeviceAndStore() {
+  ASSIGN_OR_RETURN(device_, config_.device_factory
+                                ? config_.device_factory()
+                                : CreateDevice(config_.device, config_.threads,
+                                               config_.device_reserve,
+                                               config_.staging_bytes));
   TensorStore::Options store_options;
   store_options.budget_bytes =
-      config.memory_budget > 0
-          ? config.memory_budget
+      config_.memory_budget > 0
+          ? config_.memory_budget
           : static_cast<int64_t>(
-                static_cast<double>(server->device_->memory().total_bytes) *
+                static_cast<double>(device_->memory().total_bytes) *
                 kCpuBudgetFraction);
-  if (config.memory_budget == 0 && !server->device_->host_accessible()) {
+  if (config_.memory_budget == 0 && !device_->host_accessible()) {
     // A GPU: what is free now minus the reserve, not a share of the total.
-    store_options.budget_bytes = server->device_->DefaultBudgetBytes();
+    store_options.budget_bytes = device_->DefaultBudgetBytes();
     if (store_options.budget_bytes <= 0) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          server->device_->name(), " has no memory left above the reserve of ",
-          config.device_reserve,
+          device_->name(), " has no memory left above the reserve of ",
+          config_.device_reserve,
           " bytes (--device_reserve); lower it or set --memory_budget"));
     }
   }
-  store_options.ttl = config.ttl;
-  store_options.quotas = server->quotas_;
-  server->store_ =
-      std::make_unique<TensorStore>(server->device_.get(), store_options);
+  store_options.ttl = config_.ttl;
+  store_options.quotas = quotas_;
+  store_ = std::make_unique<TensorStore>(device_.get(), store_options);
+  return absl::OkStatus();
+}
 
-  ServiceOptions service_options;
-  service_options.default_chunk_bytes = config.chunk_bytes;
-  service_options.max_chunk_bytes = config.max_message_bytes / 2;
-  service_options.authenticator = server->authenticator_.get();
-  service_options.quotas = server->quotas_.get();
-  service_options.stripe_timeout = config.stripe_timeout;
-  if (config.metrics_port >= 0) {
-    server->metrics_ = std::make_unique<Metrics>(server->store_.get());
-    server->UpdateConfigMetrics();
-    const absl::Status status =
-        server->metrics_->Serve(config.host, config.metrics_port);
-    if (!status.ok()) return status;
-  }
-  if (config.data_port >= 0 && server->authenticator_->tls()) {
+absl::Status LossdServer::StartDataPlane(ServiceOptions* service_options) {
+  if (config_.data_port < 0) return absl::OkStatus();
+  if (authenticator_->tls()) {
     std::fprintf(stderr,
                  "lossd: data connections are off: the main port uses TLS and "
                  "a data connection has none (uploads stay on gRPC)\n");
-  } else if (config.data_port >= 0) {
-    DataPlane::Options data_options;
-    data_options.host = config.host;
-    data_options.port = config.data_port;
-    data_options.timeout = config.data_timeout;
-    data_options.max_connections = config.data_max_connections;
-    data_options.auth_timeout = config.data_auth_timeout;
-    data_options.max_unauthenticated_per_peer =
-        config.data_max_unauthenticated_per_peer;
-    data_options.metrics = server->metrics_.get();
-    absl::StatusOr<std::unique_ptr<DataPlane>> plane =
-        DataPlane::Start(data_options);
-    if (!plane.ok()) return plane.status();
-    server->data_plane_ = std::move(*plane);
-    service_options.data_plane = server->data_plane_.get();
+    return absl::OkStatus();
   }
-  absl::StatusOr<std::unique_ptr<ListPageTokens>> list_tokens =
-      ListPageTokens::Create(server->store_->instance_id());
-  if (!list_tokens.ok()) return list_tokens.status();
-  server->list_tokens_ = std::move(*list_tokens);
-  service_options.list_tokens = server->list_tokens_.get();
-  server->service_ = std::make_unique<LossdService>(
-      server->store_.get(), service_options, server->metrics_.get());
+  DataPlane::Options data_options;
+  data_options.host = config_.host;
+  data_options.port = config_.data_port;
+  data_options.timeout = config_.data_timeout;
+  data_options.max_connections = config_.data_max_connections;
+  data_options.auth_timeout = config_.data_auth_timeout;
+  data_options.max_unauthenticated_per_peer =
+      config_.data_max_unauthenticated_per_peer;
+  data_options.metrics = metrics_.get();
+  ASSIGN_OR_RETURN(data_plane_, DataPlane::Start(data_options));
+  service_options->data_plane = data_plane_.get();
+  return absl::OkStatus();
+}
 
+absl::Status LossdServer::StartService(ServiceOptions* service_options) {
+  service_options->default_chunk_bytes = config_.chunk_bytes;
+  service_options->max_chunk_bytes = config_.max_message_bytes / 2;
+  service_options->authenticator = authenticator_.get();
+  service_options->quotas = quotas_.get();
+  service_options->stripe_timeout = config_.stripe_timeout;
+  if (config_.metrics_port >= 0) {
+    metrics_ = std::make_unique<Metrics>(store_.get());
+    UpdateConfigMetrics();
+    RETURN_IF_ERROR(metrics_->Serve(config_.host, config_.metrics_port));
+  }
+  RETURN_IF_ERROR(StartDataPlane(service_options));
+  ASSIGN_OR_RETURN(list_tokens_, ListPageTokens::Create(store_->instance_id()));
+  service_options->list_tokens = list_tokens_.get();
+  service_ = std::make_unique<LossdService>(store_.get(), *service_options,
+                                            metrics_.get());
+  return absl::OkStatus();
+}
+
+absl::Status LossdServer::StartGrpcServers(const std::string& address) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const std::string address = absl::StrCat(
-      config.host.find(':') != std::string::npos ? "[" + config.host + "]"
-                                                 : config.host,
-      ":", config.port);
-  builder.AddListeningPort(address, server->authenticator_->ServerCredentials(),
-                           &server->port_);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
-  builder.RegisterService(server->service_.get());
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  builder.AddListeningPort(address, authenticator_->ServerCredentials(),
+                           &port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
-  if (config.health_port >= 0) {
-    // A server of its own, so that the plaintext port offers health and
-    // nothing of the lossd API.
-    grpc::ServerBuilder health_builder;
-    const std::string health_address = absl::StrCat(
-        config.host.find(':') != std::string::npos ? "[" + config.host + "]"
-                                                   : config.host,
-        ":", config.health_port);
-    health_builder.AddListeningPort(health_address,
-                                    grpc::InsecureServerCredentials(),
-                                    &server->health_port_);
-    server->health_server_ = health_builder.BuildAndStart();
-    if (server->health_server_ == nullptr || server->health_port_ == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", health_address, " (health)"));
-    }
+  if (config_.health_port < 0) return absl::OkStatus();
+  // A server of its own, so that the plaintext port offers health and
+  // nothing of the lossd API.
+  grpc::ServerBuilder health_builder;
+  const std::string health_address =
+      HostPort(config_.host, config_.health_port);
+  health_builder.AddListeningPort(
+      health_address, grpc::InsecureServerCredentials(), &health_port_);
+  health_server_ = health_builder.BuildAndStart();
+  if (health_server_ == nullptr || health_port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", health_address, " (health)"));
   }
-  server->SetServing("", true);
-  server->SetServing(kReadinessService, true);
+  return absl::OkStatus();
+}
+
+void LossdServer::WatchDevice() {
   // Die rather than limp: a device that cannot be trusted any more turns
   // readiness off at once, then main's policy ends the process.
-  server->device_->SetFatalErrorHandler(
-      [raw = server.get(), name = server->device_->name(),
-       on_fatal = config.on_fatal_device_error](const absl::Status& status) {
+  device_->SetFatalErrorHandler(
+      [raw = this, name = device_->name(),
+       on_fatal = config_.on_fatal_device_error](const absl::Status& status) {
         raw->SetServing(kReadinessService, false);
         std::fprintf(stderr,
                      "lossd: FATAL: device %s is unusable, readiness is "
@@ -291,93 +325,91 @@ absl::StatusOr<std::unique_ptr<LossdServer>> LossdServer::Start(
         std::fflush(stderr);
         if (on_fatal) on_fatal(status);
       });
+}
 
-  server->sweeper_ = std::thread([raw = server.get()] { raw->SweepLoop(); });
-
+void LossdServer::WatchConfigFiles() {
   std::vector<ReloadSource> sources;
-  const AuthOptions& auth = config.auth;
-  if (server->authenticator_->tls()) {
+  const AuthOptions& auth = config_.auth;
+  if (authenticator_->tls()) {
     std::vector<std::string> paths = {auth.tls_cert_file, auth.tls_key_file};
     if (!auth.tls_client_ca_file.empty()) {
       paths.push_back(auth.tls_client_ca_file);
     }
-    sources.push_back(
-        {"tls", std::move(paths),
-         [raw = server->authenticator_.get()] { return raw->ReloadTls(); }});
+    sources.push_back({"tls", std::move(paths), [raw = authenticator_.get()] {
+                         return raw->ReloadTls();
+                       }});
   }
-  if (server->authenticator_->tokens()) {
+  if (authenticator_->tokens()) {
     sources.push_back(
-        {"tokens", {auth.tokens_file}, [raw = server->authenticator_.get()] {
+        {"tokens", {auth.tokens_file}, [raw = authenticator_.get()] {
            return raw->ReloadTokens();
          }});
   }
-  if (!config.quota_file.empty()) {
-    sources.push_back({"quotas", {config.quota_file}, [raw = server.get()] {
+  if (!config_.quota_file.empty()) {
+    sources.push_back({"quotas", {config_.quota_file}, [raw = this] {
                          return raw->ReloadQuotas();
                        }});
   }
-  if (server->metrics_ != nullptr) {
+  if (metrics_ != nullptr) {
     for (const ReloadSource& source : sources) {
-      server->metrics_->InitReload(source.name);
+      metrics_->InitReload(source.name);
     }
-    server->metrics_->SetInFlightSource(
-        [raw = server->service_.get()] { return raw->in_flight(); });
+    metrics_->SetInFlightSource(
+        [raw = service_.get()] { return raw->in_flight(); });
   }
   if (!sources.empty()) {
-    server->watcher_ = std::make_unique<ConfigWatcher>(
-        std::move(sources), config.reload_interval,
-        [raw = server.get()](const std::string& name,
-                             const absl::Status& status) {
+    watcher_ = std::make_unique<ConfigWatcher>(
+        std::move(sources), config_.reload_interval,
+        [raw = this](const std::string& name, const absl::Status& status) {
           raw->OnReload(name, status);
         });
   }
+}
 
+absl::Status LossdServer::WritePortFiles() const {
   // The metrics port file first: whoever waits for the gRPC port file then
   // finds both.
-  if (server->metrics_ != nullptr && !config.metrics_port_file.empty()) {
-    const absl::Status status =
-        WritePortFile(config.metrics_port_file, server->metrics_->port());
-    if (!status.ok()) return status;
+  if (metrics_ != nullptr && !config_.metrics_port_file.empty()) {
+    RETURN_IF_ERROR(WritePortFile(config_.metrics_port_file, metrics_->port()));
   }
-  if (server->health_server_ != nullptr && !config.health_port_file.empty()) {
-    const absl::Status status =
-        WritePortFile(config.health_port_file, server->health_port_);
-    if (!status.ok()) return status;
+  if (health_server_ != nullptr && !config_.health_port_file.empty()) {
+    RETURN_IF_ERROR(WritePortFile(config_.health_port_file, health_port_));
   }
-  if (!config.port_file.empty()) {
-    const absl::Status status = WritePortFile(config.port_file, server->port_);
-    if (!status.ok()) return status;
+  if (!config_.port_file.empty()) {
+    RETURN_IF_ERROR(WritePortFile(config_.port_file, port_));
   }
-  if (server->health_server_ != nullptr) {
+  return absl::OkStatus();
+}
+
+void LossdServer::ReportStart(const std::string& address,
+                              const std::string& version) const {
+  if (health_server_ != nullptr) {
     std::fprintf(stderr, "lossd: plaintext health on %s:%d\n",
-                 config.host.c_str(), server->health_port_);
+                 config_.host.c_str(), health_port_);
   }
-  std::fprintf(stderr, "lossd: %s%s%s\n",
-               server->authenticator_->mutual_tls()
-                   ? "mutual TLS"
-                   : (server->authenticator_->tls() ? "TLS" : "plaintext"),
-               server->authenticator_->tokens() ? ", bearer tokens" : "",
-               server->authenticator_->anonymous()
-                   ? ", one tenant (no authentication)"
-                   : "");
-  if (server->metrics_ != nullptr) {
+  std::fprintf(
+      stderr, "lossd: %s%s%s\n",
+      authenticator_->mutual_tls()
+          ? "mutual TLS"
+          : (authenticator_->tls() ? "TLS" : "plaintext"),
+      authenticator_->tokens() ? ", bearer tokens" : "",
+      authenticator_->anonymous() ? ", one tenant (no authentication)" : "");
+  if (metrics_ != nullptr) {
     std::fprintf(stderr, "lossd: metrics on http://%s:%d/metrics\n",
-                 config.host.c_str(), server->metrics_->port());
+                 config_.host.c_str(), metrics_->port());
   }
-  if (server->data_plane_ != nullptr) {
+  if (data_plane_ != nullptr) {
     std::fprintf(stderr, "lossd: data connections on %s:%d\n",
-                 config.host.c_str(), server->data_plane_->port());
+                 config_.host.c_str(), data_plane_->port());
   }
   std::fprintf(stderr,
                "lossd %s: serving on %s (port %d), device %s, memory budget "
                "%lld bytes, ttl %s, instance %s\n",
-               service_options.version.c_str(), address.c_str(), server->port_,
-               server->device_->name().c_str(),
-               static_cast<long long>(store_options.budget_bytes),
-               absl::FormatDuration(config.ttl).c_str(),
-               server->store_->instance_id().c_str());
+               version.c_str(), address.c_str(), port_, device_->name().c_str(),
+               static_cast<long long>(store_->Stats().budget_bytes),
+               absl::FormatDuration(config_.ttl).c_str(),
+               store_->instance_id().c_str());
   std::fflush(stderr);
-  return server;
 }
 
 void LossdServer::SetServing(const char* service, bool serving) {

@@ -164,6 +164,27 @@ class LossdServer {
 
  private:
   LossdServer() = default;
+  // The steps of Start, in its order; each error is Start's.
+  // The authenticator and the tenant quotas.
+  absl::Status StartAccessControl();
+  // The device and the store on it, with its memory budget.
+  absl::Status StartDeviceAndStore();
+  // The metrics endpoint, the data plane and the service, their options
+  // gathered in `*service_options`.
+  absl::Status StartService(ServiceOptions* service_options);
+  // The data connections' listener, unless off or beside a TLS port.
+  absl::Status StartDataPlane(ServiceOptions* service_options);
+  // The gRPC server on `address` and the plaintext health server.
+  absl::Status StartGrpcServers(const std::string& address);
+  // Readiness goes off, and the process's policy runs, on a fatal device
+  // error.
+  void WatchDevice();
+  // Reloads the certificates, tokens and quota file as they change.
+  void WatchConfigFiles();
+  absl::Status WritePortFiles() const;
+  // The start-up lines on stderr.
+  void ReportStart(const std::string& address,
+                   const std::string& version) const;
   void SweepLoop();
   // Sets `service`'s health status on the main and the health server.
   void SetServing(const char* service, bool serving);

@@ -10,15 +10,12 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "common/tensor_math.h"
 #include "server/download_reactor.h"
 #include "server/evaluate_reactor.h"
-#include "server/linear_evaluation.h"
+#include "server/forward.h"
+#include "server/linear_forward.h"
 #include "server/page_token.h"
-#include "server/post_training_forward.h"
-#include "server/staged.h"
 #include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
 #include "server/validation.h"
@@ -240,7 +237,7 @@ grpc::ServerUnaryReactor* LossdService::Forward(
     pb::ForwardResponse* response) {
   const std::function<bool()> cancelled = CancellationOf(context);
   LOSSD_UNARY("Forward", context,
-              DoForward(tenant, *request, response, cancelled));
+              RunForward(&rpc_, tenant, *request, response, cancelled));
 }
 
 grpc::ServerUnaryReactor* LossdService::Backward(
@@ -313,156 +310,6 @@ absl::Status LossdService::DoRelease(const std::string& tenant,
   ASSIGN_OR_RETURN(const int64_t bytes,
                    rpc_.store()->Release(tenant, request.handle()));
   response->set_released_bytes(bytes);
-  return absl::OkStatus();
-}
-
-absl::Status LossdService::DoForward(const std::string& tenant,
-                                     const pb::ForwardRequest& request,
-                                     pb::ForwardResponse* response,
-                                     const std::function<bool()>& cancelled) {
-  if (IsPostTrainingForward(request)) {
-    return RunPostTrainingForward(&rpc_, tenant, request, response, cancelled);
-  }
-  // Request-only checks first: nothing is looked up for a malformed request.
-  ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
-  const CrossEntropyOptions& options = spec.options;
-  const GradientMode mode = spec.mode;
-  const DType inline_dtype = spec.inline_targets_dtype;
-
-  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
-                   rpc_.store()->Get(tenant, request.logits()));
-  if (!IsLogitsDType(logits->dtype()) || logits->shape().size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logits must be a 2-D float tensor, got ", DTypeName(logits->dtype()),
-        " ", ShapeString(logits->shape())));
-  }
-  const int64_t rows = logits->shape()[0];
-  const int64_t vocab = logits->shape()[1];
-
-  Device* device = rpc_.store()->device();
-  ReadLease targets_lease;
-  Staged inline_targets;
-  const void* targets = nullptr;
-  DType targets_dtype = inline_dtype;
-  if (request.targets_case() == pb::ForwardRequest::kTargetsHandle) {
-    ASSIGN_OR_RETURN(std::shared_ptr<Tensor> tensor,
-                     rpc_.store()->Get(tenant, request.targets_handle()));
-    if (!IsTargetsDType(tensor->dtype()) || tensor->shape().size() != 1 ||
-        tensor->shape()[0] != rows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "targets must be int32 or int64 [", rows, "], got ",
-          DTypeName(tensor->dtype()), " ", ShapeString(tensor->shape())));
-    }
-    targets_dtype = tensor->dtype();
-    targets_lease = rpc_.store()->BeginRead(std::move(tensor));
-    targets = targets_lease.tensor()->data();
-  } else {
-    const std::string& data = request.targets_inline().data();
-    RETURN_IF_ERROR(
-        CheckInlineTargets(request.targets_inline(), inline_dtype, rows));
-    RETURN_IF_ERROR(inline_targets.Stage(device, data.data(), data.size()));
-    targets = inline_targets.get();
-  }
-
-  ReadLease weights_lease;
-  if (!request.options().class_weights().empty()) {
-    ASSIGN_OR_RETURN(
-        weights_lease,
-        LeaseClassWeights(rpc_.store(), tenant,
-                          request.options().class_weights(), vocab));
-  }
-
-  ASSIGN_OR_RETURN(
-      ForwardLease lease,
-      rpc_.store()->BeginForward(logits, mode == GradientMode::kInPlace));
-  std::unique_ptr<PendingTensor> gradient;
-  if (mode == GradientMode::kOutOfPlace) {
-    ASSIGN_OR_RETURN(
-        gradient,
-        rpc_.store()->Create(tenant, logits->dtype(), logits->shape(),
-                             request.gradient_label(), TensorState::kGradient));
-  }
-
-  std::vector<float> token_loss(request.outputs().token_loss() ? rows : 0);
-  std::vector<float> token_lse(request.outputs().token_lse() ? rows : 0);
-  std::vector<int32_t> token_argmax(request.outputs().token_argmax() ? rows
-                                                                     : 0);
-  CrossEntropyArgs args;
-  args.rows = rows;
-  args.vocab = vocab;
-  args.row_stride = vocab;
-  args.logits_dtype = logits->dtype();
-  args.logits = logits->data();
-  args.targets_dtype = targets_dtype;
-  args.targets = targets;
-  args.class_weights =
-      weights_lease.tensor() == nullptr
-          ? nullptr
-          : static_cast<const float*>(weights_lease.tensor()->data());
-  args.options = options;
-  args.mode = mode;
-  switch (mode) {
-    case GradientMode::kInPlace:
-      args.gradient = logits->data();
-      break;
-    case GradientMode::kOutOfPlace:
-      args.gradient = gradient->data();
-      break;
-    case GradientMode::kNone:
-      args.gradient = nullptr;
-      break;
-  }
-  args.token_loss = token_loss.empty() ? nullptr : token_loss.data();
-  args.token_lse = token_lse.empty() ? nullptr : token_lse.data();
-  args.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
-
-  // The pass is one sweep over the logits and is not interrupted; a call
-  // cancelled before it starts does not run it, and one cancelled while it
-  // ran keeps no new gradient. In place, the logits are already the
-  // gradient by then: that call finishes as if it had not been cancelled.
-  if (cancelled()) return absl::CancelledError("Forward cancelled");
-  CrossEntropyResult result;
-  const auto start = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(device->CrossEntropy(args, &result));
-  const std::chrono::duration<double> elapsed =
-      std::chrono::steady_clock::now() - start;
-  if (rpc_.metrics() != nullptr) {
-    rpc_.metrics()->ObserveKernel(device->name(), "cross_entropy",
-                                  elapsed.count());
-  }
-  if (mode != GradientMode::kInPlace && cancelled()) {
-    return absl::CancelledError("Forward cancelled");
-  }
-
-  switch (mode) {
-    case GradientMode::kInPlace:
-      lease.FinishInPlace(options.reduction);
-      response->set_gradient(logits->handle());
-      break;
-    case GradientMode::kOutOfPlace: {
-      gradient->MarkFilled();
-      ASSIGN_OR_RETURN(std::shared_ptr<Tensor> out,
-                       gradient->Commit(options.reduction));
-      response->set_gradient(out->handle());
-      break;
-    }
-    case GradientMode::kNone:
-      break;
-  }
-  response->set_loss(result.loss);
-  response->set_z_loss(result.z_loss);
-  response->set_valid_tokens(result.valid_tokens);
-  response->set_correct_tokens(result.correct_tokens);
-  response->set_nonfinite_rows(result.nonfinite_rows);
-  response->set_denominator(result.denominator);
-  // The device's own time where it measures it (CUDA events around the
-  // kernels), else the call's.
-  response->set_kernel_seconds(result.kernel_seconds > 0 ? result.kernel_seconds
-                                                         : elapsed.count());
-  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
-  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
-  response->mutable_token_argmax()->Add(token_argmax.begin(),
-                                        token_argmax.end());
   return absl::OkStatus();
 }
 

@@ -111,12 +111,7 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
                          const lossd::v1::ReleaseRequest& request,
                          lossd::v1::ReleaseResponse* response);
   // `cancelled`: the RPC's cancellation (or passed deadline), asked before
-  // the kernel and, unless in place, before the gradient is kept.
-  absl::Status DoForward(const std::string& tenant,
-                         const lossd::v1::ForwardRequest& request,
-                         lossd::v1::ForwardResponse* response,
-                         const std::function<bool()>& cancelled);
-  // `cancelled` as DoForward's, asked before a materializing pass.
+  // a materializing pass.
   absl::Status DoBackward(const std::string& tenant,
                           const lossd::v1::BackwardRequest& request,
                           lossd::v1::BackwardResponse* response,

@@ -322,12 +322,13 @@ void SetForwardOptions(Options* options, int64_t ignore_index,
 // Forward's and LinearForward's call: `input` (logits or hidden states, a
 // handle or a buffer uploaded under `name`), the targets and class weights
 // made ready, then call(client, input handle, targets, class weights handle)
-// without the GIL. An input uploaded here is released when the call fails
-// (on success the call's gradient may live in it).
+// without the GIL. An input uploaded here is released when the call fails,
+// and after any call but an in-place one, whose gradient lives in it: the
+// caller never saw its handle.
 template <typename Result, typename Call>
 Result CallOnInputs(PyClient& self, py::handle input, const char* name,
-                    py::handle target, py::handle class_weights,
-                    const Call& call) {
+                    GradientMode mode, py::handle target,
+                    py::handle class_weights, const Call& call) {
   std::shared_ptr<Client> client = self.Get();
   const std::string input_handle = HandleOrUpload(self, input, name);
   Tensor targets_tensor;
@@ -338,7 +339,8 @@ Result CallOnInputs(PyClient& self, py::handle input, const char* name,
     py::gil_scoped_release release;
     result = call(*client, input_handle, targets, weights.handle());
   }
-  if (!result.ok() && !py::isinstance<py::str>(input)) {
+  if ((!result.ok() || mode != GradientMode::kInPlace) &&
+      !py::isinstance<py::str>(input)) {
     py::gil_scoped_release release;
     client->Release(input_handle).IgnoreError();
   }
@@ -359,7 +361,7 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                     z_loss_scale, softcap, normalizer, grad_scale, mode,
                     token_loss, token_lse, token_argmax, gradient_label);
   return CallOnInputs<ForwardResult>(
-      self, logits, "logits", target, weight,
+      self, logits, "logits", options.mode, target, weight,
       [&](Client& client, const std::string& logits_handle,
           const Targets& targets, const std::string& class_weights) {
         options.class_weights = class_weights;
@@ -425,7 +427,7 @@ LinearForwardResult LinearForward(
   }
 
   return CallOnInputs<LinearForwardResult>(
-      self, hidden, "hidden", target, class_weights,
+      self, hidden, "hidden", options.mode, target, class_weights,
       [&](Client& client, const std::string& hidden_handle,
           const Targets& targets, const std::string& class_weights_handle) {
         options.class_weights = class_weights_handle;

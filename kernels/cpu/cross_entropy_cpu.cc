@@ -86,28 +86,15 @@ inline float SoftcapDerivative(float u) {
   return 4.0f * q / ((1.0f + q) * (1.0f + q));
 }
 
-// One row: pass 1 converts to z (softcap applied) and finds the max; pass 2
-// stores exp(z - max) with fp64 sums; pass 3 writes the gradient in fp32 math
-// with one rounding, and the target column from fp64 math with an expm1 so
-// that p_y - 1 does not cancel.
+// Pass 1 of a row: its logits `in` as z (softcap applied; and dz/dx for a
+// gradient) into `scratch`, with z's max and its first index.
 template <typename Format>
-void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
-                Totals* totals) {
-  using Storage = typename Format::Storage;
-  const CrossEntropyArgs& args = *plan.args;
-  const CrossEntropyOptions& options = args.options;
-  const int64_t vocab = args.vocab;
-  const Storage* in =
-      static_cast<const Storage*>(args.logits) + row * args.row_stride;
-  const float softcap = options.softcap;
-  const float* weights = args.class_weights;
-  const float eps = options.label_smoothing;
+void LoadRow(const Plan& plan, const typename Format::Storage* in,
+             Scratch* scratch, float* max_z, int64_t* argmax) {
+  const int64_t vocab = plan.args->vocab;
+  const float softcap = plan.args->options.softcap;
   float* z = scratch->z.data();
-  float* e = scratch->e.data();
   float* softcap_d = scratch->softcap_d.data();
-
-  float max_z = -std::numeric_limits<float>::infinity();
-  int64_t argmax = 0;
   if (softcap > 0.0f) {
     // In fp64, rounded once: tanhf plus the float divide and multiply left
     // z (|z| up to the cap, 20-50) a few ulps off, i.e. ~1e-6 of every p
@@ -125,7 +112,93 @@ void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
   } else {
     for (int64_t c = 0; c < vocab; ++c) z[c] = Format::Load(in[c]);
   }
-  for (int64_t c = 0; c < vocab; ++c) ArgmaxUpdate(z[c], c, &max_z, &argmax);
+  // Locals, not the out-parameters: the loop then keeps them in registers.
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_index = 0;
+  for (int64_t c = 0; c < vocab; ++c) ArgmaxUpdate(z[c], c, &best, &best_index);
+  *max_z = best;
+  *argmax = best_index;
+}
+
+// Pass 3 of a valid row (target `target`, log-sum-exp `lse`, sum of
+// exp(z - max) `sum_exp`): the gradient into `out`, in fp32 math with one
+// rounding, and the target column from fp64 math.
+template <typename Format>
+void WriteRowGradient(const Plan& plan, const typename Format::Storage* in,
+                      int64_t target, double lse, double sum_exp,
+                      const Scratch& scratch, typename Format::Storage* out) {
+  const CrossEntropyArgs& args = *plan.args;
+  const CrossEntropyOptions& options = args.options;
+  const int64_t vocab = args.vocab;
+  const float softcap = options.softcap;
+  const float* weights = args.class_weights;
+  const float eps = options.label_smoothing;
+  const float* e = scratch.e.data();
+  const float* softcap_d = scratch.softcap_d.data();
+  const double target_weight = weights == nullptr ? 1.0 : weights[target];
+  const double z_target = scratch.z[static_cast<size_t>(target)];
+  // dL/dz_c = s * (p_c * a - eps * w_c / V - (1 - eps) * w_y * [c == y]).
+  const double target_coeff = (1.0 - eps) * target_weight;
+  const double a = target_coeff +
+                   eps * plan.total_weight / static_cast<double>(vocab) +
+                   2.0 * options.z_loss_scale * lse;
+  const double s = plan.row_scale;
+  // p_y * a - (1 - eps) * w_y = (1 - eps) * w_y * (p_y - 1) + p_y * (a - (1 -
+  // eps) * w_y), with p_y - 1 = expm1(z_y - lse) exact even when p_y ~ 1.
+  // Computed before the loop below overwrites the logits (in-place mode).
+  const double p_target_minus_one = std::expm1(z_target - lse);
+  double g_target = s * (target_coeff * p_target_minus_one +
+                         (p_target_minus_one + 1.0) * (a - target_coeff) -
+                         eps * target_weight / static_cast<double>(vocab));
+  if (softcap > 0.0f) {
+    const double cosh_u =
+        std::cosh(static_cast<double>(Format::Load(in[target])) / softcap);
+    g_target /= cosh_u * cosh_u;
+  }
+
+  const float s_a = static_cast<float>(s * a);
+  const float s_eps_v =
+      static_cast<float>(s * eps / static_cast<double>(vocab));
+  const float inv_sum = static_cast<float>(1.0 / sum_exp);
+  if (softcap > 0.0f) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      const float w = weights == nullptr ? 1.0f : weights[c];
+      out[c] =
+          Format::Store((e[c] * inv_sum * s_a - s_eps_v * w) * softcap_d[c]);
+    }
+  } else if (weights == nullptr) {
+    for (int64_t c = 0; c < vocab; ++c) {
+      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v);
+    }
+  } else {
+    for (int64_t c = 0; c < vocab; ++c) {
+      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v * weights[c]);
+    }
+  }
+  StoreDouble(out, args.logits_dtype, target, g_target);
+}
+
+// One row: pass 1 converts to z (softcap applied) and finds the max; pass 2
+// stores exp(z - max) with fp64 sums; pass 3 writes the gradient in fp32 math
+// with one rounding, and the target column from fp64 math with an expm1 so
+// that p_y - 1 does not cancel.
+template <typename Format>
+void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
+                Totals* totals) {
+  using Storage = typename Format::Storage;
+  const CrossEntropyArgs& args = *plan.args;
+  const CrossEntropyOptions& options = args.options;
+  const int64_t vocab = args.vocab;
+  const Storage* in =
+      static_cast<const Storage*>(args.logits) + row * args.row_stride;
+  const float* weights = args.class_weights;
+  const float eps = options.label_smoothing;
+  float* z = scratch->z.data();
+  float* e = scratch->e.data();
+
+  float max_z = 0.0f;
+  int64_t argmax = 0;
+  LoadRow<Format>(plan, in, scratch, &max_z, &argmax);
 
   for (int64_t c = 0; c < vocab; ++c) e[c] = ExpNonPositive(z[c] - max_z);
   // Four fp64 partial sums in a fixed order: accurate, deterministic, and not
@@ -191,45 +264,7 @@ void ProcessRow(const Plan& plan, int64_t row, Scratch* scratch,
   }
   if (out == nullptr) return;
 
-  // dL/dz_c = s * (p_c * a - eps * w_c / V - (1 - eps) * w_y * [c == y]).
-  const double target_coeff = (1.0 - eps) * target_weight;
-  const double a = target_coeff +
-                   eps * plan.total_weight / static_cast<double>(vocab) +
-                   2.0 * options.z_loss_scale * lse;
-  const double s = plan.row_scale;
-  // p_y * a - (1 - eps) * w_y = (1 - eps) * w_y * (p_y - 1) + p_y * (a - (1 -
-  // eps) * w_y), with p_y - 1 = expm1(z_y - lse) exact even when p_y ~ 1.
-  // Computed before the loop below overwrites the logits (in-place mode).
-  const double p_target_minus_one = std::expm1(z_target - lse);
-  double g_target = s * (target_coeff * p_target_minus_one +
-                         (p_target_minus_one + 1.0) * (a - target_coeff) -
-                         eps * target_weight / static_cast<double>(vocab));
-  if (softcap > 0.0f) {
-    const double cosh_u =
-        std::cosh(static_cast<double>(Format::Load(in[target])) / softcap);
-    g_target /= cosh_u * cosh_u;
-  }
-
-  const float s_a = static_cast<float>(s * a);
-  const float s_eps_v =
-      static_cast<float>(s * eps / static_cast<double>(vocab));
-  const float inv_sum = static_cast<float>(1.0 / sum_exp);
-  if (softcap > 0.0f) {
-    for (int64_t c = 0; c < vocab; ++c) {
-      const float w = weights == nullptr ? 1.0f : weights[c];
-      out[c] =
-          Format::Store((e[c] * inv_sum * s_a - s_eps_v * w) * softcap_d[c]);
-    }
-  } else if (weights == nullptr) {
-    for (int64_t c = 0; c < vocab; ++c) {
-      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v);
-    }
-  } else {
-    for (int64_t c = 0; c < vocab; ++c) {
-      out[c] = Format::Store(e[c] * inv_sum * s_a - s_eps_v * weights[c]);
-    }
-  }
-  StoreDouble(out, args.logits_dtype, target, g_target);
+  WriteRowGradient<Format>(plan, in, target, lse, sum_exp, *scratch, out);
 }
 
 template <typename Format>

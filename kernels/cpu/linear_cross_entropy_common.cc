@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 
@@ -20,10 +21,8 @@ bool MultiplyFits(int64_t a, int64_t b) {
   return a == 0 || b <= std::numeric_limits<int64_t>::max() / a;
 }
 
-}  // namespace
-
-absl::Status ValidateLinearCrossEntropyArgs(
-    const LinearCrossEntropyArgs& args) {
+// The sizes, dtypes and the caller's descriptions of its tensors.
+absl::Status CheckShapes(const LinearCrossEntropyArgs& args) {
   if (args.rows < 0)
     return Invalid(absl::StrCat("rows must be >= 0, got ", args.rows));
   if (args.hidden < 1 || args.hidden > std::numeric_limits<int32_t>::max()) {
@@ -73,6 +72,11 @@ absl::Status ValidateLinearCrossEntropyArgs(
     return Invalid(absl::StrCat("grad_bias has ", args.grad_bias_size,
                                 " elements, vocab is ", args.vocab));
   }
+  return absl::OkStatus();
+}
+
+// The inputs' pointers and dX's, as its mode wants them.
+absl::Status CheckInputsAndDx(const LinearCrossEntropyArgs& args) {
   if (args.weight == nullptr) return Invalid("weight is nullptr");
   if (args.rows > 0 && (args.x == nullptr || args.targets == nullptr)) {
     return Invalid("x and targets must not be nullptr when rows > 0");
@@ -101,6 +105,12 @@ absl::Status ValidateLinearCrossEntropyArgs(
           absl::StrCat("dx_mode must be in-place, out-of-place or none, got ",
                        static_cast<int>(args.dx_mode)));
   }
+  return absl::OkStatus();
+}
+
+// dW and dbias as the accumulate mode wants them, and the per-row
+// grad_output that a per-row loss with a gradient needs.
+absl::Status CheckWeightGradient(const LinearCrossEntropyArgs& args) {
   switch (args.accumulate) {
     case AccumulateMode::kNone:
       if (args.grad_weight != nullptr || args.grad_bias != nullptr) {
@@ -132,6 +142,11 @@ absl::Status ValidateLinearCrossEntropyArgs(
     return Invalid(
         "token_grad_output is only for reduction none with a gradient");
   }
+  return absl::OkStatus();
+}
+
+// The loss options, targets and class weights.
+absl::Status CheckLossInputs(const LinearCrossEntropyArgs& args) {
   // The options, checked by the cross-entropy's own validation on an
   // equivalent logits problem (no memory is read).
   CrossEntropyArgs ce;
@@ -155,6 +170,16 @@ absl::Status ValidateLinearCrossEntropyArgs(
         absl::StrCat("linear_cross_entropy: ", status.message()));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateLinearCrossEntropyArgs(
+    const LinearCrossEntropyArgs& args) {
+  RETURN_IF_ERROR(CheckShapes(args));
+  RETURN_IF_ERROR(CheckInputsAndDx(args));
+  RETURN_IF_ERROR(CheckWeightGradient(args));
+  return CheckLossInputs(args);
 }
 
 CrossEntropyOptions LinearChunkOptions(const CrossEntropyOptions& options,

@@ -60,6 +60,154 @@ int64_t BlockRows(const LinearCrossEntropyArgs& args) {
   return std::clamp<int64_t>(kBlockBytes / (args.hidden * 4), 1, args.vocab);
 }
 
+// Sum over the valid rows of the target's class weight (1 without weights):
+// a mean's denominator, which every chunk divides by.
+double TargetWeightSum(const LinearCrossEntropyArgs& args) {
+  double sum = 0.0;
+  for (int64_t row = 0; row < args.rows; ++row) {
+    const int64_t target = LoadTarget(args.targets, args.targets_dtype, row);
+    if (target == args.options.ignore_index) continue;
+    sum += args.class_weights == nullptr ? 1.0 : args.class_weights[target];
+  }
+  return sum;
+}
+
+// The fp32 buffers of one call, reused by every chunk.
+struct ChunkBuffers {
+  std::vector<float> logits;     // [chunk_rows, vocab]: Z, then dL/dZ
+  std::vector<float> x_scratch;  // X's rows as fp32 (16-bit X only)
+  std::vector<float> w_scratch;  // a block of W's rows as fp32 (16-bit W)
+  std::vector<float> dx;         // [chunk_rows, hidden]
+  std::vector<float> bias;       // [vocab] as fp32
+  std::vector<float> column;     // [vocab]: one chunk's column sums for dbias
+};
+
+absl::Status AllocateChunkBuffers(const LinearCrossEntropyArgs& args,
+                                  int64_t chunk_rows, ChunkBuffers* buffers) {
+  try {
+    buffers->logits.resize(static_cast<size_t>(chunk_rows * args.vocab));
+    if (args.dx_mode != GradientMode::kNone) {
+      buffers->dx.resize(static_cast<size_t>(chunk_rows * args.hidden));
+    }
+    if (args.bias != nullptr) {
+      buffers->bias.resize(static_cast<size_t>(args.vocab));
+      ToFloat(args.bias, args.dtype, 0, args.vocab, buffers->bias.data());
+    }
+    if (args.grad_bias != nullptr) {
+      buffers->column.resize(static_cast<size_t>(args.vocab));
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        "linear_cross_entropy: scratch allocation failed");
+  }
+  return absl::OkStatus();
+}
+
+// Z = X W^T (+ b) for the `count` rows of `x` (fp32), block by block of W's
+// rows, into buffers->logits.
+void ChunkLogits(const LinearCrossEntropyArgs& args, const float* x,
+                 int64_t count, ChunkBuffers* buffers) {
+  const int64_t hidden = args.hidden;
+  const int64_t vocab = args.vocab;
+  const int64_t block_rows = BlockRows(args);
+  for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
+    const int64_t vb = std::min(block_rows, vocab - v0);
+    const float* w = RowsAsFloat(args.weight, args.dtype, hidden, v0, vb,
+                                 &buffers->w_scratch);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans,
+                static_cast<int>(count), static_cast<int>(vb),
+                static_cast<int>(hidden), 1.0f, x, static_cast<int>(hidden), w,
+                static_cast<int>(hidden), 0.0f, buffers->logits.data() + v0,
+                static_cast<int>(vocab));
+  }
+  if (args.bias != nullptr) {
+    for (int64_t r = 0; r < count; ++r) {
+      float* z = buffers->logits.data() + r * vocab;
+      for (int64_t v = 0; v < vocab; ++v) z[v] += buffers->bias[v];
+    }
+  }
+}
+
+// The cross-entropy of rows [row0, row0 + count) on their logits, the
+// gradient (when the call wants one) replacing them.
+CrossEntropyArgs ChunkLossArgs(const LinearCrossEntropyArgs& args,
+                               const CrossEntropyOptions& chunk_options,
+                               int64_t row0, int64_t count, float* logits) {
+  const bool gradient = LinearCrossEntropyWantsGradient(args);
+  CrossEntropyArgs ce;
+  ce.rows = count;
+  ce.vocab = args.vocab;
+  ce.row_stride = args.vocab;
+  ce.logits_dtype = DType::kFloat32;
+  ce.logits = logits;
+  ce.targets_dtype = args.targets_dtype;
+  ce.targets = static_cast<const char*>(args.targets) +
+               row0 * static_cast<int64_t>(DTypeSize(args.targets_dtype));
+  ce.class_weights = args.class_weights;
+  ce.options = chunk_options;
+  ce.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
+  ce.gradient = gradient ? logits : nullptr;
+  if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
+  if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
+  if (args.token_argmax != nullptr) ce.token_argmax = args.token_argmax + row0;
+  return ce;
+}
+
+// From G = dL/dZ of rows [row0, row0 + count) (in buffers->logits) and their
+// X (`x`, fp32): the per-row factors applied, dbias += column sums of G,
+// dW += G^T X and dX = G W.
+void ChunkGradients(const LinearCrossEntropyArgs& args, int64_t row0,
+                    int64_t count, const float* x, ChunkBuffers* buffers) {
+  const int64_t hidden = args.hidden;
+  const int64_t vocab = args.vocab;
+  const int c = static_cast<int>(count);
+  float* g = buffers->logits.data();
+  if (args.token_grad_output != nullptr) {
+    for (int64_t r = 0; r < count; ++r) {
+      const float factor = args.token_grad_output[row0 + r];
+      for (int64_t v = 0; v < vocab; ++v) g[r * vocab + v] *= factor;
+    }
+  }
+  if (args.grad_bias != nullptr) {
+    // Column sums in row order, fp32, then one add into the accumulator.
+    std::vector<float>& column = buffers->column;
+    std::fill(column.begin(), column.end(), 0.0f);
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t v = 0; v < vocab; ++v) column[v] += g[r * vocab + v];
+    }
+    for (int64_t v = 0; v < vocab; ++v) args.grad_bias[v] += column[v];
+  }
+  const bool want_dw = args.accumulate != AccumulateMode::kNone;
+  const bool want_dx = args.dx_mode != GradientMode::kNone;
+  const int64_t block_rows = BlockRows(args);
+  for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
+    const int64_t vb = std::min(block_rows, vocab - v0);
+    if (want_dw) {
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(vb),
+                  static_cast<int>(hidden), c, 1.0f, g + v0,
+                  static_cast<int>(vocab), x, static_cast<int>(hidden), 1.0f,
+                  args.grad_weight + v0 * hidden, static_cast<int>(hidden));
+    }
+    if (want_dx) {
+      const float* w = RowsAsFloat(args.weight, args.dtype, hidden, v0, vb,
+                                   &buffers->w_scratch);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, c,
+                  static_cast<int>(hidden), static_cast<int>(vb), 1.0f, g + v0,
+                  static_cast<int>(vocab), w, static_cast<int>(hidden),
+                  v0 == 0 ? 0.0f : 1.0f, buffers->dx.data(),
+                  static_cast<int>(hidden));
+    }
+  }
+  if (want_dx) {
+    // X of this chunk is no longer read (dW above used it): in place is safe.
+    for (int64_t i = 0; i < count * hidden; ++i) {
+      cpu_internal::StoreDouble(
+          args.dx, args.dtype, row0 * hidden + i,
+          static_cast<double>(buffers->dx[static_cast<size_t>(i)]));
+    }
+  }
+}
+
 }  // namespace
 
 int64_t LinearCrossEntropyCpuWorkspaceBytes(
@@ -88,44 +236,20 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
     return absl::InvalidArgumentError(
         absl::StrCat("linear_cross_entropy: ", status.message()));
   }
-  double target_weight_sum = 0.0;
-  for (int64_t row = 0; row < args.rows; ++row) {
-    const int64_t target = LoadTarget(args.targets, args.targets_dtype, row);
-    if (target == args.options.ignore_index) continue;
-    target_weight_sum +=
-        args.class_weights == nullptr ? 1.0 : args.class_weights[target];
-  }
+  const double target_weight_sum = TargetWeightSum(args);
   const CrossEntropyOptions chunk_options =
       LinearChunkOptions(args.options, target_weight_sum);
-
   const int64_t rows = args.rows;
-  const int64_t hidden = args.hidden;
-  const int64_t vocab = args.vocab;
   const int64_t chunk_rows = ChunkRows(args);
-  const int64_t block_rows = BlockRows(args);
-  const bool gradient = LinearCrossEntropyWantsGradient(args);
-  const bool want_dw = args.accumulate != AccumulateMode::kNone;
-  const bool want_dx = args.dx_mode != GradientMode::kNone;
-
-  std::vector<float> logits, x_scratch, w_scratch, dx, bias, column;
-  try {
-    logits.resize(static_cast<size_t>(chunk_rows * vocab));
-    if (want_dx) dx.resize(static_cast<size_t>(chunk_rows * hidden));
-    if (args.bias != nullptr) {
-      bias.resize(static_cast<size_t>(vocab));
-      ToFloat(args.bias, args.dtype, 0, vocab, bias.data());
-    }
-    if (args.grad_bias != nullptr) column.resize(static_cast<size_t>(vocab));
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        "linear_cross_entropy: scratch allocation failed");
-  }
+  ChunkBuffers buffers;
+  status = AllocateChunkBuffers(args, chunk_rows, &buffers);
+  if (!status.ok()) return status;
   if (args.accumulate == AccumulateMode::kOverwrite) {
     std::memset(args.grad_weight, 0,
-                static_cast<size_t>(vocab * hidden) * sizeof(float));
+                static_cast<size_t>(args.vocab * args.hidden) * sizeof(float));
     if (args.grad_bias != nullptr)
       std::memset(args.grad_bias, 0,
-                  static_cast<size_t>(vocab) * sizeof(float));
+                  static_cast<size_t>(args.vocab) * sizeof(float));
   }
 
   CrossEntropyResult total;
@@ -136,91 +260,17 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
                        rows, " rows"));
     }
     const int64_t count = std::min(chunk_rows, rows - row0);
-    const int c = static_cast<int>(count);
-    const float* x =
-        RowsAsFloat(args.x, args.dtype, hidden, row0, count, &x_scratch);
-    // Z = X W^T (+ b), block by block of W's rows.
-    for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
-      const int64_t vb = std::min(block_rows, vocab - v0);
-      const float* w =
-          RowsAsFloat(args.weight, args.dtype, hidden, v0, vb, &w_scratch);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c,
-                  static_cast<int>(vb), static_cast<int>(hidden), 1.0f, x,
-                  static_cast<int>(hidden), w, static_cast<int>(hidden), 0.0f,
-                  logits.data() + v0, static_cast<int>(vocab));
-    }
-    if (args.bias != nullptr) {
-      for (int64_t r = 0; r < count; ++r) {
-        float* z = logits.data() + r * vocab;
-        for (int64_t v = 0; v < vocab; ++v) z[v] += bias[v];
-      }
-    }
-    CrossEntropyArgs ce;
-    ce.rows = count;
-    ce.vocab = vocab;
-    ce.row_stride = vocab;
-    ce.logits_dtype = DType::kFloat32;
-    ce.logits = logits.data();
-    ce.targets_dtype = args.targets_dtype;
-    ce.targets = static_cast<const char*>(args.targets) +
-                 row0 * static_cast<int64_t>(DTypeSize(args.targets_dtype));
-    ce.class_weights = args.class_weights;
-    ce.options = chunk_options;
-    ce.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
-    ce.gradient = gradient ? logits.data() : nullptr;
-    if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
-    if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
-    if (args.token_argmax != nullptr)
-      ce.token_argmax = args.token_argmax + row0;
+    const float* x = RowsAsFloat(args.x, args.dtype, args.hidden, row0, count,
+                                 &buffers.x_scratch);
+    ChunkLogits(args, x, count, &buffers);
     CrossEntropyResult chunk;
-    status = CrossEntropyCpu(ce, &chunk);
+    status = CrossEntropyCpu(
+        ChunkLossArgs(args, chunk_options, row0, count, buffers.logits.data()),
+        &chunk);
     if (!status.ok()) return status;
     AddChunkResult(chunk, &total);
-    if (!gradient) continue;
-
-    if (args.token_grad_output != nullptr) {
-      for (int64_t r = 0; r < count; ++r) {
-        const float g = args.token_grad_output[row0 + r];
-        float* z = logits.data() + r * vocab;
-        for (int64_t v = 0; v < vocab; ++v) z[v] *= g;
-      }
-    }
-    if (args.grad_bias != nullptr) {
-      // Column sums in row order, fp32, then one add into the accumulator.
-      std::fill(column.begin(), column.end(), 0.0f);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* g = logits.data() + r * vocab;
-        for (int64_t v = 0; v < vocab; ++v) column[v] += g[v];
-      }
-      for (int64_t v = 0; v < vocab; ++v) args.grad_bias[v] += column[v];
-    }
-    // dW += G^T X and dX = G W, block by block of W's rows.
-    for (int64_t v0 = 0; v0 < vocab; v0 += block_rows) {
-      const int64_t vb = std::min(block_rows, vocab - v0);
-      if (want_dw) {
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
-                    static_cast<int>(vb), static_cast<int>(hidden), c, 1.0f,
-                    logits.data() + v0, static_cast<int>(vocab), x,
-                    static_cast<int>(hidden), 1.0f,
-                    args.grad_weight + v0 * hidden, static_cast<int>(hidden));
-      }
-      if (want_dx) {
-        const float* w =
-            RowsAsFloat(args.weight, args.dtype, hidden, v0, vb, &w_scratch);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, c,
-                    static_cast<int>(hidden), static_cast<int>(vb), 1.0f,
-                    logits.data() + v0, static_cast<int>(vocab), w,
-                    static_cast<int>(hidden), v0 == 0 ? 0.0f : 1.0f, dx.data(),
-                    static_cast<int>(hidden));
-      }
-    }
-    if (want_dx) {
-      // X of this chunk is no longer read (dW above used it): in place is safe.
-      for (int64_t i = 0; i < count * hidden; ++i) {
-        cpu_internal::StoreDouble(
-            args.dx, args.dtype, row0 * hidden + i,
-            static_cast<double>(dx[static_cast<size_t>(i)]));
-      }
+    if (LinearCrossEntropyWantsGradient(args)) {
+      ChunkGradients(args, row0, count, x, &buffers);
     }
   }
   if (args.options.reduction == Reduction::kMean &&

@@ -109,16 +109,26 @@ struct Scratch {
   std::vector<int64_t> stamp;  // stamp[c] == row + 1: c is in the row's top k
 };
 
-PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t row,
-                                 Scratch* scratch) {
-  const PostTrainingArgs& args = *plan.args;
+// What the steps of one row share: its index, target, statistics at
+// temperature 1 and the workspace (z the softcapped logits, grad dl_i/dz).
+struct Row {
+  int64_t index = 0;
+  int64_t y = -1;  // -1: no targets
+  double lse = 0.0;
+  double logp = 0.0;
+  Scratch* scratch = nullptr;
+};
+
+// Loads the row, takes its max, argmax, lse and entropy, and writes the
+// per-token outputs every row has.
+Row LoadRow(const PostTrainingArgs& args, int64_t index, Scratch* scratch,
+            PostTrainingRowTotals* totals) {
   const CrossEntropyArgs& base = args.base;
   const int64_t vocab = base.vocab;
   const double softcap = base.options.softcap;
-  const int64_t offset = row * base.row_stride;
+  const int64_t offset = index * base.row_stride;
   std::vector<double>& x = scratch->x;
   std::vector<double>& z = scratch->z;
-  std::vector<double>& grad = scratch->grad;
   for (int64_t c = 0; c < vocab; ++c) {
     x[c] = LoadLogit(base.logits, base.logits_dtype, offset + c);
     z[c] = softcap > 0.0 ? softcap * std::tanh(x[c] / softcap) : x[c];
@@ -128,243 +138,408 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t row,
   for (int64_t c = 0; c < vocab; ++c) ArgmaxUpdate(z[c], c, &max_z, &argmax);
   double sum_exp = 0.0;
   for (int64_t c = 0; c < vocab; ++c) sum_exp += std::exp(z[c] - max_z);
-  const double lse = max_z + std::log(sum_exp);
+  Row row;
+  row.index = index;
+  row.scratch = scratch;
+  row.lse = max_z + std::log(sum_exp);
   // Entropy lse - sum p z, with 0 * (-inf) = 0 for masked classes.
   double expected_z = 0.0;
   for (int64_t c = 0; c < vocab; ++c) {
-    const double p = std::exp(z[c] - lse);
+    const double p = std::exp(z[c] - row.lse);
     if (p > 0.0) expected_z += p * z[c];
   }
-  const double entropy = lse - expected_z;
-  if (base.token_lse != nullptr) base.token_lse[row] = static_cast<float>(lse);
+  totals->entropy = row.lse - expected_z;
+  if (base.token_lse != nullptr) {
+    base.token_lse[index] = static_cast<float>(row.lse);
+  }
   if (base.token_argmax != nullptr) {
-    base.token_argmax[row] = static_cast<int32_t>(argmax);
+    base.token_argmax[index] = static_cast<int32_t>(argmax);
   }
   if (args.token_entropy != nullptr) {
-    args.token_entropy[row] = static_cast<float>(entropy);
+    args.token_entropy[index] = static_cast<float>(totals->entropy);
   }
+  if (base.targets != nullptr) {
+    row.y = LoadTarget(base.targets, base.targets_dtype, index);
+    totals->correct = argmax == row.y;
+  }
+  return row;
+}
 
-  PostTrainingRowTotals totals;
-  const bool has_target = base.targets != nullptr;
-  const int64_t y =
-      has_target ? LoadTarget(base.targets, base.targets_dtype, row) : -1;
-  if (!RowIsValid(args, row)) {
-    if (base.token_loss != nullptr) base.token_loss[row] = 0.0f;
-    if (args.token_logprob != nullptr) args.token_logprob[row] = 0.0f;
-    if (plan.gradient != nullptr) {
+// The policy loss of a valid row; its gradient into scratch->grad.
+double PolicyRow(const PolicyArgs& pg, const Row& row,
+                 PostTrainingRowTotals* totals) {
+  const int64_t i = row.index;
+  const double advantage = pg.advantages[i];
+  const double ratio = std::exp(row.logp - pg.sampling_logprobs[i]);
+  const double clipped_ratio =
+      std::min(std::max(ratio, 1.0 - static_cast<double>(pg.epsilon_low)),
+               1.0 + static_cast<double>(pg.epsilon_high));
+  double loss = 0.0;
+  double dlogp = 0.0;  // dl/dlogp
+  switch (pg.loss) {
+    case PolicyLossKind::kImportanceSampling:
+      loss = -ratio * advantage;
+      dlogp = -ratio * advantage;
+      break;
+    case PolicyLossKind::kPpoClip: {
+      const double unclipped = -ratio * advantage;
+      const double clipped = -clipped_ratio * advantage;
+      totals->clipped = clipped > unclipped;
+      loss = std::max(unclipped, clipped);
+      dlogp = totals->clipped ? 0.0 : -ratio * advantage;
+      break;
+    }
+    case PolicyLossKind::kCispo:
+      totals->clipped = clipped_ratio != ratio;
+      loss = -clipped_ratio * advantage * row.logp;
+      dlogp = -clipped_ratio * advantage;
+      break;
+  }
+  if (pg.reference_logprobs != nullptr) {
+    const double d = pg.reference_logprobs[i] - row.logp;
+    double kl = 0.0, dkl = 0.0;
+    switch (pg.kl_estimator) {
+      case KlEstimator::kK1:
+        kl = -d;
+        dkl = 1.0;
+        break;
+      case KlEstimator::kK2:
+        kl = 0.5 * d * d;
+        dkl = -d;
+        break;
+      case KlEstimator::kK3:
+        kl = std::exp(d) - d - 1.0;
+        dkl = 1.0 - std::exp(d);
+        break;
+    }
+    totals->kl = kl;
+    if (pg.kl_coef > 0.0f) {
+      loss += pg.kl_coef * kl;
+      dlogp += pg.kl_coef * dkl;
+    }
+  }
+  totals->ratio = ratio;
+  totals->approx_kl = pg.sampling_logprobs[i] - row.logp;
+  // dlogp/dz_c = [c == y] - p_c.
+  std::vector<double>& grad = row.scratch->grad;
+  const std::vector<double>& z = row.scratch->z;
+  for (size_t c = 0; c < z.size(); ++c) {
+    grad[c] = -dlogp * std::exp(z[c] - row.lse);
+  }
+  grad[row.y] += dlogp;
+  return loss;
+}
+
+// A dense teacher's divergence; its gradient (times kd_scale) added into
+// grad. log_p holds the student's log p at the temperature.
+double DenseDivergence(const DistillationArgs& kd, const Row& row,
+                       double kd_scale) {
+  Scratch& scratch = *row.scratch;
+  const int64_t vocab = static_cast<int64_t>(scratch.log_p.size());
+  const int64_t offset = row.index * kd.teacher_row_stride;
+  std::vector<double>& log_q = scratch.log_q;
+  log_q.resize(vocab);
+  double max_t = -kInf;
+  for (int64_t c = 0; c < vocab; ++c) {
+    log_q[c] = LoadLogit(kd.teacher_logits, kd.teacher_dtype, offset + c) /
+               kd.temperature;
+    max_t = std::max(max_t, log_q[c]);
+  }
+  double sum_t = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) sum_t += std::exp(log_q[c] - max_t);
+  const double lse_t = max_t + std::log(sum_t);
+  for (int64_t c = 0; c < vocab; ++c) log_q[c] -= lse_t;
+  const double divergence =
+      BucketDivergence(kd, scratch.log_p, log_q, &scratch.h);
+  double gbar = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) gbar += scratch.h[c];
+  for (int64_t c = 0; c < vocab; ++c) {
+    scratch.grad[c] +=
+        kd_scale * (scratch.h[c] - std::exp(scratch.log_p[c]) * gbar);
+  }
+  return divergence;
+}
+
+// A top-k teacher's divergence (renormalized, or with the tail bucket); its
+// gradient (times kd_scale) added into grad. full_log_p holds the student's
+// log p at the temperature over the vocabulary.
+double TopKDivergence(const DistillationArgs& kd, const Row& row,
+                      const std::vector<double>& full_log_p, double kd_scale) {
+  Scratch& scratch = *row.scratch;
+  const int64_t vocab = static_cast<int64_t>(full_log_p.size());
+  const int64_t k = kd.top_k;
+  const float* logprobs = kd.top_k_logprobs + row.index * k;
+  std::vector<int64_t> index(k);
+  for (int64_t j = 0; j < k; ++j) {
+    index[j] =
+        LoadIndex(kd.top_k_indices, kd.top_k_indices_dtype, row.index * k + j);
+    scratch.stamp[index[j]] = row.index + 1;
+  }
+  std::vector<double> log_p(k), log_q(k);
+  const bool tail = kd.tail == TopKTail::kBucket && k < vocab;
+  double tail_p = 0.0;
+  if (kd.tail == TopKTail::kRenormalize) {
+    double max_s = -kInf, max_l = -kInf;
+    for (int64_t j = 0; j < k; ++j) {
+      max_s = std::max(max_s, full_log_p[index[j]]);
+      max_l = std::max(max_l, static_cast<double>(logprobs[j]));
+    }
+    double sum_s = 0.0, sum_l = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      sum_s += std::exp(full_log_p[index[j]] - max_s);
+      sum_l += std::exp(logprobs[j] - max_l);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      log_p[j] = full_log_p[index[j]] - max_s - std::log(sum_s);
+      log_q[j] = logprobs[j] - max_l - std::log(sum_l);
+    }
+  } else {
+    double teacher_mass = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      log_p[j] = full_log_p[index[j]];
+      log_q[j] = logprobs[j];
+      teacher_mass += std::exp(static_cast<double>(logprobs[j]));
+    }
+    if (tail) {
+      // The student's tail summed over its members, not 1 - support: the
+      // difference would lose the tail's digits when it is small.
       for (int64_t c = 0; c < vocab; ++c) {
+        if (scratch.stamp[c] != row.index + 1) {
+          tail_p += std::exp(full_log_p[c]);
+        }
+      }
+      log_p.push_back(std::log(tail_p));
+      log_q.push_back(std::log(std::max(0.0, 1.0 - teacher_mass)));
+    }
+  }
+  const double divergence = BucketDivergence(kd, log_p, log_q, &scratch.h);
+  double gbar = 0.0;
+  for (double h : scratch.h) gbar += h;
+  if (tail) {
+    // Every class off the support as p_c (g_tail - gbar).
+    const double tail_g = tail_p > 0.0 ? scratch.h[k] / tail_p : 0.0;
+    for (int64_t c = 0; c < vocab; ++c) {
+      if (scratch.stamp[c] == row.index + 1) continue;
+      scratch.grad[c] += kd_scale * std::exp(full_log_p[c]) * (tail_g - gbar);
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    scratch.grad[index[j]] +=
+        kd_scale * (scratch.h[j] - std::exp(log_p[j]) * gbar);
+  }
+  return divergence;
+}
+
+// The distillation loss of a valid row; its gradient into scratch->grad.
+double DistillationRow(const DistillationArgs& kd, const Row& row,
+                       PostTrainingRowTotals* totals) {
+  Scratch& scratch = *row.scratch;
+  const std::vector<double>& z = scratch.z;
+  const int64_t vocab = static_cast<int64_t>(z.size());
+  const double tau = kd.temperature;
+  const double alpha = kd.alpha;
+  double loss = 0.0;
+  if (alpha > 0.0) {
+    loss += alpha * -row.logp;
+    for (int64_t c = 0; c < vocab; ++c) {
+      scratch.grad[c] = alpha * std::exp(z[c] - row.lse);
+    }
+    scratch.grad[row.y] -= alpha;
+  }
+  // The student at the temperature: log softmax(z / tau).
+  double max_u = -kInf;
+  for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
+  double sum_u = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) sum_u += std::exp(z[c] / tau - max_u);
+  const double lse_u = max_u + std::log(sum_u);
+  std::vector<double> full_log_p(vocab);
+  for (int64_t c = 0; c < vocab; ++c) full_log_p[c] = z[c] / tau - lse_u;
+  // dD/du_c, added into grad scaled by (1 - alpha) / tau.
+  const double kd_scale = (1.0 - alpha) / tau;
+  double divergence = 0.0;
+  if (kd.teacher_logits != nullptr) {
+    scratch.log_p = full_log_p;
+    divergence = DenseDivergence(kd, row, kd_scale);
+  } else {
+    divergence = TopKDivergence(kd, row, full_log_p, kd_scale);
+  }
+  totals->distillation = divergence;
+  return loss + (1.0 - alpha) * divergence;
+}
+
+// Writes the row's gradient: grad times the row's factor, through softcap.
+void WriteRowGradient(const Plan& plan, const Row& row) {
+  const CrossEntropyArgs& base = plan.args->base;
+  const double softcap = base.options.softcap;
+  const int64_t offset = row.index * base.row_stride;
+  const double s = plan.row_scale[row.index];
+  const Scratch& scratch = *row.scratch;
+  for (int64_t c = 0; c < base.vocab; ++c) {
+    double g = scratch.grad[c] * s;
+    if (softcap > 0.0) {
+      const double cosh_u = std::cosh(scratch.x[c] / softcap);
+      g /= cosh_u * cosh_u;
+    }
+    StoreDouble(plan.gradient, base.logits_dtype, offset + c, g);
+  }
+}
+
+PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
+                                 Scratch* scratch) {
+  const PostTrainingArgs& args = *plan.args;
+  const CrossEntropyArgs& base = args.base;
+  PostTrainingRowTotals totals;
+  Row row = LoadRow(args, index, scratch, &totals);
+  if (!RowIsValid(args, index)) {
+    totals = PostTrainingRowTotals();
+    if (base.token_loss != nullptr) base.token_loss[index] = 0.0f;
+    if (args.token_logprob != nullptr) args.token_logprob[index] = 0.0f;
+    if (plan.gradient != nullptr) {
+      const int64_t offset = index * base.row_stride;
+      for (int64_t c = 0; c < base.vocab; ++c) {
         StoreDouble(plan.gradient, base.logits_dtype, offset + c, 0.0);
       }
     }
     return totals;
   }
   totals.valid = true;
-  totals.correct = has_target && argmax == y;
-  const double logp = has_target ? z[y] - lse : 0.0;
+  row.logp = row.y >= 0 ? scratch->z[row.y] - row.lse : 0.0;
   if (args.token_logprob != nullptr) {
-    args.token_logprob[row] = static_cast<float>(logp);
+    args.token_logprob[index] = static_cast<float>(row.logp);
   }
-
-  // grad holds dl_i/dz before the row's scale and the softcap's chain rule.
-  std::fill(grad.begin(), grad.begin() + vocab, 0.0);
+  std::fill(scratch->grad.begin(), scratch->grad.end(), 0.0);
   double loss = 0.0;
   if (args.policy != nullptr) {
-    const PolicyArgs& pg = *args.policy;
-    const double advantage = pg.advantages[row];
-    const double ratio = std::exp(logp - pg.sampling_logprobs[row]);
-    const double clipped_ratio =
-        std::min(std::max(ratio, 1.0 - static_cast<double>(pg.epsilon_low)),
-                 1.0 + static_cast<double>(pg.epsilon_high));
-    double dlogp = 0.0;  // dl/dlogp
-    switch (pg.loss) {
-      case PolicyLossKind::kImportanceSampling:
-        loss = -ratio * advantage;
-        dlogp = -ratio * advantage;
-        break;
-      case PolicyLossKind::kPpoClip: {
-        const double unclipped = -ratio * advantage;
-        const double clipped = -clipped_ratio * advantage;
-        totals.clipped = clipped > unclipped;
-        loss = std::max(unclipped, clipped);
-        dlogp = totals.clipped ? 0.0 : -ratio * advantage;
-        break;
-      }
-      case PolicyLossKind::kCispo:
-        totals.clipped = clipped_ratio != ratio;
-        loss = -clipped_ratio * advantage * logp;
-        dlogp = -clipped_ratio * advantage;
-        break;
-    }
-    if (pg.reference_logprobs != nullptr) {
-      const double d = pg.reference_logprobs[row] - logp;
-      double kl = 0.0, dkl = 0.0;
-      switch (pg.kl_estimator) {
-        case KlEstimator::kK1:
-          kl = -d;
-          dkl = 1.0;
-          break;
-        case KlEstimator::kK2:
-          kl = 0.5 * d * d;
-          dkl = -d;
-          break;
-        case KlEstimator::kK3:
-          kl = std::exp(d) - d - 1.0;
-          dkl = 1.0 - std::exp(d);
-          break;
-      }
-      totals.kl = kl;
-      if (pg.kl_coef > 0.0f) {
-        loss += pg.kl_coef * kl;
-        dlogp += pg.kl_coef * dkl;
-      }
-    }
-    totals.ratio = ratio;
-    totals.approx_kl = pg.sampling_logprobs[row] - logp;
-    totals.entropy = entropy;
-    // dlogp/dz_c = [c == y] - p_c.
-    for (int64_t c = 0; c < vocab; ++c) {
-      grad[c] = -dlogp * std::exp(z[c] - lse);
-    }
-    grad[y] += dlogp;
-  } else if (args.distillation != nullptr) {
-    const DistillationArgs& kd = *args.distillation;
-    const double tau = kd.temperature;
-    const double alpha = kd.alpha;
-    if (alpha > 0.0) {
-      loss += alpha * (lse - z[y]);
-      for (int64_t c = 0; c < vocab; ++c) {
-        grad[c] = alpha * std::exp(z[c] - lse);
-      }
-      grad[y] -= alpha;
-    }
-    // Student at the temperature: u = z / tau.
-    double max_u = -kInf;
-    for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
-    double sum_u = 0.0;
-    for (int64_t c = 0; c < vocab; ++c) sum_u += std::exp(z[c] / tau - max_u);
-    const double lse_u = max_u + std::log(sum_u);
-    std::vector<double>& log_p = scratch->log_p;
-    std::vector<double>& log_q = scratch->log_q;
-    std::vector<double>& h = scratch->h;
-    double divergence = 0.0;
-    // dD/du_c, added into grad scaled by (1 - alpha) / tau.
-    const double kd_scale = (1.0 - alpha) / tau;
-    if (kd.teacher_logits != nullptr) {
-      const int64_t t_offset = row * kd.teacher_row_stride;
-      double max_t = -kInf;
-      log_p.resize(vocab);
-      log_q.resize(vocab);
-      for (int64_t c = 0; c < vocab; ++c) {
-        log_q[c] =
-            LoadLogit(kd.teacher_logits, kd.teacher_dtype, t_offset + c) / tau;
-        max_t = std::max(max_t, log_q[c]);
-        log_p[c] = z[c] / tau - lse_u;
-      }
-      double sum_t = 0.0;
-      for (int64_t c = 0; c < vocab; ++c) sum_t += std::exp(log_q[c] - max_t);
-      const double lse_t = max_t + std::log(sum_t);
-      for (int64_t c = 0; c < vocab; ++c) log_q[c] -= lse_t;
-      divergence = BucketDivergence(kd, log_p, log_q, &h);
-      double gbar = 0.0;
-      for (int64_t c = 0; c < vocab; ++c) gbar += h[c];
-      for (int64_t c = 0; c < vocab; ++c) {
-        grad[c] += kd_scale * (h[c] - std::exp(log_p[c]) * gbar);
-      }
-    } else {
-      const int64_t k = kd.top_k;
-      const void* indices = kd.top_k_indices;
-      const float* logprobs = kd.top_k_logprobs + row * k;
-      std::vector<int64_t>& stamp = scratch->stamp;
-      for (int64_t j = 0; j < k; ++j) {
-        stamp[LoadIndex(indices, kd.top_k_indices_dtype, row * k + j)] =
-            row + 1;
-      }
-      auto index = [&](int64_t j) {
-        return LoadIndex(indices, kd.top_k_indices_dtype, row * k + j);
-      };
-      if (kd.tail == TopKTail::kRenormalize) {
-        double max_s = -kInf, max_l = -kInf;
-        for (int64_t j = 0; j < k; ++j) {
-          max_s = std::max(max_s, z[index(j)] / tau);
-          max_l = std::max(max_l, static_cast<double>(logprobs[j]));
-        }
-        double sum_s = 0.0, sum_l = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
-          sum_s += std::exp(z[index(j)] / tau - max_s);
-          sum_l += std::exp(logprobs[j] - max_l);
-        }
-        const double lse_s = max_s + std::log(sum_s);
-        const double lse_l = max_l + std::log(sum_l);
-        log_p.resize(k);
-        log_q.resize(k);
-        for (int64_t j = 0; j < k; ++j) {
-          log_p[j] = z[index(j)] / tau - lse_s;
-          log_q[j] = logprobs[j] - lse_l;
-        }
-        divergence = BucketDivergence(kd, log_p, log_q, &h);
-        double gbar = 0.0;
-        for (int64_t j = 0; j < k; ++j) gbar += h[j];
-        for (int64_t j = 0; j < k; ++j) {
-          grad[index(j)] += kd_scale * (h[j] - std::exp(log_p[j]) * gbar);
-        }
-      } else {
-        const bool tail = k < vocab;
-        const int64_t buckets = tail ? k + 1 : k;
-        log_p.resize(buckets);
-        log_q.resize(buckets);
-        double teacher_mass = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
-          log_p[j] = z[index(j)] / tau - lse_u;
-          log_q[j] = logprobs[j];
-          teacher_mass += std::exp(static_cast<double>(logprobs[j]));
-        }
-        double tail_p = 0.0;
-        if (tail) {
-          // The student's tail summed over its members, not 1 - support: the
-          // difference would lose the tail's digits when it is small.
-          for (int64_t c = 0; c < vocab; ++c) {
-            if (stamp[c] != row + 1) tail_p += std::exp(z[c] / tau - lse_u);
-          }
-          log_p[k] = std::log(tail_p);
-          log_q[k] = std::log(std::max(0.0, 1.0 - teacher_mass));
-        }
-        divergence = BucketDivergence(kd, log_p, log_q, &h);
-        double gbar = 0.0;
-        for (int64_t b = 0; b < buckets; ++b) gbar += h[b];
-        // Every class first as p_c (g_tail - gbar), then the support's own.
-        const double tail_g = tail && tail_p > 0.0 ? h[k] / tail_p : 0.0;
-        for (int64_t c = 0; c < vocab; ++c) {
-          if (stamp[c] == row + 1) continue;
-          grad[c] += kd_scale * std::exp(z[c] / tau - lse_u) * (tail_g - gbar);
-        }
-        for (int64_t j = 0; j < k; ++j) {
-          grad[index(j)] += kd_scale * (h[j] - std::exp(log_p[j]) * gbar);
-        }
-      }
-    }
-    loss += (1.0 - alpha) * divergence;
-    totals.distillation = divergence;
+    loss = PolicyRow(*args.policy, row, &totals);
   } else {
-    loss = lse - z[y];
-    for (int64_t c = 0; c < vocab; ++c) grad[c] = std::exp(z[c] - lse);
-    grad[y] -= 1.0;
+    // Only the policy sums the entropy over the tokens.
+    totals.entropy = 0.0;
+    if (args.distillation != nullptr) {
+      loss = DistillationRow(*args.distillation, row, &totals);
+    } else {
+      loss = -row.logp;
+      for (size_t c = 0; c < scratch->z.size(); ++c) {
+        scratch->grad[c] = std::exp(scratch->z[c] - row.lse);
+      }
+      scratch->grad[row.y] -= 1.0;
+    }
   }
   totals.loss = loss;
   if (base.token_loss != nullptr) {
-    base.token_loss[row] = static_cast<float>(loss);
+    base.token_loss[index] = static_cast<float>(loss);
   }
-  if (plan.gradient != nullptr) {
-    const double s = plan.row_scale[row];
-    for (int64_t c = 0; c < vocab; ++c) {
-      double g = grad[c] * s;
-      if (softcap > 0.0) {
-        const double cosh_u = std::cosh(x[c] / softcap);
-        g /= cosh_u * cosh_u;
-      }
-      StoreDouble(plan.gradient, base.logits_dtype, offset + c, g);
+  if (plan.gradient != nullptr) WriteRowGradient(plan, row);
+  return totals;
+}
+
+}  // namespace
+
+namespace {
+
+// The distillation's fields (ValidatePostTrainingArgs).
+absl::Status ValidateDistillation(const DistillationArgs& kd, int64_t vocab) {
+  if (!(std::isfinite(kd.temperature) && kd.temperature > 0.0f)) {
+    return Invalid(absl::StrCat("distillation.temperature must be > 0, got ",
+                                kd.temperature));
+  }
+  if (!FiniteIn(kd.alpha, 0.0, 1.0)) {
+    return Invalid(
+        absl::StrCat("distillation.alpha must be in [0, 1], got ", kd.alpha));
+  }
+  const int divergence = static_cast<int>(kd.divergence);
+  if (divergence < 1 || divergence > 3) {
+    return Invalid(
+        absl::StrCat("unknown distillation.divergence ", divergence));
+  }
+  if (kd.divergence == Divergence::kJsd && !FiniteIn(kd.beta, 0.0, 1.0)) {
+    return Invalid(
+        absl::StrCat("distillation.beta must be in [0, 1], got ", kd.beta));
+  }
+  const bool dense = kd.teacher_logits != nullptr;
+  const bool sparse =
+      kd.top_k_indices != nullptr || kd.top_k_logprobs != nullptr;
+  if (dense == sparse) {
+    return Invalid(
+        "distillation needs exactly one teacher: dense logits or top-k");
+  }
+  if (dense) {
+    if (!IsLogitsDType(kd.teacher_dtype)) {
+      return Invalid("the teacher logits must be fp32, bf16 or fp16");
+    }
+    if (kd.teacher_row_stride < vocab) {
+      return Invalid("teacher_row_stride must be >= vocab");
+    }
+  } else {
+    const int64_t limit = std::min(vocab, kMaxTopK);
+    if (kd.top_k < 1 || kd.top_k > limit) {
+      return Invalid(absl::StrCat("top-k k = ", kd.top_k,
+                                  " must be in [1, min(V, 512)] = [1, ", limit,
+                                  "]"));
+    }
+    if (kd.top_k_indices == nullptr || kd.top_k_logprobs == nullptr) {
+      return Invalid("a top-k teacher needs both indices and logprobs");
+    }
+    if (!IsTargetsDType(kd.top_k_indices_dtype)) {
+      return Invalid("top-k indices must be int32 or int64");
+    }
+    const int tail = static_cast<int>(kd.tail);
+    if (tail < 1 || tail > 2) {
+      return Invalid(absl::StrCat("unknown top-k tail ", tail));
     }
   }
-  return totals;
+  return absl::OkStatus();
+}
+
+// The policy's fields (ValidatePostTrainingArgs).
+absl::Status ValidatePolicy(const PolicyArgs& pg) {
+  const int loss = static_cast<int>(pg.loss);
+  if (loss < 1 || loss > 3) {
+    return Invalid(absl::StrCat("unknown policy.loss ", loss));
+  }
+  const int estimator = static_cast<int>(pg.kl_estimator);
+  if (estimator < 1 || estimator > 3) {
+    return Invalid(absl::StrCat("unknown policy.kl_estimator ", estimator));
+  }
+  if (pg.advantages == nullptr || pg.sampling_logprobs == nullptr) {
+    return Invalid("policy needs advantages and sampling logprobs");
+  }
+  if (!(std::isfinite(pg.epsilon_low) && pg.epsilon_low >= 0.0f &&
+        pg.epsilon_low < 1.0f)) {
+    return Invalid(absl::StrCat("policy.epsilon_low must be in [0, 1), got ",
+                                pg.epsilon_low));
+  }
+  if (!(std::isfinite(pg.epsilon_high) && pg.epsilon_high >= 0.0f)) {
+    return Invalid(absl::StrCat("policy.epsilon_high must be >= 0, got ",
+                                pg.epsilon_high));
+  }
+  if (!(std::isfinite(pg.kl_coef) && pg.kl_coef >= 0.0f)) {
+    return Invalid(
+        absl::StrCat("policy.kl_coef must be >= 0, got ", pg.kl_coef));
+  }
+  if (pg.kl_coef > 0.0f && pg.reference_logprobs == nullptr) {
+    return Invalid("policy.kl_coef > 0 needs reference logprobs");
+  }
+  return absl::OkStatus();
+}
+
+// The segments' fields (ValidatePostTrainingArgs).
+absl::Status ValidateSegments(const SegmentArgs& segments,
+                              Reduction options_reduction) {
+  if (segments.ids == nullptr) return Invalid("segment ids are missing");
+  if (segments.count < 1 || segments.count > INT32_MAX) {
+    return Invalid(absl::StrCat("segments.count = ", segments.count,
+                                " must be in [1, 2^31)"));
+  }
+  const int reduction = static_cast<int>(segments.reduction);
+  if (reduction < 0 || reduction > 2) {
+    return Invalid(absl::StrCat("unknown segments.reduction ", reduction));
+  }
+  if (segments.reduction != SegmentReduction::kNone &&
+      options_reduction != Reduction::kMean) {
+    return Invalid(
+        "a segment reduction needs the options' reduction to be MEAN");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -398,101 +573,16 @@ absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
     return Invalid("distillation and policy cannot be combined");
   }
   if (kd != nullptr) {
-    if (!(std::isfinite(kd->temperature) && kd->temperature > 0.0f)) {
-      return Invalid(absl::StrCat("distillation.temperature must be > 0, got ",
-                                  kd->temperature));
-    }
-    if (!FiniteIn(kd->alpha, 0.0, 1.0)) {
-      return Invalid(absl::StrCat("distillation.alpha must be in [0, 1], got ",
-                                  kd->alpha));
-    }
-    const int divergence = static_cast<int>(kd->divergence);
-    if (divergence < 1 || divergence > 3) {
-      return Invalid(
-          absl::StrCat("unknown distillation.divergence ", divergence));
-    }
-    if (kd->divergence == Divergence::kJsd && !FiniteIn(kd->beta, 0.0, 1.0)) {
-      return Invalid(
-          absl::StrCat("distillation.beta must be in [0, 1], got ", kd->beta));
-    }
-    const bool dense = kd->teacher_logits != nullptr;
-    const bool sparse =
-        kd->top_k_indices != nullptr || kd->top_k_logprobs != nullptr;
-    if (dense == sparse) {
-      return Invalid(
-          "distillation needs exactly one teacher: dense logits or top-k");
-    }
-    if (dense) {
-      if (!IsLogitsDType(kd->teacher_dtype)) {
-        return Invalid("the teacher logits must be fp32, bf16 or fp16");
-      }
-      if (kd->teacher_row_stride < base.vocab) {
-        return Invalid("teacher_row_stride must be >= vocab");
-      }
-    } else {
-      const int64_t limit = std::min(base.vocab, kMaxTopK);
-      if (kd->top_k < 1 || kd->top_k > limit) {
-        return Invalid(absl::StrCat("top-k k = ", kd->top_k,
-                                    " must be in [1, min(V, 512)] = [1, ",
-                                    limit, "]"));
-      }
-      if (kd->top_k_indices == nullptr || kd->top_k_logprobs == nullptr) {
-        return Invalid("a top-k teacher needs both indices and logprobs");
-      }
-      if (!IsTargetsDType(kd->top_k_indices_dtype)) {
-        return Invalid("top-k indices must be int32 or int64");
-      }
-      const int tail = static_cast<int>(kd->tail);
-      if (tail < 1 || tail > 2) {
-        return Invalid(absl::StrCat("unknown top-k tail ", tail));
-      }
-    }
+    status = ValidateDistillation(*kd, base.vocab);
+    if (!status.ok()) return status;
   }
   if (pg != nullptr) {
-    const int loss = static_cast<int>(pg->loss);
-    if (loss < 1 || loss > 3) {
-      return Invalid(absl::StrCat("unknown policy.loss ", loss));
-    }
-    const int estimator = static_cast<int>(pg->kl_estimator);
-    if (estimator < 1 || estimator > 3) {
-      return Invalid(absl::StrCat("unknown policy.kl_estimator ", estimator));
-    }
-    if (pg->advantages == nullptr || pg->sampling_logprobs == nullptr) {
-      return Invalid("policy needs advantages and sampling logprobs");
-    }
-    if (!(std::isfinite(pg->epsilon_low) && pg->epsilon_low >= 0.0f &&
-          pg->epsilon_low < 1.0f)) {
-      return Invalid(absl::StrCat("policy.epsilon_low must be in [0, 1), got ",
-                                  pg->epsilon_low));
-    }
-    if (!(std::isfinite(pg->epsilon_high) && pg->epsilon_high >= 0.0f)) {
-      return Invalid(absl::StrCat("policy.epsilon_high must be >= 0, got ",
-                                  pg->epsilon_high));
-    }
-    if (!(std::isfinite(pg->kl_coef) && pg->kl_coef >= 0.0f)) {
-      return Invalid(
-          absl::StrCat("policy.kl_coef must be >= 0, got ", pg->kl_coef));
-    }
-    if (pg->kl_coef > 0.0f && pg->reference_logprobs == nullptr) {
-      return Invalid("policy.kl_coef > 0 needs reference logprobs");
-    }
+    status = ValidatePolicy(*pg);
+    if (!status.ok()) return status;
   }
   if (args.segments != nullptr) {
-    const SegmentArgs& segments = *args.segments;
-    if (segments.ids == nullptr) return Invalid("segment ids are missing");
-    if (segments.count < 1 || segments.count > INT32_MAX) {
-      return Invalid(absl::StrCat("segments.count = ", segments.count,
-                                  " must be in [1, 2^31)"));
-    }
-    const int reduction = static_cast<int>(segments.reduction);
-    if (reduction < 0 || reduction > 2) {
-      return Invalid(absl::StrCat("unknown segments.reduction ", reduction));
-    }
-    if (segments.reduction != SegmentReduction::kNone &&
-        options.reduction != Reduction::kMean) {
-      return Invalid(
-          "a segment reduction needs the options' reduction to be MEAN");
-    }
+    status = ValidateSegments(*args.segments, options.reduction);
+    if (!status.ok()) return status;
   }
   return absl::OkStatus();
 }

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     Stats st = SliceStats<T, kBlock, false, false, kOpts>(
         sl, n, start, tid, 0, nullptr, NoWait(), opts);
     const bool mine = y != p.ignore_index && y >= start && y < end;
-    *zy = mine ? OptionZ<kOpts>(opts, Tr::Load(sl + (y - start))) : 0.0f;
+    *zy = mine ? OptionZ<T, kOpts>(opts, Tr::Load(sl + (y - start))) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
     if (forward_only && tid == 0) issue(i + stages, r);
     if (csize == 1) {
@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         // the same thread stored there (program order).
         const int yl = static_cast<int>(y - start);
         if (owner && (yl / kVec) % kBlock == tid) {
-          Tr::Store(
-              out + yl,
-              kOpts ? TargetGrad<kOpts>(rm, opts, Tr::Load(sl + yl)) : rm.gy);
+          Tr::Store(out + yl,
+                    kOpts ? TargetGrad<T, kOpts>(rm, opts, Tr::Load(sl + yl))
+                          : rm.gy);
         }
       }
       __syncthreads();  // every thread is done with this row's stage

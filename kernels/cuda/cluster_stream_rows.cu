@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
   const auto zof = [&](const uint4& v, int base, int u, int j) {
     if (!kOpts) return Tr::Get(v, j);
     return base + (u * kThreads + tid) * kVec + j < end
-               ? OptionZ<kOpts>(opts, Tr::Get(v, j))
+               ? OptionZ<T, kOpts>(opts, Tr::Get(v, j))
                : -INFINITY;
   };
 
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
     const bool valid = y != p.ignore_index;
     const bool owner = valid ? (y >= start && y < end) : rank == 0;
     const float xy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
-    const float zy = OptionZ<kOpts>(opts, xy);
+    const float zy = OptionZ<T, kOpts>(opts, xy);
 
     // Pass 1: online max and sum of 2^((z - shift) * log2e - m_l2), rescaled
     // when a batch raises the max; the argmax is found afterwards in the
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
         for (int j = 0; j < kVec; ++j) bmx = fmaxf(bmx, Tr::Get(cur[u], j));
       if (bmx > m_raw) {
         m_raw = bmx;
-        const float bm = kOpts ? OptionZ<kOpts>(opts, bmx) : bmx;
+        const float bm = kOpts ? OptionZ<T, kOpts>(opts, bmx) : bmx;
         if (bm > m) {
           const float nshift = ExponentShift(bm);
           // = fl(m * log2e), see lo
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j)
             if (e + j == yl) {
-              g[j] = kOpts ? TargetGrad<kOpts>(rm, opts, Tr::Get(cur[u], j))
+              g[j] = kOpts ? TargetGrad<T, kOpts>(rm, opts, Tr::Get(cur[u], j))
                            : rm.gy;
             }
         }

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       const long long y = LoadTarget(p, row);
       const bool valid = y != p.ignore_index;
       const float xy = valid ? __ldcg(p.row_zy + row) : 0.0f;
-      const float zy = OptionZ<kOpts>(opts, xy);
+      const float zy = OptionZ<T, kOpts>(opts, xy);
       const RowMath rm =
           MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
       const bool owner = valid ? (y >= start && y < start + n) : piece == 0;
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kThreads == tid) {
         Tr::Store(static_cast<T*>(p.grad) + row * p.stride + start + yl,
-                  kOpts ? TargetGrad<kOpts>(rm, opts, row_xy) : rm.gy);
+                  kOpts ? TargetGrad<T, kOpts>(rm, opts, row_xy) : rm.gy);
       }
     }
     __syncthreads();  // rowmath and row_y are rewritten by the next item

@@ -384,6 +384,369 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
   return plan;
 }
 
+namespace {
+
+// One call: its arguments, layout and workspace block, and what its steps
+// find out for the ones after them.
+struct LinearCudaCall {
+  const LinearCrossEntropyArgs& args;
+  const Layout& l;
+  const Parts& parts;
+  char* block;  // the workspace, parts.total bytes
+  cudaStream_t stream;
+  int64_t chunk_rows;
+  int64_t chunks;
+
+  // The products of a full chunk, and of a shorter last one.
+  std::shared_ptr<const ChunkGemms> full, tail;
+  // From the target check: the bad row, if any, and the targets' weight.
+  LinearPrepareResult host_prepare = {};
+  // Each chunk's loss options; the gradient's scale s and the power of two
+  // (2^exponent, undone by alpha in the products) that brings it near 1 for
+  // 16-bit copies of G.
+  CrossEntropyOptions chunk_options;
+  float s = 1.0f;
+  int exponent = 0;
+  float alpha = 1.0f;
+  DType z_dtype = DType::kFloat32;  // Z's (and G's)
+  const void* bias_z = nullptr;     // the bias in Z's dtype, or null
+  // Set when the call may be cancelled: each chunk waits for the one before.
+  cudaEvent_t chunk_done = nullptr;
+};
+
+// The products of the call's chunk sizes, planned (or found planned) before
+// anything is enqueued, while the GPU has nothing of ours to wait on.
+absl::Status PlanChunkGemms(cublasLtHandle_t handle, LinearCudaCall* call) {
+  const LinearCrossEntropyArgs& args = call->args;
+  const int64_t tail_rows = args.rows - (call->chunks - 1) * call->chunk_rows;
+  if (args.rows > 0) {
+    ASSIGN_OR_RETURN(call->full,
+                     CachedGemms(handle, args, call->l, call->chunk_rows));
+    call->tail = call->full;
+  }
+  if (call->chunks > 1 && tail_rows != call->chunk_rows) {
+    ASSIGN_OR_RETURN(call->tail, CachedGemms(handle, args, call->l, tail_rows));
+  }
+  return absl::OkStatus();
+}
+
+// Checks the targets on the device (the one synchronisation before the
+// chunks) and sums their class weights: a mean's denominator.
+absl::Status CheckTargetsOnDevice(LinearCudaCall* call) {
+  const LinearCrossEntropyArgs& args = call->args;
+  auto* prepare =
+      reinterpret_cast<LinearPrepareResult*>(call->block + call->parts.prepare);
+  RETURN_IF_ERROR(CudaStatus(
+      LinearPrepareLaunch(args.targets, args.targets_dtype, args.rows,
+                          args.vocab, args.options.ignore_index,
+                          args.class_weights, prepare, call->stream),
+      "linear_cross_entropy: target check"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(&call->host_prepare, prepare, sizeof(call->host_prepare),
+                      cudaMemcpyDeviceToHost, call->stream),
+      "linear_cross_entropy: target check copy"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(call->stream),
+                             "linear_cross_entropy: target check"));
+  if (call->host_prepare.bad_row >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_cross_entropy: target of row ", call->host_prepare.bad_row,
+        " is ", call->host_prepare.bad_target, ", outside [0, ", args.vocab,
+        ") and not ignore_index (", args.options.ignore_index, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The chunks' loss options and the gradient's scaling (LinearCudaCall).
+void ScaleGradient(LinearCudaCall* call) {
+  call->chunk_options = LinearChunkOptions(
+      call->args.options, call->host_prepare.target_weight_sum);
+  CrossEntropyOptions& options = call->chunk_options;
+  call->s = options.grad_scale;
+  if (options.reduction == Reduction::kMean && options.normalizer > 0.0) {
+    call->s = static_cast<float>(options.grad_scale / options.normalizer);
+  }
+  const bool g16 = call->l.split || !call->l.logits_fp32;
+  call->exponent = g16 ? GradientExponent(call->s) : 0;
+  options.grad_scale = std::ldexp(options.grad_scale, call->exponent);
+  call->alpha = std::ldexp(1.0f, -call->exponent);
+}
+
+// What comes before the first chunk: accumulators to overwrite cleared when
+// no chunk will write them, the bias converted to Z's dtype, and the event
+// a cancellable call waits on.
+absl::Status PrepareChunks(LinearCudaCall* call) {
+  const LinearCrossEntropyArgs& args = call->args;
+  if (args.accumulate == AccumulateMode::kOverwrite && args.rows == 0) {
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemsetAsync(args.grad_weight, 0,
+                        sizeof(float) * args.vocab * args.hidden, call->stream),
+        "linear_cross_entropy: dW zero"));
+    if (args.grad_bias != nullptr) {
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(args.grad_bias, 0,
+                                     sizeof(float) * args.vocab, call->stream),
+                     "linear_cross_entropy: dbias zero"));
+    }
+  }
+  call->z_dtype = call->l.logits_fp32 ? DType::kFloat32 : args.dtype;
+  if (args.bias != nullptr) {
+    char* bias_z = call->block + call->parts.bias;
+    call->bias_z = bias_z;
+    RETURN_IF_ERROR(CudaStatus(
+        ConvertScaleCudaLaunch(args.bias, args.dtype, bias_z, call->z_dtype, 0,
+                               args.vocab, args.vocab, 1.0f, nullptr,
+                               call->stream),
+        "linear_cross_entropy: bias copy"));
+  }
+  // A call that may be cancelled enqueues a chunk only once the one before
+  // it is done, and asks first: a cancellation then stops the GPU after the
+  // chunk it is running (the price: the launches of each chunk no longer
+  // overlap the chunk before).
+  if (args.cancelled) {
+    RETURN_IF_ERROR(CudaStatus(
+        cudaEventCreateWithFlags(&call->chunk_done, cudaEventDisableTiming),
+        "linear_cross_entropy: chunk event"));
+  }
+  return absl::OkStatus();
+}
+
+// A cancellable call: waits for the chunks before `chunk`, then asks
+// whether to go on.
+absl::Status WaitAndAskBeforeChunk(const LinearCudaCall& call, int64_t chunk) {
+  if (chunk > 0) {
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(call.chunk_done, call.stream),
+                               "linear_cross_entropy: chunk event"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(call.chunk_done),
+                               "linear_cross_entropy: chunk wait"));
+  }
+  if (call.args.cancelled()) {
+    return absl::CancelledError(
+        absl::StrCat("linear_cross_entropy: cancelled after ",
+                     chunk * call.chunk_rows, " of ", call.args.rows, " rows"));
+  }
+  return absl::OkStatus();
+}
+
+// Z = X W^T (+ b) of the chunk's `count` rows from row0 (X's rows at `x`)
+// and its cross-entropy, the gradient G replacing Z when one is wanted.
+// Returns the cross-entropy's arguments (the chunk's targets, for the
+// residuals).
+absl::StatusOr<CrossEntropyArgs> RunChunkLoss(const LinearCudaCall& call,
+                                              const ChunkGemms& g,
+                                              int64_t chunk, int64_t row0,
+                                              int64_t count, const char* x) {
+  const LinearCrossEntropyArgs& args = call.args;
+  const bool want_grad = LinearCrossEntropyWantsGradient(args);
+  void* logits = call.block + call.parts.logits;
+  RETURN_IF_ERROR(g.logits.Run(1.0f, args.weight, x, 0.0f, logits,
+                               call.block + call.parts.lt, call.stream,
+                               call.bias_z));
+  CrossEntropyArgs ce;
+  ce.rows = count;
+  ce.vocab = args.vocab;
+  ce.row_stride = args.vocab;
+  ce.logits_dtype = call.z_dtype;
+  ce.logits = logits;
+  ce.targets_dtype = args.targets_dtype;
+  ce.targets = static_cast<const char*>(args.targets) +
+               row0 * DTypeSize(args.targets_dtype);
+  ce.class_weights = args.class_weights;
+  ce.options = call.chunk_options;
+  ce.mode = want_grad ? GradientMode::kInPlace : GradientMode::kNone;
+  ce.gradient = want_grad ? logits : nullptr;
+  if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
+  if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
+  if (args.token_argmax != nullptr) ce.token_argmax = args.token_argmax + row0;
+  RETURN_IF_ERROR(ValidateCrossEntropyArgs(ce));
+  auto* chunk_results = reinterpret_cast<CrossEntropyCudaResult*>(
+      call.block + call.parts.results);
+  RETURN_IF_ERROR(
+      CudaStatus(CrossEntropyCudaLaunch(
+                     ce, chunk_results + chunk, call.block + call.parts.ce,
+                     CrossEntropyCudaWorkspaceBytes(count), call.stream),
+                 "linear_cross_entropy: cross-entropy"));
+  return ce;
+}
+
+// The chunk's G made ready for the products: the large entries' residuals
+// reset (sparse), G split into 16-bit hi (and lo, with X stacked twice for
+// dW) or scaled by the rows' factors. `*grad` is G as the products read it.
+absl::Status PrepareChunkGradient(const LinearCudaCall& call,
+                                  const CrossEntropyArgs& ce, int64_t row0,
+                                  int64_t count, const char* x,
+                                  SparseResidualSlots* sparse,
+                                  const void** grad) {
+  const LinearCrossEntropyArgs& args = call.args;
+  const Layout& l = call.l;
+  const bool want_dw = args.accumulate != AccumulateMode::kNone;
+  const float* row_scale = args.token_grad_output != nullptr
+                               ? args.token_grad_output + row0
+                               : nullptr;
+  void* logits = call.block + call.parts.logits;
+  char* hi = call.block + call.parts.hi;
+  char* lo = hi + count * args.vocab * 2;
+  char* x2 = call.block + call.parts.x2;
+  *grad = logits;
+  // The large entries' residuals, recorded against a threshold in G's
+  // scaled units (the row scale is applied in the split).
+  const bool record = l.sparse && want_dw;
+  if (record) {
+    *sparse = SparseResidualCarve(
+        call.block + call.parts.sparse, count, l.sparse_slots,
+        l.sparse_threshold * std::fabs(std::ldexp(call.s, call.exponent)));
+    sparse->targets = ce.targets;
+    sparse->targets_dtype = args.targets_dtype;
+    sparse->class_weights = args.class_weights;
+    RETURN_IF_ERROR(
+        CudaStatus(SparseResidualResetLaunch(*sparse, count, call.stream),
+                   "linear_cross_entropy: residual reset"));
+  }
+  if (!l.split) {
+    if (row_scale == nullptr) return absl::OkStatus();
+    return CudaStatus(RowScaleLaunch(logits, call.z_dtype, row_scale, count,
+                                     args.vocab, call.stream),
+                      "linear_cross_entropy: row scale");
+  }
+  RETURN_IF_ERROR(CudaStatus(
+      SplitGradientLaunch(static_cast<const float*>(logits), row_scale, count,
+                          args.vocab, args.dtype, hi, l.lo ? lo : nullptr,
+                          record ? sparse : nullptr, call.stream),
+      "linear_cross_entropy: split"));
+  *grad = hi;
+  if (!l.lo || !want_dw) return absl::OkStatus();
+  const std::size_t x_bytes = count * args.hidden * DTypeSize(args.dtype);
+  for (std::size_t copy = 0; copy < 2; ++copy) {
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(x2 + copy * x_bytes, x, x_bytes,
+                                   cudaMemcpyDeviceToDevice, call.stream),
+                   "linear_cross_entropy: X stack"));
+  }
+  return absl::OkStatus();
+}
+
+// dbias, dW (with the residuals) and dX of the chunk from G (`grad`, as
+// PrepareChunkGradient left it).
+absl::Status ApplyChunkGradient(const LinearCudaCall& call, const ChunkGemms& g,
+                                int64_t chunk, int64_t row0, int64_t count,
+                                const char* x,
+                                const SparseResidualSlots& sparse,
+                                const void* grad) {
+  const LinearCrossEntropyArgs& args = call.args;
+  const Layout& l = call.l;
+  const bool overwrite = args.accumulate == AccumulateMode::kOverwrite;
+  const bool want_dw = args.accumulate != AccumulateMode::kNone;
+  const float* row_scale = args.token_grad_output != nullptr
+                               ? args.token_grad_output + row0
+                               : nullptr;
+  void* lt_workspace = call.block + call.parts.lt;
+  if (args.grad_bias != nullptr) {
+    // From the fp32 G where there is one (the split's row scale applied
+    // again here), else from the already scaled 16-bit G.
+    RETURN_IF_ERROR(
+        CudaStatus(ColumnSumLaunch(
+                       call.block + call.parts.logits, call.z_dtype,
+                       l.split ? row_scale : nullptr, count, args.vocab,
+                       call.alpha, overwrite && chunk == 0, args.grad_bias,
+                       reinterpret_cast<float*>(call.block + call.parts.colsum),
+                       call.stream),
+                   "linear_cross_entropy: dbias"));
+  }
+  const float beta = overwrite && chunk == 0 ? 0.0f : 1.0f;
+  if (want_dw) {
+    RETURN_IF_ERROR(g.grad_weight.Run(
+        call.alpha, l.lo ? call.block + call.parts.x2 : x, grad, beta,
+        args.grad_weight, lt_workspace, call.stream));
+  }
+  if (l.sparse && want_dw) {
+    RETURN_IF_ERROR(CudaStatus(
+        SparseResidualApplyLaunch(sparse, call.block + call.parts.sparse, count,
+                                  args.vocab, x, args.dtype, args.hidden,
+                                  call.alpha, args.grad_weight, call.stream),
+        "linear_cross_entropy: residual"));
+  }
+  if (args.dx_mode == GradientMode::kNone) return absl::OkStatus();
+  // X's chunk has been read by dW above: dX may overwrite it now.
+  char* dx =
+      static_cast<char*>(args.dx) + row0 * args.hidden * DTypeSize(args.dtype);
+  if (!l.dx_fp32_temp) {
+    return g.grad_x.Run(call.alpha, args.weight, grad, 0.0f, dx, lt_workspace,
+                        call.stream);
+  }
+  float* dx_temp = reinterpret_cast<float*>(call.block + call.parts.dx);
+  const char* lo = call.block + call.parts.hi + count * args.vocab * 2;
+  RETURN_IF_ERROR(g.grad_x.Run(call.alpha, args.weight, grad, 0.0f, dx_temp,
+                               lt_workspace, call.stream));
+  RETURN_IF_ERROR(g.grad_x.Run(call.alpha, args.weight, lo, 1.0f, dx_temp,
+                               lt_workspace, call.stream));
+  return CudaStatus(
+      ConvertScaleCudaLaunch(dx_temp, DType::kFloat32, dx, args.dtype, 0,
+                             count * args.hidden, args.hidden, 1.0f, nullptr,
+                             call.stream),
+      "linear_cross_entropy: dX convert");
+}
+
+// Every chunk in row order: its loss, then its gradients.
+absl::Status RunChunks(const LinearCudaCall& call) {
+  const LinearCrossEntropyArgs& args = call.args;
+  const std::size_t es = DTypeSize(args.dtype);
+  for (int64_t chunk = 0; chunk < call.chunks; ++chunk) {
+    if (call.chunk_done != nullptr) {
+      RETURN_IF_ERROR(WaitAndAskBeforeChunk(call, chunk));
+    }
+    const int64_t row0 = chunk * call.chunk_rows;
+    const int64_t count = std::min(call.chunk_rows, args.rows - row0);
+    const ChunkGemms& g = count == call.chunk_rows ? *call.full : *call.tail;
+    const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
+    ASSIGN_OR_RETURN(const CrossEntropyArgs ce,
+                     RunChunkLoss(call, g, chunk, row0, count, x));
+    if (!LinearCrossEntropyWantsGradient(args)) continue;
+    SparseResidualSlots sparse;
+    const void* grad = nullptr;
+    RETURN_IF_ERROR(
+        PrepareChunkGradient(call, ce, row0, count, x, &sparse, &grad));
+    RETURN_IF_ERROR(
+        ApplyChunkGradient(call, g, chunk, row0, count, x, sparse, grad));
+  }
+  return absl::OkStatus();
+}
+
+// The call's steps up to the last chunk enqueued; the first error stops
+// them.
+absl::Status EnqueueLinearCall(cublasLtHandle_t handle, LinearCudaCall* call) {
+  RETURN_IF_ERROR(PlanChunkGemms(handle, call));
+  RETURN_IF_ERROR(CheckTargetsOnDevice(call));
+  ScaleGradient(call);
+  RETURN_IF_ERROR(PrepareChunks(call));
+  return RunChunks(*call);
+}
+
+// The chunks' results summed as one call's.
+CrossEntropyResult SumChunkResults(
+    const LinearCrossEntropyArgs& args,
+    const std::vector<CrossEntropyCudaResult>& chunk_results,
+    double target_weight_sum) {
+  CrossEntropyResult total;
+  for (const CrossEntropyCudaResult& r : chunk_results) {
+    CrossEntropyResult chunk;
+    chunk.loss = r.loss;
+    chunk.z_loss = r.z_loss;
+    chunk.valid_tokens = r.valid_tokens;
+    chunk.correct_tokens = r.correct_tokens;
+    chunk.nonfinite_rows = r.nonfinite_rows;
+    chunk.denominator = r.denominator;
+    AddChunkResult(chunk, &total);
+  }
+  if (args.options.reduction == Reduction::kMean &&
+      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
+      total.denominator == 0.0) {
+    total.denominator = args.options.normalizer > 0.0 ? args.options.normalizer
+                                                      : target_weight_sum;
+  }
+  return total;
+}
+
+}  // namespace
+
 absl::Status LinearCrossEntropyCuda(
     const LinearCrossEntropyArgs& args, CrossEntropyResult* result,
     cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
@@ -403,284 +766,29 @@ absl::Status LinearCrossEntropyCuda(
   RETURN_IF_ERROR(CudaStatus(
       cudaMallocAsync(reinterpret_cast<void**>(&block), parts.total, stream),
       "linear_cross_entropy: workspace allocation"));
-  auto* prepare = reinterpret_cast<LinearPrepareResult*>(block + parts.prepare);
-  auto* chunk_results =
-      reinterpret_cast<CrossEntropyCudaResult*>(block + parts.results);
-  void* logits = block + parts.logits;
-  char* hi = block + parts.hi;
-  char* x2 = block + parts.x2;
-  float* dx_temp = reinterpret_cast<float*>(block + parts.dx);
-  void* lt_workspace = block + parts.lt;
-
-  // Everything below runs in `status`'s shadow so that the block is always
-  // freed; the first error stops the enqueueing. The products are planned
-  // (or found planned) first, while the GPU has nothing of ours to wait on.
-  const int64_t tail_rows = args.rows - (chunks - 1) * chunk_rows;
-  std::shared_ptr<const ChunkGemms> full, tail;
-  absl::Status status = absl::OkStatus();
-  if (args.rows > 0) {
-    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
-        CachedGemms(handle, args, l, chunk_rows);
-    status = built.status();
-    if (status.ok()) full = tail = *built;
-  }
-  if (status.ok() && chunks > 1 && tail_rows != chunk_rows) {
-    absl::StatusOr<std::shared_ptr<const ChunkGemms>> built =
-        CachedGemms(handle, args, l, tail_rows);
-    status = built.status();
-    if (status.ok()) tail = *built;
-  }
-  LinearPrepareResult host_prepare = {};
-  if (status.ok()) {
-    status = CudaStatus(
-        LinearPrepareLaunch(args.targets, args.targets_dtype, args.rows,
-                            args.vocab, args.options.ignore_index,
-                            args.class_weights, prepare, stream),
-        "linear_cross_entropy: target check");
-  }
-  if (status.ok()) {
-    status =
-        CudaStatus(cudaMemcpyAsync(&host_prepare, prepare, sizeof(host_prepare),
-                                   cudaMemcpyDeviceToHost, stream),
-                   "linear_cross_entropy: target check copy");
-  }
-  if (status.ok()) {
-    status = CudaStatus(cudaStreamSynchronize(stream),
-                        "linear_cross_entropy: target check");
-  }
-  if (status.ok() && host_prepare.bad_row >= 0) {
-    status = absl::InvalidArgumentError(absl::StrCat(
-        "linear_cross_entropy: target of row ", host_prepare.bad_row, " is ",
-        host_prepare.bad_target, ", outside [0, ", args.vocab,
-        ") and not ignore_index (", args.options.ignore_index, ")"));
-  }
-
-  const bool want_grad = LinearCrossEntropyWantsGradient(args);
-  const bool want_dw = args.accumulate != AccumulateMode::kNone;
-  const bool want_dx = args.dx_mode != GradientMode::kNone;
-  const bool overwrite = args.accumulate == AccumulateMode::kOverwrite;
-  CrossEntropyOptions chunk_options =
-      LinearChunkOptions(args.options, host_prepare.target_weight_sum);
-  // The gradient's scale s, and the power of two that brings it near 1 for
-  // 16-bit copies of G.
-  float s = chunk_options.grad_scale;
-  if (chunk_options.reduction == Reduction::kMean &&
-      chunk_options.normalizer > 0.0) {
-    s = static_cast<float>(chunk_options.grad_scale / chunk_options.normalizer);
-  }
-  const bool g16 = l.split || !l.logits_fp32;
-  const int exponent = g16 ? GradientExponent(s) : 0;
-  chunk_options.grad_scale = std::ldexp(chunk_options.grad_scale, exponent);
-  const float alpha = std::ldexp(1.0f, -exponent);
-
-  if (status.ok() && overwrite && args.rows == 0) {
-    status = CudaStatus(
-        cudaMemsetAsync(args.grad_weight, 0,
-                        sizeof(float) * args.vocab * args.hidden, stream),
-        "linear_cross_entropy: dW zero");
-    if (status.ok() && args.grad_bias != nullptr) {
-      status = CudaStatus(cudaMemsetAsync(args.grad_bias, 0,
-                                          sizeof(float) * args.vocab, stream),
-                          "linear_cross_entropy: dbias zero");
-    }
-  }
-
-  const DType z_dtype = l.logits_fp32 ? DType::kFloat32 : args.dtype;
-  const void* bias_z = args.bias != nullptr ? block + parts.bias : nullptr;
-  if (status.ok() && args.bias != nullptr) {
-    status = CudaStatus(ConvertScaleCudaLaunch(
-                            args.bias, args.dtype, block + parts.bias, z_dtype,
-                            0, args.vocab, args.vocab, 1.0f, nullptr, stream),
-                        "linear_cross_entropy: bias copy");
-  }
-
-  // A call that may be cancelled enqueues a chunk only once the one before
-  // it is done, and asks first: a cancellation then stops the GPU after the
-  // chunk it is running (the price: the launches of each chunk no longer
-  // overlap the chunk before).
-  const bool cancellable = static_cast<bool>(args.cancelled);
-  cudaEvent_t chunk_done = nullptr;
-  if (cancellable && status.ok()) {
-    status = CudaStatus(
-        cudaEventCreateWithFlags(&chunk_done, cudaEventDisableTiming),
-        "linear_cross_entropy: chunk event");
-  }
-  const std::size_t es = DTypeSize(args.dtype);
-  const std::size_t ts = DTypeSize(args.targets_dtype);
-  for (int64_t chunk = 0; status.ok() && chunk < chunks; ++chunk) {
-    if (cancellable) {
-      if (chunk > 0) {
-        status = CudaStatus(cudaEventRecord(chunk_done, stream),
-                            "linear_cross_entropy: chunk event");
-      }
-      if (status.ok() && chunk > 0) {
-        status = CudaStatus(cudaEventSynchronize(chunk_done),
-                            "linear_cross_entropy: chunk wait");
-      }
-      if (status.ok() && args.cancelled()) {
-        status = absl::CancelledError(
-            absl::StrCat("linear_cross_entropy: cancelled after ",
-                         chunk * chunk_rows, " of ", args.rows, " rows"));
-      }
-      if (!status.ok()) break;
-    }
-    const int64_t row0 = chunk * chunk_rows;
-    const int64_t count = std::min(chunk_rows, args.rows - row0);
-    const ChunkGemms& g = count == chunk_rows ? *full : *tail;
-    const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
-    status = g.logits.Run(1.0f, args.weight, x, 0.0f, logits, lt_workspace,
-                          stream, bias_z);
-    if (!status.ok()) break;
-    CrossEntropyArgs ce;
-    ce.rows = count;
-    ce.vocab = args.vocab;
-    ce.row_stride = args.vocab;
-    ce.logits_dtype = z_dtype;
-    ce.logits = logits;
-    ce.targets_dtype = args.targets_dtype;
-    ce.targets = static_cast<const char*>(args.targets) + row0 * ts;
-    ce.class_weights = args.class_weights;
-    ce.options = chunk_options;
-    ce.mode = want_grad ? GradientMode::kInPlace : GradientMode::kNone;
-    ce.gradient = want_grad ? logits : nullptr;
-    if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
-    if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
-    if (args.token_argmax != nullptr)
-      ce.token_argmax = args.token_argmax + row0;
-    status = ValidateCrossEntropyArgs(ce);
-    if (!status.ok()) break;
-    const cudaError_t launched =
-        CrossEntropyCudaLaunch(ce, chunk_results + chunk, block + parts.ce,
-                               CrossEntropyCudaWorkspaceBytes(count), stream);
-    status = CudaStatus(launched, "linear_cross_entropy: cross-entropy");
-    if (!status.ok() || !want_grad) continue;
-
-    const float* row_scale = args.token_grad_output != nullptr
-                                 ? args.token_grad_output + row0
-                                 : nullptr;
-    const void* grad = logits;  // the products' G
-    char* lo = hi + count * args.vocab * 2;
-    // The large entries' residuals, recorded against a threshold in G's
-    // scaled units (the row scale is applied in the split).
-    const bool record = l.sparse && want_dw;
-    SparseResidualSlots sparse;
-    if (record) {
-      sparse = SparseResidualCarve(
-          block + parts.sparse, count, l.sparse_slots,
-          l.sparse_threshold * std::fabs(std::ldexp(s, exponent)));
-      sparse.targets = ce.targets;
-      sparse.targets_dtype = args.targets_dtype;
-      sparse.class_weights = args.class_weights;
-      status = CudaStatus(SparseResidualResetLaunch(sparse, count, stream),
-                          "linear_cross_entropy: residual reset");
-      if (!status.ok()) break;
-    }
-    if (l.split) {
-      status =
-          CudaStatus(SplitGradientLaunch(static_cast<const float*>(logits),
-                                         row_scale, count, args.vocab,
-                                         args.dtype, hi, l.lo ? lo : nullptr,
-                                         record ? &sparse : nullptr, stream),
-                     "linear_cross_entropy: split");
-      grad = hi;
-      const std::size_t x_bytes = count * args.hidden * es;
-      if (status.ok() && l.lo && want_dw) {
-        status = CudaStatus(
-            cudaMemcpyAsync(x2, x, x_bytes, cudaMemcpyDeviceToDevice, stream),
-            "linear_cross_entropy: X stack");
-      }
-      if (status.ok() && l.lo && want_dw) {
-        status = CudaStatus(cudaMemcpyAsync(x2 + x_bytes, x, x_bytes,
-                                            cudaMemcpyDeviceToDevice, stream),
-                            "linear_cross_entropy: X stack");
-      }
-    } else if (row_scale != nullptr) {
-      status = CudaStatus(
-          RowScaleLaunch(logits, z_dtype, row_scale, count, args.vocab, stream),
-          "linear_cross_entropy: row scale");
-    }
-    if (status.ok() && args.grad_bias != nullptr) {
-      // From the fp32 G where there is one (the split's row scale applied
-      // again here), else from the already scaled 16-bit G.
-      status = CudaStatus(
-          ColumnSumLaunch(
-              logits, z_dtype, l.split ? row_scale : nullptr, count, args.vocab,
-              alpha, overwrite && chunk == 0, args.grad_bias,
-              reinterpret_cast<float*>(block + parts.colsum), stream),
-          "linear_cross_entropy: dbias");
-    }
-    const float beta = overwrite && chunk == 0 ? 0.0f : 1.0f;
-    if (status.ok() && want_dw) {
-      status = g.grad_weight.Run(alpha, l.lo ? x2 : x, grad, beta,
-                                 args.grad_weight, lt_workspace, stream);
-    }
-    if (status.ok() && record) {
-      status = CudaStatus(
-          SparseResidualApplyLaunch(sparse, block + parts.sparse, count,
-                                    args.vocab, x, args.dtype, args.hidden,
-                                    alpha, args.grad_weight, stream),
-          "linear_cross_entropy: residual");
-    }
-    if (status.ok() && want_dx) {
-      // X's chunk has been read by dW above: dX may overwrite it now.
-      char* dx = static_cast<char*>(args.dx) + row0 * args.hidden * es;
-      if (l.dx_fp32_temp) {
-        status = g.grad_x.Run(alpha, args.weight, grad, 0.0f, dx_temp,
-                              lt_workspace, stream);
-        if (status.ok()) {
-          status = g.grad_x.Run(alpha, args.weight, lo, 1.0f, dx_temp,
-                                lt_workspace, stream);
-        }
-        if (status.ok()) {
-          status = CudaStatus(
-              ConvertScaleCudaLaunch(dx_temp, DType::kFloat32, dx, args.dtype,
-                                     0, count * args.hidden, args.hidden, 1.0f,
-                                     nullptr, stream),
-              "linear_cross_entropy: dX convert");
-        }
-      } else {
-        status = g.grad_x.Run(alpha, args.weight, grad, 0.0f, dx, lt_workspace,
-                              stream);
-      }
-    }
-  }
-
+  LinearCudaCall call{args, l, parts, block, stream, chunk_rows, chunks};
+  // The steps' first error stops the enqueueing; the block is freed either
+  // way, and the results copied only after a call without error.
+  absl::Status status = EnqueueLinearCall(handle, &call);
   std::vector<CrossEntropyCudaResult> host_results(
       static_cast<std::size_t>(chunks));
   if (status.ok() && chunks > 0) {
-    status = CudaStatus(cudaMemcpyAsync(host_results.data(), chunk_results,
-                                        sizeof(CrossEntropyCudaResult) * chunks,
-                                        cudaMemcpyDeviceToHost, stream),
-                        "linear_cross_entropy: result copy");
+    status =
+        CudaStatus(cudaMemcpyAsync(host_results.data(), block + parts.results,
+                                   sizeof(CrossEntropyCudaResult) * chunks,
+                                   cudaMemcpyDeviceToHost, stream),
+                   "linear_cross_entropy: result copy");
   }
   const absl::Status freed =
       CudaStatus(cudaFreeAsync(block, stream), "linear_cross_entropy: free");
   const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
                                          "linear_cross_entropy: synchronize");
-  if (chunk_done != nullptr) cudaEventDestroy(chunk_done);
+  if (call.chunk_done != nullptr) cudaEventDestroy(call.chunk_done);
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(freed);
   RETURN_IF_ERROR(synced);
-
-  CrossEntropyResult total;
-  for (const CrossEntropyCudaResult& r : host_results) {
-    CrossEntropyResult chunk;
-    chunk.loss = r.loss;
-    chunk.z_loss = r.z_loss;
-    chunk.valid_tokens = r.valid_tokens;
-    chunk.correct_tokens = r.correct_tokens;
-    chunk.nonfinite_rows = r.nonfinite_rows;
-    chunk.denominator = r.denominator;
-    AddChunkResult(chunk, &total);
-  }
-  if (args.options.reduction == Reduction::kMean &&
-      (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
-      total.denominator == 0.0) {
-    total.denominator = args.options.normalizer > 0.0
-                            ? args.options.normalizer
-                            : host_prepare.target_weight_sum;
-  }
-  *result = total;
+  *result =
+      SumChunkResults(args, host_results, call.host_prepare.target_weight_sum);
   return absl::OkStatus();
 }
 

@@ -122,7 +122,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   };
   // z of element j of a vector (kOpts: the softcap; plain: the logit).
   const auto zof = [&](const uint4& v, int j) {
-    return OptionZ<kOpts>(opts, Tr::Get(v, j));
+    return OptionZ<T, kOpts>(opts, Tr::Get(v, j));
   };
   uint4 ahead[kU];
   if (kPrefetch) load(tid, ahead);
@@ -150,7 +150,7 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
     const float bmx = BatchMax<T>(v);
     if (bmx > (kOpts ? m_raw : m)) {
       if (kOpts) m_raw = bmx;
-      const float bm = OptionZ<kOpts>(opts, bmx);
+      const float bm = OptionZ<T, kOpts>(opts, bmx);
       if (bm > m) {
         const float nshift = ExponentShift(bm);
         // = fl(m * log2e), see lo
@@ -250,7 +250,7 @@ __device__ __forceinline__ float ElementGrad(const RowMath& rm,
     return fmaf(Exp2(fmaf(x - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b);
   }
   float dfac;
-  const float z = OptionZ<kOpts>(opts, x, &dfac);
+  const float z = OptionZ<T, kOpts>(opts, x, &dfac);
   if (!(kOpts & kOptSmoothing)) {
     return fmaf(Exp2(fmaf(z - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b) *
            dfac;
@@ -259,12 +259,12 @@ __device__ __forceinline__ float ElementGrad(const RowMath& rm,
 }
 
 // dz_y with the options: the softcap's factor at the target's logit x_y.
-template <int kOpts>
+template <typename T, int kOpts>
 __device__ __forceinline__ float TargetGrad(const RowMath& rm,
                                             const ElementOptions& opts,
                                             float xy) {
   float dfac;
-  OptionZ<kOpts>(opts, xy, &dfac);
+  OptionZ<T, kOpts>(opts, xy, &dfac);
   return rm.gy * dfac;
 }
 
@@ -372,10 +372,10 @@ __device__ __forceinline__ Stats ElementStats(float z, int c) {
   return e;
 }
 // The same of a logit x at column c in option build kOpts.
-template <int kOpts>
+template <typename T, int kOpts>
 __device__ __forceinline__ Stats ElementStats(const ElementOptions& o, float x,
                                               int c) {
-  const float z = OptionZ<kOpts>(o, x);
+  const float z = OptionZ<T, kOpts>(o, x);
   Stats e = ElementStats(z, c);
   if (kOpts & kOptSmoothing) e.sum_wz = OptionWeight<kOpts>(o, c) * z;
   return e;

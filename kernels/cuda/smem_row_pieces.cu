@@ -251,8 +251,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         // The edges' statistics, one element a lane (fewer than 32).
         const int c = span.EdgeColumn(lane);
         edges = WarpMergeStats(!edge_lane ? EmptyStats()
-                               : kOpts    ? ElementStats<kOpts>(opts, edge_z, c)
-                                          : ElementStats(edge_z, c));
+                               : kOpts ? ElementStats<T, kOpts>(opts, edge_z, c)
+                                       : ElementStats(edge_z, c));
       }
       st = WarpMergeStats(lane < kWarps    ? scratch[lane]
                           : lane == kWarps ? edges
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
             holds_y ? Tr::Load(reinterpret_cast<const T*>(kept) + yl) : 0.0f;
         if (kEdges && y_edge != 0) zy = zy_edge;
         if (kOpts) {
-          zy = OptionZ<kOpts>(opts, zy);
+          zy = OptionZ<T, kOpts>(opts, zy);
           if (kOpts & kOptSmoothing) PublishWz(p.piece_wz + k, st.sum_wz);
         }
         PublishSlot(row_slots + piece, st, zy);
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
         Tr::Store(out + yl,
-                  kOpts ? TargetGrad<kOpts>(
+                  kOpts ? TargetGrad<T, kOpts>(
                               rm, opts,
                               Tr::Load(reinterpret_cast<const T*>(kept) + yl))
                         : rm.gy);
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       if (valid) {
         const RowMath rm = rowmath;
         g = c != y  ? ElementGrad<T, kOpts>(rm, opts, edge_z, c)
-            : kOpts ? TargetGrad<kOpts>(rm, opts, edge_z)
+            : kOpts ? TargetGrad<T, kOpts>(rm, opts, edge_z)
                     : rm.gy;
       }
       Tr::Store(out_row + c, g);

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int c = span.EdgeColumn(lane);
     const Stats edges =
         WarpMergeStats(!edge_lane ? EmptyStats()
-                       : kOpts    ? ElementStats<kOpts>(opts, edge_z, c)
+                       : kOpts    ? ElementStats<T, kOpts>(opts, edge_z, c)
                                   : ElementStats(edge_z, c));
     st = WarpMergeStats(lane == 0 ? st : lane == 1 ? edges : EmptyStats());
   }
@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(kThreads)
   const float xy = valid ? Traits<T>::Load(static_cast<const T*>(p.logits) +
                                            row * p.stride + y)
                          : 0.0f;
-  const float zy =
-      p.softcap > 0.0f ? OptionZ<kOptSoftcap>(MakeElementOptions(p), xy) : xy;
+  const float zy = p.softcap > 0.0f
+                       ? OptionZ<T, kOptSoftcap>(MakeElementOptions(p), xy)
+                       : xy;
   const RowMath rm =
       MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
   if (lane == 0) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);

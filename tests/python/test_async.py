@@ -51,6 +51,26 @@ def test_forward_async_of_a_buffer_leaves_only_the_gradient(client):
     loss_only = client.forward_async(logits, targets, mode="none").result(timeout=60)
     assert loss_only.loss == pytest.approx(result.loss)
     assert client.list().tensors == []
+    # Out of place: only the new gradient stays, not the upload the caller never saw.
+    apart = client.forward_async(logits, targets, mode="out_of_place").result(timeout=60)
+    assert [t.handle for t in client.list().tensors] == [apart.gradient]
+    client.release(apart.gradient)
+
+
+def test_blocking_forward_of_a_buffer_leaves_only_what_it_returns(client):
+    logits = random_logits(8, 30)
+    targets = np.arange(8)
+    for mode in ("none", "out_of_place"):
+        result = client.forward(logits, targets, mode=mode)
+        left = [t.handle for t in client.list().tensors]
+        assert left == ([result.gradient] if mode == "out_of_place" else []), mode
+        for handle in left:
+            client.release(handle)
+    hidden = np.random.default_rng(4).standard_normal((6, 8), dtype=np.float32)
+    weight = client.upload(np.ones((20, 8), dtype=np.float32)).handle
+    result = client.linear_forward(hidden, weight, np.arange(6), mode="none")
+    assert [t.handle for t in client.list().tensors] == [weight]
+    client.release(weight)
 
 
 def test_linear_forward_async(client):

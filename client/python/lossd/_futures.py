@@ -161,7 +161,8 @@ def backward_async(self, handle, grad_output=1.0, **kwargs):
 
 def _with_input(self, value, label, call, mode):
     """Runs call(handle) for an input given as a handle or a buffer; a buffer is uploaded first
-    (its handle released on failure, and after a mode "none" call, which leaves it unused)."""
+    (its handle released on failure, and after any call but an in-place one: the caller never
+    sees it)."""
     if isinstance(value, str):
         return call(value)
     handle = self.upload(value, label=label).handle
@@ -170,7 +171,7 @@ def _with_input(self, value, label, call, mode):
     except BaseException:
         _quietly(lambda _: _release(self, handle), None)
         raise
-    if mode == "none":
+    if mode != "in_place":
         _release(self, handle)
     return result
 

@@ -2,8 +2,8 @@
 // hidden states and a stored weight (kernels/linear_cross_entropy.h), with
 // the weight gradient accumulated into tensors of the caller's. Kept apart
 // from service.cc, which only admits the call and hands it here.
-#ifndef LOSSD_SERVER_LINEAR_EVALUATION_H_
-#define LOSSD_SERVER_LINEAR_EVALUATION_H_
+#ifndef LOSSD_SERVER_LINEAR_FORWARD_H_
+#define LOSSD_SERVER_LINEAR_FORWARD_H_
 
 #include <functional>
 #include <string>
@@ -35,4 +35,4 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
 
 }  // namespace lossd
 
-#endif  // LOSSD_SERVER_LINEAR_EVALUATION_H_
+#endif  // LOSSD_SERVER_LINEAR_FORWARD_H_

@@ -1,0 +1,329 @@
+// Host side of lossd's Hopper GEMM: the TMA tensor maps (through the
+// driver's entry point, as the runtime exposes no encoder), the plain store
+// epilogue and the persistent launch.
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/gemm_sm90.cuh"
+#include "kernels/cuda/gemm_sm90.h"
+
+namespace lossd {
+namespace cuda_gemm {
+namespace {
+
+// Stores the accumulator as Z's element type straight from the registers,
+// two adjacent columns a store where Z's rows and pointer allow it: for Z
+// that no tensor map can describe.
+template <typename T>
+struct StoreZ {
+  static constexpr int kStagingBytes = 0;
+  T* z;
+  int64_t stride;
+  int rows;
+  int cols;
+  bool pairs;
+
+  __device__ __forceinline__ void Store2(int64_t at, float a, float b) const;
+
+  __device__ __forceinline__ void operator()(
+      const float (&acc)[kFragmentValues], const FragmentCoords& at,
+      const WarpgroupTile&) const {
+#pragma unroll
+    for (int i = 0; i < kFragmentValues; i += 2) {
+      const int r = at.RowOf(i);
+      const int c = at.ColOf(i);
+      if (r >= rows || c >= cols) continue;
+      const int64_t offset = r * stride + c;
+      if (pairs && c + 1 < cols) {
+        Store2(offset, acc[i], acc[i + 1]);
+      } else {
+        Store1(offset, acc[i]);
+        if (c + 1 < cols) Store1(offset + 1, acc[i + 1]);
+      }
+    }
+  }
+  __device__ __forceinline__ void Store1(int64_t at, float v) const;
+  __device__ __forceinline__ void Finish(const WarpgroupTile&) const {}
+};
+
+__device__ __forceinline__ unsigned Pack(__nv_bfloat16, float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// Stores the accumulator through shared memory with TMA: the warpgroup
+// writes its 64 x 256 values, a chunk of columns at a time, into the halves
+// of its staging buffer in turn, as boxes of 64 rows by 128 bytes, 128-byte
+// swizzled (a quad's 16-byte pieces of 8 rows fall on distinct banks), and
+// one thread hands each chunk's boxes to the TMA unit, which clips them at
+// Z's edges. A half is written again once its previous chunk has been read,
+// while the other half's stores drain: the warpgroup goes on to its next
+// tile without waiting for its last chunk.
+template <typename T>
+struct TmaStoreZ {
+  static constexpr int kStagingBytes = 32 * 1024;
+  static constexpr int kBoxCols = 128 / sizeof(T);
+  static constexpr int kBoxBytes = 64 * 128;
+  static constexpr int kChunkBytes = kStagingBytes / 2;
+  static constexpr int kChunkCols = kBoxCols * (kChunkBytes / kBoxBytes);
+  static_assert(kTileCols / kChunkCols % 2 == 0,
+                "each tile starts on the first half");
+  CUtensorMap map;  // Z, in [64, kBoxCols] boxes
+  int rows;
+
+  __device__ __forceinline__ void operator()(
+      const float (&acc)[kFragmentValues], const FragmentCoords&,
+      const WarpgroupTile& wg) const {
+    if (wg.row >= rows) return;  // the idle half of a cluster's last unit
+    const int lane = wg.thread % 32;
+    const int q = lane % 4;
+    // One loop over the fragment, the chunk's barriers at its edges: fully
+    // unrolled, so that the accumulator stays in registers.
+    constexpr int kChunkValues = kChunkCols / 2;
+#pragma unroll
+    for (int i = 0; i < kFragmentValues; i += 2) {
+      const int chunk = i / kChunkValues;
+      unsigned char* half = wg.staging + (chunk % 2) * kChunkBytes;
+      if (i % kChunkValues == 0) {
+        if (wg.thread == 0) sm90::BulkWaitRead<1>();
+        sm90::NamedBarrier(wg.barrier, 128);
+      }
+      const int r = (wg.thread / 32) * 16 + lane / 4 + ((i & 2) << 2);
+      const int c = 8 * (i / 4) + 2 * q - chunk * kChunkCols;
+      const int byte = (c % kBoxCols) * static_cast<int>(sizeof(T));
+      unsigned char* at = half + (c / kBoxCols) * kBoxBytes + r * 128 +
+                          (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+      if (sizeof(T) == 2) {
+        *reinterpret_cast<unsigned*>(at) =
+            Pack(__nv_bfloat16(), acc[i], acc[i + 1]);
+      } else {
+        *reinterpret_cast<float2*>(at) = make_float2(acc[i], acc[i + 1]);
+      }
+      if ((i + 2) % kChunkValues == 0) {
+        sm90::FenceProxyAsync();
+        sm90::NamedBarrier(wg.barrier, 128);
+        if (wg.thread == 0) {
+#pragma unroll
+          for (int b = 0; b < kChunkBytes / kBoxBytes; ++b) {
+            sm90::TmaStore(&map, half + b * kBoxBytes,
+                           wg.col + chunk * kChunkCols + b * kBoxCols, wg.row);
+          }
+          sm90::BulkCommit();
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void Finish(const WarpgroupTile& wg) const {
+    if (wg.thread == 0) sm90::BulkWait();
+  }
+};
+
+template <>
+__device__ __forceinline__ void StoreZ<__nv_bfloat16>::Store2(int64_t at,
+                                                              float a,
+                                                              float b) const {
+  *reinterpret_cast<__nv_bfloat162*>(z + at) = __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void StoreZ<__nv_bfloat16>::Store1(int64_t at,
+                                                              float v) const {
+  z[at] = __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ void StoreZ<float>::Store2(int64_t at, float a,
+                                                      float b) const {
+  *reinterpret_cast<float2*>(z + at) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void StoreZ<float>::Store1(int64_t at,
+                                                      float v) const {
+  z[at] = v;
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t,
+                                 void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*,
+                                 CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion,
+                                 CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled, looked up once; null if the driver lacks it.
+EncodeTiled Encoder() {
+  static EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encode;
+}
+
+// A row-major bf16 [rows, depth] matrix read in [box_rows, 64] boxes, rows
+// and depth past the ends filled with zeros.
+cudaError_t OperandMap(CUtensorMap* map, const void* base, int64_t rows,
+                       int64_t depth, int box_rows) {
+  const EncodeTiled encode = Encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(depth),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(depth) * 2};
+  const cuuint32_t box[2] = {kDepthBlock, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+             dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Z [rows, z_stride] written in [64, box_cols] boxes of 128 bytes a row,
+// 128-byte swizzled as TmaStoreZ stages them.
+cudaError_t ZMap(CUtensorMap* map, const GemmSm90Args& args,
+                 CUtensorMapDataType type, int box_cols) {
+  const EncodeTiled encode = Encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const int64_t element = type == CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 ? 2 : 4;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.cols),
+                              static_cast<cuuint64_t>(args.rows)};
+  const cuuint64_t strides[1] = {
+      static_cast<cuuint64_t>(args.z_stride * element)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), 64};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, type, 2, args.z, dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int kCluster, typename Epilogue>
+cudaError_t Launch(const CUtensorMap& x_map, const CUtensorMap& w_map,
+                   const GemmSm90Args& args, const Epilogue& epilogue,
+                   cudaStream_t stream) {
+  auto kernel = GemmSm90Kernel<kCluster, Epilogue>;
+  constexpr int kSmemBytes = SmemLayout<Epilogue::kStagingBytes>::kBytes;
+  cudaError_t e = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kCluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cfg.gridDim = dim3(kCluster);
+  // Persistent: as many clusters as fit at once, no more than the units.
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) return e;
+  if (clusters <= 0) return cudaErrorInvalidConfiguration;
+  const int64_t row_tiles = (args.rows + kTileRows - 1) / kTileRows;
+  const int64_t col_tiles = (args.cols + kTileCols - 1) / kTileCols;
+  const int64_t units = (row_tiles + kCluster - 1) / kCluster * col_tiles;
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
+  return cudaLaunchKernelEx(
+      &cfg, kernel, x_map, w_map, static_cast<int>(args.rows),
+      static_cast<int>(args.cols), static_cast<int>(args.depth), epilogue);
+}
+
+template <typename Epilogue>
+cudaError_t LaunchCluster(const CUtensorMap& x_map, const CUtensorMap& w_map,
+                          const GemmSm90Args& args, const Epilogue& epilogue,
+                          cudaStream_t stream) {
+  return args.cluster == 1 ? Launch<1>(x_map, w_map, args, epilogue, stream)
+                           : Launch<2>(x_map, w_map, args, epilogue, stream);
+}
+
+}  // namespace
+
+GemmSm90Shape ShapeOf(const GemmSm90Args& args) {
+  GemmSm90Shape s;
+  s.rows = args.rows;
+  s.cols = args.cols;
+  s.depth = args.depth;
+  s.z_stride = args.z_stride;
+  s.z_element_bytes = args.z_type == ZType::kBFloat16 ? 2 : 4;
+  s.operands_aligned = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.w) % 16 == 0;
+  s.z_aligned = reinterpret_cast<uintptr_t>(args.z) % s.z_element_bytes == 0;
+  s.z_aligned16 = reinterpret_cast<uintptr_t>(args.z) % 16 == 0;
+  return s;
+}
+
+cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
+  if (requested.cluster < 0 || requested.cluster > 2) {
+    return cudaErrorInvalidValue;
+  }
+  GemmSm90Args args = requested;
+  int device = 0, major = 0, minor = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                               device);
+  }
+  if (e == cudaSuccess) {
+    e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                               device);
+  }
+  if (e != cudaSuccess) return e;
+  const GemmSm90Shape shape = ShapeOf(args);
+  if (GemmSm90Eligibility(shape, major, minor) != GemmSm90Fit::kYes) {
+    return cudaErrorNotSupported;
+  }
+  if (args.cluster == 0) args.cluster = GemmSm90Cluster(shape);
+  CUtensorMap x_map, w_map;
+  e = OperandMap(&x_map, args.x, args.rows, args.depth, kTileRows);
+  if (e != cudaSuccess) return e;
+  e = OperandMap(&w_map, args.w, args.cols, args.depth,
+                 kTileCols / args.cluster);
+  if (e != cudaSuccess) return e;
+  const int element = shape.z_element_bytes;
+  if (ZByTensorStore(shape)) {
+    const CUtensorMapDataType type = args.z_type == ZType::kBFloat16
+                                         ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    const int box_cols = 128 / element;
+    if (args.z_type == ZType::kBFloat16) {
+      TmaStoreZ<__nv_bfloat16> store;
+      store.rows = static_cast<int>(args.rows);
+      e = ZMap(&store.map, args, type, box_cols);
+      if (e != cudaSuccess) return e;
+      return LaunchCluster(x_map, w_map, args, store, stream);
+    }
+    TmaStoreZ<float> store;
+    store.rows = static_cast<int>(args.rows);
+    e = ZMap(&store.map, args, type, box_cols);
+    if (e != cudaSuccess) return e;
+    return LaunchCluster(x_map, w_map, args, store, stream);
+  }
+  const bool pairs = args.z_stride % 2 == 0 &&
+                     reinterpret_cast<uintptr_t>(args.z) % (2 * element) == 0;
+  if (args.z_type == ZType::kBFloat16) {
+    const StoreZ<__nv_bfloat16> store{
+        static_cast<__nv_bfloat16*>(args.z), args.z_stride,
+        static_cast<int>(args.rows), static_cast<int>(args.cols), pairs};
+    return LaunchCluster(x_map, w_map, args, store, stream);
+  }
+  const StoreZ<float> store{static_cast<float*>(args.z), args.z_stride,
+                            static_cast<int>(args.rows),
+                            static_cast<int>(args.cols), pairs};
+  return LaunchCluster(x_map, w_map, args, store, stream);
+}
+
+}  // namespace cuda_gemm
+}  // namespace lossd

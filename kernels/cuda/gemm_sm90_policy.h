@@ -1,0 +1,99 @@
+// Where lossd's Hopper GEMM (gemm_sm90.h) runs and in which order it visits
+// its output tiles: pure functions, plain C++ (usable from device code), so
+// that a CPU test checks them without a GPU.
+#ifndef LOSSD_KERNELS_CUDA_GEMM_SM90_POLICY_H_
+#define LOSSD_KERNELS_CUDA_GEMM_SM90_POLICY_H_
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define LOSSD_HOST_DEVICE __host__ __device__
+#else
+#define LOSSD_HOST_DEVICE
+#endif
+
+namespace lossd {
+namespace cuda_gemm {
+
+// The kernel's output tile: 128 rows of Z (two consumer warpgroups of 64)
+// by 256 columns, over depth blocks of 64 (one 128-byte swizzle row of bf16).
+constexpr int kTileRows = 128;
+constexpr int kTileCols = 256;
+constexpr int kDepthBlock = 64;
+// Row tiles that a band of the tile order covers (GemmTileAt).
+constexpr int kBandRowTiles = 16;
+
+// Why the kernel does or does not take a product (GemmSm90Eligibility).
+enum class GemmSm90Fit {
+  kYes = 0,
+  kNotSm90,   // the device is not compute capability 9.0 (sm_90a code)
+  kEmpty,     // a dimension is 0
+  kTooLarge,  // a dimension past INT_MAX (32-bit tile and TMA coordinates)
+  kZStride,   // Z's row stride shorter than a row
+  kDepthAlignment,    // X's and W's row stride is not a multiple of 16 bytes
+  kPointerAlignment,  // X or W not 16-byte aligned, Z not aligned to its type
+};
+
+const char* GemmSm90FitName(GemmSm90Fit fit);
+
+struct GemmSm90Shape {
+  int64_t rows = 0;         // N: rows of X and of Z
+  int64_t cols = 0;         // V: rows of W, columns of Z
+  int64_t depth = 0;        // H: columns of X and W (both row-major, K-major)
+  int64_t z_stride = 0;     // elements between rows of Z (>= cols)
+  int z_element_bytes = 2;  // 2 (bf16) or 4 (fp32)
+  bool operands_aligned = false;  // X and W 16-byte aligned
+  bool z_aligned = false;         // Z aligned to its element
+  bool z_aligned16 = false;       // Z 16-byte aligned
+};
+
+// The policy: kYes when the sm_90a kernel takes the product on a device of
+// compute capability `major`.`minor`, otherwise the first reason it does not
+// (the caller then uses cuBLASLt).
+GemmSm90Fit GemmSm90Eligibility(const GemmSm90Shape& shape, int major,
+                                int minor);
+
+// Whether the kernel stores Z with TMA (through shared memory, overlapped
+// with the next tile) rather than from registers: a tensor map needs Z
+// 16-byte aligned and its row stride a multiple of 16 bytes, and a row of
+// whole 16-byte pieces, as TMA stores a box's last piece of a row whole
+// (on the H100 it wrote the 16-byte piece's columns past the end).
+bool ZByTensorStore(const GemmSm90Shape& shape);
+
+// The cluster size for GemmSm90Args::cluster 0: two blocks sharing each W
+// tile by multicast. With Z stored by TMA the two sizes are within the runs'
+// noise of each other at the bench's shapes (H100, five runs, mean time over
+// cuBLASLt's for bf16 Z: 1.017 and 1.001 with two, 1.017 and 1.023 with
+// one), and two halve W's traffic out of L2, which counts for more once the
+// epilogue stores no Z.
+int GemmSm90Cluster(const GemmSm90Shape& shape);
+
+struct TileCoord {
+  int row_tile;
+  int col_tile;
+};
+
+// The tile order of the persistent schedule. Tiles are numbered in bands of
+// kBandRowTiles row tiles (the last band may be shorter); within a band the
+// row tile runs fastest, so the SMs working at one time share a few W tiles
+// (each read once from HBM for the whole band) and the band's X rows stay in
+// L2 while the band sweeps across W. A bijection from [0, rows*cols tiles).
+LOSSD_HOST_DEVICE inline TileCoord GemmTileAt(int64_t tile, int row_tiles,
+                                              int col_tiles) {
+  const int64_t band_tiles = static_cast<int64_t>(kBandRowTiles) * col_tiles;
+  const int band = static_cast<int>(tile / band_tiles);
+  const int first_row = band * kBandRowTiles;
+  const int band_rows = row_tiles - first_row < kBandRowTiles
+                            ? row_tiles - first_row
+                            : kBandRowTiles;
+  const int64_t local = tile - band * band_tiles;
+  TileCoord c;
+  c.row_tile = first_row + static_cast<int>(local % band_rows);
+  c.col_tile = static_cast<int>(local / band_rows);
+  return c;
+}
+
+}  // namespace cuda_gemm
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_GEMM_SM90_POLICY_H_
