@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
   // kWarmup calls and, outside --profile, kWarmupMs of them (with three
   // warm-up calls alone, the first bf16 configuration, 8192 x 32000, read 3-5
   // points under the same launch measured later in the same process:
-  // bench/NOTES.md, v9 session 5). `prepare` runs before each call, untimed.
+  // bench/NOTES.md, the row wait). `prepare` runs before each call, untimed.
   // -1 when `enqueue` fails (returns false).
   const double kWarmupMs = profile ? 0.0 : 100.0;
   const auto median_ms = [&](const auto& prepare,

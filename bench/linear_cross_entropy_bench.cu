@@ -17,7 +17,7 @@
 
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
-#include "kernels/cuda/linear_cross_entropy_cuda.h"
+#include "kernels/cuda/linear_cross_entropy_lab.h"
 
 namespace lossd {
 namespace {
@@ -305,8 +305,8 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
       {"split-dW (default below V = 50000)", LinearPrecision::kSplitWeight, 0},
       {"split-dW", LinearPrecision::kSplitWeight, 2048},
       {"split-dW", LinearPrecision::kSplitWeight, 1024},
-      {"split-dW+dX", LinearPrecision::kSplitBoth, 0},
-      {"fp32 logits, bf16 G", LinearPrecision::kFp32Logits, 0},
+      {"split-dW+dX", kLinearSplitBoth, 0},
+      {"fp32 logits, bf16 G", kLinearFp32Logits, 0},
       {"sparse residual (default from V = 50000: 2^-6, 128 slots)",
        LinearPrecision::kSparseResidual, 0},
       {"sparse residual (2^-9, 1024 slots)", LinearPrecision::kSparseResidual,
@@ -332,10 +332,10 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
   FillBf16<<<64, 256>>>(bias, V, 0.5f, 4);
   for (const Variant& variant : variants) {
     // --few: the default, the fp32-logits middle and the fast path only.
-    if (few && (variant.chunk_rows != 0 ||
-                variant.precision == LinearPrecision::kSplitBoth))
+    if (few &&
+        (variant.chunk_rows != 0 || variant.precision == kLinearSplitBoth))
       continue;
-    LinearCrossEntropyCudaConfig config;
+    LinearCrossEntropyLabConfig config;
     config.precision = variant.precision;
     config.chunk_rows = variant.chunk_rows;
     config.sparse_threshold = variant.sparse_threshold;
@@ -361,12 +361,12 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     a.options.softcap = variant.softcap;
     a.options.z_loss_scale = variant.z_loss_scale;
     const LinearCrossEntropyCudaPlan plan =
-        PlanLinearCrossEntropyCuda(a, &config);
+        PlanLinearCrossEntropyCudaLab(a, config);
     CrossEntropyResult result;
     bool ok = true;
     const auto run = [&] {
       const absl::Status status =
-          LinearCrossEntropyCuda(a, &result, nullptr, &config);
+          LinearCrossEntropyCudaLab(a, &result, nullptr, config);
       if (!status.ok()) {
         std::fprintf(stderr, "lossd: %s\n",
                      std::string(status.message()).c_str());

@@ -1,7 +1,7 @@
 // Element conversion on the client (fp32 <-> bf16 / fp16, int64 -> int32):
 // lossctl converts files to the dtype sent and downloads to the file's dtype
 // at memory speed, so the loops are vectorized and a piece can be split over
-// every core (ConvertPool). Bit-exact with kernels/cpu/float16.h.
+// every core (ConvertPool). Bit-exact with common/float16.h.
 #ifndef LOSSD_CLIENT_CONVERT_H_
 #define LOSSD_CLIENT_CONVERT_H_
 

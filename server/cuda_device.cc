@@ -26,12 +26,6 @@
 namespace lossd {
 namespace {
 
-// Sub-buffers of one device block start at this alignment (the kernel loads
-// 16-byte vectors; 256 matches cudaMalloc's own guarantee).
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
 // Copies an upload's bytes into pinned staging. The staging buffer is read
 // next by the GPU's DMA, not by the CPU, so large copies use non-temporal
 // stores: no read for ownership of the destination and no eviction of the
@@ -275,6 +269,11 @@ absl::StatusOr<cudaStream_t> CudaDevice::AcquireStream() {
   return stream;
 }
 
+absl::StatusOr<CudaDevice::PooledStream> CudaDevice::TakeStream() {
+  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  return PooledStream(this, stream);
+}
+
 void CudaDevice::ReleaseStream(cudaStream_t stream) {
   absl::MutexLock lock(&mu_);
   streams_.push_back(stream);
@@ -330,14 +329,14 @@ absl::Status CudaDevice::AllocateOn(void** pointer, size_t bytes,
 absl::StatusOr<void*> CudaDevice::Allocate(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("allocation of 0 bytes");
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  ASSIGN_OR_RETURN(const PooledStream stream, TakeStream());
   void* buffer = nullptr;
-  absl::Status status = AllocateOn(&buffer, bytes, stream);
+  absl::Status status = AllocateOn(&buffer, bytes, stream.get());
   // Synchronized so that the buffer may be used on any stream from now on.
   if (status.ok()) {
-    status = Check(cudaStreamSynchronize(stream), "allocation synchronize");
+    status =
+        Check(cudaStreamSynchronize(stream.get()), "allocation synchronize");
   }
-  ReleaseStream(stream);
   if (!status.ok()) return status;
   allocated_bytes_.fetch_add(static_cast<int64_t>(bytes),
                              std::memory_order_relaxed);
@@ -614,14 +613,14 @@ absl::Status CudaDevice::ReadConverted(const void* buffer, DType src_dtype,
   const char* src = static_cast<const char*>(buffer) +
                     static_cast<size_t>(first) * DTypeSize(src_dtype);
   const size_t out_bytes = static_cast<size_t>(count) * DTypeSize(dst_dtype);
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  ASSIGN_OR_RETURN(const PooledStream pooled, TakeStream());
+  const cudaStream_t stream = pooled.get();
   if (src_dtype == dst_dtype && scale == 1.0f && host_row_scale == nullptr) {
-    const absl::Status status = CopyToHost(host_dst, src, out_bytes, stream);
-    ReleaseStream(stream);
-    return status;
+    return CopyToHost(host_dst, src, out_bytes, stream);
   }
+  StreamBlock row_scale_block(stream);
+  StreamBlock scratch_block(stream);
   float* row_scale = nullptr;
-  void* scratch = nullptr;
   int64_t local_first = first;
   absl::Status status;
   if (host_row_scale != nullptr) {
@@ -631,10 +630,13 @@ absl::Status CudaDevice::ReadConverted(const void* buffer, DType src_dtype,
     absl::StatusOr<float*> staged = StageRowScale(
         host_row_scale + first_row, last_row - first_row + 1, stream);
     status = staged.status();
-    if (status.ok()) row_scale = *staged;
+    if (status.ok()) *row_scale_block.address() = row_scale = *staged;
     local_first = first - first_row * row_length;
   }
-  if (status.ok()) status = AllocateOn(&scratch, out_bytes, stream);
+  if (status.ok()) {
+    status = AllocateOn(scratch_block.address(), out_bytes, stream);
+  }
+  void* const scratch = scratch_block.get();
   if (status.ok()) {
     status = Check(
         ConvertScaleCudaLaunch(src, src_dtype, scratch, dst_dtype, local_first,
@@ -642,11 +644,10 @@ absl::Status CudaDevice::ReadConverted(const void* buffer, DType src_dtype,
         "convert kernel");
   }
   if (status.ok()) status = CopyToHost(host_dst, scratch, out_bytes, stream);
-  if (scratch != nullptr) cudaFreeAsync(scratch, stream);
-  if (row_scale != nullptr) cudaFreeAsync(row_scale, stream);
+  scratch_block.Free();
+  row_scale_block.Free();
   const absl::Status synced =
       Check(cudaStreamSynchronize(stream), "download synchronize");
-  ReleaseStream(stream);
   return status.ok() ? synced : status;
 }
 
@@ -666,14 +667,16 @@ absl::Status CudaDevice::ScaleInPlace(void* buffer, DType dtype, int64_t count,
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
+  ASSIGN_OR_RETURN(const PooledStream pooled, TakeStream());
+  const cudaStream_t stream = pooled.get();
+  StreamBlock row_scale_block(stream);
   float* row_scale = nullptr;
   absl::Status status;
   if (host_row_scale != nullptr) {
     absl::StatusOr<float*> staged = StageRowScale(
         host_row_scale, (count + row_length - 1) / row_length, stream);
     status = staged.status();
-    if (status.ok()) row_scale = *staged;
+    if (status.ok()) *row_scale_block.address() = row_scale = *staged;
   }
   if (status.ok()) {
     status =
@@ -681,10 +684,9 @@ absl::Status CudaDevice::ScaleInPlace(void* buffer, DType dtype, int64_t count,
                                      row_length, scale, row_scale, stream),
               "scale kernel");
   }
-  if (row_scale != nullptr) cudaFreeAsync(row_scale, stream);
+  row_scale_block.Free();
   const absl::Status synced =
       Check(cudaStreamSynchronize(stream), "scale synchronize");
-  ReleaseStream(stream);
   return status.ok() ? synced : status;
 }
 
@@ -703,15 +705,12 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
   const TokenOutputs outputs = LayOutTokenOutputs(args, rows, scratch_bytes);
   const size_t block_bytes = outputs.end;
 
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
-  absl::StatusOr<Staging> staging = AcquireStaging();
-  if (!staging.ok()) {
-    ReleaseStream(stream);
-    return staging.status();
-  }
-  char* block = nullptr;
-  absl::Status status =
-      AllocateOn(reinterpret_cast<void**>(&block), block_bytes, stream);
+  ASSIGN_OR_RETURN(const PooledStream pooled, TakeStream());
+  const cudaStream_t stream = pooled.get();
+  ASSIGN_OR_RETURN(const Staging staging, AcquireStaging());
+  StreamBlock device_block(stream);
+  absl::Status status = AllocateOn(device_block.address(), block_bytes, stream);
+  char* const block = static_cast<char*>(device_block.get());
   CrossEntropyArgs device_args = args;
   if (status.ok()) {
     PointTokenOutputs(outputs, block, &device_args);
@@ -719,7 +718,7 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
     // below (Check of the final synchronize), where a sticky one is fatal.
     status = CrossEntropyCudaRun(
         device_args, block, scratch_bytes,
-        static_cast<CrossEntropyCudaResult*>(staging->host), stream, result);
+        static_cast<CrossEntropyCudaResult*>(staging.host), stream, result);
     if (!status.ok()) cudaGetLastError();
   }
   if (status.ok()) {
@@ -729,11 +728,10 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
                            return CopyToHost(host, device, bytes, stream);
                          });
   }
-  if (block != nullptr) cudaFreeAsync(block, stream);
+  device_block.Free();
   const absl::Status synced =
       Check(cudaStreamSynchronize(stream), "cross_entropy free");
-  ReleaseStaging(*staging);
-  ReleaseStream(stream);
+  ReleaseStaging(staging);
   RETURN_IF_ERROR(synced);
   return status;
 }
@@ -741,28 +739,26 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
 absl::Status CudaDevice::PostTraining(const PostTrainingArgs& args,
                                       PostTrainingResult* result) {
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
-  absl::Status status = PostTrainingCuda(args, result, stream);
+  ASSIGN_OR_RETURN(const PooledStream stream, TakeStream());
+  absl::Status status = PostTrainingCuda(args, result, stream.get());
   if (status.code() == absl::StatusCode::kInternal) {
     // A sticky error is fatal for the device: Check reports it.
     const absl::Status synced =
-        Check(cudaStreamSynchronize(stream), "post_training");
+        Check(cudaStreamSynchronize(stream.get()), "post_training");
     if (!synced.ok()) status = synced;
   }
-  ReleaseStream(stream);
   return status;
 }
 
 absl::Status CudaDevice::CopyWithin(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
-  const absl::Status status =
-      Check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
-            "device copy");
+  ASSIGN_OR_RETURN(const PooledStream stream, TakeStream());
+  const absl::Status status = Check(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream.get()),
+      "device copy");
   const absl::Status synced =
-      Check(cudaStreamSynchronize(stream), "device copy synchronize");
-  ReleaseStream(stream);
+      Check(cudaStreamSynchronize(stream.get()), "device copy synchronize");
   return status.ok() ? synced : status;
 }
 
@@ -808,12 +804,14 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
   const TokenOutputs outputs = LinearTokenBlock(args);
   const size_t block_bytes = outputs.end;
 
-  ASSIGN_OR_RETURN(cudaStream_t stream, AcquireStream());
-  char* block = nullptr;
+  ASSIGN_OR_RETURN(const PooledStream pooled, TakeStream());
+  const cudaStream_t stream = pooled.get();
+  StreamBlock device_block(stream);
   absl::Status status;
   if (block_bytes > 0) {
-    status = AllocateOn(reinterpret_cast<void**>(&block), block_bytes, stream);
+    status = AllocateOn(device_block.address(), block_bytes, stream);
   }
+  char* const block = static_cast<char*>(device_block.get());
   LinearCrossEntropyArgs device_args = args;
   if (status.ok() && args.token_grad_output != nullptr) {
     float* staged = reinterpret_cast<float*>(block + grad_output_offset);
@@ -839,10 +837,9 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                            return CopyToHost(host, device, bytes, stream);
                          });
   }
-  if (block != nullptr) cudaFreeAsync(block, stream);
+  device_block.Free();
   const absl::Status synced =
       Check(cudaStreamSynchronize(stream), "linear_cross_entropy free");
-  ReleaseStream(stream);
   RETURN_IF_ERROR(synced);
   return status;
 }

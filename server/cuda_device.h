@@ -128,12 +128,59 @@ class CudaDevice final : public Device {
     absl::Status error;
   };
 
+  // A stream of the pool, given back to it when this goes. Move-only.
+  class PooledStream {
+   public:
+    PooledStream(CudaDevice* device, cudaStream_t stream)
+        : device_(device), stream_(stream) {}
+    PooledStream(PooledStream&& other) noexcept
+        : device_(other.device_), stream_(other.stream_) {
+      other.stream_ = nullptr;
+    }
+    PooledStream(const PooledStream&) = delete;
+    PooledStream& operator=(const PooledStream&) = delete;
+    PooledStream& operator=(PooledStream&&) = delete;
+    ~PooledStream() {
+      if (stream_ != nullptr) device_->ReleaseStream(stream_);
+    }
+    cudaStream_t get() const { return stream_; }
+
+   private:
+    CudaDevice* const device_;
+    cudaStream_t stream_;
+  };
+
+  // A stream-ordered block of device memory, freed on its stream
+  // (cudaFreeAsync) by Free or, on any path that did not, when this goes;
+  // declared after its stream, so that the free comes before the stream
+  // returns to the pool. Not thread-safe: one owner.
+  class StreamBlock {
+   public:
+    explicit StreamBlock(cudaStream_t stream) : stream_(stream) {}
+    StreamBlock(const StreamBlock&) = delete;
+    StreamBlock& operator=(const StreamBlock&) = delete;
+    ~StreamBlock() { Free(); }
+    // Where AllocateOn (or StageRowScale's result) puts the block.
+    void** address() { return &pointer_; }
+    void* get() const { return pointer_; }
+    void Free() {
+      if (pointer_ != nullptr) cudaFreeAsync(pointer_, stream_);
+      pointer_ = nullptr;
+    }
+
+   private:
+    const cudaStream_t stream_;
+    void* pointer_ = nullptr;
+  };
+
   explicit CudaDevice(const CudaDeviceOptions& options);
 
   // cudaSuccess -> OK. A sticky error also calls the fatal handler.
   absl::Status Check(cudaError_t error, const char* what);
 
   absl::StatusOr<cudaStream_t> AcquireStream() ABSL_LOCKS_EXCLUDED(mu_);
+  // AcquireStream's stream, held until the PooledStream goes.
+  absl::StatusOr<PooledStream> TakeStream() ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseStream(cudaStream_t stream) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Staging> AcquireStaging() ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseStaging(Staging staging) ABSL_LOCKS_EXCLUDED(mu_);

@@ -13,8 +13,11 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
+#include "server/data_connection_checks.h"
 #include "server/data_plane.h"
 #include "server/end_link.h"
+#include "server/grpc_status.h"
+#include "server/tensor_info_proto.h"
 #include "server/validation.h"
 
 namespace lossd {

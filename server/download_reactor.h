@@ -7,7 +7,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.pb.h"
-#include "server/rpc_support.h"
+#include "server/admission.h"
 
 namespace lossd {
 

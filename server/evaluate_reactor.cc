@@ -10,12 +10,17 @@
 
 #include "common/raw_messages.h"
 #include "common/status_macros.h"
+#include "server/cancellation.h"
+#include "server/data_connection_checks.h"
 #include "server/data_plane.h"
 #include "server/end_link.h"
 #include "server/evaluation.h"
+#include "server/grpc_status.h"
 #include "server/linear_head.h"
 #include "server/pipelined_read_reactor.h"
 #include "server/post_training_evaluation.h"
+#include "server/raw_bytes.h"
+#include "server/tensor_lookup.h"
 #include "server/unparsed_request.h"
 #include "server/validation.h"
 

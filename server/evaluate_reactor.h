@@ -6,7 +6,7 @@
 #define LOSSD_SERVER_EVALUATE_REACTOR_H_
 
 #include "grpcpp/grpcpp.h"
-#include "server/rpc_support.h"
+#include "server/admission.h"
 
 namespace lossd {
 

@@ -25,10 +25,10 @@
 #include "common/loss_options.h"
 #include "common/raw_messages.h"
 #include "server/data_plane.h"
+#include "server/evaluate_spec.h"
 #include "server/metrics.h"
 #include "server/post_training_evaluation.h"
 #include "server/tensor_store.h"
-#include "server/validation.h"
 
 namespace lossd {
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
+#include "server/tensor_lookup.h"
 #include "server/post_training_forward.h"
 #include "server/validation.h"
 

@@ -16,8 +16,8 @@
 #include "common/loss_options.h"
 #include "kernels/cross_entropy.h"
 #include "lossd/v1/lossd.pb.h"
+#include "server/admission.h"
 #include "server/device.h"
-#include "server/rpc_support.h"
 #include "server/staged.h"
 #include "server/tensor_store.h"
 

@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "server/forward.h"
+#include "server/tensor_lookup.h"
 #include "server/validation.h"
 
 namespace lossd {

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
-#include "server/rpc_support.h"
+#include "server/tensor_lookup.h"
 
 namespace lossd {
 

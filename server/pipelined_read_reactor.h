@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
-#include "server/rpc_support.h"
+#include "server/grpc_status.h"
 
 namespace lossd {
 

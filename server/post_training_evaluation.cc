@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/post_training_cpu.h"
+#include "lossd/v1/lossd.pb.h"
 #include "server/evaluation.h"
 #include "server/staged.h"
 #include "server/validation.h"

@@ -10,9 +10,11 @@
 #include "common/dtype.h"
 #include "common/loss_options.h"
 #include "kernels/post_training.h"
-#include "lossd/v1/lossd.pb.h"
 
 namespace lossd {
+namespace v1 {
+class EvaluateHeader;
+}  // namespace v1
 
 // What the header says about every block: the distillation (its pointers
 // unset) and the teacher's form, and the segments (ids unset).

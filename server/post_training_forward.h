@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "lossd/v1/lossd.pb.h"
-#include "server/rpc_support.h"
+#include "server/admission.h"
 
 namespace lossd {
 

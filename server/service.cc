@@ -11,11 +11,13 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "server/cancellation.h"
 #include "server/download_reactor.h"
 #include "server/evaluate_reactor.h"
 #include "server/forward.h"
 #include "server/linear_forward.h"
 #include "server/page_token.h"
+#include "server/tensor_info_proto.h"
 #include "server/unparsed_request.h"
 #include "server/upload_reactor.h"
 #include "server/validation.h"
@@ -172,30 +174,29 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   }
 }
 
-// Runs `body` as one admitted (drain, authentication, tenant quota) and
-// recorded (metrics) unary RPC; `body` sees the caller's `tenant`.
-#define LOSSD_UNARY(method, context, body)                                   \
-  do {                                                                       \
-    const absl::Time lossd_rpc_start_ = absl::Now();                         \
-    absl::Status lossd_rpc_status_;                                          \
-    std::string tenant;                                                      \
-    {                                                                        \
-      InFlightSlot lossd_rpc_slot_;                                          \
-      lossd_rpc_status_ = rpc_.Admit(*(context), &tenant, &lossd_rpc_slot_); \
-      if (!lossd_rpc_status_.ok()) {                                         \
-        rpc_.RecordRpc(                                                      \
-            method, static_cast<grpc::StatusCode>(lossd_rpc_status_.code()), \
-            lossd_rpc_start_, tenant);                                       \
-        return FinishUnary(context, lossd_rpc_status_);                      \
-      }                                                                      \
-      lossd_rpc_status_ = (body);                                            \
-    }                                                                        \
-    rpc_.RecordRpc(method,                                                   \
-                   static_cast<grpc::StatusCode>(lossd_rpc_status_.code()),  \
-                   lossd_rpc_start_, tenant);                                \
-    rpc_.Leave();                                                            \
-    return FinishUnary(context, lossd_rpc_status_);                          \
-  } while (0)
+template <typename Body>
+grpc::ServerUnaryReactor* LossdService::ServeUnary(
+    const char* method, grpc::CallbackServerContext* context,
+    const Body& body) {
+  const absl::Time start = absl::Now();
+  std::string tenant;
+  absl::Status status;
+  {
+    // The tenant's in-flight slot goes back before the drain count does.
+    InFlightSlot slot;
+    status = rpc_.Admit(*context, &tenant, &slot);
+    if (!status.ok()) {
+      rpc_.RecordRpc(method, static_cast<grpc::StatusCode>(status.code()),
+                     start, tenant);
+      return FinishUnary(context, status);
+    }
+    status = body(tenant);
+  }
+  rpc_.RecordRpc(method, static_cast<grpc::StatusCode>(status.code()), start,
+                 tenant);
+  rpc_.Leave();
+  return FinishUnary(context, status);
+}
 
 grpc::ServerReadReactor<pb::UploadRequest>* LossdService::Upload(
     grpc::CallbackServerContext* /*context*/,
@@ -217,35 +218,43 @@ grpc::ServerReadReactor<pb::EvaluateRequest>* LossdService::Evaluate(
 grpc::ServerUnaryReactor* LossdService::Describe(
     grpc::CallbackServerContext* context, const pb::DescribeRequest* request,
     pb::TensorInfo* response) {
-  LOSSD_UNARY("Describe", context, DoDescribe(tenant, *request, response));
+  return ServeUnary("Describe", context, [&](const std::string& tenant) {
+    return DoDescribe(tenant, *request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::List(
     grpc::CallbackServerContext* context, const pb::ListRequest* request,
     pb::ListResponse* response) {
-  LOSSD_UNARY("List", context, DoList(tenant, *request, response));
+  return ServeUnary("List", context, [&](const std::string& tenant) {
+    return DoList(tenant, *request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::Release(
     grpc::CallbackServerContext* context, const pb::ReleaseRequest* request,
     pb::ReleaseResponse* response) {
-  LOSSD_UNARY("Release", context, DoRelease(tenant, *request, response));
+  return ServeUnary("Release", context, [&](const std::string& tenant) {
+    return DoRelease(tenant, *request, response);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::Forward(
     grpc::CallbackServerContext* context, const pb::ForwardRequest* request,
     pb::ForwardResponse* response) {
   const std::function<bool()> cancelled = CancellationOf(context);
-  LOSSD_UNARY("Forward", context,
-              RunForward(&rpc_, tenant, *request, response, cancelled));
+  return ServeUnary("Forward", context, [&](const std::string& tenant) {
+    return RunForward(&rpc_, tenant, *request, response, cancelled);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::Backward(
     grpc::CallbackServerContext* context, const pb::BackwardRequest* request,
     pb::BackwardResponse* response) {
   const std::function<bool()> cancelled = CancellationOf(context);
-  LOSSD_UNARY("Backward", context,
-              DoBackward(tenant, *request, response, cancelled));
+  return ServeUnary("Backward", context, [&](const std::string& tenant) {
+    return DoBackward(tenant, *request, response, cancelled);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::LinearForward(
@@ -255,18 +264,20 @@ grpc::ServerUnaryReactor* LossdService::LinearForward(
   // Asked between the call's chunks of rows: a passed deadline or a
   // cancellation stops the work.
   const std::function<bool()> cancelled = CancellationOf(context);
-  LOSSD_UNARY("LinearForward", context,
-              RunLinearForward(&rpc_, tenant, *request, response, cancelled));
+  return ServeUnary("LinearForward", context, [&](const std::string& tenant) {
+    return RunLinearForward(&rpc_, tenant, *request, response, cancelled);
+  });
 }
 
 grpc::ServerUnaryReactor* LossdService::GetServerInfo(
     grpc::CallbackServerContext* context,
     const pb::GetServerInfoRequest* /*request*/, pb::ServerInfo* response) {
-  LOSSD_UNARY("GetServerInfo", context,
-              ((void)tenant, FillServerInfo(response), absl::OkStatus()));
+  return ServeUnary("GetServerInfo", context,
+                    [&](const std::string& /*tenant*/) {
+                      FillServerInfo(response);
+                      return absl::OkStatus();
+                    });
 }
-
-#undef LOSSD_UNARY
 
 absl::Status LossdService::DoDescribe(const std::string& tenant,
                                       const pb::DescribeRequest& request,

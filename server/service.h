@@ -1,7 +1,7 @@
 // The RPC edge: lossd.v1.Lossd on gRPC's callback API. The unary RPCs are
 // served here; the streaming ones by their reactors (upload_reactor.h,
 // download_reactor.h, evaluate_reactor.h), which share the service's
-// RpcSupport (rpc_support.h: admission, the store, ToGrpcStatus).
+// RpcSupport (admission.h: admission, the store, metrics).
 #ifndef LOSSD_SERVER_SERVICE_H_
 #define LOSSD_SERVER_SERVICE_H_
 
@@ -14,8 +14,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/admission.h"
+#include "server/grpc_status.h"
 #include "server/metrics.h"
-#include "server/rpc_support.h"
 #include "server/tensor_store.h"
 
 namespace lossd {
@@ -99,6 +100,15 @@ class LossdService final : public lossd::v1::Lossd::CallbackService {
       const char* method,
       grpc::ServerWriteReactor<Response>* (LossdService::*serve)(
           grpc::CallbackServerContext*, const Request*));
+
+  // Serves one unary RPC `method`: admits it (drain, authentication, tenant
+  // quota), runs `body(tenant)` -> absl::Status for the caller's tenant,
+  // records it in the metrics and finishes it with body's status, or with
+  // admission's error without running `body`.
+  template <typename Body>
+  grpc::ServerUnaryReactor* ServeUnary(const char* method,
+                                       grpc::CallbackServerContext* context,
+                                       const Body& body);
 
   void FillServerInfo(lossd::v1::ServerInfo* info) const;
   absl::Status DoDescribe(const std::string& tenant,

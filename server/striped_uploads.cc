@@ -8,7 +8,7 @@
 #include "common/echo.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
-#include "server/rpc_support.h"
+#include "server/admission.h"
 
 namespace lossd {
 

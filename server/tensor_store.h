@@ -20,7 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kernels/cross_entropy.h"
+#include "common/loss_options.h"
 #include "server/device.h"
 #include "server/quota.h"
 

@@ -14,9 +14,13 @@
 #include "common/raw_messages.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
+#include "server/data_connection_checks.h"
 #include "server/data_plane.h"
+#include "server/grpc_status.h"
 #include "server/pipelined_read_reactor.h"
+#include "server/raw_bytes.h"
 #include "server/striped_uploads.h"
+#include "server/tensor_info_proto.h"
 #include "server/unparsed_request.h"
 #include "server/validation.h"
 

@@ -5,7 +5,7 @@
 #define LOSSD_SERVER_UPLOAD_REACTOR_H_
 
 #include "grpcpp/grpcpp.h"
-#include "server/rpc_support.h"
+#include "server/admission.h"
 
 namespace lossd {
 

@@ -17,6 +17,7 @@
 #include "common/loss_options.h"
 #include "common/tensor_math.h"
 #include "lossd/v1/lossd.pb.h"
+#include "server/evaluate_spec.h"
 #include "server/stripe_spec.h"
 
 namespace lossd {
@@ -166,20 +167,6 @@ struct GradOutput {
 absl::StatusOr<GradOutput> ValidateBackwardRequest(
     const lossd::v1::BackwardRequest& request);
 
-// An Evaluate header, checked.
-struct EvaluateSpec {
-  CrossEntropyOptions options;
-  int64_t vocab = 0;
-  DType logits_dtype = DType::kInvalid;
-  DType targets_dtype = DType::kInvalid;
-  // The bytes of a row: vocab * the size of logits_dtype, or with a weight
-  // hidden * that size.
-  int64_t row_bytes = 0;
-  // H of an evaluation over hidden states (header.weight set), once the
-  // weight is known; 0 for logits.
-  int64_t hidden = 0;
-};
-
 // INVALID_ARGUMENT: as ParseLossOptions; a malformed options.class_weights
 // handle (common/handle.h); reduction NONE; vocab <= 0; logits dtype missing,
 // unknown or not a float type; targets dtype missing, unknown or not
@@ -191,19 +178,11 @@ struct EvaluateSpec {
 absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     const lossd::v1::EvaluateHeader& header);
 
-// Rows in one Evaluate block (`index` counts blocks, for the message).
-// INVALID_ARGUMENT: logits that are not whole rows, or a target count that is
-// not the row count. Thread-safe.
+// Rows in one Evaluate block (`index` counts blocks, for the message), as
+// ValidateRowBlockSizes (evaluate_spec.h) counts them.
 absl::StatusOr<int64_t> ValidateRowBlock(const EvaluateSpec& spec,
                                          const lossd::v1::RowBlock& block,
                                          int64_t index);
-
-// As above, from the byte sizes of the block's logits and targets (the
-// Evaluate reactor finds them in the raw message without parsing it).
-absl::StatusOr<int64_t> ValidateRowBlockSizes(const EvaluateSpec& spec,
-                                              int64_t logits_bytes,
-                                              int64_t targets_bytes,
-                                              int64_t index);
 
 // The longest TensorHeader.idempotency_key (a UUID has 36 characters).
 inline constexpr size_t kMaxIdempotencyKeyLength = 128;

@@ -38,7 +38,7 @@ constexpr int kLanes = 4;  // independent accumulators per thread (ILP)
 // class weights and label smoothing; the plain variant is the fast path.
 template <typename T, int VPT, bool kGeneral>
 __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
-    ClusterKernel(Params p) {
+    ClusterRegisterRowsKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   __shared__ Stats scratch[kThreads / 32 + 1];
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
 
 template <typename T, int VPT, bool kGeneral>
 cudaError_t LaunchCluster(const Params& p, int csize, cudaStream_t stream) {
-  auto kernel = ClusterKernel<T, VPT, kGeneral>;
+  auto kernel = ClusterRegisterRowsKernel<T, VPT, kGeneral>;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows * csize));
   cfg.blockDim = dim3(kThreads);

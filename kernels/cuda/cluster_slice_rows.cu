@@ -48,7 +48,7 @@ constexpr int kMaxStages = 8;
 // sums (SliceStats, GradientSlice).
 template <typename T, int kBlock, int kMinBlocks, int kOpts>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
-    TmaKernel(Params p, int stages, int stage_bytes) {
+    ClusterSliceRowsKernel(Params p, int stages, int stage_bytes) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   // A peer pushes row j + 1 once it has row j - 1 from this block, so this
@@ -232,8 +232,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 // (One 512-thread block a SM, for rows past 16 slices of 32 KiB, measured
 // slower than the row pieces and left with the bench knobs: bench/NOTES.md.)
 template <typename T, int kOpts>
-cudaError_t LaunchTma(const Params& p, int csize, cudaStream_t stream) {
-  auto kernel = TmaKernel<T, 256, 2, kOpts>;
+cudaError_t LaunchClusterSliceRows(const Params& p, int csize,
+                                   cudaStream_t stream) {
+  auto kernel = ClusterSliceRowsKernel<T, 256, 2, kOpts>;
   int device = 0, per_sm = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) {
@@ -271,7 +272,8 @@ cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
   return DispatchElementType(dtype, [&](auto element) {
     using T = typename decltype(element)::type;
     return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
-      return LaunchTma<T, decltype(opts)::value>(p, cluster, stream);
+      return LaunchClusterSliceRows<T, decltype(opts)::value>(p, cluster,
+                                                              stream);
     });
   });
 }

@@ -80,11 +80,12 @@ __device__ float BlockSumFloat(float v, float* scratch) {
 // the slice again -- from L2, which holds ~132 * blocks/SM * slice bytes --
 // and writes the gradient with streaming stores. So DRAM sees one read and
 // one write, and with 4+ small blocks per SM in different phases memory stays
-// busy through each block's barrier (register rows' limit, bench/NOTES.md
-// v4). Every option: kOpts builds take the softcap and label smoothing's
-// sums (as SliceStats does).
+// busy through each block's barrier (register rows' limit, bench/NOTES.md:
+// cluster register rows). Every option: kOpts builds take the softcap
+// and label smoothing's sums (as SliceStats does).
 template <typename T, int kMinBlocks, int kOpts>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    ClusterStreamRowsKernel(Params p) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   constexpr int kBatch = kU * kThreads * kVec;  // elements a block per batch
@@ -314,12 +315,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) StreamKernel(Params p) {
 template <typename T, int kOpts>
 cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
   // The build for 3 blocks a SM: the one for 4 spills per-row state and
-  // measured 25-35% slower (bench/NOTES.md, v5).
+  // measured 25-35% slower (bench/NOTES.md, cluster stream rows).
   cudaLaunchConfig_t cfg = {};
   cfg.blockDim = dim3(kThreads);
   cfg.stream = stream;
-  return LaunchPersistentClusters(StreamKernel<T, 3, kOpts>, cfg, csize, p.rows,
-                                  p);
+  return LaunchPersistentClusters(ClusterStreamRowsKernel<T, 3, kOpts>, cfg,
+                                  csize, p.rows, p);
 }
 
 }  // namespace

@@ -8,11 +8,23 @@
 #include "kernels/cross_entropy_validate.h"
 
 namespace lossd {
-namespace {
 
-std::size_t AlignUp(std::size_t n) { return (n + 255) / 256 * 256; }
+std::string BadTargetMessage(int64_t row, int64_t target, int64_t vocab,
+                             int64_t ignore_index) {
+  return absl::StrCat("target of row ", row, " is ", target, ", outside [0, ",
+                      vocab, ") and not ignore_index (", ignore_index, ")");
+}
 
-}  // namespace
+CrossEntropyResult FromCudaResult(const CrossEntropyCudaResult& result) {
+  CrossEntropyResult out;
+  out.loss = result.loss;
+  out.z_loss = result.z_loss;
+  out.valid_tokens = result.valid_tokens;
+  out.correct_tokens = result.correct_tokens;
+  out.nonfinite_rows = result.nonfinite_rows;
+  out.denominator = result.denominator;
+  return out;
+}
 
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
@@ -94,17 +106,11 @@ absl::Status CrossEntropyCudaRun(const CrossEntropyArgs& device_args,
   if (!status.ok()) return status;
   const CrossEntropyCudaResult& host = *host_result;
   if (host.error == kCrossEntropyBadTarget) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "target of row ", host.bad_row, " is ", host.bad_target,
-        ", outside [0, ", device_args.vocab, ") and not ignore_index (",
-        device_args.options.ignore_index, ")"));
+    return absl::InvalidArgumentError(
+        BadTargetMessage(host.bad_row, host.bad_target, device_args.vocab,
+                         device_args.options.ignore_index));
   }
-  result->loss = host.loss;
-  result->z_loss = host.z_loss;
-  result->valid_tokens = host.valid_tokens;
-  result->correct_tokens = host.correct_tokens;
-  result->nonfinite_rows = host.nonfinite_rows;
-  result->denominator = host.denominator;
+  *result = FromCudaResult(host);
   result->kernel_seconds = kernel_ms * 1e-3;
   return absl::OkStatus();
 }

@@ -9,10 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/cuda/align_up.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 
 namespace lossd {
@@ -20,6 +22,14 @@ namespace lossd {
 // OK for cudaSuccess; RESOURCE_EXHAUSTED for cudaErrorMemoryAllocation;
 // INTERNAL naming `what` and cudaGetErrorString otherwise. Pure.
 absl::Status CudaStatus(cudaError_t error, absl::string_view what);
+
+// The message of a bad target a kernel found: row `row`'s target `target`
+// is outside [0, vocab) and not ignore_index.
+std::string BadTargetMessage(int64_t row, int64_t target, int64_t vocab,
+                             int64_t ignore_index);
+
+// A kernel's sums as the contract's result (kernel_seconds left 0).
+CrossEntropyResult FromCudaResult(const CrossEntropyCudaResult& result);
 
 // Bytes of device memory CrossEntropyCudaRun needs as `scratch` for `rows`
 // rows: the launch's workspace and the device-side result. Pure.

@@ -36,10 +36,10 @@ namespace {
 // No deadlock with every block resident: a block waits only in a gradient
 // item, for statistics items taken earlier by blocks that never wait in them.
 // Every option: kOpts builds take the softcap and label smoothing's sums
-// (SliceStats, ElementGrad). (bench/NOTES.md: v8.)
+// (SliceStats, ElementGrad). (bench/NOTES.md: L2 row pieces.)
 // L2 hints: the statistics loads mark their lines evict-last in L2, the
 // gradient's re-reads and stores evict-first, so that the groups waiting for
-// their gradient outlive the lines already written (bench/NOTES.md "v8":
+// their gradient outlive the lines already written (bench/NOTES.md, L2 hints:
 // bf16 72-73% -> 77-78% of copy in one run; fewer re-reads miss L2).
 
 // One warp waits until all `per_row` pieces of `row` have published

@@ -16,7 +16,7 @@ constexpr int kGenericThreads = 512;  // generic rows: threads per block
 constexpr int kReduceThreads = 1024;  // prepare/finalize: one block
 constexpr int kMaxCluster = 16;       // blocks a cluster (non-portable past 8)
 // Per-row statistics slots in the workspace (at most a warp: one warp merges
-// them). 32 since session 5: smem row pieces split fp32 1 MiB rows into 22
+// them). 32: smem row pieces split fp32 1 MiB rows into 22
 // pieces of 48 KiB, four blocks a SM (at 16, 64 KiB pieces fit three: 83%
 // against 89-91% of copy).
 constexpr int kMaxPieces = 32;

@@ -16,18 +16,18 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/cross_entropy_cpu.h"
-#include "kernels/cpu/linear_cross_entropy_cpu.h"
+#include "kernels/cross_entropy_validate.h"
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/cuda/linear_cross_entropy_lab.h"
 #include "kernels/cuda/sparse_residual.h"
+#include "kernels/linear_cross_entropy_validate.h"
 
 namespace lossd {
 namespace {
 
-constexpr std::size_t kAlign = 256;
 constexpr std::size_t kLtWorkspaceBytes = std::size_t{32} << 20;
 // Device memory a chunk may take (logits, split gradient, stacked X): large
 // enough that the per-chunk dW read-modify-write and the launch tails stay
@@ -39,10 +39,6 @@ constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
 // logits of std 2 (bench/RESULTS.md): dW 2.7e-5 from fp32 at V = 128256,
 // 4.1e-5 at 50257, 4.7e-5 at 32000; below this vocabulary the dense split.
 constexpr int64_t kSparseResidualMinVocab = 50000;
-
-std::size_t AlignUp(std::size_t bytes) {
-  return (bytes + kAlign - 1) / kAlign * kAlign;
-}
 
 absl::Status LtStatus(cublasStatus_t status, absl::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
@@ -213,9 +209,9 @@ struct Layout {
 };
 
 Layout MakeLayout(const LinearCrossEntropyArgs& args,
-                  const LinearCrossEntropyCudaConfig* config) {
+                  const LinearCrossEntropyLabConfig& config) {
   Layout l;
-  l.precision = config != nullptr ? config->precision : LinearPrecision::kAuto;
+  l.precision = config.precision;
   if (l.precision == LinearPrecision::kAuto) {
     l.precision = args.vocab >= kSparseResidualMinVocab
                       ? LinearPrecision::kSparseResidual
@@ -225,14 +221,11 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
   l.logits_fp32 = fp32 || l.precision != LinearPrecision::kFast;
   l.split = !fp32 && l.precision != LinearPrecision::kFast;
   l.sparse = l.split && l.precision == LinearPrecision::kSparseResidual;
-  l.lo = l.split && l.precision != LinearPrecision::kFp32Logits && !l.sparse;
-  l.sparse_threshold = config != nullptr && config->sparse_threshold > 0.0f
-                           ? config->sparse_threshold
-                           : 1.0f / 64;
-  l.sparse_slots = config != nullptr && config->sparse_slots > 0
-                       ? config->sparse_slots
-                       : 128;
-  l.dx_fp32_temp = l.split && l.precision == LinearPrecision::kSplitBoth;
+  l.lo = l.split && l.precision != kLinearFp32Logits && !l.sparse;
+  l.sparse_threshold =
+      config.sparse_threshold > 0.0f ? config.sparse_threshold : 1.0f / 64;
+  l.sparse_slots = config.sparse_slots > 0 ? config.sparse_slots : 128;
+  l.dx_fp32_temp = l.split && l.precision == kLinearSplitBoth;
   const std::size_t v = static_cast<std::size_t>(args.vocab);
   const std::size_t h = static_cast<std::size_t>(args.hidden);
   l.row_bytes = v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype));
@@ -358,11 +351,11 @@ absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
 
 }  // namespace
 
-LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
+LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCudaLab(
     const LinearCrossEntropyArgs& args,
-    const LinearCrossEntropyCudaConfig* config) {
+    const LinearCrossEntropyLabConfig& config) {
   const Layout l = MakeLayout(args, config);
-  int64_t chunk_rows = config != nullptr ? config->chunk_rows : 0;
+  int64_t chunk_rows = config.chunk_rows;
   if (chunk_rows <= 0) {
     // The largest power of two within the memory budget and at most half
     // the rows (measured on the H200, bench/RESULTS.md: 2048 rows for the
@@ -448,10 +441,11 @@ absl::Status CheckTargetsOnDevice(LinearCudaCall* call) {
   RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(call->stream),
                              "linear_cross_entropy: target check"));
   if (call->host_prepare.bad_row >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "linear_cross_entropy: target of row ", call->host_prepare.bad_row,
-        " is ", call->host_prepare.bad_target, ", outside [0, ", args.vocab,
-        ") and not ignore_index (", args.options.ignore_index, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("linear_cross_entropy: ",
+                     BadTargetMessage(call->host_prepare.bad_row,
+                                      call->host_prepare.bad_target, args.vocab,
+                                      args.options.ignore_index)));
   }
   return absl::OkStatus();
 }
@@ -726,15 +720,8 @@ CrossEntropyResult SumChunkResults(
     const std::vector<CrossEntropyCudaResult>& chunk_results,
     double target_weight_sum) {
   CrossEntropyResult total;
-  for (const CrossEntropyCudaResult& r : chunk_results) {
-    CrossEntropyResult chunk;
-    chunk.loss = r.loss;
-    chunk.z_loss = r.z_loss;
-    chunk.valid_tokens = r.valid_tokens;
-    chunk.correct_tokens = r.correct_tokens;
-    chunk.nonfinite_rows = r.nonfinite_rows;
-    chunk.denominator = r.denominator;
-    AddChunkResult(chunk, &total);
+  for (const CrossEntropyCudaResult& chunk : chunk_results) {
+    AddChunkResult(FromCudaResult(chunk), &total);
   }
   if (args.options.reduction == Reduction::kMean &&
       (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
@@ -747,16 +734,16 @@ CrossEntropyResult SumChunkResults(
 
 }  // namespace
 
-absl::Status LinearCrossEntropyCuda(
+absl::Status LinearCrossEntropyCudaLab(
     const LinearCrossEntropyArgs& args, CrossEntropyResult* result,
-    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
+    cudaStream_t stream, const LinearCrossEntropyLabConfig& config) {
   if (result == nullptr)
     return absl::InvalidArgumentError(
         "linear_cross_entropy: result is nullptr");
   RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(args));
   const Layout l = MakeLayout(args, config);
   const LinearCrossEntropyCudaPlan plan =
-      PlanLinearCrossEntropyCuda(args, config);
+      PlanLinearCrossEntropyCudaLab(args, config);
   const int64_t chunk_rows = plan.chunk_rows;
   const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
   const Parts parts = MakeParts(args, l, chunk_rows, chunks);
@@ -790,6 +777,33 @@ absl::Status LinearCrossEntropyCuda(
   *result =
       SumChunkResults(args, host_results, call.host_prepare.target_weight_sum);
   return absl::OkStatus();
+}
+
+namespace {
+
+// A caller's settings (null: all chosen) with the lab's knobs chosen.
+LinearCrossEntropyLabConfig LabConfig(
+    const LinearCrossEntropyCudaConfig* config) {
+  LinearCrossEntropyLabConfig lab;
+  if (config != nullptr) {
+    static_cast<LinearCrossEntropyCudaConfig&>(lab) = *config;
+  }
+  return lab;
+}
+
+}  // namespace
+
+LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& args,
+    const LinearCrossEntropyCudaConfig* config) {
+  return PlanLinearCrossEntropyCudaLab(args, LabConfig(config));
+}
+
+absl::Status LinearCrossEntropyCuda(
+    const LinearCrossEntropyArgs& device_args, CrossEntropyResult* result,
+    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
+  return LinearCrossEntropyCudaLab(device_args, result, stream,
+                                   LabConfig(config));
 }
 
 }  // namespace lossd

@@ -24,17 +24,14 @@ enum class LinearPrecision : int {
   // twice the depth, fp32 accumulator: 3e-6 to 1e-5 from an fp32 reference),
   // dX = hi W (one product; G rounded to 16 bits as the peers do, ~2e-3).
   kSplitWeight = 1,
-  // As kSplitWeight, and dX = hi W + lo W too (fp32 intermediate, one
-  // rounding to the dtype at the end).
-  kSplitBoth = 2,
+  // (2 and 4 are measured against these in bench/ and tests/:
+  // linear_cross_entropy_lab.h.)
   // Z in the input dtype, the cross-entropy in place on it, G in that dtype:
   // the three products alone (the peers' precision, dW ~1e-3).
   kFast = 3,
   // Z and the cross-entropy in fp32 as kSplitWeight, G rounded once to 16
-  // bits (hi only): the three products, the logits kept exact.
-  kFp32Logits = 4,
-  // As kFp32Logits, and for every entry of G of at least sparse_threshold
-  // of its row's scale, its exact residual t - hi(t) is added to dW in fp32
+  // bits (hi only); and for every entry of G of at least 2^-6 of its row's
+  // scale, its exact residual t - hi(t) is added to dW in fp32
   // (kernels/cuda/sparse_residual.h): the three products plus a few records
   // a row, dW near kSplitWeight's precision.
   kSparseResidual = 5,
@@ -44,12 +41,6 @@ enum class LinearPrecision : int {
 struct LinearCrossEntropyCudaConfig {
   LinearPrecision precision = LinearPrecision::kAuto;
   int64_t chunk_rows = 0;  // rows of logits a chunk (0: from memory, below)
-  // kSparseResidual: the fraction of a row's scale from which an entry's
-  // residual is kept, and the records a row may keep (a row with more keeps
-  // none). The cross-entropy's |G| sums to at most 2 a row, so slots >=
-  // 2 / threshold never overflow without class weights or z-loss.
-  float sparse_threshold = 0.0f;  // 0: 2^-6
-  int sparse_slots = 0;           // 0: 128
 };
 
 // The chunk the call will use, and the device memory it takes beyond its

@@ -149,7 +149,7 @@ std::optional<ScheduleChoice> SmemRowPiecesChoice(const ScheduleShape& s,
   const RowCut c = SplitRow(s, piece_kib > 0 ? piece_kib : p.smem_piece_kib, p);
   auto choice = Sized(Schedule::kSmemRowPieces, c.chunk, c.pieces, 0);
   if (choice) {
-    // Pieces come in by bulk copies (bench/NOTES.md "v9, session 9": fp32
+    // Pieces come in by bulk copies (bench/NOTES.md, smem row pieces: fp32
     // 87-91% -> 89.5-93% of copy, bf16 out of place 87.7% -> 88.8% on
     // average) except 2-byte logits in place, where the threads' own loads
     // measured the same or better (89.1 / 88.6 / 89.1% against 87.1 / 89.3

@@ -88,7 +88,7 @@ struct Sm90Policy {
   long long short_row_bytes = 32 * 1024;
   // fp32 forward+gradient takes smem row pieces from this row size: shorter
   // rows measured faster on cluster slice rows (87-88% of copy against
-  // 85-86% at V = 32000 before session 9; bench/NOTES.md). 2-byte rows take
+  // 85-86% at V = 32000 without bulk copies; bench/NOTES.md). 2-byte rows take
   // them from short_row_bytes.
   long long fp32_smem_pieces_row_bytes = 120 * 1024;
   // Forward+gradient rows longer than this (strictly) that nothing faster

@@ -97,12 +97,12 @@ constexpr int kBulkChunks = 8;
 // row getting the same bits) and writes the gradient from shared memory. One
 // read and one write of the logits, through L2 once (L2 row pieces re-read it
 // there, bench/NOTES.md). Every option (kOpts below).
-// (bench/NOTES.md: v9.)
+// (bench/NOTES.md: smem row pieces.)
 //
-// What a piece waits for is the slowest piece of its row (bench/NOTES.md "v9,
-// session 5": the wait costs 3-10 points of copy bandwidth), so the chain is
+// What a piece waits for is the slowest piece of its row (bench/NOTES.md, the
+// row wait: the wait costs 3-10 points of copy bandwidth), so the chain is
 // kept short: one round trip to L2 finds a full slot with everything in it
-// (session 4 had a count per row behind a fence, then the slots, then the
+// (rather than a count per row behind a fence, then the slots, then the
 // target logit: three), and when a block takes item k, its last warp has the
 // TMA unit prefetch item k + `ahead`'s piece into L2, so that whoever takes
 // that piece reads it from L2 and the pieces of a row finish closer together.
@@ -410,7 +410,7 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   if (!plan.fits) return cudaErrorInvalidConfiguration;
   const long long grid = static_cast<long long>(plan.sms) * plan.per_sm;
-  // The prefetch (bench/NOTES.md "v9, session 5"): 256-512 KiB ahead, bf16
+  // The prefetch (bench/NOTES.md, the L2 prefetch): 256-512 KiB ahead, bf16
   // 82-83% -> 88-90% of copy at V >= 128k, fp32 +1-2 points; farther
   // measures worse (L2 holds the prefetched pieces longer), and with three
   // blocks of 64 KiB pieces a SM (fp32 1 MiB rows) any distance loses

@@ -6,17 +6,13 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include "kernels/cuda/align_up.h"
 #include "kernels/cuda/sparse_residual.h"
 
 namespace lossd {
 namespace {
 
-constexpr std::size_t kAlign = 256;
 constexpr int kThreads = 256;
-
-std::size_t AlignUp(std::size_t bytes) {
-  return (bytes + kAlign - 1) / kAlign * kAlign;
-}
 
 // The sort's parts after the slots.
 struct SortParts {

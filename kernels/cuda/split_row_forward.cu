@@ -35,7 +35,7 @@ namespace {
 // warp 0, merged after the block's statistics.
 template <typename T, bool kEdges, int kOpts>
 __global__ void __launch_bounds__(kThreads, 4)
-    PieceStatsKernel(Params p, int per_row) {
+    SplitRowStatsKernel(Params p, int per_row) {
   __shared__ Stats scratch[kThreads / 32 + 1];
   if (p.header->error) return;  // uniform: nothing is written
   const long long item = blockIdx.x;
@@ -103,10 +103,10 @@ cudaError_t LaunchPieces(const Params& p, bool edges, int per_row,
   WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
     constexpr int kOpts = decltype(opts)::value;
     if (edges) {
-      PieceStatsKernel<T, true, kOpts>
+      SplitRowStatsKernel<T, true, kOpts>
           <<<grid, kThreads, 0, stream>>>(p, per_row);
     } else {
-      PieceStatsKernel<T, false, kOpts>
+      SplitRowStatsKernel<T, false, kOpts>
           <<<grid, kThreads, 0, stream>>>(p, per_row);
     }
     return 0;

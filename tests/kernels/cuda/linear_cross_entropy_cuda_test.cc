@@ -1,14 +1,13 @@
 // Checks the CUDA linear cross-entropy against the fp64 reference (the CPU
 // tests' harness) for each precision, over chunks, micro-batches, repeated
 // runs and bad inputs; skipped without a GPU.
-#include "kernels/cuda/linear_cross_entropy_cuda.h"
-
 #include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/linear_cross_entropy_lab.h"
 #include "tests/kernels/linear_cross_entropy_test_util.h"
 
 namespace lossd {
@@ -102,11 +101,11 @@ class DeviceCopy {
   std::vector<void*> owned_;
 };
 
-linear_test::Runner CudaRunner(LinearCrossEntropyCudaConfig config) {
+linear_test::Runner CudaRunner(LinearCrossEntropyLabConfig config) {
   return [config](const LinearCrossEntropyArgs& host, CrossEntropyResult* r) {
     DeviceCopy copy(host);
     const absl::Status status =
-        LinearCrossEntropyCuda(copy.args(), r, nullptr, &config);
+        LinearCrossEntropyCudaLab(copy.args(), r, nullptr, config);
     copy.Finish();
     return status;
   };
@@ -114,7 +113,7 @@ linear_test::Runner CudaRunner(LinearCrossEntropyCudaConfig config) {
 
 TEST(LinearCrossEntropyCudaTest, SplitWeightMatchesReference) {
   SKIP_WITHOUT_GPU();
-  LinearCrossEntropyCudaConfig config;
+  LinearCrossEntropyLabConfig config;
   config.precision = LinearPrecision::kSplitWeight;
   linear_test::Tolerance tol;
   tol.grad_weight = 5e-5;  // the bar
@@ -125,19 +124,19 @@ TEST(LinearCrossEntropyCudaTest, SplitWeightMatchesReference) {
 
 TEST(LinearCrossEntropyCudaTest, OtherPrecisionsMatchReference) {
   SKIP_WITHOUT_GPU();
-  LinearCrossEntropyCudaConfig both;
-  both.precision = LinearPrecision::kSplitBoth;
+  LinearCrossEntropyLabConfig both;
+  both.precision = kLinearSplitBoth;
   linear_test::Tolerance tol;
   tol.grad_weight = 5e-5;
-  LinearCrossEntropyCudaConfig fast;
+  LinearCrossEntropyLabConfig fast;
   fast.precision = LinearPrecision::kFast;
   linear_test::Tolerance loose;  // 16-bit logits and G, as the peers
   loose.loss = 2e-2;
   loose.dx_16 = 3e-2;
   loose.grad_weight = 3e-2;
   loose.token = 1e-2;  // lse of bf16-rounded logits
-  LinearCrossEntropyCudaConfig fp32_logits;
-  fp32_logits.precision = LinearPrecision::kFp32Logits;
+  LinearCrossEntropyLabConfig fp32_logits;
+  fp32_logits.precision = kLinearFp32Logits;
   linear_test::Tolerance single;  // exact logits, G rounded once to 16 bits
   single.grad_weight = 1e-2;
   for (const Case& c : linear_test::SweepCases()) {
@@ -149,7 +148,7 @@ TEST(LinearCrossEntropyCudaTest, OtherPrecisionsMatchReference) {
 
 TEST(LinearCrossEntropyCudaTest, SparseResidualMatchesReference) {
   SKIP_WITHOUT_GPU();
-  LinearCrossEntropyCudaConfig config;
+  LinearCrossEntropyLabConfig config;
   config.precision = LinearPrecision::kSparseResidual;
   // At these small vocabularies G's small entries, left rounded to 16 bits,
   // still carry a fair share of dW (the default uses the dense split here).
@@ -187,7 +186,7 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
   c.dtype = DType::kBFloat16;
   c.logit_scale = 6.0f;
   c.accumulate = AccumulateMode::kOverwrite;
-  LinearCrossEntropyCudaConfig sparse;
+  LinearCrossEntropyLabConfig sparse;
   sparse.precision = LinearPrecision::kSparseResidual;
   sparse.chunk_rows = 128;
   sparse.sparse_threshold = 1e-3f;
@@ -199,11 +198,11 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
   ASSERT_TRUE(CudaRunner(sparse)(second.Args(), &second_result).ok());
   linear_test::ExpectSameBits(first, first_result, second, second_result);
 
-  LinearCrossEntropyCudaConfig overflow = sparse;
+  LinearCrossEntropyLabConfig overflow = sparse;
   overflow.sparse_threshold = 1e-30f;
   overflow.sparse_slots = 1;
-  LinearCrossEntropyCudaConfig hi_only;
-  hi_only.precision = LinearPrecision::kFp32Logits;
+  LinearCrossEntropyLabConfig hi_only;
+  hi_only.precision = kLinearFp32Logits;
   hi_only.chunk_rows = 128;
   Problem dropped(c);
   CrossEntropyResult dropped_result;
@@ -234,7 +233,7 @@ TEST(LinearCrossEntropyCudaTest, ManyChunksWithATail) {
     c.accumulate = AccumulateMode::kOverwrite;
     c.options.label_smoothing = 0.1f;
     c.options.z_loss_scale = 1e-3f;
-    LinearCrossEntropyCudaConfig config;
+    LinearCrossEntropyLabConfig config;
     config.chunk_rows = 16;
     linear_test::Tolerance tol;
     tol.grad_weight = 5e-5;
@@ -256,7 +255,7 @@ TEST(LinearCrossEntropyCudaTest, FourMicroBatchesEqualOneBatchAndRepeat) {
   c.grad_bias = true;
   c.dx_mode = GradientMode::kOutOfPlace;
   c.accumulate = AccumulateMode::kOverwrite;
-  LinearCrossEntropyCudaConfig config;
+  LinearCrossEntropyLabConfig config;
   Problem whole(c);
   CrossEntropyResult whole_result;
   ASSERT_TRUE(CudaRunner(config)(whole.Args(), &whole_result).ok());
@@ -281,7 +280,7 @@ TEST(LinearCrossEntropyCudaTest, BadTargetChangesNothing) {
   c.vocab = 100;
   c.dtype = DType::kBFloat16;
   c.dx_mode = GradientMode::kInPlace;
-  LinearCrossEntropyCudaConfig config;
+  LinearCrossEntropyLabConfig config;
   config.chunk_rows = 8;  // the bad row is in the last chunk
   Problem p(c);
   p.targets64[37] = 100;

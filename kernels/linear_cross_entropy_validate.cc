@@ -1,13 +1,14 @@
-// Validation of the linear cross-entropy arguments and the chunk bookkeeping
-// both backends share; no BLAS here, so that the CUDA backend (and the server)
-// need not link it.
+// The linear cross-entropy's argument checks and chunk bookkeeping that both
+// backends share (linear_cross_entropy_validate.h); no BLAS here, so that the
+// CUDA backend (and the server) need not link it.
+#include "kernels/linear_cross_entropy_validate.h"
+
 #include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/cross_entropy_cpu.h"
-#include "kernels/cpu/linear_cross_entropy_cpu.h"
+#include "kernels/cross_entropy_validate.h"
 
 namespace lossd {
 namespace {

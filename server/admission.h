@@ -1,25 +1,19 @@
 // What every handler of the RPC edge shares, and what the streaming reactors
-// receive instead of the service: admission (the drain count, authentication,
-// the tenant's in-flight quota), the store, the striped uploads, metrics and
-// options; and the one absl::Status -> grpc::Status mapping (ToGrpcStatus).
-#ifndef LOSSD_SERVER_RPC_SUPPORT_H_
-#define LOSSD_SERVER_RPC_SUPPORT_H_
+// receive instead of the service (RpcSupport): the admission of each call
+// (the drain count, authentication, the tenant's in-flight quota), the
+// store, the striped uploads, metrics and options.
+#ifndef LOSSD_SERVER_ADMISSION_H_
+#define LOSSD_SERVER_ADMISSION_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "lossd/v1/lossd.grpc.pb.h"
 #include "server/auth.h"
 #include "server/data_plane.h"
 #include "server/metrics.h"
@@ -28,10 +22,6 @@
 #include "server/tensor_store.h"
 
 namespace lossd {
-
-// The single absl::Status -> grpc::Status mapping (the codes are the same
-// canonical codes).
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // UNAVAILABLE: the service drains.
 absl::Status DrainingError();
@@ -160,70 +150,6 @@ class Admission {
   const absl::Status status_;
 };
 
-// A stored tensor's metadata as the API's TensorInfo.
-void ToProto(const TensorRecord& info, lossd::v1::TensorInfo* out);
-
-// Whether the RPC of `context` is cancelled or past its deadline, for work
-// to ask between its steps. The deadline is read from the server's own clock
-// as well: gRPC marks the call cancelled only once a thread of its own gets
-// to it, which a long step on the thread serving the call may hold up.
-// `context` must outlive the function. Thread-safe.
-std::function<bool()> CancellationOf(grpc::CallbackServerContext* context);
-
-// Serializes the response of a raw (ByteBuffer) reactor into `out`.
-template <typename Message>
-absl::Status SerializeResponse(const Message& message, grpc::ByteBuffer* out) {
-  bool own_buffer = false;
-  if (!grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer)
-           .ok()) {
-    return absl::InternalError(
-        absl::StrCat("cannot serialize the ", Message::descriptor()->name()));
-  }
-  return absl::OkStatus();
-}
-
-// The bytes of a received raw message, as gRPC's slices (which hold them) and
-// views of those (what common/raw_messages.h reads).
-struct ReceivedBytes {
-  std::vector<grpc::Slice> slices;
-  std::vector<absl::string_view> pieces;
-};
-// INTERNAL when gRPC cannot hand out the bytes of `buffer`, a `message`
-// ("UploadRequest").
-absl::Status DumpBytes(grpc::ByteBuffer* buffer, const char* message,
-                       ReceivedBytes* out);
-
-// A refused request that named data connections: they are closed as they
-// come, instead of waiting for a registration that will not come.
-void RefuseDataToken(const RpcSupport& rpc, const std::string& token);
-
-// The data_token and data_connections of an Upload or Evaluate header or a
-// Download request: OK when there is no token (and no count), or a token the
-// data plane can take; `otherwise` says what the client can do instead.
-absl::Status CheckDataConnections(const RpcSupport& rpc,
-                                  const std::string& token, int connections,
-                                  const char* otherwise);
-
-// The byte ranges of `connections` data connections carrying `elements`
-// elements of `element_bytes` each: connection i the elements of stripe i.
-std::vector<DataTransfer::Range> DataRanges(int64_t elements,
-                                            int64_t element_bytes,
-                                            int connections);
-
-// The tensor `handle` of `tenant`; a lookup error (NOT_FOUND, or
-// INVALID_ARGUMENT for a malformed handle) is prefixed with `field`, the
-// request's name for it ("weight: unknown handle ...").
-absl::StatusOr<std::shared_ptr<Tensor>> LookupField(TensorStore* store,
-                                                    const std::string& tenant,
-                                                    absl::string_view field,
-                                                    const std::string& handle);
-
-// A stored fp32 [vocab] class-weights tensor, leased for one computation.
-absl::StatusOr<ReadLease> LeaseClassWeights(TensorStore* store,
-                                            const std::string& tenant,
-                                            const std::string& handle,
-                                            int64_t vocab);
-
 }  // namespace lossd
 
-#endif  // LOSSD_SERVER_RPC_SUPPORT_H_
+#endif  // LOSSD_SERVER_ADMISSION_H_
