@@ -417,6 +417,142 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   return ForwardFromProto(response);
 }
 
+namespace {
+
+// Sets a handle-or-inline input of a post-training message: `set_handle`
+// and `mutable_inline` are the message's accessors for the field.
+template <typename SetHandle, typename MutableInline>
+absl::Status SetInput(const TensorInput& input, const char* what,
+                      SetHandle set_handle, MutableInline mutable_inline) {
+  if (!input.handle.empty()) {
+    set_handle(input.handle);
+    return absl::OkStatus();
+  }
+  if (input.inline_dtype == DType::kInvalid) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": neither a handle nor inline data"));
+  }
+  if (input.inline_data == nullptr && input.inline_bytes > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
+  }
+  v1::InlineTensor* tensor = mutable_inline();
+  tensor->set_dtype(static_cast<v1::DType>(input.inline_dtype));
+  tensor->set_data(static_cast<const char*>(input.inline_data),
+                   input.inline_bytes);
+  return absl::OkStatus();
+}
+
+bool HasInput(const TensorInput& input) {
+  return !input.handle.empty() || input.inline_dtype != DType::kInvalid;
+}
+
+}  // namespace
+
+absl::StatusOr<PostTrainingForwardResult> Client::PostTrainingForward(
+    const std::string& logits, const Targets& targets,
+    const PostTrainingOptions& options) {
+  if (options.distillation.has_value() && options.policy.has_value()) {
+    return absl::InvalidArgumentError(
+        "distillation and policy cannot be combined in one Forward");
+  }
+  const ForwardOptions& forward = options.forward;
+  v1::ForwardRequest request;
+  request.set_logits(logits);
+  if (HasInput(targets)) RETURN_IF_ERROR(SetTargets(targets, &request));
+  ToProto(forward.loss, forward.class_weights, request.mutable_options());
+  request.set_mode(static_cast<v1::GradientMode>(forward.mode));
+  v1::Outputs* outputs = request.mutable_outputs();
+  outputs->set_token_loss(forward.token_loss);
+  outputs->set_token_lse(forward.token_lse);
+  outputs->set_token_argmax(forward.token_argmax);
+  outputs->set_token_logprob(options.token_logprob);
+  outputs->set_token_entropy(options.token_entropy);
+  request.set_gradient_label(forward.gradient_label);
+  if (options.distillation.has_value()) {
+    const DistillationOptions& kd = *options.distillation;
+    v1::Distillation* message = request.mutable_distillation();
+    if (!kd.teacher_logits.empty()) {
+      message->set_teacher_logits(kd.teacher_logits);
+    } else {
+      v1::TopKTeacher* top_k = message->mutable_teacher_top_k();
+      top_k->set_k(kd.top_k);
+      top_k->set_tail(static_cast<v1::TopKTail>(kd.tail));
+      RETURN_IF_ERROR(SetInput(
+          kd.top_k_indices, "distillation top-k indices",
+          [&](const std::string& h) { top_k->set_indices_handle(h); },
+          [&] { return top_k->mutable_indices_inline(); }));
+      RETURN_IF_ERROR(SetInput(
+          kd.top_k_logprobs, "distillation top-k logprobs",
+          [&](const std::string& h) { top_k->set_logprobs_handle(h); },
+          [&] { return top_k->mutable_logprobs_inline(); }));
+    }
+    message->set_temperature(kd.temperature);
+    message->set_alpha(kd.alpha);
+    message->set_divergence(static_cast<v1::Divergence>(kd.divergence));
+    message->set_beta(kd.beta);
+  }
+  if (options.policy.has_value()) {
+    const PolicyOptions& pg = *options.policy;
+    v1::PolicyGradient* message = request.mutable_policy();
+    message->set_loss(static_cast<v1::PolicyLoss>(pg.loss));
+    RETURN_IF_ERROR(SetInput(
+        pg.advantages, "policy advantages",
+        [&](const std::string& h) { message->set_advantages_handle(h); },
+        [&] { return message->mutable_advantages_inline(); }));
+    RETURN_IF_ERROR(SetInput(
+        pg.sampling_logprobs, "policy sampling logprobs",
+        [&](const std::string& h) { message->set_sampling_logprobs_handle(h); },
+        [&] { return message->mutable_sampling_logprobs_inline(); }));
+    if (HasInput(pg.reference_logprobs)) {
+      RETURN_IF_ERROR(SetInput(
+          pg.reference_logprobs, "policy reference logprobs",
+          [&](const std::string& h) {
+            message->set_reference_logprobs_handle(h);
+          },
+          [&] { return message->mutable_reference_logprobs_inline(); }));
+    }
+    message->set_epsilon_low(pg.epsilon_low);
+    message->set_epsilon_high(pg.epsilon_high);
+    message->set_kl_coef(pg.kl_coef);
+    message->set_kl_estimator(static_cast<v1::KlEstimator>(pg.kl_estimator));
+  }
+  if (options.segments.has_value()) {
+    const SegmentOptions& segments = *options.segments;
+    v1::Segments* message = request.mutable_segments();
+    message->set_count(segments.count);
+    message->set_reduction(
+        static_cast<v1::SegmentReduction>(segments.reduction));
+    RETURN_IF_ERROR(SetInput(
+        segments.ids, "segment ids",
+        [&](const std::string& h) { message->set_ids_handle(h); },
+        [&] { return message->mutable_ids_inline(); }));
+  }
+
+  grpc::ClientContext context;
+  PrepareContext(options_, channel_->channel.get(), &context);
+  v1::ForwardResponse response;
+  RETURN_IF_ERROR(
+      ToAbsl(channel_->lossd->Forward(&context, request, &response)));
+  PostTrainingForwardResult result;
+  result.forward = ForwardFromProto(response);
+  result.distillation_loss = response.distillation_loss();
+  const v1::PolicyStats& stats = response.policy_stats();
+  result.clipped_tokens = stats.clipped_tokens();
+  result.ratio_sum = stats.ratio_sum();
+  result.approx_kl_sum = stats.approx_kl_sum();
+  result.kl_sum = stats.kl_sum();
+  result.entropy_sum = stats.entropy_sum();
+  result.segment_loss.assign(response.segment_loss().begin(),
+                             response.segment_loss().end());
+  result.segment_tokens.assign(response.segment_tokens().begin(),
+                               response.segment_tokens().end());
+  result.token_logprob.assign(response.token_logprob().begin(),
+                              response.token_logprob().end());
+  result.token_entropy.assign(response.token_entropy().begin(),
+                              response.token_entropy().end());
+  return result;
+}
+
 absl::StatusOr<LinearForwardResult> Client::LinearForward(
     const std::string& hidden, const std::string& weight,
     const Targets& targets, const LinearForwardOptions& options) {

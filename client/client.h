@@ -19,6 +19,7 @@
 #include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/loss_options.h"
+#include "common/post_training_options.h"
 
 namespace lossd {
 
@@ -223,6 +224,70 @@ struct Targets {
   DType inline_dtype = DType::kInvalid;
   const void* inline_data = nullptr;
   std::size_t inline_bytes = 0;
+};
+
+// A small input of a post-training loss: a stored tensor, or bytes sent
+// inline (not copied: `data` must outlive the call), as Targets.
+using TensorInput = Targets;
+
+// Distillation against a dense teacher (a stored [N, V] float tensor) or a
+// top-k one (k indices and logprobs a row); docs/api.md, "Distillation".
+struct DistillationOptions {
+  std::string teacher_logits;  // dense teacher's handle; empty for top-k
+  TensorInput top_k_indices;   // [N, k] int32/int64
+  TensorInput top_k_logprobs;  // [N, k] fp32
+  int32_t top_k = 0;           // k; 0 = from a handle's shape
+  TopKTail tail = TopKTail::kRenormalize;
+  float temperature = 1.0f;
+  float alpha = 0.0f;  // weight of the cross entropy against the targets
+  Divergence divergence = Divergence::kForwardKl;
+  float beta = 0.5f;  // kJsd only
+};
+
+// A per-token policy-gradient loss on the targets (the sampled tokens);
+// docs/api.md, "Policy-gradient losses".
+struct PolicyOptions {
+  PolicyLossKind loss = PolicyLossKind::kPpoClip;
+  TensorInput advantages;          // [N] fp32
+  TensorInput sampling_logprobs;   // [N] fp32
+  TensorInput reference_logprobs;  // [N] fp32; none when neither is set
+  float epsilon_low = 0.2f;
+  float epsilon_high = 0.2f;
+  float kl_coef = 0.0f;
+  KlEstimator kl_estimator = KlEstimator::kK3;
+};
+
+// Packed sequences: ids [N] int32 in [0, count); docs/api.md, "Segments".
+struct SegmentOptions {
+  TensorInput ids;
+  int32_t count = 0;
+  SegmentReduction reduction = SegmentReduction::kNone;
+};
+
+// A Forward with a post-training loss: Forward's options plus at most one of
+// distillation and policy, and segments.
+struct PostTrainingOptions {
+  ForwardOptions forward;  // class_weights must stay empty
+  std::optional<DistillationOptions> distillation;
+  std::optional<PolicyOptions> policy;
+  std::optional<SegmentOptions> segments;
+  bool token_logprob = false;
+  bool token_entropy = false;
+};
+
+struct PostTrainingForwardResult {
+  ForwardResult forward;
+  double distillation_loss = 0.0;
+  // Policy statistics, summed over the valid tokens.
+  int64_t clipped_tokens = 0;
+  double ratio_sum = 0.0;
+  double approx_kl_sum = 0.0;
+  double kl_sum = 0.0;
+  double entropy_sum = 0.0;
+  std::vector<double> segment_loss;
+  std::vector<int64_t> segment_tokens;
+  std::vector<float> token_logprob;
+  std::vector<float> token_entropy;
 };
 
 // Options of Evaluate; reduction kNone is not allowed there.
@@ -435,6 +500,16 @@ class Client {
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
+
+  // Forward with a post-training loss (distillation, a policy loss,
+  // segments; see the Forward RPC and docs/api.md, "Post-training losses").
+  // `targets` may be empty (no handle, no inline data) only for a
+  // distillation with alpha 0. INVALID_ARGUMENT (client side) for an input
+  // that is neither a handle nor inline data of an allowed dtype, or
+  // distillation and policy together. Server errors as the Forward RPC.
+  absl::StatusOr<PostTrainingForwardResult> PostTrainingForward(
+      const std::string& logits, const Targets& targets,
+      const PostTrainingOptions& options);
 
   // The LM head and the cross-entropy in one call (see the LinearForward
   // RPC): stored hidden states [N, H] times the stored weight [V, H]; dX as

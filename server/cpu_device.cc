@@ -12,6 +12,7 @@
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
+#include "kernels/cpu/post_training_cpu.h"
 
 namespace lossd {
 namespace {
@@ -92,6 +93,11 @@ absl::Status CpuDevice::ScaleInPlace(void* buffer, DType dtype, int64_t count,
 absl::Status CpuDevice::CrossEntropy(const CrossEntropyArgs& args,
                                      CrossEntropyResult* result) {
   return CrossEntropyCpu(args, result, num_threads_);
+}
+
+absl::Status CpuDevice::PostTraining(const PostTrainingArgs& args,
+                                     PostTrainingResult* result) {
+  return PostTrainingCpu(args, result, num_threads_);
 }
 
 absl::Status CpuDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,

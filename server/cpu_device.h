@@ -38,6 +38,9 @@ class CpuDevice final : public Device {
                             const float* host_row_scale) override;
   absl::Status CrossEntropy(const CrossEntropyArgs& args,
                             CrossEntropyResult* result) override;
+  // PostTrainingCpu (fp64 rows).
+  absl::Status PostTraining(const PostTrainingArgs& args,
+                            PostTrainingResult* result) override;
   // LinearCrossEntropyCpu (OpenBLAS).
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;

@@ -21,6 +21,7 @@
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/linear_cross_entropy_cuda.h"
+#include "kernels/cuda/post_training_cuda_host.h"
 
 namespace lossd {
 namespace {
@@ -732,6 +733,20 @@ absl::Status CudaDevice::CrossEntropy(const CrossEntropyArgs& args,
       Check(cudaStreamSynchronize(stream), "cross_entropy free");
   ReleaseStaging(staging);
   RETURN_IF_ERROR(synced);
+  return status;
+}
+
+absl::Status CudaDevice::PostTraining(const PostTrainingArgs& args,
+                                      PostTrainingResult* result) {
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  ASSIGN_OR_RETURN(const PooledStream stream, TakeStream());
+  absl::Status status = PostTrainingCuda(args, result, stream.get());
+  if (status.code() == absl::StatusCode::kInternal) {
+    // A sticky error is fatal for the device: Check reports it.
+    const absl::Status synced =
+        Check(cudaStreamSynchronize(stream.get()), "post_training");
+    if (!synced.ok()) status = synced;
+  }
   return status;
 }
 

@@ -97,6 +97,10 @@ class CudaDevice final : public Device {
                             const float* host_row_scale) override;
   absl::Status CrossEntropy(const CrossEntropyArgs& args,
                             CrossEntropyResult* result) override;
+  // PostTrainingCuda (the row kernel of kernels/cuda/post_training_rows.cu)
+  // on a stream of the pool.
+  absl::Status PostTraining(const PostTrainingArgs& args,
+                            PostTrainingResult* result) override;
   // LinearCrossEntropyCuda (cuBLASLt) on a stream of the pool, the per-token
   // arrays staged through one device block.
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/linear_cross_entropy.h"
+#include "kernels/post_training.h"
 
 namespace lossd {
 
@@ -134,6 +135,19 @@ class Device {
   // failure. Blocks until the result is ready.
   virtual absl::Status CrossEntropy(const CrossEntropyArgs& args,
                                     CrossEntropyResult* result) = 0;
+
+  // Runs the post-training losses of kernels/post_training.h (distillation,
+  // policy losses, segments). Tensor inputs (logits, targets, teacher, top-k,
+  // advantages, logprobs, segment ids) and the gradient are device pointers;
+  // the per-token outputs are HOST pointers. The caller has run
+  // CheckPostTrainingData on host copies of the small inputs. INVALID_ARGUMENT
+  // for bad arguments (no buffer changed); INTERNAL for a device failure.
+  // Blocks until the result is ready. UNIMPLEMENTED on a device without it.
+  virtual absl::Status PostTraining(const PostTrainingArgs& /*args*/,
+                                    PostTrainingResult* /*result*/) {
+    return absl::UnimplementedError(
+        "this device has no post-training losses yet");
+  }
 
   // Copies `bytes` bytes from `src` to `dst`, both inside allocations of this
   // device and not overlapping. Blocks until the copy is done. INTERNAL on a

@@ -18,6 +18,7 @@
 #include "server/grpc_status.h"
 #include "server/linear_head.h"
 #include "server/pipelined_read_reactor.h"
+#include "server/post_training_evaluation.h"
 #include "server/raw_bytes.h"
 #include "server/tensor_lookup.h"
 #include "server/unparsed_request.h"
@@ -108,7 +109,9 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     RETURN_IF_ERROR(DumpBytes(buffer, "EvaluateRequest", &bytes));
     ByteRange logits;
     ByteRange targets;
-    if (FindRowBlock(bytes.pieces, &logits, &targets)) {
+    // A post-training block carries more fields: always the protobuf way.
+    if (!config_.post_training &&
+        FindRowBlock(bytes.pieces, &logits, &targets)) {
       RETURN_IF_ERROR(CheckStreamBlock());
       return lanes_[0]->Evaluate(bytes.pieces, logits, targets);
     }
@@ -134,6 +137,13 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
         return absl::OkStatus();
       case pb::EvaluateRequest::kBlock: {
         RETURN_IF_ERROR(CheckStreamBlock());
+        if (config_.post_training) {
+          const pb::RowBlock& block = request.block();
+          return lanes_[0]->EvaluatePostTraining(
+              {block.logits(), block.targets(), block.teacher_logits(),
+               block.teacher_indices(), block.teacher_logprobs(),
+               block.segment_ids()});
+        }
         const std::string& logits_bytes = request.block().logits();
         const std::string& targets_bytes = request.block().targets();
         const absl::string_view parsed[] = {logits_bytes, targets_bytes};
@@ -163,6 +173,12 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   absl::Status StartEvaluation(const pb::EvaluateHeader& header)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ASSIGN_OR_RETURN(config_.spec, ValidateEvaluateHeader(header));
+    if (IsPostTrainingEvaluation(header)) {
+      ASSIGN_OR_RETURN(config_.post,
+                       ParsePostTrainingEvaluation(header, config_.spec.vocab,
+                                                   config_.spec.options));
+      config_.post_training = true;
+    }
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the blocks on the stream"));
@@ -251,7 +267,10 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     const EvaluationSums total =
         order_ != nullptr ? order_->Total() : EvaluationSums();
     if (total.rows == 0) return absl::InvalidArgumentError("no rows at all");
-    const EvaluationLoss reduced = ReduceEvaluation(total, config_.options);
+    const EvaluationLoss reduced =
+        config_.post_training
+            ? ReducePostTrainingEvaluation(total, config_.options, config_.post)
+            : ReduceEvaluation(total, config_.options);
     pb::EvaluateResponse response;
     response.set_loss(reduced.loss);
     response.set_z_loss(reduced.z_loss);
@@ -262,6 +281,18 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     response.set_denominator(reduced.denominator);
     response.set_copy_seconds(total.copy_seconds);
     response.set_kernel_seconds(total.kernel_seconds);
+    if (config_.post_training) {
+      response.set_distillation_loss(reduced.distillation);
+      if (config_.post.segmented) {
+        const size_t count = static_cast<size_t>(config_.post.segment_count);
+        std::vector<double> loss = total.segment_loss;
+        std::vector<int64_t> tokens = total.segment_tokens;
+        loss.resize(count, 0.0);
+        tokens.resize(count, 0);
+        response.mutable_segment_loss()->Add(loss.begin(), loss.end());
+        response.mutable_segment_tokens()->Add(tokens.begin(), tokens.end());
+      }
+    }
     return SerializeResponse(response, response_);
   }
 

@@ -132,6 +132,7 @@ absl::Status EvaluationLane::EvaluateFrame(int fd, int index, int64_t frame,
 void EvaluationLane::FreeBuffers() {
   logits_buffer_ = ScratchBuffer();
   targets_buffer_ = ScratchBuffer();
+  teacher_buffer_ = ScratchBuffer();
 }
 
 absl::StatusOr<int64_t> EvaluationLane::Begin(size_t logits, size_t targets) {

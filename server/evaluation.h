@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
 #include "common/loss_options.h"
@@ -26,6 +27,7 @@
 #include "server/data_plane.h"
 #include "server/evaluate_spec.h"
 #include "server/metrics.h"
+#include "server/post_training_evaluation.h"
 #include "server/tensor_store.h"
 
 namespace lossd {
@@ -50,6 +52,10 @@ struct EvaluationConfig {
   // rows of a block over hidden states, whose kernel may run long. Empty:
   // never asked.
   std::function<bool()> cancelled;
+  // Set for a post-training evaluation (distillation or segments): the blocks
+  // carry the teacher's rows and segment ids (EvaluatePostTraining).
+  bool post_training = false;
+  PostTrainingEvaluation post;
 };
 
 // What an evaluation's blocks add up to.
@@ -63,8 +69,18 @@ struct EvaluationSums {
   int64_t valid_tokens = 0;
   int64_t correct_tokens = 0;
   int64_t nonfinite_rows = 0;
+  // Post-training evaluations: the divergence term's sum, and per segment
+  // (global ids) the loss, divergence and valid-token sums.
+  double distillation = 0.0;
+  std::vector<double> segment_loss;
+  std::vector<double> segment_distillation;
+  std::vector<int64_t> segment_tokens;
 
   void Add(const EvaluationSums& other) {
+    distillation += other.distillation;
+    AddVector(other.segment_loss, &segment_loss);
+    AddVector(other.segment_distillation, &segment_distillation);
+    AddVector(other.segment_tokens, &segment_tokens);
     loss += other.loss;
     z_loss += other.z_loss;
     weight += other.weight;
@@ -75,18 +91,33 @@ struct EvaluationSums {
     correct_tokens += other.correct_tokens;
     nonfinite_rows += other.nonfinite_rows;
   }
+
+ private:
+  template <typename T>
+  static void AddVector(const std::vector<T>& from, std::vector<T>* into) {
+    if (into->size() < from.size()) into->resize(from.size());
+    for (size_t i = 0; i < from.size(); ++i) (*into)[i] += from[i];
+  }
 };
 
 // The loss an evaluation's sums reduce to, as the options' reduction says.
 struct EvaluationLoss {
   double loss = 0.0;
   double z_loss = 0.0;
-  double denominator = 0.0;  // of a mean; 0 otherwise
+  double denominator = 0.0;   // of a mean; 0 otherwise
+  double distillation = 0.0;  // a post-training evaluation's divergence term
 };
 // The sums' mean (by the normalizer, or the weight of the valid targets; 0
 // without any) for Reduction::kMean, else the sums themselves. Pure.
 EvaluationLoss ReduceEvaluation(const EvaluationSums& total,
                                 const CrossEntropyOptions& options);
+// The same for a post-training evaluation: over tokens as ReduceEvaluation
+// (the weight being the valid-token count), or over segments as `post`'s
+// segment reduction says (docs/api.md, "Segments"). Pure; defined in
+// post_training_evaluation.cc.
+EvaluationLoss ReducePostTrainingEvaluation(const EvaluationSums& total,
+                                            const CrossEntropyOptions& options,
+                                            const PostTrainingEvaluation& post);
 
 // The most block sums BlockOrderSum holds for blocks that came before a
 // block of a lower number (a client that keeps its connections in step holds
@@ -171,6 +202,16 @@ class EvaluationLane {
   // the receipt of the next), then its targets.
   absl::Status EvaluateFrame(int fd, int index, int64_t frame, int64_t rows);
 
+  // One block of a post-training evaluation (config->post_training): its
+  // logits, targets (empty: none, for a distillation with alpha 0), the
+  // teacher's rows (dense logits, or top-k indices and logprobs) and segment
+  // ids, each one entry per row. Defined in post_training_evaluation.cc.
+  struct PostTrainingBlock {
+    absl::string_view logits, targets, teacher_logits, teacher_indices,
+        teacher_logprobs, segment_ids;
+  };
+  absl::Status EvaluatePostTraining(const PostTrainingBlock& block);
+
   // Lets go of the block buffers (they grow again for a next block).
   void FreeBuffers();
 
@@ -196,6 +237,7 @@ class EvaluationLane {
   const EvaluationConfig* const config_;
   ScratchBuffer logits_buffer_;
   ScratchBuffer targets_buffer_;
+  ScratchBuffer teacher_buffer_;  // a dense teacher's rows
   std::string host_targets_;
   BlockOrderSum* const order_;
   const int index_;

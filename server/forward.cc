@@ -10,6 +10,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "server/tensor_lookup.h"
+#include "server/post_training_forward.h"
 #include "server/validation.h"
 
 namespace lossd {
@@ -115,6 +116,9 @@ absl::Status RunForward(RpcSupport* rpc, const std::string& tenant,
                         const pb::ForwardRequest& request,
                         pb::ForwardResponse* response,
                         const std::function<bool()>& cancelled) {
+  if (IsPostTrainingForward(request)) {
+    return RunPostTrainingForward(rpc, tenant, request, response, cancelled);
+  }
   // Request-only checks first: nothing is looked up for a malformed request.
   ASSIGN_OR_RETURN(const ForwardSpec spec, ValidateForwardRequest(request));
   const GradientMode mode = spec.mode;

@@ -451,14 +451,17 @@ class BadRequestsTest : public ::testing::Test {
     return status;
   }
 
-  // Every case: AddRpcCases (bad_request_rpc_cases.cc) then AddLimitCases
-  // (bad_request_limit_cases.cc).
+  // Every case: AddRpcCases (bad_request_rpc_cases.cc), AddLimitCases
+  // (bad_request_limit_cases.cc), then AddPostTrainingCases
+  // (bad_request_post_training_cases.cc).
   std::vector<Case> Cases();
   // The checks of each RPC's fields, RPC by RPC.
   void AddRpcCases(std::vector<Case>* cases);
   // Values at the limits: labels, handles, List pages, idempotency keys,
   // unparsable messages and int64 ranges.
   void AddLimitCases(std::vector<Case>* cases);
+  // Distillation, policy losses and segments in Forward.
+  void AddPostTrainingCases(std::vector<Case>* cases);
 
   const unsigned seed_ = TestSeed();
   std::unique_ptr<LossdServer> server_;

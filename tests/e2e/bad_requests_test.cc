@@ -16,6 +16,7 @@ std::vector<BadRequestsTest::Case> BadRequestsTest::Cases() {
   std::vector<Case> cases;
   AddRpcCases(&cases);
   AddLimitCases(&cases);
+  AddPostTrainingCases(&cases);
   return cases;
 }
 

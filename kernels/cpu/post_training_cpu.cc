@@ -1,0 +1,814 @@
+// Checks and the fp64 CPU backend of the post-training losses: per row its
+// statistics, its loss, then one gradient pass over the vocabulary.
+#include "kernels/cpu/post_training_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cpu/cross_entropy_internal.h"
+#include "kernels/cross_entropy_validate.h"
+
+namespace lossd {
+namespace {
+
+using cpu_internal::ArgmaxUpdate;
+using cpu_internal::LoadLogit;
+using cpu_internal::LoadTarget;
+using cpu_internal::StoreDouble;
+
+constexpr int64_t kMaxTopK = 512;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+absl::Status Invalid(const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat("post_training: ", message));
+}
+
+bool FiniteIn(double value, double low, double high) {
+  return std::isfinite(value) && value >= low && value <= high;
+}
+
+int64_t LoadIndex(const void* indices, DType dtype, int64_t i) {
+  return LoadTarget(indices, dtype, i);
+}
+
+// log(exp(a) + exp(b)) without overflow; -inf when both are.
+double LogAddExp(double a, double b) {
+  const double m = std::max(a, b);
+  if (m == -kInf) return -kInf;
+  return m + std::log(std::exp(a - m) + std::exp(b - m));
+}
+
+// x * log-ratio with 0 * anything = 0 (a bucket of mass 0 adds nothing).
+double MassTimes(double mass, double log_ratio) {
+  return mass > 0.0 ? mass * log_ratio : 0.0;
+}
+
+// One divergence over B buckets given log P_b (student) and log Q_b
+// (teacher): returns D and fills h_b = P_b dD/dP_b, whose sum is gbar of
+// kernels/post_training.h.
+double BucketDivergence(const DistillationArgs& kd,
+                        const std::vector<double>& log_p,
+                        const std::vector<double>& log_q,
+                        std::vector<double>* h) {
+  const size_t buckets = log_p.size();
+  h->assign(buckets, 0.0);
+  double beta = kd.beta;
+  Divergence kind = kd.divergence;
+  // Liger and TRL: JSD with beta 0 / 1 is the forward / reverse KL.
+  if (kind == Divergence::kJsd && beta == 0.0) kind = Divergence::kForwardKl;
+  if (kind == Divergence::kJsd && beta == 1.0) kind = Divergence::kReverseKl;
+  double d = 0.0;
+  for (size_t b = 0; b < buckets; ++b) {
+    const double p = std::exp(log_p[b]);
+    const double q = std::exp(log_q[b]);
+    switch (kind) {
+      case Divergence::kForwardKl:
+        d += MassTimes(q, log_q[b] - log_p[b]);
+        (*h)[b] = -q;
+        break;
+      case Divergence::kReverseKl:
+        d += MassTimes(p, log_p[b] - log_q[b]);
+        (*h)[b] = MassTimes(p, log_p[b] - log_q[b] + 1.0);
+        break;
+      case Divergence::kJsd: {
+        const double log_m =
+            LogAddExp(std::log(beta) + log_q[b], std::log1p(-beta) + log_p[b]);
+        d += beta * MassTimes(q, log_q[b] - log_m) +
+             (1.0 - beta) * MassTimes(p, log_p[b] - log_m);
+        (*h)[b] = (1.0 - beta) * MassTimes(p, log_p[b] - log_m);
+        break;
+      }
+    }
+  }
+  return d;
+}
+
+// Everything the rows share.
+struct Plan {
+  const PostTrainingArgs* args;
+  void* gradient;                 // nullptr for kNone
+  std::vector<double> row_scale;  // ds/dl_i for each row (0 for ignored rows)
+};
+
+bool RowIsValid(const PostTrainingArgs& args, int64_t row) {
+  if (args.base.targets == nullptr) return true;
+  return LoadTarget(args.base.targets, args.base.targets_dtype, row) !=
+         args.base.options.ignore_index;
+}
+
+// Per-row workspace, one per thread.
+struct Scratch {
+  std::vector<double> x, z, grad, log_p, log_q, h;
+  std::vector<int64_t> stamp;  // stamp[c] == row + 1: c is in the row's top k
+};
+
+// What the steps of one row share: its index, target, statistics at
+// temperature 1 and the workspace (z the softcapped logits, grad dl_i/dz).
+struct Row {
+  int64_t index = 0;
+  int64_t y = -1;  // -1: no targets
+  double lse = 0.0;
+  double logp = 0.0;
+  Scratch* scratch = nullptr;
+};
+
+// Loads the row, takes its max, argmax, lse and entropy, and writes the
+// per-token outputs every row has.
+Row LoadRow(const PostTrainingArgs& args, int64_t index, Scratch* scratch,
+            PostTrainingRowTotals* totals) {
+  const CrossEntropyArgs& base = args.base;
+  const int64_t vocab = base.vocab;
+  const double softcap = base.options.softcap;
+  const int64_t offset = index * base.row_stride;
+  std::vector<double>& x = scratch->x;
+  std::vector<double>& z = scratch->z;
+  for (int64_t c = 0; c < vocab; ++c) {
+    x[c] = LoadLogit(base.logits, base.logits_dtype, offset + c);
+    z[c] = softcap > 0.0 ? softcap * std::tanh(x[c] / softcap) : x[c];
+  }
+  double max_z = -kInf;
+  int64_t argmax = 0;
+  for (int64_t c = 0; c < vocab; ++c) ArgmaxUpdate(z[c], c, &max_z, &argmax);
+  double sum_exp = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) sum_exp += std::exp(z[c] - max_z);
+  Row row;
+  row.index = index;
+  row.scratch = scratch;
+  row.lse = max_z + std::log(sum_exp);
+  // Entropy lse - sum p z, with 0 * (-inf) = 0 for masked classes.
+  double expected_z = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) {
+    const double p = std::exp(z[c] - row.lse);
+    if (p > 0.0) expected_z += p * z[c];
+  }
+  totals->entropy = row.lse - expected_z;
+  if (base.token_lse != nullptr) {
+    base.token_lse[index] = static_cast<float>(row.lse);
+  }
+  if (base.token_argmax != nullptr) {
+    base.token_argmax[index] = static_cast<int32_t>(argmax);
+  }
+  if (args.token_entropy != nullptr) {
+    args.token_entropy[index] = static_cast<float>(totals->entropy);
+  }
+  if (base.targets != nullptr) {
+    row.y = LoadTarget(base.targets, base.targets_dtype, index);
+    totals->correct = argmax == row.y;
+  }
+  return row;
+}
+
+// The policy loss of a valid row; its gradient into scratch->grad.
+double PolicyRow(const PolicyArgs& pg, const Row& row,
+                 PostTrainingRowTotals* totals) {
+  const int64_t i = row.index;
+  const double advantage = pg.advantages[i];
+  const double ratio = std::exp(row.logp - pg.sampling_logprobs[i]);
+  const double clipped_ratio =
+      std::min(std::max(ratio, 1.0 - static_cast<double>(pg.epsilon_low)),
+               1.0 + static_cast<double>(pg.epsilon_high));
+  double loss = 0.0;
+  double dlogp = 0.0;  // dl/dlogp
+  switch (pg.loss) {
+    case PolicyLossKind::kImportanceSampling:
+      loss = -ratio * advantage;
+      dlogp = -ratio * advantage;
+      break;
+    case PolicyLossKind::kPpoClip: {
+      const double unclipped = -ratio * advantage;
+      const double clipped = -clipped_ratio * advantage;
+      totals->clipped = clipped > unclipped;
+      loss = std::max(unclipped, clipped);
+      dlogp = totals->clipped ? 0.0 : -ratio * advantage;
+      break;
+    }
+    case PolicyLossKind::kCispo:
+      totals->clipped = clipped_ratio != ratio;
+      loss = -clipped_ratio * advantage * row.logp;
+      dlogp = -clipped_ratio * advantage;
+      break;
+  }
+  if (pg.reference_logprobs != nullptr) {
+    const double d = pg.reference_logprobs[i] - row.logp;
+    double kl = 0.0, dkl = 0.0;
+    switch (pg.kl_estimator) {
+      case KlEstimator::kK1:
+        kl = -d;
+        dkl = 1.0;
+        break;
+      case KlEstimator::kK2:
+        kl = 0.5 * d * d;
+        dkl = -d;
+        break;
+      case KlEstimator::kK3:
+        kl = std::exp(d) - d - 1.0;
+        dkl = 1.0 - std::exp(d);
+        break;
+    }
+    totals->kl = kl;
+    if (pg.kl_coef > 0.0f) {
+      loss += pg.kl_coef * kl;
+      dlogp += pg.kl_coef * dkl;
+    }
+  }
+  totals->ratio = ratio;
+  totals->approx_kl = pg.sampling_logprobs[i] - row.logp;
+  // dlogp/dz_c = [c == y] - p_c.
+  std::vector<double>& grad = row.scratch->grad;
+  const std::vector<double>& z = row.scratch->z;
+  for (size_t c = 0; c < z.size(); ++c) {
+    grad[c] = -dlogp * std::exp(z[c] - row.lse);
+  }
+  grad[row.y] += dlogp;
+  return loss;
+}
+
+// A dense teacher's divergence; its gradient (times kd_scale) added into
+// grad. log_p holds the student's log p at the temperature.
+double DenseDivergence(const DistillationArgs& kd, const Row& row,
+                       double kd_scale) {
+  Scratch& scratch = *row.scratch;
+  const int64_t vocab = static_cast<int64_t>(scratch.log_p.size());
+  const int64_t offset = row.index * kd.teacher_row_stride;
+  std::vector<double>& log_q = scratch.log_q;
+  log_q.resize(vocab);
+  double max_t = -kInf;
+  for (int64_t c = 0; c < vocab; ++c) {
+    log_q[c] = LoadLogit(kd.teacher_logits, kd.teacher_dtype, offset + c) /
+               kd.temperature;
+    max_t = std::max(max_t, log_q[c]);
+  }
+  double sum_t = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) sum_t += std::exp(log_q[c] - max_t);
+  const double lse_t = max_t + std::log(sum_t);
+  for (int64_t c = 0; c < vocab; ++c) log_q[c] -= lse_t;
+  const double divergence =
+      BucketDivergence(kd, scratch.log_p, log_q, &scratch.h);
+  double gbar = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) gbar += scratch.h[c];
+  for (int64_t c = 0; c < vocab; ++c) {
+    scratch.grad[c] +=
+        kd_scale * (scratch.h[c] - std::exp(scratch.log_p[c]) * gbar);
+  }
+  return divergence;
+}
+
+// A top-k teacher's divergence (renormalized, or with the tail bucket); its
+// gradient (times kd_scale) added into grad. full_log_p holds the student's
+// log p at the temperature over the vocabulary.
+double TopKDivergence(const DistillationArgs& kd, const Row& row,
+                      const std::vector<double>& full_log_p, double kd_scale) {
+  Scratch& scratch = *row.scratch;
+  const int64_t vocab = static_cast<int64_t>(full_log_p.size());
+  const int64_t k = kd.top_k;
+  const float* logprobs = kd.top_k_logprobs + row.index * k;
+  std::vector<int64_t> index(k);
+  for (int64_t j = 0; j < k; ++j) {
+    index[j] =
+        LoadIndex(kd.top_k_indices, kd.top_k_indices_dtype, row.index * k + j);
+    scratch.stamp[index[j]] = row.index + 1;
+  }
+  std::vector<double> log_p(k), log_q(k);
+  const bool tail = kd.tail == TopKTail::kBucket && k < vocab;
+  double tail_p = 0.0;
+  if (kd.tail == TopKTail::kRenormalize) {
+    double max_s = -kInf, max_l = -kInf;
+    for (int64_t j = 0; j < k; ++j) {
+      max_s = std::max(max_s, full_log_p[index[j]]);
+      max_l = std::max(max_l, static_cast<double>(logprobs[j]));
+    }
+    double sum_s = 0.0, sum_l = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      sum_s += std::exp(full_log_p[index[j]] - max_s);
+      sum_l += std::exp(logprobs[j] - max_l);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      log_p[j] = full_log_p[index[j]] - max_s - std::log(sum_s);
+      log_q[j] = logprobs[j] - max_l - std::log(sum_l);
+    }
+  } else {
+    double teacher_mass = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      log_p[j] = full_log_p[index[j]];
+      log_q[j] = logprobs[j];
+      teacher_mass += std::exp(static_cast<double>(logprobs[j]));
+    }
+    if (tail) {
+      // The student's tail summed over its members, not 1 - support: the
+      // difference would lose the tail's digits when it is small.
+      for (int64_t c = 0; c < vocab; ++c) {
+        if (scratch.stamp[c] != row.index + 1) {
+          tail_p += std::exp(full_log_p[c]);
+        }
+      }
+      log_p.push_back(std::log(tail_p));
+      log_q.push_back(std::log(std::max(0.0, 1.0 - teacher_mass)));
+    }
+  }
+  const double divergence = BucketDivergence(kd, log_p, log_q, &scratch.h);
+  double gbar = 0.0;
+  for (double h : scratch.h) gbar += h;
+  if (tail) {
+    // Every class off the support as p_c (g_tail - gbar).
+    const double tail_g = tail_p > 0.0 ? scratch.h[k] / tail_p : 0.0;
+    for (int64_t c = 0; c < vocab; ++c) {
+      if (scratch.stamp[c] == row.index + 1) continue;
+      scratch.grad[c] += kd_scale * std::exp(full_log_p[c]) * (tail_g - gbar);
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    scratch.grad[index[j]] +=
+        kd_scale * (scratch.h[j] - std::exp(log_p[j]) * gbar);
+  }
+  return divergence;
+}
+
+// The distillation loss of a valid row; its gradient into scratch->grad.
+double DistillationRow(const DistillationArgs& kd, const Row& row,
+                       PostTrainingRowTotals* totals) {
+  Scratch& scratch = *row.scratch;
+  const std::vector<double>& z = scratch.z;
+  const int64_t vocab = static_cast<int64_t>(z.size());
+  const double tau = kd.temperature;
+  const double alpha = kd.alpha;
+  double loss = 0.0;
+  if (alpha > 0.0) {
+    loss += alpha * -row.logp;
+    for (int64_t c = 0; c < vocab; ++c) {
+      scratch.grad[c] = alpha * std::exp(z[c] - row.lse);
+    }
+    scratch.grad[row.y] -= alpha;
+  }
+  // The student at the temperature: log softmax(z / tau).
+  double max_u = -kInf;
+  for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
+  double sum_u = 0.0;
+  for (int64_t c = 0; c < vocab; ++c) sum_u += std::exp(z[c] / tau - max_u);
+  const double lse_u = max_u + std::log(sum_u);
+  std::vector<double> full_log_p(vocab);
+  for (int64_t c = 0; c < vocab; ++c) full_log_p[c] = z[c] / tau - lse_u;
+  // dD/du_c, added into grad scaled by (1 - alpha) / tau.
+  const double kd_scale = (1.0 - alpha) / tau;
+  double divergence = 0.0;
+  if (kd.teacher_logits != nullptr) {
+    scratch.log_p = full_log_p;
+    divergence = DenseDivergence(kd, row, kd_scale);
+  } else {
+    divergence = TopKDivergence(kd, row, full_log_p, kd_scale);
+  }
+  totals->distillation = divergence;
+  return loss + (1.0 - alpha) * divergence;
+}
+
+// Writes the row's gradient: grad times the row's factor, through softcap.
+void WriteRowGradient(const Plan& plan, const Row& row) {
+  const CrossEntropyArgs& base = plan.args->base;
+  const double softcap = base.options.softcap;
+  const int64_t offset = row.index * base.row_stride;
+  const double s = plan.row_scale[row.index];
+  const Scratch& scratch = *row.scratch;
+  for (int64_t c = 0; c < base.vocab; ++c) {
+    double g = scratch.grad[c] * s;
+    if (softcap > 0.0) {
+      const double cosh_u = std::cosh(scratch.x[c] / softcap);
+      g /= cosh_u * cosh_u;
+    }
+    StoreDouble(plan.gradient, base.logits_dtype, offset + c, g);
+  }
+}
+
+PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
+                                 Scratch* scratch) {
+  const PostTrainingArgs& args = *plan.args;
+  const CrossEntropyArgs& base = args.base;
+  PostTrainingRowTotals totals;
+  Row row = LoadRow(args, index, scratch, &totals);
+  if (!RowIsValid(args, index)) {
+    totals = PostTrainingRowTotals();
+    if (base.token_loss != nullptr) base.token_loss[index] = 0.0f;
+    if (args.token_logprob != nullptr) args.token_logprob[index] = 0.0f;
+    if (plan.gradient != nullptr) {
+      const int64_t offset = index * base.row_stride;
+      for (int64_t c = 0; c < base.vocab; ++c) {
+        StoreDouble(plan.gradient, base.logits_dtype, offset + c, 0.0);
+      }
+    }
+    return totals;
+  }
+  totals.valid = true;
+  row.logp = row.y >= 0 ? scratch->z[row.y] - row.lse : 0.0;
+  if (args.token_logprob != nullptr) {
+    args.token_logprob[index] = static_cast<float>(row.logp);
+  }
+  std::fill(scratch->grad.begin(), scratch->grad.end(), 0.0);
+  double loss = 0.0;
+  if (args.policy != nullptr) {
+    loss = PolicyRow(*args.policy, row, &totals);
+  } else {
+    // Only the policy sums the entropy over the tokens.
+    totals.entropy = 0.0;
+    if (args.distillation != nullptr) {
+      loss = DistillationRow(*args.distillation, row, &totals);
+    } else {
+      loss = -row.logp;
+      for (size_t c = 0; c < scratch->z.size(); ++c) {
+        scratch->grad[c] = std::exp(scratch->z[c] - row.lse);
+      }
+      scratch->grad[row.y] -= 1.0;
+    }
+  }
+  totals.loss = loss;
+  if (base.token_loss != nullptr) {
+    base.token_loss[index] = static_cast<float>(loss);
+  }
+  if (plan.gradient != nullptr) WriteRowGradient(plan, row);
+  return totals;
+}
+
+}  // namespace
+
+namespace {
+
+// The distillation's fields (ValidatePostTrainingArgs).
+absl::Status ValidateDistillation(const DistillationArgs& kd, int64_t vocab) {
+  if (!(std::isfinite(kd.temperature) && kd.temperature > 0.0f)) {
+    return Invalid(absl::StrCat("distillation.temperature must be > 0, got ",
+                                kd.temperature));
+  }
+  if (!FiniteIn(kd.alpha, 0.0, 1.0)) {
+    return Invalid(
+        absl::StrCat("distillation.alpha must be in [0, 1], got ", kd.alpha));
+  }
+  const int divergence = static_cast<int>(kd.divergence);
+  if (divergence < 1 || divergence > 3) {
+    return Invalid(
+        absl::StrCat("unknown distillation.divergence ", divergence));
+  }
+  if (kd.divergence == Divergence::kJsd && !FiniteIn(kd.beta, 0.0, 1.0)) {
+    return Invalid(
+        absl::StrCat("distillation.beta must be in [0, 1], got ", kd.beta));
+  }
+  const bool dense = kd.teacher_logits != nullptr;
+  const bool sparse =
+      kd.top_k_indices != nullptr || kd.top_k_logprobs != nullptr;
+  if (dense == sparse) {
+    return Invalid(
+        "distillation needs exactly one teacher: dense logits or top-k");
+  }
+  if (dense) {
+    if (!IsLogitsDType(kd.teacher_dtype)) {
+      return Invalid("the teacher logits must be fp32, bf16 or fp16");
+    }
+    if (kd.teacher_row_stride < vocab) {
+      return Invalid("teacher_row_stride must be >= vocab");
+    }
+  } else {
+    const int64_t limit = std::min(vocab, kMaxTopK);
+    if (kd.top_k < 1 || kd.top_k > limit) {
+      return Invalid(absl::StrCat("top-k k = ", kd.top_k,
+                                  " must be in [1, min(V, 512)] = [1, ", limit,
+                                  "]"));
+    }
+    if (kd.top_k_indices == nullptr || kd.top_k_logprobs == nullptr) {
+      return Invalid("a top-k teacher needs both indices and logprobs");
+    }
+    if (!IsTargetsDType(kd.top_k_indices_dtype)) {
+      return Invalid("top-k indices must be int32 or int64");
+    }
+    const int tail = static_cast<int>(kd.tail);
+    if (tail < 1 || tail > 2) {
+      return Invalid(absl::StrCat("unknown top-k tail ", tail));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The policy's fields (ValidatePostTrainingArgs).
+absl::Status ValidatePolicy(const PolicyArgs& pg) {
+  const int loss = static_cast<int>(pg.loss);
+  if (loss < 1 || loss > 3) {
+    return Invalid(absl::StrCat("unknown policy.loss ", loss));
+  }
+  const int estimator = static_cast<int>(pg.kl_estimator);
+  if (estimator < 1 || estimator > 3) {
+    return Invalid(absl::StrCat("unknown policy.kl_estimator ", estimator));
+  }
+  if (pg.advantages == nullptr || pg.sampling_logprobs == nullptr) {
+    return Invalid("policy needs advantages and sampling logprobs");
+  }
+  if (!(std::isfinite(pg.epsilon_low) && pg.epsilon_low >= 0.0f &&
+        pg.epsilon_low < 1.0f)) {
+    return Invalid(absl::StrCat("policy.epsilon_low must be in [0, 1), got ",
+                                pg.epsilon_low));
+  }
+  if (!(std::isfinite(pg.epsilon_high) && pg.epsilon_high >= 0.0f)) {
+    return Invalid(absl::StrCat("policy.epsilon_high must be >= 0, got ",
+                                pg.epsilon_high));
+  }
+  if (!(std::isfinite(pg.kl_coef) && pg.kl_coef >= 0.0f)) {
+    return Invalid(
+        absl::StrCat("policy.kl_coef must be >= 0, got ", pg.kl_coef));
+  }
+  if (pg.kl_coef > 0.0f && pg.reference_logprobs == nullptr) {
+    return Invalid("policy.kl_coef > 0 needs reference logprobs");
+  }
+  return absl::OkStatus();
+}
+
+// The segments' fields (ValidatePostTrainingArgs).
+absl::Status ValidateSegments(const SegmentArgs& segments,
+                              Reduction options_reduction) {
+  if (segments.ids == nullptr) return Invalid("segment ids are missing");
+  if (segments.count < 1 || segments.count > INT32_MAX) {
+    return Invalid(absl::StrCat("segments.count = ", segments.count,
+                                " must be in [1, 2^31)"));
+  }
+  const int reduction = static_cast<int>(segments.reduction);
+  if (reduction < 0 || reduction > 2) {
+    return Invalid(absl::StrCat("unknown segments.reduction ", reduction));
+  }
+  if (segments.reduction != SegmentReduction::kNone &&
+      options_reduction != Reduction::kMean) {
+    return Invalid(
+        "a segment reduction needs the options' reduction to be MEAN");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
+  const CrossEntropyArgs& base = args.base;
+  const DistillationArgs* kd = args.distillation;
+  const PolicyArgs* pg = args.policy;
+  const bool targets_optional = kd != nullptr && kd->alpha == 0.0f;
+  if (base.targets == nullptr && !targets_optional) {
+    return Invalid(
+        "targets are required (only a distillation with alpha 0 goes "
+        "without)");
+  }
+  CrossEntropyArgs checked = base;
+  if (checked.targets == nullptr) {
+    // Validated as if present; the rows then all count.
+    checked.targets = base.logits;
+    checked.targets_dtype = DType::kInt32;
+  }
+  absl::Status status = ValidateCrossEntropyArgs(checked);
+  if (!status.ok()) return status;
+  const CrossEntropyOptions& options = base.options;
+  if (options.label_smoothing != 0.0f || options.z_loss_scale != 0.0f ||
+      base.class_weights != nullptr) {
+    return Invalid(
+        "label_smoothing, z_loss_scale and class_weights do not compose "
+        "with distillation, policy losses or segments");
+  }
+  if (kd != nullptr && pg != nullptr) {
+    return Invalid("distillation and policy cannot be combined");
+  }
+  if (kd != nullptr) {
+    status = ValidateDistillation(*kd, base.vocab);
+    if (!status.ok()) return status;
+  }
+  if (pg != nullptr) {
+    status = ValidatePolicy(*pg);
+    if (!status.ok()) return status;
+  }
+  if (args.segments != nullptr) {
+    status = ValidateSegments(*args.segments, options.reduction);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPostTrainingData(const PostTrainingArgs& args) {
+  const CrossEntropyArgs& base = args.base;
+  const int64_t rows = base.rows;
+  if (base.targets != nullptr) {
+    absl::Status status = CheckTargets(base.targets, base.targets_dtype, rows,
+                                       base.vocab, base.options.ignore_index);
+    if (!status.ok()) return status;
+  }
+  if (args.distillation != nullptr &&
+      args.distillation->teacher_logits == nullptr) {
+    const DistillationArgs& kd = *args.distillation;
+    const int64_t k = kd.top_k;
+    std::vector<int64_t> stamp(base.vocab, 0);
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t index =
+            LoadIndex(kd.top_k_indices, kd.top_k_indices_dtype, row * k + j);
+        if (index < 0 || index >= base.vocab) {
+          return Invalid(absl::StrCat("top-k index [", row, ", ", j,
+                                      "] = ", index, " is outside [0, ",
+                                      base.vocab, ")"));
+        }
+        if (stamp[index] == row + 1) {
+          return Invalid(absl::StrCat("top-k index ", index,
+                                      " appears twice in row ", row));
+        }
+        stamp[index] = row + 1;
+        const float logprob = kd.top_k_logprobs[row * k + j];
+        if (std::isnan(logprob) || logprob > 0.0f) {
+          return Invalid(absl::StrCat("top-k logprob [", row, ", ", j,
+                                      "] = ", logprob, " must be <= 0"));
+        }
+      }
+    }
+  }
+  if (args.policy != nullptr) {
+    const PolicyArgs& pg = *args.policy;
+    const struct {
+      const char* name;
+      const float* values;
+    } inputs[] = {{"advantages", pg.advantages},
+                  {"sampling_logprobs", pg.sampling_logprobs},
+                  {"reference_logprobs", pg.reference_logprobs}};
+    for (const auto& input : inputs) {
+      if (input.values == nullptr) continue;
+      for (int64_t row = 0; row < rows; ++row) {
+        if (!std::isfinite(input.values[row])) {
+          return Invalid(absl::StrCat("policy ", input.name, "[", row, "] = ",
+                                      input.values[row], " is not finite"));
+        }
+      }
+    }
+  }
+  if (args.segments != nullptr) {
+    const SegmentArgs& segments = *args.segments;
+    for (int64_t row = 0; row < rows; ++row) {
+      const int32_t id = segments.ids[row];
+      if (id < 0 || id >= segments.count) {
+        return Invalid(absl::StrCat("segment id [", row, "] = ", id,
+                                    " is outside [0, ", segments.count, ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args) {
+  const CrossEntropyOptions& options = args.base.options;
+  const int64_t rows = args.base.rows;
+  const SegmentArgs* segments = args.segments;
+  PostTrainingPlan plan;
+  plan.segment_reduction =
+      segments == nullptr ? SegmentReduction::kNone : segments->reduction;
+  plan.segment_tokens.assign(segments == nullptr ? 0 : segments->count, 0);
+  for (int64_t row = 0; row < rows; ++row) {
+    if (!RowIsValid(args, row)) continue;
+    ++plan.valid_tokens;
+    if (segments != nullptr) ++plan.segment_tokens[segments->ids[row]];
+  }
+  for (int64_t tokens : plan.segment_tokens) {
+    plan.nonempty_segments += tokens > 0;
+  }
+  const bool mean = options.reduction == Reduction::kMean;
+  if (plan.segment_reduction != SegmentReduction::kNone) {
+    plan.denominator = options.normalizer > 0.0
+                           ? options.normalizer
+                           : static_cast<double>(plan.nonempty_segments);
+    plan.have_denominator =
+        plan.nonempty_segments > 0 || options.normalizer > 0.0;
+  } else if (mean) {
+    plan.denominator = options.normalizer > 0.0
+                           ? options.normalizer
+                           : static_cast<double>(plan.valid_tokens);
+    plan.have_denominator = plan.valid_tokens > 0 || options.normalizer > 0.0;
+  }
+  plan.row_scale.assign(rows, 0.0);
+  for (int64_t row = 0; row < rows; ++row) {
+    if (!RowIsValid(args, row)) continue;
+    double factor = 1.0;
+    switch (plan.segment_reduction) {
+      case SegmentReduction::kNone:
+        if (mean) factor = 1.0 / plan.denominator;
+        break;
+      case SegmentReduction::kSeqMeanTokenMean:
+        factor = 1.0 /
+                 (plan.denominator *
+                  static_cast<double>(plan.segment_tokens[segments->ids[row]]));
+        break;
+      case SegmentReduction::kSeqMeanTokenSum:
+        factor = 1.0 / plan.denominator;
+        break;
+    }
+    plan.row_scale[row] = factor;
+  }
+  return plan;
+}
+
+PostTrainingResult ReducePostTrainingRows(
+    const PostTrainingArgs& args, const PostTrainingPlan& plan,
+    const std::vector<PostTrainingRowTotals>& totals) {
+  const CrossEntropyOptions& options = args.base.options;
+  const SegmentArgs* segments = args.segments;
+  const SegmentReduction segment_reduction = plan.segment_reduction;
+  PostTrainingResult out;
+  out.base.valid_tokens = plan.valid_tokens;
+  out.segment_loss.assign(plan.segment_tokens.size(), 0.0);
+  out.segment_tokens = plan.segment_tokens;
+  out.segment_distillation.assign(plan.segment_tokens.size(), 0.0);
+  double loss = 0.0, distillation = 0.0;
+  for (size_t row = 0; row < totals.size(); ++row) {
+    const PostTrainingRowTotals& t = totals[row];
+    if (!t.valid) continue;
+    if (!std::isfinite(t.loss)) ++out.base.nonfinite_rows;
+    out.base.correct_tokens += t.correct;
+    out.policy.clipped_tokens += t.clipped;
+    out.policy.ratio_sum += t.ratio;
+    out.policy.approx_kl_sum += t.approx_kl;
+    out.policy.kl_sum += t.kl;
+    out.policy.entropy_sum += t.entropy;
+    if (segments != nullptr) {
+      out.segment_loss[segments->ids[row]] += t.loss;
+      out.segment_distillation[segments->ids[row]] += t.distillation;
+    }
+    if (segment_reduction == SegmentReduction::kNone) {
+      loss += t.loss;
+      distillation += t.distillation;
+    }
+  }
+  if (segment_reduction != SegmentReduction::kNone) {
+    for (size_t s = 0; s < plan.segment_tokens.size(); ++s) {
+      if (plan.segment_tokens[s] == 0) continue;
+      const double per =
+          segment_reduction == SegmentReduction::kSeqMeanTokenMean
+              ? static_cast<double>(plan.segment_tokens[s])
+              : 1.0;
+      loss += out.segment_loss[s] / per;
+      distillation += out.segment_distillation[s] / per;
+    }
+  }
+  const bool reduce_mean = options.reduction == Reduction::kMean ||
+                           segment_reduction != SegmentReduction::kNone;
+  if (reduce_mean) {
+    const bool any = segment_reduction != SegmentReduction::kNone
+                         ? plan.nonempty_segments > 0
+                         : plan.valid_tokens > 0;
+    out.base.loss = any ? loss / plan.denominator : 0.0;
+    out.distillation_loss = any ? distillation / plan.denominator : 0.0;
+    if (plan.have_denominator) out.base.denominator = plan.denominator;
+  } else {
+    out.base.loss = loss;
+    out.distillation_loss = distillation;
+  }
+  return out;
+}
+
+absl::Status PostTrainingCpu(const PostTrainingArgs& args,
+                             PostTrainingResult* result, int num_threads) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  absl::Status status = ValidatePostTrainingArgs(args);
+  if (!status.ok()) return status;
+  status = CheckPostTrainingData(args);
+  if (!status.ok()) return status;
+
+  const CrossEntropyArgs& base = args.base;
+  const int64_t rows = base.rows;
+  // The reduction's factors depend on the targets and segment ids only, so
+  // they are known before any row is computed. The gradient scale is folded
+  // into the gradient's factors only.
+  const PostTrainingPlan plan = PlanPostTraining(args);
+  Plan gradient_plan;
+  gradient_plan.args = &args;
+  gradient_plan.gradient =
+      base.mode == GradientMode::kNone ? nullptr : base.gradient;
+  gradient_plan.row_scale = plan.row_scale;
+  for (double& scale : gradient_plan.row_scale) {
+    scale *= base.options.grad_scale;
+  }
+
+  std::vector<PostTrainingRowTotals> totals(rows);
+  unsigned threads = num_threads > 0 ? static_cast<unsigned>(num_threads)
+                                     : std::thread::hardware_concurrency();
+  threads = std::max(
+      1u, std::min<unsigned>(
+              threads, static_cast<unsigned>(std::max<int64_t>(1, rows / 8))));
+  auto work = [&](unsigned thread) {
+    Scratch scratch;
+    scratch.x.resize(base.vocab);
+    scratch.z.resize(base.vocab);
+    scratch.grad.resize(base.vocab);
+    scratch.stamp.assign(base.vocab, 0);
+    const int64_t begin = rows * thread / threads;
+    const int64_t end = rows * (thread + 1) / threads;
+    for (int64_t row = begin; row < end; ++row) {
+      totals[row] = ComputeRow(gradient_plan, row, &scratch);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (std::thread& thread : pool) thread.join();
+  *result = ReducePostTrainingRows(args, plan, totals);
+  return absl::OkStatus();
+}
+
+}  // namespace lossd

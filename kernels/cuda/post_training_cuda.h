@@ -1,0 +1,51 @@
+// The device launch of the CUDA post-training losses (CUDA runtime headers
+// only); post_training_cuda_host.h is its absl wrapper.
+#ifndef LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_H_
+#define LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/post_training.h"
+
+namespace lossd {
+
+// What the row kernel writes for each row (device memory).
+struct PostTrainingCudaRow {
+  double loss;
+  double distillation;
+  double ratio;
+  double approx_kl;
+  double kl;
+  double entropy;
+  float lse;
+  float logprob;
+  int argmax;
+  int flags;  // kPostTrainingRow*
+};
+constexpr int kPostTrainingRowValid = 1;
+constexpr int kPostTrainingRowCorrect = 2;
+constexpr int kPostTrainingRowClipped = 4;
+
+// The largest vocabulary a top-k teacher may have on the GPU: its support is
+// marked in a shared-memory bitmap of V bits (40 KiB, beside the kernel's
+// static shared memory under the default 48 KiB).
+constexpr int64_t kPostTrainingCudaMaxTopKVocab = int64_t{40} * 1024 * 8;
+
+// Enqueues the row kernel on `stream`: one block per row of `args` (device
+// pointers; the per-token outputs are ignored here), the gradient (as
+// args.base.mode says) scaled by `row_scale` [rows] (device, grad_scale
+// folded in), and each row's totals into `rows_out` [rows] (device). `args`
+// must be valid (ValidatePostTrainingArgs, CheckPostTrainingData on the host).
+// Returns cudaErrorInvalidValue for a top-k teacher past
+// kPostTrainingCudaMaxTopKVocab or rows past 2^31 - 1, else the launch's
+// error. Thread-safe for distinct buffers.
+cudaError_t PostTrainingCudaLaunch(const PostTrainingArgs& args,
+                                   const float* row_scale,
+                                   PostTrainingCudaRow* rows_out,
+                                   cudaStream_t stream);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_H_

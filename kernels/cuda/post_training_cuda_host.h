@@ -1,0 +1,27 @@
+// The absl::Status face of the CUDA post-training losses: plan the reduction
+// on the host, launch the row kernel, reduce the rows as the CPU backend does.
+// The server's CudaDevice and the GPU tests call it.
+#ifndef LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_HOST_H_
+#define LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_HOST_H_
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "kernels/post_training.h"
+
+namespace lossd {
+
+// Runs `device_args` (device pointers; the per-token outputs are HOST
+// pointers, as for Device::PostTraining) on `stream` and waits for it. The
+// small inputs' values must have been checked already (CheckPostTrainingData
+// on host copies). Returns OK; INVALID_ARGUMENT as ValidatePostTrainingArgs
+// or for result == nullptr; UNIMPLEMENTED for a top-k teacher over more than
+// kPostTrainingCudaMaxTopKVocab classes; RESOURCE_EXHAUSTED when device
+// memory runs out; INTERNAL for other CUDA errors. Synchronizes `stream`.
+// Thread safety: reentrant for distinct buffers.
+absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
+                              PostTrainingResult* result, cudaStream_t stream);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_HOST_H_

@@ -1,0 +1,567 @@
+// The row kernel of the post-training losses, a first landing: one block per
+// row, fp32, passes for the statistics, the divergence's sums and the gradient
+// written in place; the host wrapper reduces the rows' totals.
+//
+// Shapes: logits z [N, V] (row stride S), teacher [N, V], top-k [N, k],
+// advantages / logprobs / targets / segment ids [N].
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+
+#include "kernels/cuda/post_training_cuda.h"
+
+namespace lossd {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxTopK = 512;
+
+__device__ __forceinline__ float LoadF(const float* p, int64_t i) {
+  return p[i];
+}
+__device__ __forceinline__ float LoadF(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ float LoadF(const __half* p, int64_t i) {
+  return __half2float(p[i]);
+}
+__device__ __forceinline__ void StoreF(float* p, int64_t i, float v) {
+  p[i] = v;
+}
+__device__ __forceinline__ void StoreF(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ void StoreF(__half* p, int64_t i, float v) {
+  p[i] = __float2half_rn(v);
+}
+
+// A running max m, sum of exp(x - m) and sum of exp(x - m) * x.
+struct Stats {
+  float m;
+  float s;
+  float w;
+};
+__device__ __forceinline__ Stats EmptyStats() {
+  return {-INFINITY, 0.0f, 0.0f};
+}
+__device__ __forceinline__ void Update(Stats* a, float x) {
+  if (x == -INFINITY) return;  // a masked class adds nothing (and no NaN)
+  if (x > a->m) {
+    const float scale = expf(a->m - x);
+    a->s *= scale;
+    a->w *= scale;
+    a->m = x;
+  }
+  const float e = expf(x - a->m);
+  a->s += e;
+  a->w += e * x;
+}
+struct MergeStats {
+  __device__ __forceinline__ Stats operator()(const Stats& a,
+                                              const Stats& b) const {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -INFINITY) return EmptyStats();
+    const float sa = a.m == -INFINITY ? 0.0f : expf(a.m - m);
+    const float sb = b.m == -INFINITY ? 0.0f : expf(b.m - m);
+    return {m, a.s * sa + b.s * sb, a.w * sa + b.w * sb};
+  }
+};
+__device__ __forceinline__ float Lse(const Stats& a) { return a.m + logf(a.s); }
+
+// Argmax with the first index winning ties.
+struct ArgMax {
+  float value;
+  int index;
+};
+struct MergeArgMax {
+  __device__ __forceinline__ ArgMax operator()(const ArgMax& a,
+                                               const ArgMax& b) const {
+    if (b.value > a.value || (b.value == a.value && b.index < a.index)) {
+      return b;
+    }
+    return a;
+  }
+};
+struct Sum2 {
+  float a;
+  float b;
+};
+struct MergeSum2 {
+  __device__ __forceinline__ Sum2 operator()(const Sum2& x,
+                                             const Sum2& y) const {
+    return {x.a + y.a, x.b + y.b};
+  }
+};
+
+// D's term and h = P dD/dP of one bucket (post_training_cpu.cc's
+// BucketDivergence, in fp32).
+__device__ __forceinline__ void Bucket(int divergence, float beta, float log_p,
+                                       float log_q, float* d, float* h) {
+  const float p = expf(log_p);
+  const float q = expf(log_q);
+  if (divergence == static_cast<int>(Divergence::kForwardKl)) {
+    *d = q > 0.0f ? q * (log_q - log_p) : 0.0f;
+    *h = -q;
+  } else if (divergence == static_cast<int>(Divergence::kReverseKl)) {
+    *d = p > 0.0f ? p * (log_p - log_q) : 0.0f;
+    // dD/dP_b is log P_b - log Q_b + 1; the 1 drops out of g_b - gbar (the
+    // P_b sum to 1) and, kept in fp32, would cancel away the digits of the
+    // small differences.
+    *h = *d;
+  } else {
+    const float a = logf(beta) + log_q;
+    const float b = log1pf(-beta) + log_p;
+    const float mx = fmaxf(a, b);
+    const float log_m =
+        mx == -INFINITY ? -INFINITY : mx + logf(expf(a - mx) + expf(b - mx));
+    *d = beta * (q > 0.0f ? q * (log_q - log_m) : 0.0f) +
+         (1.0f - beta) * (p > 0.0f ? p * (log_p - log_m) : 0.0f);
+    *h = (1.0f - beta) * (p > 0.0f ? p * (log_p - log_m) : 0.0f);
+  }
+}
+
+struct Params {
+  int64_t rows, vocab, stride;
+  const void* logits;
+  void* gradient;  // null: no gradient
+  const void* targets;
+  bool targets64;
+  int64_t ignore_index;
+  float softcap;
+  const float* row_scale;
+  // Distillation (kd), dense teacher or top-k.
+  bool kd;
+  float tau, alpha, beta;
+  int divergence;
+  const void* teacher;
+  int64_t teacher_stride;
+  int top_k;
+  const void* indices;
+  bool indices64;
+  const float* logprobs;
+  bool renormalize;
+  // Policy.
+  bool policy;
+  int loss;
+  const float* advantages;
+  const float* sampling;
+  const float* reference;
+  float eps_low, eps_high, kl_coef;
+  int estimator;
+  PostTrainingCudaRow* out;
+};
+
+__device__ __forceinline__ int64_t LoadIndex(const void* p, bool is64,
+                                             int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i]
+              : static_cast<const int32_t*>(p)[i];
+}
+
+// Calls f(c, x[c], t[c]) for the thread's elements c = tid + i * kThreads of
+// a row in increasing order (t[c] is 0 without a teacher), loading kUnroll of
+// them before using any. Measured at 8192 x 128256 bf16 (H100): 1 gives dense
+// KD 17.8 ms, 8 gives 33.8 ms (108 registers: one block an SM), so the row
+// is not bound by loads in flight; bench/NOTES.md.
+constexpr int kUnroll = 1;
+template <typename T, typename TT, typename F>
+__device__ __forceinline__ void ForRow(const T* x, const TT* t, int64_t V,
+                                       int tid, F f) {
+  for (int64_t base = tid; base < V; base += int64_t{kThreads} * kUnroll) {
+    float xv[kUnroll], tv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t c = base + int64_t{j} * kThreads;
+      xv[j] = c < V ? LoadF(x, c) : 0.0f;
+      tv[j] = t != nullptr && c < V ? LoadF(t, c) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t c = base + int64_t{j} * kThreads;
+      if (c < V) f(c, xv[j], tv[j]);
+    }
+  }
+}
+
+template <typename T, typename TT>
+__global__ void __launch_bounds__(kThreads)
+    PostTrainingRowKernel(const Params prm) {
+  using StatsReduce = cub::BlockReduce<Stats, kThreads>;
+  using ArgReduce = cub::BlockReduce<ArgMax, kThreads>;
+  using SumReduce = cub::BlockReduce<Sum2, kThreads>;
+  __shared__ union {
+    typename StatsReduce::TempStorage stats;
+    typename ArgReduce::TempStorage arg;
+    typename SumReduce::TempStorage sum;
+  } temp;
+  __shared__ Stats shared_stats[3];
+  __shared__ ArgMax shared_arg;
+  __shared__ Sum2 shared_sum[2];
+  __shared__ int top_index[kMaxTopK];
+  __shared__ float top_log_p[kMaxTopK];
+  __shared__ float top_h[kMaxTopK];
+  extern __shared__ unsigned support[];  // V bits for a top-k teacher
+
+  const int64_t row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int64_t V = prm.vocab;
+  const T* x = static_cast<const T*>(prm.logits) + row * prm.stride;
+  T* g = prm.gradient == nullptr
+             ? nullptr
+             : static_cast<T*>(prm.gradient) + row * prm.stride;
+  const TT* t = prm.teacher == nullptr ? nullptr
+                                       : static_cast<const TT*>(prm.teacher) +
+                                             row * prm.teacher_stride;
+  const float cap = prm.softcap;
+  auto z_of = [cap](float v) { return cap > 0.0f ? cap * tanhf(v / cap) : v; };
+  const float inv_tau = prm.kd ? 1.0f / prm.tau : 1.0f;
+  const bool sparse = prm.kd && prm.top_k > 0;
+  const int k = prm.top_k;
+
+  // Pass 1: statistics.
+  Stats z_stats = EmptyStats(), u_stats = EmptyStats(), t_stats = EmptyStats();
+  ArgMax arg = {-INFINITY, 0};
+  const bool kd = prm.kd;
+  ForRow(x, t, V, tid, [&](int64_t c, float xc, float tc) {
+    const float z = z_of(xc);
+    Update(&z_stats, z);
+    if (z > arg.value) arg = {z, static_cast<int>(c)};
+    if (kd) {
+      Update(&u_stats, z * inv_tau);
+      if (t != nullptr) Update(&t_stats, tc * inv_tau);
+    }
+  });
+  if (sparse) {
+    for (int64_t w = tid; w < (V + 31) / 32; w += kThreads) support[w] = 0u;
+  }
+  {
+    Stats r = StatsReduce(temp.stats).Reduce(z_stats, MergeStats());
+    if (tid == 0) shared_stats[0] = r;
+    __syncthreads();
+    r = StatsReduce(temp.stats).Reduce(u_stats, MergeStats());
+    if (tid == 0) shared_stats[1] = r;
+    __syncthreads();
+    r = StatsReduce(temp.stats).Reduce(t_stats, MergeStats());
+    if (tid == 0) shared_stats[2] = r;
+    __syncthreads();
+    const ArgMax a = ArgReduce(temp.arg).Reduce(arg, MergeArgMax());
+    if (tid == 0) shared_arg = a;
+    __syncthreads();
+  }
+  const Stats zs = shared_stats[0];
+  const float lse = Lse(zs);
+  const float entropy = lse - zs.w / zs.s;
+  const int argmax = shared_arg.index;
+
+  const bool has_target = prm.targets != nullptr;
+  const int64_t y =
+      has_target ? LoadIndex(prm.targets, prm.targets64, row) : -1;
+  const bool valid = !has_target || y != prm.ignore_index;
+  if (!valid) {
+    if (g != nullptr) {
+      for (int64_t c = tid; c < V; c += kThreads) StoreF(g, c, 0.0f);
+    }
+    if (tid == 0) {
+      prm.out[row] = {0.0, 0.0, 0.0, 0.0, 0.0, entropy, lse, 0.0f, argmax, 0};
+    }
+    return;
+  }
+  const float logp = has_target ? z_of(LoadF(x, y)) - lse : 0.0f;
+  double loss = 0.0, distill = 0.0, ratio_out = 0.0, approx_kl = 0.0,
+         kl_out = 0.0;
+  bool clipped = false;
+  float dlogp = 0.0f;   // policy: dl/dlogp
+  float gbar = 0.0f;    // distillation: sum_b h_b
+  float tail_g = 0.0f;  // top-k bucket: h_tail / P_tail
+  float lse_u = 0.0f, lse_t = 0.0f, lse_s = 0.0f;
+
+  if (prm.policy) {
+    const float advantage = prm.advantages[row];
+    const float ratio = expf(logp - prm.sampling[row]);
+    const float clipped_ratio =
+        fminf(fmaxf(ratio, 1.0f - prm.eps_low), 1.0f + prm.eps_high);
+    if (prm.loss == static_cast<int>(PolicyLossKind::kImportanceSampling)) {
+      loss = -ratio * advantage;
+      dlogp = -ratio * advantage;
+    } else if (prm.loss == static_cast<int>(PolicyLossKind::kPpoClip)) {
+      const float unclipped = -ratio * advantage;
+      const float clip = -clipped_ratio * advantage;
+      clipped = clip > unclipped;
+      loss = fmaxf(unclipped, clip);
+      dlogp = clipped ? 0.0f : -ratio * advantage;
+    } else {
+      clipped = clipped_ratio != ratio;
+      loss = -static_cast<double>(clipped_ratio) * advantage * logp;
+      dlogp = -clipped_ratio * advantage;
+    }
+    if (prm.reference != nullptr) {
+      const float d = prm.reference[row] - logp;
+      float kl, dkl;
+      if (prm.estimator == static_cast<int>(KlEstimator::kK1)) {
+        kl = -d;
+        dkl = 1.0f;
+      } else if (prm.estimator == static_cast<int>(KlEstimator::kK2)) {
+        kl = 0.5f * d * d;
+        dkl = -d;
+      } else {
+        kl = expm1f(d) - d;
+        dkl = -expm1f(d);
+      }
+      kl_out = kl;
+      if (prm.kl_coef > 0.0f) {
+        loss += static_cast<double>(prm.kl_coef) * kl;
+        dlogp += prm.kl_coef * dkl;
+      }
+    }
+    ratio_out = ratio;
+    approx_kl = prm.sampling[row] - logp;
+  } else if (prm.kd) {
+    lse_u = Lse(shared_stats[1]);
+    float d_sum = 0.0f, h_sum = 0.0f;
+    if (!sparse) {
+      lse_t = Lse(shared_stats[2]);
+      ForRow(x, t, V, tid, [&](int64_t, float xc, float tc) {
+        float d, h;
+        Bucket(prm.divergence, prm.beta, z_of(xc) * inv_tau - lse_u,
+               tc * inv_tau - lse_t, &d, &h);
+        d_sum += d;
+        h_sum += h;
+      });
+    } else {
+      // The support: its student values, marked in the bitmap.
+      float zu = -INFINITY, lq = -INFINITY;
+      if (tid < k) {
+        const int64_t c = LoadIndex(prm.indices, prm.indices64, row * k + tid);
+        top_index[tid] = static_cast<int>(c);
+        zu = z_of(LoadF(x, c)) * inv_tau;
+        lq = prm.logprobs[row * k + tid];
+        atomicOr(&support[c / 32], 1u << (c % 32));
+      }
+      __syncthreads();
+      float log_p = 0.0f, log_q = lq;
+      if (prm.renormalize) {
+        Stats s1 = EmptyStats(), s2 = EmptyStats();
+        if (tid < k) {
+          Update(&s1, zu);
+          Update(&s2, lq);
+        }
+        Stats r = StatsReduce(temp.stats).Reduce(s1, MergeStats());
+        if (tid == 0) shared_stats[1] = r;
+        __syncthreads();
+        r = StatsReduce(temp.stats).Reduce(s2, MergeStats());
+        if (tid == 0) shared_stats[2] = r;
+        __syncthreads();
+        lse_s = Lse(shared_stats[1]);
+        log_p = zu - lse_s;
+        log_q = lq - Lse(shared_stats[2]);
+      } else {
+        log_p = zu - lse_u;
+      }
+      if (tid < k) {
+        float d, h;
+        Bucket(prm.divergence, prm.beta, log_p, log_q, &d, &h);
+        d_sum = d;
+        h_sum = h;
+        top_log_p[tid] = log_p;
+        top_h[tid] = h;
+      }
+      if (!prm.renormalize && k < V) {
+        // The tail bucket: the student's mass outside the support, and the
+        // teacher's 1 - sum exp(logprobs).
+        float tail_p = 0.0f, teacher_mass = tid < k ? expf(lq) : 0.0f;
+        ForRow(x, static_cast<const TT*>(nullptr), V, tid,
+               [&](int64_t c, float xc, float) {
+                 if ((support[c / 32] >> (c % 32)) & 1u) return;
+                 tail_p += expf(z_of(xc) * inv_tau - lse_u);
+               });
+        const Sum2 r =
+            SumReduce(temp.sum).Reduce(Sum2{tail_p, teacher_mass}, MergeSum2());
+        if (tid == 0) shared_sum[1] = r;
+        __syncthreads();
+        const float p_tail = shared_sum[1].a;
+        const float q_tail = fmaxf(0.0f, 1.0f - shared_sum[1].b);
+        __syncthreads();  // every thread has read them before thread 0 writes
+        if (tid == 0) {
+          float d, h;
+          Bucket(prm.divergence, prm.beta, logf(p_tail), logf(q_tail), &d, &h);
+          d_sum += d;
+          h_sum += h;
+          shared_sum[1].a = h;
+          shared_sum[1].b = p_tail;
+        }
+        __syncthreads();
+        tail_g =
+            shared_sum[1].b > 0.0f ? shared_sum[1].a / shared_sum[1].b : 0.0f;
+      }
+    }
+    const Sum2 r = SumReduce(temp.sum).Reduce(Sum2{d_sum, h_sum}, MergeSum2());
+    if (tid == 0) shared_sum[0] = r;
+    __syncthreads();
+    distill = shared_sum[0].a;
+    gbar = shared_sum[0].b;
+    loss += (1.0 - prm.alpha) * distill;
+  } else {
+    loss = -static_cast<double>(logp);
+  }
+  if (prm.kd && prm.alpha > 0.0f) {
+    // The cross-entropy part, written plainly.
+    loss = prm.alpha * static_cast<double>(-logp) + (1.0 - prm.alpha) * distill;
+  }
+
+  if (g != nullptr) {
+    // Every thread has read what it needs of the row (the target's logit
+    // included) before any element is overwritten.
+    __syncthreads();
+    const float s = prm.row_scale[row];
+    const float kd_scale = (1.0f - prm.alpha) * inv_tau;
+    auto gradient_of = [&](int64_t c, float xc, float extra) {
+      const float z = z_of(xc);
+      // p_c - [c == y]; at the target as expm1, which keeps the digits of
+      // 1 - p_y when p_y is close to 1.
+      const float residual = c == y ? expm1f(z - lse) : expf(z - lse);
+      float grad = 0.0f;
+      if (prm.policy) {
+        grad = -dlogp * residual;
+      } else if (prm.kd) {
+        if (prm.alpha > 0.0f) grad = prm.alpha * residual;
+        grad += extra;
+      } else {
+        grad = residual;
+      }
+      grad *= s;
+      if (cap > 0.0f) {
+        const float th = z / cap;
+        grad *= 1.0f - th * th;
+      }
+      return grad;
+    };
+    ForRow(x, t, V, tid, [&](int64_t c, float xc, float tc) {
+      if (sparse && ((support[c / 32] >> (c % 32)) & 1u)) return;
+      float extra = 0.0f;
+      if (prm.kd && !sparse) {
+        const float log_p = z_of(xc) * inv_tau - lse_u;
+        float d, h;
+        Bucket(prm.divergence, prm.beta, log_p, tc * inv_tau - lse_t, &d, &h);
+        extra = kd_scale * (h - expf(log_p) * gbar);
+      } else if (sparse && !prm.renormalize) {
+        extra = kd_scale * expf(z_of(xc) * inv_tau - lse_u) * (tail_g - gbar);
+      }
+      StoreF(g, c, gradient_of(c, xc, extra));
+    });
+    if (sparse && tid < k) {
+      // The support's own elements, skipped above (so still logits here).
+      const int64_t c = top_index[tid];
+      const float extra = kd_scale * (top_h[tid] - expf(top_log_p[tid]) * gbar);
+      StoreF(g, c, gradient_of(c, LoadF(x, c), extra));
+    }
+  }
+  if (tid == 0) {
+    int flags = kPostTrainingRowValid;
+    if (has_target && argmax == y) flags |= kPostTrainingRowCorrect;
+    if (clipped) flags |= kPostTrainingRowClipped;
+    prm.out[row] = {loss,      distill, ratio_out,
+                    approx_kl, kl_out,  static_cast<double>(entropy),
+                    lse,       logp,    argmax,
+                    flags};
+  }
+}
+
+template <typename T, typename TT>
+cudaError_t Launch(const Params& params, size_t smem, cudaStream_t stream) {
+  PostTrainingRowKernel<T, TT>
+      <<<static_cast<unsigned>(params.rows), kThreads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchTeacher(const Params& params, DType teacher, size_t smem,
+                          cudaStream_t stream) {
+  switch (teacher) {
+    case DType::kBFloat16:
+      return Launch<T, __nv_bfloat16>(params, smem, stream);
+    case DType::kFloat16:
+      return Launch<T, __half>(params, smem, stream);
+    default:
+      return Launch<T, float>(params, smem, stream);
+  }
+}
+
+}  // namespace
+
+cudaError_t PostTrainingCudaLaunch(const PostTrainingArgs& args,
+                                   const float* row_scale,
+                                   PostTrainingCudaRow* rows_out,
+                                   cudaStream_t stream) {
+  const CrossEntropyArgs& base = args.base;
+  if (base.rows <= 0) return cudaSuccess;
+  if (base.rows > INT32_MAX || base.vocab > INT32_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  Params p = {};
+  p.rows = base.rows;
+  p.vocab = base.vocab;
+  p.stride = base.row_stride;
+  p.logits = base.logits;
+  p.gradient = base.mode == GradientMode::kNone ? nullptr : base.gradient;
+  p.targets = base.targets;
+  p.targets64 = base.targets_dtype == DType::kInt64;
+  p.ignore_index = base.options.ignore_index;
+  p.softcap = base.options.softcap;
+  p.row_scale = row_scale;
+  p.out = rows_out;
+  size_t smem = 0;
+  DType teacher_dtype = DType::kFloat32;
+  if (args.distillation != nullptr) {
+    const DistillationArgs& kd = *args.distillation;
+    p.kd = true;
+    p.tau = kd.temperature;
+    p.alpha = kd.alpha;
+    p.divergence = static_cast<int>(kd.divergence);
+    p.beta = kd.beta;
+    if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
+      p.divergence = static_cast<int>(Divergence::kForwardKl);
+    }
+    if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
+      p.divergence = static_cast<int>(Divergence::kReverseKl);
+    }
+    p.teacher = kd.teacher_logits;
+    p.teacher_stride = kd.teacher_row_stride;
+    teacher_dtype = kd.teacher_dtype;
+    if (kd.teacher_logits == nullptr) {
+      if (base.vocab > kPostTrainingCudaMaxTopKVocab || kd.top_k > kMaxTopK) {
+        return cudaErrorInvalidValue;
+      }
+      p.top_k = static_cast<int>(kd.top_k);
+      p.indices = kd.top_k_indices;
+      p.indices64 = kd.top_k_indices_dtype == DType::kInt64;
+      p.logprobs = kd.top_k_logprobs;
+      p.renormalize = kd.tail == TopKTail::kRenormalize;
+      smem = static_cast<size_t>((base.vocab + 31) / 32) * sizeof(unsigned);
+    }
+  }
+  if (args.policy != nullptr) {
+    const PolicyArgs& pg = *args.policy;
+    p.policy = true;
+    p.loss = static_cast<int>(pg.loss);
+    p.advantages = pg.advantages;
+    p.sampling = pg.sampling_logprobs;
+    p.reference = pg.reference_logprobs;
+    p.eps_low = pg.epsilon_low;
+    p.eps_high = pg.epsilon_high;
+    p.kl_coef = pg.kl_coef;
+    p.estimator = static_cast<int>(pg.kl_estimator);
+  }
+  switch (base.logits_dtype) {
+    case DType::kBFloat16:
+      return LaunchTeacher<__nv_bfloat16>(p, teacher_dtype, smem, stream);
+    case DType::kFloat16:
+      return LaunchTeacher<__half>(p, teacher_dtype, smem, stream);
+    default:
+      return LaunchTeacher<float>(p, teacher_dtype, smem, stream);
+  }
+}
+
+}  // namespace lossd

@@ -1,0 +1,51 @@
+// Evaluate with distillation or segments: what the header fixes for every
+// block (the teacher's rows and segment ids come in the blocks), and how the
+// blocks' sums become the response.
+#ifndef LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
+#define LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "common/dtype.h"
+#include "common/loss_options.h"
+#include "kernels/post_training.h"
+
+namespace lossd {
+namespace v1 {
+class EvaluateHeader;
+}  // namespace v1
+
+// What the header says about every block: the distillation (its pointers
+// unset) and the teacher's form, and the segments (ids unset).
+struct PostTrainingEvaluation {
+  bool distill = false;
+  DistillationArgs distillation;  // teacher pointers null; top_k, tail set
+  DType teacher_dtype = DType::kInvalid;          // dense teacher rows
+  DType teacher_indices_dtype = DType::kInvalid;  // top-k teacher rows
+  bool segmented = false;
+  int64_t segment_count = 0;
+  SegmentReduction segment_reduction = SegmentReduction::kNone;
+};
+
+// The most segments an Evaluate may name (its response carries three
+// numbers per segment).
+inline constexpr int64_t kMaxEvaluateSegments = int64_t{1} << 20;
+
+// True when the header asks for a post-training evaluation.
+bool IsPostTrainingEvaluation(const lossd::v1::EvaluateHeader& header);
+
+// The header's post-training part, checked against `vocab` and `options`
+// (ValidateEvaluateHeader's). INVALID_ARGUMENT: a teacher or ids in the
+// header itself; a distillation without exactly one of teacher_logits_dtype
+// (a float dtype) and teacher_top_k (with teacher_indices_dtype int32/int64);
+// data connections, hidden states or class_weights with it; anything
+// ValidatePostTrainingArgs refuses (the options, the distillation's numbers,
+// k, segments' count and reduction). Thread-safe.
+absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
+    const lossd::v1::EvaluateHeader& header, int64_t vocab,
+    const CrossEntropyOptions& options);
+
+}  // namespace lossd
+
+#endif  // LOSSD_SERVER_POST_TRAINING_EVALUATION_H_

@@ -1,0 +1,470 @@
+// The CPU post-training losses: gradients against finite differences for every
+// divergence, tail, policy loss and segment reduction; properties; k = V as the
+// dense teacher; clipping exactly at epsilon; segments; validation.
+#include "kernels/cpu/post_training_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace lossd {
+namespace {
+
+constexpr int64_t kIgnore = -100;
+
+// A problem in fp32 with every optional input owned here.
+struct Problem {
+  int64_t rows = 0;
+  int64_t vocab = 0;
+  std::vector<float> logits;
+  std::vector<int64_t> targets;  // empty: none
+  CrossEntropyOptions options;
+  bool distill = false;
+  DistillationArgs kd;
+  std::vector<float> teacher;  // dense [rows, vocab]
+  std::vector<int32_t> indices;
+  std::vector<float> logprobs;
+  bool policy = false;
+  PolicyArgs pg;
+  std::vector<float> advantages, sampling, reference;
+  bool segmented = false;
+  SegmentArgs segment_args;
+  std::vector<int32_t> segment_ids;
+};
+
+struct Outcome {
+  absl::Status status;
+  PostTrainingResult result;
+  std::vector<float> gradient;
+  std::vector<float> token_loss, token_logprob;
+};
+
+Outcome RunLoss(const Problem& problem, const std::vector<float>& logits,
+                GradientMode mode = GradientMode::kOutOfPlace) {
+  Outcome outcome;
+  outcome.gradient.assign(logits.size(), -7.0f);
+  outcome.token_loss.assign(problem.rows, -7.0f);
+  outcome.token_logprob.assign(problem.rows, -7.0f);
+  PostTrainingArgs args;
+  args.base.rows = problem.rows;
+  args.base.vocab = problem.vocab;
+  args.base.row_stride = problem.vocab;
+  args.base.logits_dtype = DType::kFloat32;
+  args.base.logits = logits.data();
+  args.base.targets_dtype = DType::kInt64;
+  args.base.targets =
+      problem.targets.empty() ? nullptr : problem.targets.data();
+  args.base.options = problem.options;
+  args.base.mode = mode;
+  args.base.gradient =
+      mode == GradientMode::kNone ? nullptr : outcome.gradient.data();
+  args.base.token_loss = outcome.token_loss.data();
+  args.token_logprob = outcome.token_logprob.data();
+  DistillationArgs kd = problem.kd;
+  if (problem.distill) {
+    if (!problem.teacher.empty()) {
+      kd.teacher_logits = problem.teacher.data();
+      kd.teacher_dtype = DType::kFloat32;
+      kd.teacher_row_stride = problem.vocab;
+    } else {
+      kd.top_k_indices = problem.indices.data();
+      kd.top_k_indices_dtype = DType::kInt32;
+      kd.top_k_logprobs = problem.logprobs.data();
+    }
+    args.distillation = &kd;
+  }
+  PolicyArgs pg = problem.pg;
+  if (problem.policy) {
+    pg.advantages = problem.advantages.data();
+    pg.sampling_logprobs = problem.sampling.data();
+    pg.reference_logprobs =
+        problem.reference.empty() ? nullptr : problem.reference.data();
+    args.policy = &pg;
+  }
+  SegmentArgs segments = problem.segment_args;
+  if (problem.segmented) {
+    segments.ids = problem.segment_ids.data();
+    args.segments = &segments;
+  }
+  outcome.status = PostTrainingCpu(args, &outcome.result, 3);
+  return outcome;
+}
+
+Problem Random(int64_t rows, int64_t vocab, uint32_t seed, double scale = 2.0) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, static_cast<float>(scale));
+  std::uniform_int_distribution<int64_t> cls(0, vocab - 1);
+  Problem problem;
+  problem.rows = rows;
+  problem.vocab = vocab;
+  problem.logits.resize(rows * vocab);
+  for (float& v : problem.logits) v = normal(rng);
+  problem.targets.resize(rows);
+  for (int64_t& t : problem.targets) t = cls(rng);
+  return problem;
+}
+
+void AddDenseTeacher(Problem* problem, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  problem->distill = true;
+  problem->teacher.resize(problem->rows * problem->vocab);
+  for (float& v : problem->teacher) v = normal(rng);
+}
+
+// Top k of a random teacher: distinct indices and their logprobs.
+void AddTopKTeacher(Problem* problem, int64_t k, TopKTail tail, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 2.0);
+  problem->distill = true;
+  problem->kd.top_k = k;
+  problem->kd.tail = tail;
+  const int64_t vocab = problem->vocab;
+  for (int64_t row = 0; row < problem->rows; ++row) {
+    std::vector<double> t(vocab);
+    for (double& v : t) v = normal(rng);
+    double max_t = *std::max_element(t.begin(), t.end());
+    double sum = 0.0;
+    for (double v : t) sum += std::exp(v - max_t);
+    std::vector<int32_t> order(vocab);
+    for (int32_t c = 0; c < vocab; ++c) order[c] = c;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t j = 0; j < k; ++j) {
+      problem->indices.push_back(order[j]);
+      problem->logprobs.push_back(
+          static_cast<float>(t[order[j]] - max_t - std::log(sum)));
+    }
+  }
+}
+
+void AddPolicy(Problem* problem, PolicyLossKind loss, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  problem->policy = true;
+  problem->pg.loss = loss;
+  for (int64_t row = 0; row < problem->rows; ++row) {
+    problem->advantages.push_back(normal(rng));
+    // log p of the target plus noise, so ratios land on both sides of the
+    // clip range.
+    const float* z = problem->logits.data() + row * problem->vocab;
+    double max_z = *std::max_element(z, z + problem->vocab);
+    double sum = 0.0;
+    for (int64_t c = 0; c < problem->vocab; ++c) sum += std::exp(z[c] - max_z);
+    const int64_t y = problem->targets[row];
+    const double logp = z[y] - max_z - std::log(sum);
+    problem->sampling.push_back(static_cast<float>(logp + 0.4 * normal(rng)));
+  }
+}
+
+// The reduced loss at logits x (no gradient).
+double LossAt(const Problem& problem, const std::vector<float>& x) {
+  Outcome outcome = RunLoss(problem, x, GradientMode::kNone);
+  EXPECT_TRUE(outcome.status.ok()) << outcome.status;
+  return outcome.result.base.loss;
+}
+
+// The gradient against central differences on every element.
+void ExpectGradientMatchesDifferences(const Problem& problem,
+                                      const std::string& what) {
+  Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << what << ": " << outcome.status;
+  for (size_t i = 0; i < problem.logits.size(); ++i) {
+    std::vector<float> plus = problem.logits, minus = problem.logits;
+    plus[i] += 1e-2f;
+    minus[i] -= 1e-2f;
+    const double h = static_cast<double>(plus[i]) - minus[i];
+    const double numeric = (LossAt(problem, plus) - LossAt(problem, minus)) / h;
+    EXPECT_NEAR(outcome.gradient[i], numeric, 2e-4 + 2e-4 * std::fabs(numeric))
+        << what << " element " << i;
+  }
+}
+
+TEST(PostTrainingCpuTest, DenseDistillationGradientMatchesDifferences) {
+  for (Divergence divergence :
+       {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+    for (float tau : {1.0f, 2.5f}) {
+      for (float alpha : {0.0f, 0.4f}) {
+        Problem problem = Random(3, 7, 11);
+        AddDenseTeacher(&problem, 12);
+        problem.kd.divergence = divergence;
+        problem.kd.beta = 0.3f;
+        problem.kd.temperature = tau;
+        problem.kd.alpha = alpha;
+        problem.targets[1] = kIgnore;
+        ExpectGradientMatchesDifferences(
+            problem, "divergence " +
+                         std::to_string(static_cast<int>(divergence)) +
+                         " tau " + std::to_string(tau) + " alpha " +
+                         std::to_string(alpha));
+      }
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, TopKDistillationGradientMatchesDifferences) {
+  for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+    for (int64_t k : {1, 3, 7}) {
+      for (Divergence divergence :
+           {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+        Problem problem = Random(3, 7, 21);
+        AddTopKTeacher(&problem, k, tail, 22);
+        problem.kd.divergence = divergence;
+        problem.kd.beta = 0.6f;
+        problem.kd.temperature = 0.7f;
+        problem.options.reduction = Reduction::kSum;
+        problem.targets.clear();
+        ExpectGradientMatchesDifferences(
+            problem, "tail " + std::to_string(static_cast<int>(tail)) + " k " +
+                         std::to_string(k) + " divergence " +
+                         std::to_string(static_cast<int>(divergence)));
+      }
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, PolicyGradientMatchesDifferences) {
+  for (PolicyLossKind loss :
+       {PolicyLossKind::kImportanceSampling, PolicyLossKind::kPpoClip}) {
+    for (KlEstimator estimator :
+         {KlEstimator::kK1, KlEstimator::kK2, KlEstimator::kK3}) {
+      Problem problem = Random(6, 9, 31);
+      AddPolicy(&problem, loss, 32);
+      problem.pg.epsilon_low = 0.2f;
+      problem.pg.epsilon_high = 0.28f;
+      problem.reference = problem.sampling;
+      for (float& v : problem.reference) v -= 0.1f;
+      problem.pg.kl_coef = 0.05f;
+      problem.pg.kl_estimator = estimator;
+      problem.options.softcap = 3.0f;
+      problem.targets[2] = kIgnore;
+      ExpectGradientMatchesDifferences(
+          problem, "policy " + std::to_string(static_cast<int>(loss)) +
+                       " estimator " +
+                       std::to_string(static_cast<int>(estimator)));
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, CispoHoldsTheClippedWeightConstant) {
+  Problem problem = Random(5, 6, 41);
+  AddPolicy(&problem, PolicyLossKind::kCispo, 42);
+  problem.options.reduction = Reduction::kSum;
+  Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+  int64_t clipped = 0;
+  for (int64_t row = 0; row < problem.rows; ++row) {
+    const double logp = outcome.token_logprob[row];
+    const double r = std::exp(logp - problem.sampling[row]);
+    const double weight = std::min(std::max(r, 0.8), 1.2);
+    clipped += weight != r;
+    const double a = problem.advantages[row];
+    EXPECT_NEAR(outcome.token_loss[row], -weight * a * logp, 1e-5);
+    const float* z = problem.logits.data() + row * problem.vocab;
+    double max_z = *std::max_element(z, z + problem.vocab), sum = 0.0;
+    for (int64_t c = 0; c < problem.vocab; ++c) sum += std::exp(z[c] - max_z);
+    for (int64_t c = 0; c < problem.vocab; ++c) {
+      const double p = std::exp(z[c] - max_z) / sum;
+      const double expected =
+          weight * a * (p - (c == problem.targets[row] ? 1.0 : 0.0));
+      EXPECT_NEAR(outcome.gradient[row * problem.vocab + c], expected, 1e-6);
+    }
+  }
+  EXPECT_EQ(outcome.result.policy.clipped_tokens, clipped);
+  EXPECT_GT(clipped, 0);
+}
+
+TEST(PostTrainingCpuTest, SegmentReductionsGradientMatchesDifferences) {
+  for (SegmentReduction reduction :
+       {SegmentReduction::kNone, SegmentReduction::kSeqMeanTokenMean,
+        SegmentReduction::kSeqMeanTokenSum}) {
+    Problem problem = Random(6, 5, 51);
+    AddPolicy(&problem, PolicyLossKind::kImportanceSampling, 52);
+    problem.segmented = true;
+    problem.segment_ids = {0, 0, 0, 2, 3, 3};  // 1 empty, 2 one token
+    problem.segment_args.count = 4;
+    problem.segment_args.reduction = reduction;
+    problem.targets[4] = kIgnore;
+    ExpectGradientMatchesDifferences(
+        problem,
+        "segment reduction " + std::to_string(static_cast<int>(reduction)));
+  }
+}
+
+TEST(PostTrainingCpuTest, SegmentSumsAndMeans) {
+  Problem problem = Random(6, 5, 61);
+  problem.segmented = true;
+  problem.segment_ids = {0, 0, 0, 2, 3, 3};
+  problem.segment_args.count = 4;
+  problem.segment_args.reduction = SegmentReduction::kSeqMeanTokenMean;
+  problem.targets[4] = kIgnore;
+  Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+  const auto& r = outcome.result;
+  ASSERT_EQ(r.segment_loss.size(), 4u);
+  EXPECT_EQ(r.segment_tokens, (std::vector<int64_t>{3, 0, 1, 1}));
+  const std::vector<float>& l = outcome.token_loss;
+  EXPECT_NEAR(r.segment_loss[0], l[0] + l[1] + l[2], 1e-5);
+  EXPECT_EQ(r.segment_loss[1], 0.0);
+  EXPECT_NEAR(r.segment_loss[2], l[3], 1e-6);
+  EXPECT_NEAR(r.segment_loss[3], l[5], 1e-6);
+  EXPECT_EQ(l[4], 0.0f);
+  // The mean over the three segments that have a valid token.
+  EXPECT_NEAR(r.base.loss, ((l[0] + l[1] + l[2]) / 3 + l[3] + l[5]) / 3, 1e-5);
+  EXPECT_EQ(r.base.denominator, 3.0);
+  EXPECT_EQ(r.base.valid_tokens, 5);
+}
+
+TEST(PostTrainingCpuTest, DivergencesAreNonNegativeAndGradientRowsSumToZero) {
+  for (Divergence divergence :
+       {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+    Problem problem = Random(16, 33, 71, 4.0);
+    AddDenseTeacher(&problem, 72);
+    problem.kd.divergence = divergence;
+    problem.targets.clear();
+    Outcome outcome = RunLoss(problem, problem.logits);
+    ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+    EXPECT_GE(outcome.result.base.loss, 0.0);
+    for (int64_t row = 0; row < problem.rows; ++row) {
+      EXPECT_GE(outcome.token_loss[row], -1e-7f);
+      double sum = 0.0;
+      for (int64_t c = 0; c < problem.vocab; ++c) {
+        sum += outcome.gradient[row * problem.vocab + c];
+      }
+      EXPECT_NEAR(sum, 0.0, 1e-7);
+    }
+    // Shifting the student's rows (and the teacher's) changes nothing.
+    Problem shifted = problem;
+    for (float& v : shifted.logits) v += 8.0f;
+    for (float& v : shifted.teacher) v -= 16.0f;
+    Outcome after = RunLoss(shifted, shifted.logits);
+    ASSERT_TRUE(after.status.ok());
+    EXPECT_NEAR(after.result.base.loss, outcome.result.base.loss, 1e-5);
+  }
+}
+
+TEST(PostTrainingCpuTest, TopKWithKEqualVIsTheDenseTeacher) {
+  Problem sparse = Random(4, 6, 81);
+  AddTopKTeacher(&sparse, 6, TopKTail::kBucket, 82);
+  // The same teacher, dense: its logprobs scattered back as logits.
+  Problem dense = sparse;
+  dense.indices.clear();
+  dense.logprobs.clear();
+  dense.kd.top_k = 0;
+  dense.teacher.assign(sparse.rows * sparse.vocab, 0.0f);
+  for (int64_t row = 0; row < sparse.rows; ++row) {
+    for (int64_t j = 0; j < 6; ++j) {
+      dense.teacher[row * 6 + sparse.indices[row * 6 + j]] =
+          sparse.logprobs[row * 6 + j];
+    }
+  }
+  for (TopKTail tail : {TopKTail::kBucket, TopKTail::kRenormalize}) {
+    for (Divergence divergence :
+         {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+      sparse.kd.tail = tail;
+      sparse.kd.divergence = divergence;
+      dense.kd.divergence = divergence;
+      Outcome a = RunLoss(sparse, sparse.logits);
+      Outcome b = RunLoss(dense, dense.logits);
+      ASSERT_TRUE(a.status.ok()) << a.status;
+      ASSERT_TRUE(b.status.ok()) << b.status;
+      EXPECT_NEAR(a.result.base.loss, b.result.base.loss, 1e-6);
+      for (size_t i = 0; i < a.gradient.size(); ++i) {
+        EXPECT_NEAR(a.gradient[i], b.gradient[i], 1e-6) << i;
+      }
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, PpoClipsOnlyStrictlyPastEpsilon) {
+  // V = 2 with one masked class: log p(y) is exactly 0, so the ratio against
+  // a sampling logprob of 0 is exactly 1 = 1 + epsilon_high = 1 - epsilon_low.
+  Problem problem;
+  problem.rows = 2;
+  problem.vocab = 2;
+  problem.logits = {0.0f, -INFINITY, 0.0f, -INFINITY};
+  problem.targets = {0, 0};
+  problem.policy = true;
+  problem.pg.loss = PolicyLossKind::kPpoClip;
+  problem.pg.epsilon_low = 0.0f;
+  problem.pg.epsilon_high = 0.0f;
+  problem.advantages = {1.0f, -1.0f};
+  problem.sampling = {0.0f, 0.0f};
+  Outcome at = RunLoss(problem, problem.logits, GradientMode::kNone);
+  ASSERT_TRUE(at.status.ok()) << at.status;
+  EXPECT_EQ(at.result.policy.clipped_tokens, 0);
+  EXPECT_EQ(at.result.policy.ratio_sum, 2.0);
+  // A hair past the boundary on each side clips both.
+  problem.sampling = {-1e-6f, 1e-6f};
+  Outcome past = RunLoss(problem, problem.logits, GradientMode::kNone);
+  ASSERT_TRUE(past.status.ok());
+  EXPECT_EQ(past.result.policy.clipped_tokens, 2);
+}
+
+TEST(PostTrainingCpuTest, RefusesBadInputAndWritesNothing) {
+  Problem base = Random(2, 5, 91);
+  AddTopKTeacher(&base, 2, TopKTail::kRenormalize, 92);
+  auto expect_invalid = [&](Problem problem, const std::string& what) {
+    Outcome outcome = RunLoss(problem, problem.logits);
+    EXPECT_EQ(outcome.status.code(), absl::StatusCode::kInvalidArgument)
+        << what << ": " << outcome.status;
+    for (float g : outcome.gradient) ASSERT_EQ(g, -7.0f) << what;
+  };
+  Problem p = base;
+  p.kd.top_k = 6;
+  p.indices.resize(12, 0);
+  p.logprobs.resize(12, -1.0f);
+  expect_invalid(p, "k > V");
+  p = base;
+  p.indices[1] = 5;
+  expect_invalid(p, "index out of range");
+  p = base;
+  p.indices[1] = p.indices[0];
+  expect_invalid(p, "duplicate index");
+  p = base;
+  p.logprobs[0] = 0.5f;
+  expect_invalid(p, "positive logprob");
+  p = base;
+  p.kd.temperature = 0.0f;
+  expect_invalid(p, "temperature 0");
+  p = base;
+  p.kd.alpha = 0.5f;
+  p.targets.clear();
+  expect_invalid(p, "alpha without targets");
+  p = base;
+  p.options.label_smoothing = 0.1f;
+  expect_invalid(p, "label smoothing");
+  Problem q = Random(2, 5, 93);
+  AddPolicy(&q, PolicyLossKind::kPpoClip, 94);
+  Problem r = q;
+  r.advantages[1] = NAN;
+  expect_invalid(r, "NaN advantage");
+  r = q;
+  r.sampling[0] = INFINITY;
+  expect_invalid(r, "infinite sampling logprob");
+  r = q;
+  r.pg.kl_coef = 0.1f;
+  expect_invalid(r, "kl_coef without reference");
+  r = q;
+  r.segmented = true;
+  r.segment_ids = {0, 2};
+  r.segment_args.count = 2;
+  expect_invalid(r, "segment id out of range");
+  r = q;
+  r.segmented = true;
+  r.segment_ids = {0, 1};
+  r.segment_args.count = 2;
+  r.segment_args.reduction = SegmentReduction::kSeqMeanTokenSum;
+  r.options.reduction = Reduction::kSum;
+  expect_invalid(r, "segment reduction with SUM");
+  r = q;
+  r.targets.clear();
+  expect_invalid(r, "policy without targets");
+}
+
+}  // namespace
+}  // namespace lossd
