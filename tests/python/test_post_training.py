@@ -320,3 +320,35 @@ def test_bad_arguments_raise_invalid_argument(client):
         client.forward(logits.detach().numpy(), target.numpy(), policy_loss="grpo",
                        advantages=torch.ones(rows).numpy(),
                        old_logprobs=torch.ones(rows).numpy())
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_async_variants_equal_the_blocking_ones(client, requires_grad):
+    rows, vocab = 10, 41
+    logits = make_logits(torch.float32, rows, vocab, seed=14)
+    teacher = make_logits(torch.bfloat16, rows, vocab, seed=15)
+    target = make_target(rows, vocab, seed=14)
+    segments = torch.arange(rows) // 4
+    advantages = torch.linspace(-1, 1, rows)
+    old = torch.full((rows,), -3.5)
+    calls = [
+        (lossd.torch.kl_div, lossd.torch.kl_div_async, (teacher, target),
+         dict(temperature=2.0, alpha=0.5)),
+        (lossd.torch.jsd, lossd.torch.jsd_async, (teacher,), dict(beta=0.3)),
+        (lossd.torch.policy_loss, lossd.torch.policy_loss_async, (target, advantages, old),
+         dict(loss_type="cispo", segments=segments, segment_reduction="seq_mean_token_mean")),
+        (lossd.torch.cross_entropy, lossd.torch.cross_entropy_async, (target,),
+         dict(segments=segments)),
+    ]
+    for blocking, asynchronous, args, kwargs in calls:
+        x = logits.clone().requires_grad_(requires_grad)
+        expected = blocking(x, *args, client=client, **kwargs)
+        y = logits.clone().requires_grad_(requires_grad)
+        got = asynchronous(y, *args, client=client, **kwargs).result()
+        assert got.item() == expected.item(), blocking.__name__
+        if "segments" in kwargs:
+            assert torch.equal(got.segment_loss, expected.segment_loss)
+        if requires_grad:
+            expected.backward()
+            got.backward()
+            assert torch.equal(x.grad, y.grad), blocking.__name__

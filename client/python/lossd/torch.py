@@ -19,7 +19,8 @@ from . import _futures
 from ._errors import DataLoss
 
 __all__ = ["cross_entropy", "cross_entropy_async", "PendingLoss", "LossdCrossEntropyLoss",
-           "linear_cross_entropy", "kl_div", "jsd", "policy_loss"]
+           "linear_cross_entropy", "kl_div", "jsd", "policy_loss", "kl_div_async", "jsd_async",
+           "policy_loss_async"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}
 
@@ -126,7 +127,8 @@ def _prepare(input, target, *, weight, ignore_index, reduction, label_smoothing,
 
 def cross_entropy_async(input, target, *, client, weight=None, ignore_index=-100,
                         reduction="mean", label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
-                        normalizer=0.0, grad_scale=1.0, label="logits", grad_out=None):
+                        normalizer=0.0, grad_scale=1.0, label="logits", grad_out=None,
+                        segments=None, num_segments=0, segment_reduction=None):
     """cross_entropy started now and collected later: returns a PendingLoss at once, whose
     .result() gives what cross_entropy would have returned (with autograd: loss.backward()
     downloads the gradient). The upload and Forward run on the client's thread pool with the
@@ -141,13 +143,20 @@ def cross_entropy_async(input, target, *, client, weight=None, ignore_index=-100
         input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
         normalizer=normalizer, grad_scale=grad_scale, label=label, grad_out=grad_out)
-    need_gradient = torch.is_grad_enabled() and input.requires_grad
+    options["extra"] = _segment_kwargs(segments, num_segments, segment_reduction)
+    return _start_async(logits, target, client, options, input.requires_grad, single)
+
+
+def _start_async(logits, target, client, options, requires_grad, single=False):
+    """The forward of cross_entropy_async and the post-training *_async functions on the
+    client's pool: a PendingLoss."""
+    need_gradient = torch.is_grad_enabled() and requires_grad
     ready = None
     if logits.is_cuda:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(logits.device))
     detached = logits.detach().contiguous()
-    host_target = _host_targets(target)
+    host_target = _host_targets(target) if target is not None else None
 
     def call():
         if ready is None:
@@ -199,6 +208,8 @@ class PendingLoss:
                     loss = _CrossEntropy.apply(self._logits, None, self._client, options)
             if self._single and self._options["reduction"] == "none":
                 loss = loss.reshape(())
+            if self._options.get("extra"):
+                _attach_metrics(loss, self._options.pop("result"))
             self._loss = loss
             self._logits = None
         return self._loss
@@ -689,26 +700,32 @@ def _base_options(reduction, ignore_index, softcap, normalizer, grad_scale, labe
                 grad_out=None)
 
 
-def _post_training_loss(logits, target, client, options, requires_grad):
+def _post_training_loss(logits, target, client, options, requires_grad, asynchronous=False):
     """One Forward with options["extra"], with autograd when a gradient is needed; the loss
-    carries the result's metrics as attributes."""
+    carries the result's metrics as attributes. asynchronous: a PendingLoss instead."""
+    if asynchronous:
+        return _start_async(logits, target, client, options, requires_grad)
     if torch.is_grad_enabled() and requires_grad:
         loss = _CrossEntropy.apply(logits, target, client, options)
     else:
         loss, _ = _forward(logits, target, client, options, need_gradient=False)
-    result = options.pop("result")
+    _attach_metrics(loss, options.pop("result"))
+    return loss
+
+
+def _attach_metrics(loss, result):
+    """The post-training metrics of a ForwardResult as attributes of its loss tensor."""
     loss.distillation_loss = result.distillation_loss
     loss.policy_stats = result.policy_stats
     loss.valid_tokens = result.valid_tokens
     if result.segment_loss is not None:
         loss.segment_loss = torch.from_numpy(result.segment_loss)
         loss.segment_tokens = torch.from_numpy(result.segment_tokens)
-    return loss
 
 
 def _distill(name, input, teacher, target, client, divergence, beta, temperature, alpha,
              top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale, segments,
-             num_segments, segment_reduction, label):
+             num_segments, segment_reduction, label, asynchronous=False):
     _check_logits(input, target, name)
     if target is None and alpha != 0:
         raise ValueError("lossd.torch.%s: alpha > 0 mixes in the cross entropy against target; "
@@ -725,13 +742,14 @@ def _distill(name, input, teacher, target, client, divergence, beta, temperature
     extra.update(_segment_kwargs(segments, num_segments, segment_reduction))
     options["extra"] = extra
     options["teacher_tensor"] = teacher_tensor
-    return _post_training_loss(input, target, client, options, input.requires_grad)
+    return _post_training_loss(input, target, client, options, input.requires_grad,
+                               asynchronous)
 
 
 def kl_div(input, teacher, target=None, *, client, reverse=False, temperature=1.0, alpha=0.0,
            top_k_tail="renormalize", ignore_index=-100, reduction="mean", softcap=0.0,
            normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0,
-           segment_reduction=None, label="logits"):
+           segment_reduction=None, label="logits", _asynchronous=False):
     """Distillation loss KL(q || p) (reverse=True: KL(p || q)) per row between the teacher's
     distribution q and the student's p = softmax(input / temperature), computed by the lossd
     server, with autograd (the gradient written in place of the uploaded logits, as
@@ -752,27 +770,27 @@ def kl_div(input, teacher, target=None, *, client, reverse=False, temperature=1.
     return _distill("kl_div", input, teacher, target, client,
                     "reverse_kl" if reverse else "forward_kl", 0.5, temperature, alpha,
                     top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale,
-                    segments, num_segments, segment_reduction, label)
+                    segments, num_segments, segment_reduction, label, _asynchronous)
 
 
 def jsd(input, teacher, target=None, *, client, beta=0.5, temperature=1.0, alpha=0.0,
         top_k_tail="renormalize", ignore_index=-100, reduction="mean", softcap=0.0,
         normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0, segment_reduction=None,
-        label="logits"):
+        label="logits", _asynchronous=False):
     """Generalized Jensen-Shannon divergence beta KL(q || m) + (1 - beta) KL(p || m),
     m = beta q + (1 - beta) p, as TRL's GKDTrainer.generalized_jsd_loss and Liger's LigerJSD
     define it (beta = 0 is forward KL, 1 reverse KL), between the teacher's q and the student's
     p = softmax(input / temperature). Arguments and result as kl_div's."""
     return _distill("jsd", input, teacher, target, client, "jsd", beta, temperature, alpha,
                     top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale,
-                    segments, num_segments, segment_reduction, label)
+                    segments, num_segments, segment_reduction, label, _asynchronous)
 
 
 def policy_loss(input, target, advantages, old_logprobs, *, client, loss_type="ppo",
                 ref_logprobs=None, epsilon_low=0.2, epsilon_high=None, kl_coef=0.0,
                 kl_estimator="k3", ignore_index=-100, reduction="mean", softcap=0.0,
                 normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0,
-                segment_reduction=None, label="logits"):
+                segment_reduction=None, label="logits", _asynchronous=False):
     """A per-token policy-gradient loss on the sampled tokens `target` [N] of the policy's logits
     `input` [N, V], computed by the lossd server with autograd. With r = exp(logp -
     old_logprobs) and A = advantages (float [N] each):
@@ -796,4 +814,26 @@ def policy_loss(input, target, advantages, old_logprobs, *, client, loss_type="p
                  kl_coef=float(kl_coef), kl_estimator=kl_estimator)
     extra.update(_segment_kwargs(segments, num_segments, segment_reduction))
     options["extra"] = extra
-    return _post_training_loss(input, target, client, options, input.requires_grad)
+    return _post_training_loss(input, target, client, options, input.requires_grad,
+                               _asynchronous)
+
+
+def kl_div_async(input, teacher, target=None, **kwargs):
+    """kl_div started now and collected later, as cross_entropy_async: a PendingLoss whose
+    .result() is kl_div's loss (with its metrics and autograd). Same arguments as kl_div."""
+    return _call_async(kl_div, input, teacher, target, **kwargs)
+
+
+def jsd_async(input, teacher, target=None, **kwargs):
+    """jsd started now and collected later (see kl_div_async)."""
+    return _call_async(jsd, input, teacher, target, **kwargs)
+
+
+def policy_loss_async(input, target, advantages, old_logprobs, **kwargs):
+    """policy_loss started now and collected later (see kl_div_async)."""
+    return _call_async(policy_loss, input, target, advantages, old_logprobs, **kwargs)
+
+
+def _call_async(function, *args, **kwargs):
+    kwargs["_asynchronous"] = True
+    return function(*args, **kwargs)

@@ -26,7 +26,9 @@ def cross_entropy_async(input: torch.Tensor, target: torch.Tensor, *, client: Cl
                         reduction: str = "mean", label_smoothing: float = 0.0,
                         z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                         grad_scale: float = 1.0, label: str = "logits",
-                        grad_out: Optional[torch.Tensor] = None) -> PendingLoss: ...
+                        grad_out: Optional[torch.Tensor] = None,
+                        segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                        segment_reduction: Optional[str] = None) -> PendingLoss: ...
 
 def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch.Tensor, *,
                          client: Client, bias_handle: Optional[str] = None,
@@ -79,3 +81,13 @@ def policy_loss(input: torch.Tensor, target: torch.Tensor,
                 segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
                 segment_reduction: Optional[str] = None,
                 label: str = "logits") -> torch.Tensor: ...
+
+# kl_div, jsd and policy_loss started on the client's pool, as cross_entropy_async: the same
+# arguments; .result() gives their loss.
+def kl_div_async(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> PendingLoss: ...
+def jsd_async(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None,
+              **kwargs: Any) -> PendingLoss: ...
+def policy_loss_async(input: torch.Tensor, target: torch.Tensor,
+                      advantages: Union[str, torch.Tensor],
+                      old_logprobs: Union[str, torch.Tensor], **kwargs: Any) -> PendingLoss: ...
