@@ -227,6 +227,8 @@ commands:
   rm HANDLE...                   release tensors
   eval LOGITS TARGETS            stream the files to Evaluate; prints loss
          [loss options] [--block_rows] [--dtype] [--progress]
+         [--teacher=FILE | --teacher_indices=FILE --teacher_logprobs=FILE]
+         [distillation flags] [--segments=FILE --num_segments]
          [--weight [--bias]]     LOGITS holds hidden states [N, H] against
                                  the stored LM head W [V, H] (+ bias)
 
@@ -575,6 +577,37 @@ absl::StatusOr<Enum> EnumFlag(const char* flag, const std::string& value,
                                  absl::StrJoin(names, ", ")));
 }
 
+// A distillation's options other than its teacher tensors, from the flags.
+absl::Status DistillationScalarsFromFlags(DistillationOptions* distillation) {
+  distillation->top_k = absl::GetFlag(FLAGS_top_k);
+  ASSIGN_OR_RETURN(
+      distillation->tail,
+      EnumFlag<TopKTail>("top_k_tail", absl::GetFlag(FLAGS_top_k_tail),
+                         {"renormalize", "bucket"}));
+  ASSIGN_OR_RETURN(
+      distillation->divergence,
+      EnumFlag<Divergence>("divergence", absl::GetFlag(FLAGS_divergence),
+                           {"forward_kl", "reverse_kl", "jsd"}));
+  distillation->temperature =
+      static_cast<float>(absl::GetFlag(FLAGS_temperature));
+  distillation->alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
+  distillation->beta = static_cast<float>(absl::GetFlag(FLAGS_beta));
+  return absl::OkStatus();
+}
+
+// Segment options other than the ids, from the flags.
+absl::Status SegmentScalarsFromFlags(SegmentOptions* segments) {
+  segments->count = absl::GetFlag(FLAGS_num_segments);
+  const std::string reduction = absl::GetFlag(FLAGS_segment_reduction);
+  if (!reduction.empty()) {
+    ASSIGN_OR_RETURN(segments->reduction,
+                     EnumFlag<SegmentReduction>(
+                         "segment_reduction", reduction,
+                         {"seq_mean_token_mean", "seq_mean_token_sum"}));
+  }
+  return absl::OkStatus();
+}
+
 // The distillation, policy and segment options of forward, from their flags.
 absl::Status PostTrainingFlagsInto(
     ForwardOptions* options, std::vector<std::unique_ptr<InputTensor>>* files) {
@@ -587,24 +620,12 @@ absl::Status PostTrainingFlagsInto(
     ASSIGN_OR_RETURN(distillation.top_k_indices, LossInputFlag(indices, files));
     ASSIGN_OR_RETURN(distillation.top_k_logprobs,
                      LossInputFlag(logprobs, files));
-    distillation.top_k = absl::GetFlag(FLAGS_top_k);
+    RETURN_IF_ERROR(DistillationScalarsFromFlags(&distillation));
     if (distillation.top_k == 0 && !files->empty()) {
       // k from an inline top-k file's shape ([N, k]).
       const std::vector<int64_t>& shape = files->back()->shape();
       if (shape.size() == 2) distillation.top_k = static_cast<int>(shape[1]);
     }
-    ASSIGN_OR_RETURN(
-        distillation.tail,
-        EnumFlag<TopKTail>("top_k_tail", absl::GetFlag(FLAGS_top_k_tail),
-                           {"renormalize", "bucket"}));
-    ASSIGN_OR_RETURN(
-        distillation.divergence,
-        EnumFlag<Divergence>("divergence", absl::GetFlag(FLAGS_divergence),
-                             {"forward_kl", "reverse_kl", "jsd"}));
-    distillation.temperature =
-        static_cast<float>(absl::GetFlag(FLAGS_temperature));
-    distillation.alpha = static_cast<float>(absl::GetFlag(FLAGS_alpha));
-    distillation.beta = static_cast<float>(absl::GetFlag(FLAGS_beta));
     options->distillation = distillation;
   }
   const std::string policy_loss = absl::GetFlag(FLAGS_policy_loss);
@@ -636,13 +657,7 @@ absl::Status PostTrainingFlagsInto(
   if (!segments.empty()) {
     SegmentOptions segment_options;
     ASSIGN_OR_RETURN(segment_options.ids, LossInputFlag(segments, files));
-    segment_options.count = absl::GetFlag(FLAGS_num_segments);
-    if (!segment_reduction.empty()) {
-      ASSIGN_OR_RETURN(segment_options.reduction,
-                       EnumFlag<SegmentReduction>(
-                           "segment_reduction", segment_reduction,
-                           {"seq_mean_token_mean", "seq_mean_token_sum"}));
-    }
+    RETURN_IF_ERROR(SegmentScalarsFromFlags(&segment_options));
     options->segments = segment_options;
   } else if (!segment_reduction.empty()) {
     return UsageError("--segment_reduction needs --segments");
@@ -945,6 +960,63 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   options.weight = weight;
   options.bias = absl::GetFlag(FLAGS_bias);
   options.total_rows = rows;
+  // Distillation and segments: the teacher's rows and the segment ids come
+  // from files, one entry a row, copied into each block beside its rows.
+  struct Column {
+    std::unique_ptr<InputTensor> file;
+    std::string RowBlock::*field;
+  };
+  std::vector<Column> columns;
+  const auto open_column = [&](const std::string& path, const char* flag,
+                               std::string RowBlock::*field) -> absl::Status {
+    if (!LooksLikeTensorFile(path)) {
+      return UsageError(absl::StrCat("eval --", flag, "=", path,
+                                     ": expected a .npy or .safetensors file"));
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> file,
+                     InputTensor::Open(path));
+    if (file->shape().empty() || file->shape()[0] != rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file->description(), ": expected ", rows, " rows, got ",
+                       ShapeString(file->shape())));
+    }
+    columns.push_back({std::move(file), field});
+    return absl::OkStatus();
+  };
+  const std::string teacher = absl::GetFlag(FLAGS_teacher);
+  const std::string teacher_indices = absl::GetFlag(FLAGS_teacher_indices);
+  const std::string segment_ids = absl::GetFlag(FLAGS_segments);
+  if (!absl::GetFlag(FLAGS_policy_loss).empty()) {
+    return UsageError("eval: the policy losses are forward only");
+  }
+  if (!teacher.empty() || !teacher_indices.empty()) {
+    DistillationOptions distillation;
+    RETURN_IF_ERROR(DistillationScalarsFromFlags(&distillation));
+    if (!teacher.empty()) {
+      RETURN_IF_ERROR(
+          open_column(teacher, "teacher", &RowBlock::teacher_logits));
+      distillation.evaluate_teacher_dtype = columns.back().file->dtype();
+    } else {
+      RETURN_IF_ERROR(open_column(teacher_indices, "teacher_indices",
+                                  &RowBlock::teacher_indices));
+      const InputTensor& indices = *columns.back().file;
+      distillation.top_k_indices_dtype = indices.dtype();
+      if (indices.shape().size() == 2) {
+        distillation.top_k = static_cast<int>(indices.shape()[1]);
+      }
+      RETURN_IF_ERROR(open_column(absl::GetFlag(FLAGS_teacher_logprobs),
+                                  "teacher_logprobs",
+                                  &RowBlock::teacher_logprobs));
+    }
+    options.distillation = distillation;
+  }
+  if (!segment_ids.empty()) {
+    RETURN_IF_ERROR(
+        open_column(segment_ids, "segments", &RowBlock::segment_ids));
+    SegmentOptions segments;
+    RETURN_IF_ERROR(SegmentScalarsFromFlags(&segments));
+    options.segments = segments;
+  }
   const std::size_t file_row_bytes = vocab * DTypeSize(file_dtype);
   const std::size_t send_row_bytes = vocab * DTypeSize(send_dtype);
   const std::size_t target_bytes = DTypeSize(targets->dtype());
@@ -981,6 +1053,13 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
               block->targets.assign(block->targets_view.data(),
                                     block->targets_view.size());
             }
+            for (const Column& column : columns) {
+              const std::size_t row_bytes = column.file->bytes() / rows;
+              (block->*column.field)
+                  .assign(reinterpret_cast<const char*>(column.file->data()) +
+                              next_row * row_bytes,
+                          n * row_bytes);
+            }
             next_row += n;
             return true;
           },
@@ -1001,6 +1080,14 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   }
   std::printf("loss %.12g accuracy %.6f tokens %lld\n", result.loss, accuracy,
               static_cast<long long>(result.valid_tokens));
+  if (options.distillation.has_value()) {
+    std::printf("distillation_loss %.17g\n", result.distillation_loss);
+  }
+  for (std::size_t s = 0; s < result.segment_loss.size(); ++s) {
+    std::printf("segment %zu loss %.17g tokens %lld\n", s,
+                result.segment_loss[s],
+                static_cast<long long>(result.segment_tokens[s]));
+  }
   return absl::OkStatus();
 }
 

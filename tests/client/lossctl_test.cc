@@ -593,6 +593,30 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
                               want->segment_loss[s], want->segment_tokens[s]));
   }
 
+  // eval streams the same teacher and segment ids from the files, beside
+  // the logits and targets: the numbers of a Forward of all rows.
+  CommandResult eval =
+      Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
+               "--teacher_indices=" + indices_path,
+               "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
+               "--divergence=jsd", "--beta=0.3", "--temperature=2",
+               "--segments=" + ids_path, "--num_segments=4"});
+  ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  want = client_->Forward(
+      handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
+      options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_NEAR(Field(eval.out, "loss"), want->loss, 1e-10 * want->loss);
+  EXPECT_NEAR(Field(LineOf(eval.out, "distillation_loss"), "distillation_loss"),
+              want->distillation_loss, 1e-12 * want->distillation_loss);
+  for (int s = 0; s < 4; ++s) {
+    const std::string line =
+        LineOf(eval.out, absl::StrCat("segment ", s, " loss"));
+    EXPECT_NEAR(Field(line, "loss"), want->segment_loss[s],
+                1e-12 * want->segment_loss[s]);
+    EXPECT_EQ(Field(line, "tokens"), want->segment_tokens[s]);
+  }
+
   absl::StatusOr<TensorInfo> old_handle =
       client_->Upload(DType::kFloat32, {kRows}, old_logprobs.data(), kRows * 4);
   ASSERT_TRUE(old_handle.ok()) << old_handle.status();
