@@ -352,3 +352,21 @@ def test_async_variants_equal_the_blocking_ones(client, requires_grad):
             expected.backward()
             got.backward()
             assert torch.equal(x.grad, y.grad), blocking.__name__
+
+
+def test_client_evaluate_with_dense_teacher_equals_forward(client):
+    rows, vocab = 13, 23
+    logits = make_logits(torch.float32, rows, vocab, seed=16).numpy()
+    teacher = make_logits(torch.float32, rows, vocab, seed=17).numpy()
+    target = make_target(rows, vocab, seed=16).numpy()
+    teacher_handle = client.upload(teacher).handle
+    logits_handle = client.upload(logits).handle
+    kwargs = dict(alpha=0.4, temperature=1.5, divergence="jsd", beta=0.25)
+    forward = client.forward(logits_handle, target, mode="none", teacher=teacher_handle,
+                             **kwargs)
+    client.release(teacher_handle)
+    client.release(logits_handle)
+    evaluated = client.evaluate(logits, target, teacher=teacher, block_rows=4, **kwargs)
+    assert evaluated.loss == pytest.approx(forward.loss, rel=1e-9)
+    assert evaluated.distillation_loss == pytest.approx(forward.distillation_loss, rel=1e-9)
+    assert evaluated.valid_tokens == forward.valid_tokens
