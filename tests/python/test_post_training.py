@@ -9,9 +9,9 @@ import torch
 import lossd
 import lossd.torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # One rounding of the gradient to the dtype (the server computes in float64).
-RTOL = {"fp32": 2e-5, "bf16": 2 ** -7}
+RTOL = {"fp32": 2e-5, "bf16": 2 ** -7, "fp16": 2 ** -9}
 
 
 def make_logits(dtype, rows, vocab, seed, scale=2.0):
