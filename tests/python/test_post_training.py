@@ -370,3 +370,22 @@ def test_client_evaluate_with_dense_teacher_equals_forward(client):
     assert evaluated.loss == pytest.approx(forward.loss, rel=1e-9)
     assert evaluated.distillation_loss == pytest.approx(forward.distillation_loss, rel=1e-9)
     assert evaluated.valid_tokens == forward.valid_tokens
+
+
+def test_large_top_k_teacher_goes_by_handle(client, monkeypatch):
+    """Top-k tensors over the inline limit are uploaded for the call (and released): the same
+    loss and gradient as inline."""
+    rows, vocab, k = 16, 64, 8
+    logits = make_logits(torch.float32, rows, vocab, seed=18)
+    indices, logprobs = top_k_of(make_logits(torch.float32, rows, vocab, seed=19), k)
+    losses, grads = [], []
+    for limit in (1 << 20, 16):
+        monkeypatch.setattr(lossd.torch, "_INLINE_BYTES", limit)
+        x = logits.clone().requires_grad_()
+        loss = lossd.torch.kl_div(x, (indices, logprobs), client=client, top_k_tail="bucket",
+                                  segments=torch.arange(rows) // 3)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(x.grad)
+    assert losses[0] == losses[1]
+    assert torch.equal(grads[0], grads[1])

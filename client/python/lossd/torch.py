@@ -343,12 +343,14 @@ def _forward(logits, target, client, options, need_gradient, stream=None):
     extra = dict(options.get("extra") or {})
 
     stored = _store(client, logits, options["label"], stream)
-    teacher = None
+    staged = []
     try:
         if options.get("teacher_tensor") is not None:
             teacher = _store(client, options["teacher_tensor"].detach().contiguous(),
                              "teacher", stream)
+            staged.append(teacher)
             extra["teacher"] = teacher.handle
+        _stage_large_inputs(client, extra, staged)
         result = client.forward(
             stored.handle, target, weight=weight, ignore_index=options["ignore_index"],
             label_smoothing=options["label_smoothing"], reduction=reduction,
@@ -360,8 +362,8 @@ def _forward(logits, target, client, options, need_gradient, stream=None):
         stored.release()
         raise
     finally:
-        if teacher is not None:
-            teacher.release()
+        for tensor in staged:
+            tensor.release()
     if not need_gradient:
         stored.release()
         stored = None
@@ -638,9 +640,36 @@ def _segment_kwargs(segments, num_segments, segment_reduction):
         segments = torch.as_tensor(segments).detach().to("cpu")
         if segments.dtype not in (torch.int32, torch.int64):
             raise TypeError("segments must hold integer segment ids, not %s" % segments.dtype)
-        segments = segments.contiguous().numpy()
+        if segments.numel() and (int(segments.min()) < 0 or int(segments.max()) >= 2 ** 31):
+            raise ValueError("segment ids must be in [0, 2^31)")
+        if num_segments == 0 and segments.numel():
+            num_segments = int(segments.max()) + 1
+        # int32, as the server takes them (also when uploaded: see _stage_large_inputs).
+        segments = segments.to(torch.int32).contiguous().numpy()
     return dict(segments=segments, num_segments=int(num_segments),
                 segment_reduction=segment_reduction)
+
+
+# Inputs up to this size go inline in the Forward request; larger ones (a top-k teacher of many
+# tokens) are uploaded for the call, as one request must stay below the channel's message limit.
+_INLINE_BYTES = 4 << 20
+
+
+def _stage_large_inputs(client, extra, staged):
+    """Replaces the numpy inputs in `extra` (a top-k pair's too) of more than _INLINE_BYTES by
+    handles of uploaded copies, appended to `staged` for release after the call."""
+    def stage(value, label):
+        if getattr(value, "nbytes", 0) <= _INLINE_BYTES:
+            return value
+        tensor = _StoredTensor(client, client.upload(value, label=label).handle)
+        staged.append(tensor)
+        return tensor.handle
+
+    for key in ("advantages", "old_logprobs", "ref_logprobs", "segments"):
+        if key in extra:
+            extra[key] = stage(extra[key], key)
+    if isinstance(extra.get("teacher"), tuple):
+        extra["teacher"] = tuple(stage(part, "teacher") for part in extra["teacher"])
 
 
 def _small_input(value, name):
