@@ -127,8 +127,10 @@ struct DownloadedTensor {
 };
 
 // A small input of a post-training loss ([N] or [N, k]): a stored tensor, or
-// bytes sent inline with the request. Inline() does not copy: `data` must
-// outlive the call. A default-constructed one is unset.
+// bytes sent inline with the request (which must stay below
+// ClientOptions::max_message_bytes: upload larger ones and name them).
+// Inline() does not copy: `data` must outlive the call. A default-constructed
+// one is unset.
 struct LossInput {
   static LossInput Handle(std::string handle) {
     LossInput t;

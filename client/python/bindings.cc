@@ -183,7 +183,8 @@ new gradient tensor) or "none" (loss only; the logits stay). token_loss,
 token_lse, token_argmax: per-row outputs as numpy arrays.
 
 Post-training losses (docs/api.md, "Post-training losses"); handles or
-buffers (sent inline) for each tensor:
+buffers for each tensor (buffers go inline in the request, which must stay
+below max_message_bytes: upload larger ones and pass their handles):
 - distillation: teacher = a handle of stored teacher logits [N, V], or a pair
   (indices [N, k] int32/int64, logprobs [N, k] float32) of a top-k teacher;
   temperature, alpha (weight of the cross entropy against target; with 0,
