@@ -96,6 +96,11 @@ EvaluateResult FromProto(const v1::EvaluateResponse& proto) {
   result.correct_tokens = proto.correct_tokens();
   result.nonfinite_rows = proto.nonfinite_rows();
   result.denominator = proto.denominator();
+  result.distillation_loss = proto.distillation_loss();
+  result.segment_loss.assign(proto.segment_loss().begin(),
+                             proto.segment_loss().end());
+  result.segment_tokens.assign(proto.segment_tokens().begin(),
+                               proto.segment_tokens().end());
   return result;
 }
 
@@ -159,6 +164,100 @@ void ToProto(const CrossEntropyOptions& loss, const std::string& class_weights,
   proto->set_grad_scale(loss.grad_scale);
 }
 
+// An LossInput into a oneof of a handle and an InlineTensor; unset leaves
+// both unset (the server says which inputs it needs).
+absl::Status SetInput(absl::string_view name, const LossInput& input,
+                      std::string* handle,
+                      const std::function<v1::InlineTensor*()>& inline_tensor) {
+  if (!input.handle.empty()) {
+    *handle = input.handle;
+    return absl::OkStatus();
+  }
+  if (input.inline_dtype == DType::kInvalid) return absl::OkStatus();
+  if (input.inline_data == nullptr && input.inline_bytes > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": null inline data"));
+  }
+  v1::InlineTensor* proto = inline_tensor();
+  proto->set_dtype(static_cast<v1::DType>(input.inline_dtype));
+  proto->set_data(static_cast<const char*>(input.inline_data),
+                  input.inline_bytes);
+  return absl::OkStatus();
+}
+
+// The fields of a Distillation other than its teacher.
+void SetDistillationScalars(const DistillationOptions& options,
+                            v1::Distillation* proto) {
+  proto->set_temperature(options.temperature);
+  proto->set_alpha(options.alpha);
+  proto->set_divergence(static_cast<v1::Divergence>(options.divergence));
+  proto->set_beta(options.beta);
+}
+
+absl::Status ToProto(const DistillationOptions& options,
+                     v1::Distillation* proto) {
+  SetDistillationScalars(options, proto);
+  if (!options.teacher_logits.empty()) {
+    proto->set_teacher_logits(options.teacher_logits);
+    return absl::OkStatus();
+  }
+  if (!options.top_k_indices.set() && !options.top_k_logprobs.set()) {
+    return absl::InvalidArgumentError(
+        "distillation: no teacher (teacher_logits, or top_k_indices and "
+        "top_k_logprobs)");
+  }
+  v1::TopKTeacher* top_k = proto->mutable_teacher_top_k();
+  top_k->set_k(options.top_k);
+  top_k->set_tail(static_cast<v1::TopKTail>(options.tail));
+  std::string handle;
+  RETURN_IF_ERROR(
+      SetInput("top_k_indices", options.top_k_indices, &handle,
+               [top_k] { return top_k->mutable_indices_inline(); }));
+  if (!handle.empty()) top_k->set_indices_handle(handle);
+  handle.clear();
+  RETURN_IF_ERROR(
+      SetInput("top_k_logprobs", options.top_k_logprobs, &handle,
+               [top_k] { return top_k->mutable_logprobs_inline(); }));
+  if (!handle.empty()) top_k->set_logprobs_handle(handle);
+  return absl::OkStatus();
+}
+
+absl::Status ToProto(const PolicyGradientOptions& options,
+                     v1::PolicyGradient* proto) {
+  proto->set_loss(static_cast<v1::PolicyLoss>(options.loss));
+  proto->set_epsilon_low(options.epsilon_low);
+  if (options.epsilon_high.has_value()) {
+    proto->set_epsilon_high(*options.epsilon_high);
+  }
+  proto->set_kl_coef(options.kl_coef);
+  proto->set_kl_estimator(static_cast<v1::KlEstimator>(options.kl_estimator));
+  std::string handle;
+  RETURN_IF_ERROR(SetInput("advantages", options.advantages, &handle, [proto] {
+    return proto->mutable_advantages_inline();
+  }));
+  if (!handle.empty()) proto->set_advantages_handle(handle);
+  handle.clear();
+  RETURN_IF_ERROR(
+      SetInput("sampling_logprobs", options.sampling_logprobs, &handle,
+               [proto] { return proto->mutable_sampling_logprobs_inline(); }));
+  if (!handle.empty()) proto->set_sampling_logprobs_handle(handle);
+  handle.clear();
+  RETURN_IF_ERROR(
+      SetInput("reference_logprobs", options.reference_logprobs, &handle,
+               [proto] { return proto->mutable_reference_logprobs_inline(); }));
+  if (!handle.empty()) proto->set_reference_logprobs_handle(handle);
+  return absl::OkStatus();
+}
+
+absl::Status ToProto(const SegmentOptions& options, v1::Segments* proto) {
+  proto->set_count(options.count);
+  proto->set_reduction(static_cast<v1::SegmentReduction>(options.reduction));
+  std::string handle;
+  RETURN_IF_ERROR(SetInput("segment ids", options.ids, &handle,
+                           [proto] { return proto->mutable_ids_inline(); }));
+  if (!handle.empty()) proto->set_ids_handle(handle);
+  return absl::OkStatus();
+}
+
 v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
                                      DType targets_dtype,
                                      const EvaluateOptions& options) {
@@ -170,6 +269,25 @@ v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
   ToProto(options.loss, options.class_weights, header.mutable_options());
   header.set_weight(options.weight);
   header.set_bias(options.bias);
+  if (options.distillation.has_value()) {
+    const DistillationOptions& distillation = *options.distillation;
+    SetDistillationScalars(distillation, header.mutable_distillation());
+    if (distillation.evaluate_teacher_dtype != DType::kInvalid) {
+      header.set_teacher_logits_dtype(
+          static_cast<v1::DType>(distillation.evaluate_teacher_dtype));
+    } else {
+      header.set_teacher_top_k(distillation.top_k);
+      header.set_teacher_indices_dtype(
+          static_cast<v1::DType>(distillation.top_k_indices_dtype));
+      header.set_teacher_top_k_tail(
+          static_cast<v1::TopKTail>(distillation.tail));
+    }
+  }
+  if (options.segments.has_value()) {
+    header.mutable_segments()->set_count(options.segments->count);
+    header.mutable_segments()->set_reduction(
+        static_cast<v1::SegmentReduction>(options.segments->reduction));
+  }
   return header;
 }
 
@@ -180,6 +298,10 @@ absl::Status SetTargets(const Targets& targets, Request* request) {
   if (!targets.handle.empty()) {
     request->set_targets_handle(targets.handle);
     return absl::OkStatus();
+  }
+  if (targets.inline_dtype == DType::kInvalid &&
+      targets.inline_data == nullptr && targets.inline_bytes == 0) {
+    return absl::OkStatus();  // none: the server says whether that is allowed
   }
   if (!IsTargetsDType(targets.inline_dtype)) {
     return absl::InvalidArgumentError(
@@ -211,6 +333,21 @@ ForwardResult ForwardFromProto(const v1::ForwardResponse& response) {
                              response.token_argmax().end());
   result.kernel_seconds = response.kernel_seconds();
   result.denominator = response.denominator();
+  result.distillation_loss = response.distillation_loss();
+  const v1::PolicyStats& stats = response.policy_stats();
+  result.policy_stats.clipped_tokens = stats.clipped_tokens();
+  result.policy_stats.ratio_sum = stats.ratio_sum();
+  result.policy_stats.approx_kl_sum = stats.approx_kl_sum();
+  result.policy_stats.kl_sum = stats.kl_sum();
+  result.policy_stats.entropy_sum = stats.entropy_sum();
+  result.segment_loss.assign(response.segment_loss().begin(),
+                             response.segment_loss().end());
+  result.segment_tokens.assign(response.segment_tokens().begin(),
+                               response.segment_tokens().end());
+  result.token_logprob.assign(response.token_logprob().begin(),
+                              response.token_logprob().end());
+  result.token_entropy.assign(response.token_entropy().begin(),
+                              response.token_entropy().end());
   return result;
 }
 
@@ -407,7 +544,19 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   request.mutable_outputs()->set_token_loss(options.token_loss);
   request.mutable_outputs()->set_token_lse(options.token_lse);
   request.mutable_outputs()->set_token_argmax(options.token_argmax);
+  request.mutable_outputs()->set_token_logprob(options.token_logprob);
+  request.mutable_outputs()->set_token_entropy(options.token_entropy);
   request.set_gradient_label(options.gradient_label);
+  if (options.distillation.has_value()) {
+    RETURN_IF_ERROR(
+        ToProto(*options.distillation, request.mutable_distillation()));
+  }
+  if (options.policy.has_value()) {
+    RETURN_IF_ERROR(ToProto(*options.policy, request.mutable_policy()));
+  }
+  if (options.segments.has_value()) {
+    RETURN_IF_ERROR(ToProto(*options.segments, request.mutable_segments()));
+  }
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
@@ -415,142 +564,6 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Forward(&context, request, &response)));
   return ForwardFromProto(response);
-}
-
-namespace {
-
-// Sets a handle-or-inline input of a post-training message: `set_handle`
-// and `mutable_inline` are the message's accessors for the field.
-template <typename SetHandle, typename MutableInline>
-absl::Status SetInput(const TensorInput& input, const char* what,
-                      SetHandle set_handle, MutableInline mutable_inline) {
-  if (!input.handle.empty()) {
-    set_handle(input.handle);
-    return absl::OkStatus();
-  }
-  if (input.inline_dtype == DType::kInvalid) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": neither a handle nor inline data"));
-  }
-  if (input.inline_data == nullptr && input.inline_bytes > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
-  }
-  v1::InlineTensor* tensor = mutable_inline();
-  tensor->set_dtype(static_cast<v1::DType>(input.inline_dtype));
-  tensor->set_data(static_cast<const char*>(input.inline_data),
-                   input.inline_bytes);
-  return absl::OkStatus();
-}
-
-bool HasInput(const TensorInput& input) {
-  return !input.handle.empty() || input.inline_dtype != DType::kInvalid;
-}
-
-}  // namespace
-
-absl::StatusOr<PostTrainingForwardResult> Client::PostTrainingForward(
-    const std::string& logits, const Targets& targets,
-    const PostTrainingOptions& options) {
-  if (options.distillation.has_value() && options.policy.has_value()) {
-    return absl::InvalidArgumentError(
-        "distillation and policy cannot be combined in one Forward");
-  }
-  const ForwardOptions& forward = options.forward;
-  v1::ForwardRequest request;
-  request.set_logits(logits);
-  if (HasInput(targets)) RETURN_IF_ERROR(SetTargets(targets, &request));
-  ToProto(forward.loss, forward.class_weights, request.mutable_options());
-  request.set_mode(static_cast<v1::GradientMode>(forward.mode));
-  v1::Outputs* outputs = request.mutable_outputs();
-  outputs->set_token_loss(forward.token_loss);
-  outputs->set_token_lse(forward.token_lse);
-  outputs->set_token_argmax(forward.token_argmax);
-  outputs->set_token_logprob(options.token_logprob);
-  outputs->set_token_entropy(options.token_entropy);
-  request.set_gradient_label(forward.gradient_label);
-  if (options.distillation.has_value()) {
-    const DistillationOptions& kd = *options.distillation;
-    v1::Distillation* message = request.mutable_distillation();
-    if (!kd.teacher_logits.empty()) {
-      message->set_teacher_logits(kd.teacher_logits);
-    } else {
-      v1::TopKTeacher* top_k = message->mutable_teacher_top_k();
-      top_k->set_k(kd.top_k);
-      top_k->set_tail(static_cast<v1::TopKTail>(kd.tail));
-      RETURN_IF_ERROR(SetInput(
-          kd.top_k_indices, "distillation top-k indices",
-          [&](const std::string& h) { top_k->set_indices_handle(h); },
-          [&] { return top_k->mutable_indices_inline(); }));
-      RETURN_IF_ERROR(SetInput(
-          kd.top_k_logprobs, "distillation top-k logprobs",
-          [&](const std::string& h) { top_k->set_logprobs_handle(h); },
-          [&] { return top_k->mutable_logprobs_inline(); }));
-    }
-    message->set_temperature(kd.temperature);
-    message->set_alpha(kd.alpha);
-    message->set_divergence(static_cast<v1::Divergence>(kd.divergence));
-    message->set_beta(kd.beta);
-  }
-  if (options.policy.has_value()) {
-    const PolicyOptions& pg = *options.policy;
-    v1::PolicyGradient* message = request.mutable_policy();
-    message->set_loss(static_cast<v1::PolicyLoss>(pg.loss));
-    RETURN_IF_ERROR(SetInput(
-        pg.advantages, "policy advantages",
-        [&](const std::string& h) { message->set_advantages_handle(h); },
-        [&] { return message->mutable_advantages_inline(); }));
-    RETURN_IF_ERROR(SetInput(
-        pg.sampling_logprobs, "policy sampling logprobs",
-        [&](const std::string& h) { message->set_sampling_logprobs_handle(h); },
-        [&] { return message->mutable_sampling_logprobs_inline(); }));
-    if (HasInput(pg.reference_logprobs)) {
-      RETURN_IF_ERROR(SetInput(
-          pg.reference_logprobs, "policy reference logprobs",
-          [&](const std::string& h) {
-            message->set_reference_logprobs_handle(h);
-          },
-          [&] { return message->mutable_reference_logprobs_inline(); }));
-    }
-    message->set_epsilon_low(pg.epsilon_low);
-    message->set_epsilon_high(pg.epsilon_high);
-    message->set_kl_coef(pg.kl_coef);
-    message->set_kl_estimator(static_cast<v1::KlEstimator>(pg.kl_estimator));
-  }
-  if (options.segments.has_value()) {
-    const SegmentOptions& segments = *options.segments;
-    v1::Segments* message = request.mutable_segments();
-    message->set_count(segments.count);
-    message->set_reduction(
-        static_cast<v1::SegmentReduction>(segments.reduction));
-    RETURN_IF_ERROR(SetInput(
-        segments.ids, "segment ids",
-        [&](const std::string& h) { message->set_ids_handle(h); },
-        [&] { return message->mutable_ids_inline(); }));
-  }
-
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  v1::ForwardResponse response;
-  RETURN_IF_ERROR(
-      ToAbsl(channel_->lossd->Forward(&context, request, &response)));
-  PostTrainingForwardResult result;
-  result.forward = ForwardFromProto(response);
-  result.distillation_loss = response.distillation_loss();
-  const v1::PolicyStats& stats = response.policy_stats();
-  result.clipped_tokens = stats.clipped_tokens();
-  result.ratio_sum = stats.ratio_sum();
-  result.approx_kl_sum = stats.approx_kl_sum();
-  result.kl_sum = stats.kl_sum();
-  result.entropy_sum = stats.entropy_sum();
-  result.segment_loss.assign(response.segment_loss().begin(),
-                             response.segment_loss().end());
-  result.segment_tokens.assign(response.segment_tokens().begin(),
-                               response.segment_tokens().end());
-  result.token_logprob.assign(response.token_logprob().begin(),
-                              response.token_logprob().end());
-  result.token_entropy.assign(response.token_entropy().begin(),
-                              response.token_entropy().end());
-  return result;
 }
 
 absl::StatusOr<LinearForwardResult> Client::LinearForward(
@@ -640,7 +653,10 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
                      options.total_rows * vocab *
                              static_cast<int64_t>(DTypeSize(logits_dtype)) >=
                          static_cast<int64_t>(options_.stripe_min_bytes);
-  if (options_.data_connection && large) {
+  // The post-training inputs in the blocks go over the stream only.
+  const bool post_training =
+      options.distillation.has_value() || options.segments.has_value();
+  if (options_.data_connection && large && !post_training) {
     std::optional<absl::StatusOr<EvaluateResult>> over_data =
         EvaluateOverDataConnections(vocab, logits_dtype, targets_dtype, options,
                                     next_block, progress);
@@ -677,14 +693,21 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     }
     queue.Close(absl::OkStatus());
   });
-  const std::size_t target_bytes = DTypeSize(targets_dtype);
+  // Rows counted from the logits: a block may carry no targets.
+  const std::size_t row_bytes =
+      static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
   int64_t rows_sent = 0;
   RowBlock block;
   while (sending && queue.Pop(&block)) {
     const int64_t rows =
-        static_cast<int64_t>(block.Targets().size() / target_bytes);
-    request.mutable_block()->set_logits(std::move(block.logits));
-    request.mutable_block()->set_targets(std::move(block.targets));
+        static_cast<int64_t>(block.Logits().size() / row_bytes);
+    v1::RowBlock* proto = request.mutable_block();
+    proto->set_logits(std::move(block.logits));
+    proto->set_targets(std::move(block.targets));
+    proto->set_teacher_logits(std::move(block.teacher_logits));
+    proto->set_teacher_indices(std::move(block.teacher_indices));
+    proto->set_teacher_logprobs(std::move(block.teacher_logprobs));
+    proto->set_segment_ids(std::move(block.segment_ids));
     sending = writer->Write(request);
     if (sending) {
       rows_sent += rows;

@@ -126,8 +126,97 @@ struct DownloadedTensor {
   std::vector<uint8_t> data;
 };
 
+// A small input of a post-training loss ([N] or [N, k]): a stored tensor, or
+// bytes sent inline with the request (which must stay below
+// ClientOptions::max_message_bytes: upload larger ones and name them).
+// Inline() does not copy: `data` must outlive the call. A default-constructed
+// one is unset.
+struct LossInput {
+  static LossInput Handle(std::string handle) {
+    LossInput t;
+    t.handle = std::move(handle);
+    return t;
+  }
+  static LossInput Inline(DType dtype, const void* data, std::size_t bytes) {
+    LossInput t;
+    t.inline_dtype = dtype;
+    t.inline_data = data;
+    t.inline_bytes = bytes;
+    return t;
+  }
+  static LossInput Inline(absl::Span<const float> values) {
+    return Inline(DType::kFloat32, values.data(),
+                  values.size() * sizeof(float));
+  }
+  static LossInput Inline(absl::Span<const int32_t> values) {
+    return Inline(DType::kInt32, values.data(),
+                  values.size() * sizeof(int32_t));
+  }
+  static LossInput Inline(absl::Span<const int64_t> values) {
+    return Inline(DType::kInt64, values.data(),
+                  values.size() * sizeof(int64_t));
+  }
+  bool set() const {
+    return !handle.empty() || inline_dtype != DType::kInvalid;
+  }
+  std::string handle;  // used when not empty
+  DType inline_dtype = DType::kInvalid;
+  const void* inline_data = nullptr;
+  std::size_t inline_bytes = 0;
+};
+
+// Knowledge distillation (lossd.v1.Distillation; docs/api.md,
+// "Distillation"): loss_i = alpha CE(z_i, y_i) + (1 - alpha) D(q_i, p_i) with
+// p_i = softmax(z_i / temperature). The teacher is either dense
+// (teacher_logits, a stored [N, V] float tensor) or top-k (top_k_indices
+// [N, k] int32/int64 and top_k_logprobs [N, k] fp32, by handle or inline).
+// In Evaluate the teacher comes in the row blocks instead: set
+// evaluate_teacher_dtype (dense rows) or top_k (with top_k_indices_dtype).
+struct DistillationOptions {
+  std::string teacher_logits;  // handle of the dense teacher; empty = top-k
+  // k of the top-k teacher; 0 = from a handle's shape (required inline).
+  int32_t top_k = 0;
+  LossInput top_k_indices;
+  LossInput top_k_logprobs;
+  TopKTail tail = TopKTail::kRenormalize;
+  float temperature = 1.0f;  // > 0
+  float alpha = 0.0f;        // weight of the cross entropy, in [0, 1]
+  Divergence divergence = Divergence::kForwardKl;
+  float beta = 0.0f;  // kJsd only, in [0, 1]
+  // Evaluate only: the dtype of the dense teacher rows in the blocks
+  // (kInvalid = a top-k teacher) and of the top-k indices there.
+  DType evaluate_teacher_dtype = DType::kInvalid;
+  DType top_k_indices_dtype = DType::kInt32;
+};
+
+// A per-token policy-gradient loss on the sampled tokens, the targets
+// (lossd.v1.PolicyGradient; docs/api.md, "Policy-gradient losses"). Each
+// tensor is fp32 [N].
+struct PolicyGradientOptions {
+  PolicyLossKind loss = PolicyLossKind::kPpoClip;
+  LossInput advantages;
+  LossInput sampling_logprobs;
+  float epsilon_low = 0.2f;           // in [0, 1)
+  std::optional<float> epsilon_high;  // unset = epsilon_low
+  LossInput reference_logprobs;       // unset = no KL term
+  float kl_coef = 0.0f;               // >= 0; > 0 needs reference_logprobs
+  KlEstimator kl_estimator = KlEstimator::kK3;
+};
+
+// Packed sequences (lossd.v1.Segments; docs/api.md, "Segments"): ids [N]
+// int32 in [0, count). In Evaluate the ids come in the row blocks (`ids`
+// unset there).
+struct SegmentOptions {
+  LossInput ids;
+  int32_t count = 0;
+  // kNone: the options' reduction over tokens; otherwise the mean over
+  // segments of each one's token mean or token sum (needs Reduction::kMean).
+  SegmentReduction reduction = SegmentReduction::kNone;
+};
+
 // Options of Forward: the loss options of the kernel contract plus what only
-// the service knows (handles, mode, outputs).
+// the service knows (handles, mode, outputs), and the post-training losses
+// (at most one of distillation and policy; segments with either or none).
 struct ForwardOptions {
   CrossEntropyOptions loss;
   std::string class_weights;  // handle of a fp32 [V] tensor; empty = none
@@ -135,7 +224,22 @@ struct ForwardOptions {
   bool token_loss = false;
   bool token_lse = false;
   bool token_argmax = false;
+  bool token_logprob = false;  // log p(target) per row, 0 for ignored rows
+  bool token_entropy = false;  // entropy of softmax(z) per row
   std::string gradient_label;  // label of an out-of-place gradient
+  std::optional<DistillationOptions> distillation;
+  std::optional<PolicyGradientOptions> policy;
+  std::optional<SegmentOptions> segments;
+};
+
+// A policy-gradient step's metrics, sums over the valid tokens
+// (lossd.v1.PolicyStats): divide by valid_tokens for the means.
+struct PolicyStats {
+  int64_t clipped_tokens = 0;
+  double ratio_sum = 0.0;
+  double approx_kl_sum = 0.0;  // sum of sampling_logprob - logp
+  double kl_sum = 0.0;         // sum of the reference KL, without kl_coef
+  double entropy_sum = 0.0;
 };
 
 struct ForwardResult {
@@ -152,6 +256,15 @@ struct ForwardResult {
   std::vector<int32_t> token_argmax;
   double kernel_seconds = 0.0;
   double denominator = 0.0;
+  // The post-training outputs: the divergence term alone (reduced as the
+  // loss), the policy metrics, each segment's loss sum and valid tokens, and
+  // the per-row outputs asked for.
+  double distillation_loss = 0.0;
+  PolicyStats policy_stats;
+  std::vector<double> segment_loss;
+  std::vector<int64_t> segment_tokens;
+  std::vector<float> token_logprob;
+  std::vector<float> token_entropy;
 };
 
 // How LinearForward's weight (and bias) gradient meets its accumulator.
@@ -206,7 +319,8 @@ struct BackwardResult {
 
 // The targets of a Forward: a stored int32/int64 [N] tensor, or bytes sent
 // inline with the request (for small N). Inline() does not copy: `data` must
-// outlive the Forward call.
+// outlive the Forward call. A default-constructed one sends no targets (only a
+// distillation with alpha 0 takes none).
 struct Targets {
   static Targets Handle(std::string handle) {
     Targets t;
@@ -226,70 +340,6 @@ struct Targets {
   std::size_t inline_bytes = 0;
 };
 
-// A small input of a post-training loss: a stored tensor, or bytes sent
-// inline (not copied: `data` must outlive the call), as Targets.
-using TensorInput = Targets;
-
-// Distillation against a dense teacher (a stored [N, V] float tensor) or a
-// top-k one (k indices and logprobs a row); docs/api.md, "Distillation".
-struct DistillationOptions {
-  std::string teacher_logits;  // dense teacher's handle; empty for top-k
-  TensorInput top_k_indices;   // [N, k] int32/int64
-  TensorInput top_k_logprobs;  // [N, k] fp32
-  int32_t top_k = 0;           // k; 0 = from a handle's shape
-  TopKTail tail = TopKTail::kRenormalize;
-  float temperature = 1.0f;
-  float alpha = 0.0f;  // weight of the cross entropy against the targets
-  Divergence divergence = Divergence::kForwardKl;
-  float beta = 0.5f;  // kJsd only
-};
-
-// A per-token policy-gradient loss on the targets (the sampled tokens);
-// docs/api.md, "Policy-gradient losses".
-struct PolicyOptions {
-  PolicyLossKind loss = PolicyLossKind::kPpoClip;
-  TensorInput advantages;          // [N] fp32
-  TensorInput sampling_logprobs;   // [N] fp32
-  TensorInput reference_logprobs;  // [N] fp32; none when neither is set
-  float epsilon_low = 0.2f;
-  float epsilon_high = 0.2f;
-  float kl_coef = 0.0f;
-  KlEstimator kl_estimator = KlEstimator::kK3;
-};
-
-// Packed sequences: ids [N] int32 in [0, count); docs/api.md, "Segments".
-struct SegmentOptions {
-  TensorInput ids;
-  int32_t count = 0;
-  SegmentReduction reduction = SegmentReduction::kNone;
-};
-
-// A Forward with a post-training loss: Forward's options plus at most one of
-// distillation and policy, and segments.
-struct PostTrainingOptions {
-  ForwardOptions forward;  // class_weights must stay empty
-  std::optional<DistillationOptions> distillation;
-  std::optional<PolicyOptions> policy;
-  std::optional<SegmentOptions> segments;
-  bool token_logprob = false;
-  bool token_entropy = false;
-};
-
-struct PostTrainingForwardResult {
-  ForwardResult forward;
-  double distillation_loss = 0.0;
-  // Policy statistics, summed over the valid tokens.
-  int64_t clipped_tokens = 0;
-  double ratio_sum = 0.0;
-  double approx_kl_sum = 0.0;
-  double kl_sum = 0.0;
-  double entropy_sum = 0.0;
-  std::vector<double> segment_loss;
-  std::vector<int64_t> segment_tokens;
-  std::vector<float> token_logprob;
-  std::vector<float> token_entropy;
-};
-
 // Options of Evaluate; reduction kNone is not allowed there.
 struct EvaluateOptions {
   CrossEntropyOptions loss;
@@ -301,6 +351,12 @@ struct EvaluateOptions {
   std::string bias;
   // Only for progress reports (the second argument); -1 = unknown.
   int64_t total_rows = -1;
+  // A distillation whose teacher comes in the blocks (teacher_logits and
+  // top_k_indices / top_k_logprobs unset; evaluate_teacher_dtype or top_k
+  // set), and segments whose ids come in the blocks (ids unset; global over
+  // the stream). Either sends the blocks over the gRPC stream.
+  std::optional<DistillationOptions> distillation;
+  std::optional<SegmentOptions> segments;
 };
 
 // One block of whole rows for Evaluate: rows * vocab logits of the header's
@@ -311,7 +367,14 @@ struct EvaluateOptions {
 // is not null): over data connections they are sent from there, uncopied.
 struct RowBlock {
   std::string logits;
-  std::string targets;
+  std::string targets;  // none for a distillation with alpha 0
+  // One entry a row, with EvaluateOptions::distillation / segments: dense
+  // teacher rows [R, V] of evaluate_teacher_dtype, or top-k indices [R, k] of
+  // top_k_indices_dtype and fp32 logprobs [R, k]; int32 segment ids [R].
+  std::string teacher_logits;
+  std::string teacher_indices;
+  std::string teacher_logprobs;
+  std::string segment_ids;
   absl::string_view logits_view;
   absl::string_view targets_view;
 
@@ -332,6 +395,9 @@ struct EvaluateResult {
   int64_t correct_tokens = 0;
   int64_t nonfinite_rows = 0;
   double denominator = 0.0;
+  double distillation_loss = 0.0;  // as ForwardResult's
+  std::vector<double> segment_loss;
+  std::vector<int64_t> segment_tokens;
 };
 
 // Called as work proceeds with (done, total): bytes for Upload / Download,
@@ -500,16 +566,6 @@ class Client {
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
-
-  // Forward with a post-training loss (distillation, a policy loss,
-  // segments; see the Forward RPC and docs/api.md, "Post-training losses").
-  // `targets` may be empty (no handle, no inline data) only for a
-  // distillation with alpha 0. INVALID_ARGUMENT (client side) for an input
-  // that is neither a handle nor inline data of an allowed dtype, or
-  // distillation and policy together. Server errors as the Forward RPC.
-  absl::StatusOr<PostTrainingForwardResult> PostTrainingForward(
-      const std::string& logits, const Targets& targets,
-      const PostTrainingOptions& options);
 
   // The LM head and the cross-entropy in one call (see the LinearForward
   // RPC): stored hidden states [N, H] times the stored weight [V, H]; dX as

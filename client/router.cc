@@ -615,6 +615,23 @@ absl::StatusOr<ForwardResult> RoutingClient::Forward(
   };
   RETURN_IF_ERROR(check("targets", targets.handle));
   RETURN_IF_ERROR(check("class_weights", options.class_weights));
+  if (options.distillation.has_value()) {
+    const DistillationOptions& distillation = *options.distillation;
+    RETURN_IF_ERROR(check("teacher_logits", distillation.teacher_logits));
+    RETURN_IF_ERROR(check("top_k_indices", distillation.top_k_indices.handle));
+    RETURN_IF_ERROR(
+        check("top_k_logprobs", distillation.top_k_logprobs.handle));
+  }
+  if (options.policy.has_value()) {
+    RETURN_IF_ERROR(check("advantages", options.policy->advantages.handle));
+    RETURN_IF_ERROR(
+        check("sampling_logprobs", options.policy->sampling_logprobs.handle));
+    RETURN_IF_ERROR(
+        check("reference_logprobs", options.policy->reference_logprobs.handle));
+  }
+  if (options.segments.has_value()) {
+    RETURN_IF_ERROR(check("segment ids", options.segments->ids.handle));
+  }
   return OnOwner<ForwardResult>(logits, [&](Client& client) {
     return client.Forward(logits, targets, options);
   });

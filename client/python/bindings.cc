@@ -165,7 +165,12 @@ constexpr char kForwardDoc[] =
     R"doc(forward(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0,
         reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0,
         grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False,
-        token_argmax=False, gradient_label="") -> ForwardResult
+        token_argmax=False, gradient_label="", teacher=None, temperature=1.0,
+        alpha=0.0, divergence="forward_kl", beta=0.5, top_k_tail="renormalize",
+        policy_loss=None, advantages=None, old_logprobs=None, ref_logprobs=None,
+        epsilon_low=0.2, epsilon_high=None, kl_coef=0.0, kl_estimator="k3",
+        segments=None, num_segments=0, segment_reduction=None,
+        token_logprob=False, token_entropy=False) -> ForwardResult
 
 Cross entropy of stored logits [N, V], with the semantics of
 torch.nn.functional.cross_entropy (and lossd's z-loss, softcap, normalizer
@@ -176,6 +181,25 @@ buffer uploaded for this call. mode: "in_place" (the gradient overwrites the
 logits; .gradient is the logits handle, now a GRADIENT), "out_of_place" (a
 new gradient tensor) or "none" (loss only; the logits stay). token_loss,
 token_lse, token_argmax: per-row outputs as numpy arrays.
+
+Post-training losses (docs/api.md, "Post-training losses"); handles or
+buffers for each tensor (buffers go inline in the request, which must stay
+below max_message_bytes: upload larger ones and pass their handles):
+- distillation: teacher = a handle of stored teacher logits [N, V], or a pair
+  (indices [N, k] int32/int64, logprobs [N, k] float32) of a top-k teacher;
+  temperature, alpha (weight of the cross entropy against target; with 0,
+  target may be None), divergence ("forward_kl", "reverse_kl", "jsd"), beta
+  (jsd: the teacher's weight in the mixture, as TRL and Liger),
+  top_k_tail ("renormalize" or "bucket").
+- policy: policy_loss ("importance_sampling", "ppo", "cispo") on the sampled
+  tokens `target`, with advantages and old_logprobs (the sampling policy's)
+  float32 [N], epsilon_low, epsilon_high (None = epsilon_low), and
+  ref_logprobs, kl_coef, kl_estimator ("k1", "k2", "k3") for a KL penalty.
+- segments: int32/int64 [N] segment ids of packed sequences, num_segments
+  (0 = max id + 1), segment_reduction (None, "seq_mean_token_mean",
+  "seq_mean_token_sum").
+Results: .distillation_loss, .policy_stats, .segment_loss and
+.segment_tokens, and with token_logprob / token_entropy those per row.
 
 A mean over zero valid rows is 0 here (torch: NaN). Raises NotFound,
 InvalidArgument (shapes, a target outside [0, V), options),
@@ -194,12 +218,18 @@ logits), InvalidArgument (non-finite, wrong count or reduction).)doc";
 constexpr char kEvaluateDoc[] =
     R"doc(evaluate(logits, target, *, dtype=None, weight=None, ignore_index=-100,
          label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0,
-         normalizer=0.0, block_rows=0) -> EvaluateResult
+         normalizer=0.0, block_rows=0, teacher=None, temperature=1.0, alpha=0.0,
+         divergence="forward_kl", beta=0.5, top_k_tail="renormalize",
+         segments=None, num_segments=0, segment_reduction=None) -> EvaluateResult
 
 Loss only of logits [N, V] and target [N] in host memory, streamed through
 the server in row blocks (over data connections when large); nothing is
 stored. dtype as for upload() (bf16 from uint16 needs dtype="bf16").
-reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).)doc";
+reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).
+Distillation metrics and per-segment sums as forward() takes them, the
+teacher (logits [N, V], or a pair (indices, logprobs) [N, k]) and segment
+ids in host memory: they go in the blocks beside the rows, over the gRPC
+stream. Results add .distillation_loss, .segment_loss, .segment_tokens.)doc";
 
 constexpr char kLinearEvaluateDoc[] =
     R"doc(linear_evaluate(hidden, weight, target, *, bias="", dtype=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, block_rows=0) -> EvaluateResult
@@ -280,6 +310,15 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("tensors", &ListResult::tensors)
       .def_readonly("server", &ListResult::server);
 
+  py::class_<PolicyStats>(m, "PolicyStats",
+                          "A policy-gradient step's metrics, sums over the "
+                          "valid tokens (divide by valid_tokens).")
+      .def_readonly("clipped_tokens", &PolicyStats::clipped_tokens)
+      .def_readonly("ratio_sum", &PolicyStats::ratio_sum)
+      .def_readonly("approx_kl_sum", &PolicyStats::approx_kl_sum)
+      .def_readonly("kl_sum", &PolicyStats::kl_sum)
+      .def_readonly("entropy_sum", &PolicyStats::entropy_sum);
+
   py::class_<ForwardResult>(m, "ForwardResult", "The result of Client.forward.")
       .def_readonly("loss", &ForwardResult::loss)
       .def_readonly("z_loss", &ForwardResult::z_loss)
@@ -308,6 +347,32 @@ PYBIND11_MODULE(_lossd, m) {
                              })
       .def_readonly("kernel_seconds", &ForwardResult::kernel_seconds)
       .def_readonly("denominator", &ForwardResult::denominator)
+      .def_readonly("distillation_loss", &ForwardResult::distillation_loss)
+      .def_readonly("policy_stats", &ForwardResult::policy_stats)
+      .def_property_readonly("segment_loss",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.segment_loss.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.segment_loss, "<f8");
+                             })
+      .def_property_readonly("segment_tokens",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.segment_tokens.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.segment_tokens, "<i8");
+                             })
+      .def_property_readonly("token_logprob",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.token_logprob.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.token_logprob, "<f4");
+                             })
+      .def_property_readonly("token_entropy",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.token_entropy.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.token_entropy, "<f4");
+                             })
       .def("__repr__", [](const ForwardResult& r) {
         return "ForwardResult(loss=" + std::to_string(r.loss) +
                ", valid_tokens=" + std::to_string(r.valid_tokens) +
@@ -387,7 +452,20 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("valid_tokens", &EvaluateResult::valid_tokens)
       .def_readonly("correct_tokens", &EvaluateResult::correct_tokens)
       .def_readonly("nonfinite_rows", &EvaluateResult::nonfinite_rows)
-      .def_readonly("denominator", &EvaluateResult::denominator);
+      .def_readonly("denominator", &EvaluateResult::denominator)
+      .def_readonly("distillation_loss", &EvaluateResult::distillation_loss)
+      .def_property_readonly("segment_loss",
+                             [](const EvaluateResult& r) -> py::object {
+                               return r.segment_loss.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.segment_loss, "<f8");
+                             })
+      .def_property_readonly("segment_tokens",
+                             [](const EvaluateResult& r) -> py::object {
+                               return r.segment_tokens.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.segment_tokens, "<i8");
+                             });
 
   py::class_<PyClient>(m, "Client", py::dynamic_attr(), kClientDoc)
       .def(py::init([](const std::string& target, py::object token, bool tls,
@@ -478,14 +556,67 @@ PYBIND11_MODULE(_lossd, m) {
       .def("download_to", &DownloadTo, kDownloadToDoc, py::arg("handle"),
            py::arg("sink"), py::kw_only(), py::arg("dtype") = py::none(),
            py::arg("on_header") = py::none())
-      .def("forward", &Forward, kForwardDoc, py::arg("logits"),
-           py::arg("target"), py::kw_only(), py::arg("weight") = py::none(),
-           py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
-           py::arg("reduction") = "mean", py::arg("z_loss_scale") = 0.0,
-           py::arg("softcap") = 0.0, py::arg("normalizer") = 0.0,
-           py::arg("grad_scale") = 1.0, py::arg("mode") = "in_place",
-           py::arg("token_loss") = false, py::arg("token_lse") = false,
-           py::arg("token_argmax") = false, py::arg("gradient_label") = "")
+      .def(
+          "forward",
+          [](PyClient& self, py::handle logits, py::handle target,
+             py::handle weight, int64_t ignore_index, double label_smoothing,
+             const std::string& reduction, double z_loss_scale, double softcap,
+             double normalizer, double grad_scale, const std::string& mode,
+             bool token_loss, bool token_lse, bool token_argmax,
+             const std::string& gradient_label, py::object teacher,
+             double temperature, double alpha, const std::string& divergence,
+             double beta, const std::string& top_k_tail, py::object policy_loss,
+             py::object advantages, py::object old_logprobs,
+             py::object ref_logprobs, double epsilon_low,
+             py::object epsilon_high, double kl_coef,
+             const std::string& kl_estimator, py::object segments,
+             int64_t num_segments, py::object segment_reduction,
+             bool token_logprob, bool token_entropy) {
+            PostTrainingKwargs post_training;
+            post_training.teacher = std::move(teacher);
+            post_training.temperature = temperature;
+            post_training.alpha = alpha;
+            post_training.divergence = divergence;
+            post_training.beta = beta;
+            post_training.top_k_tail = top_k_tail;
+            post_training.policy_loss = std::move(policy_loss);
+            post_training.advantages = std::move(advantages);
+            post_training.old_logprobs = std::move(old_logprobs);
+            post_training.ref_logprobs = std::move(ref_logprobs);
+            post_training.epsilon_low = epsilon_low;
+            post_training.epsilon_high = std::move(epsilon_high);
+            post_training.kl_coef = kl_coef;
+            post_training.kl_estimator = kl_estimator;
+            post_training.segments = std::move(segments);
+            post_training.num_segments = num_segments;
+            post_training.segment_reduction = std::move(segment_reduction);
+            post_training.token_logprob = token_logprob;
+            post_training.token_entropy = token_entropy;
+            return Forward(self, logits, target, weight, ignore_index,
+                           label_smoothing, reduction, z_loss_scale, softcap,
+                           normalizer, grad_scale, mode, token_loss, token_lse,
+                           token_argmax, gradient_label, post_training);
+          },
+          kForwardDoc, py::arg("logits"), py::arg("target"), py::kw_only(),
+          py::arg("weight") = py::none(), py::arg("ignore_index") = -100,
+          py::arg("label_smoothing") = 0.0, py::arg("reduction") = "mean",
+          py::arg("z_loss_scale") = 0.0, py::arg("softcap") = 0.0,
+          py::arg("normalizer") = 0.0, py::arg("grad_scale") = 1.0,
+          py::arg("mode") = "in_place", py::arg("token_loss") = false,
+          py::arg("token_lse") = false, py::arg("token_argmax") = false,
+          py::arg("gradient_label") = "", py::arg("teacher") = py::none(),
+          py::arg("temperature") = 1.0, py::arg("alpha") = 0.0,
+          py::arg("divergence") = "forward_kl", py::arg("beta") = 0.5,
+          py::arg("top_k_tail") = "renormalize",
+          py::arg("policy_loss") = py::none(),
+          py::arg("advantages") = py::none(),
+          py::arg("old_logprobs") = py::none(),
+          py::arg("ref_logprobs") = py::none(), py::arg("epsilon_low") = 0.2,
+          py::arg("epsilon_high") = py::none(), py::arg("kl_coef") = 0.0,
+          py::arg("kl_estimator") = "k3", py::arg("segments") = py::none(),
+          py::arg("num_segments") = 0,
+          py::arg("segment_reduction") = py::none(),
+          py::arg("token_logprob") = false, py::arg("token_entropy") = false)
       .def("linear_forward", &LinearForward, kLinearForwardDoc,
            py::arg("hidden"), py::arg("weight"), py::arg("target"),
            py::kw_only(), py::arg("bias") = "", py::arg("weight_grad") = "",
@@ -503,12 +634,41 @@ PYBIND11_MODULE(_lossd, m) {
       .def("backward", &Backward, kBackwardDoc, py::arg("handle"),
            py::arg("grad_output") = 1.0, py::kw_only(),
            py::arg("materialize") = false)
-      .def("evaluate", &Evaluate, kEvaluateDoc, py::arg("logits"),
-           py::arg("target"), py::kw_only(), py::arg("dtype") = py::none(),
-           py::arg("weight") = py::none(), py::arg("ignore_index") = -100,
-           py::arg("label_smoothing") = 0.0, py::arg("reduction") = "mean",
-           py::arg("z_loss_scale") = 0.0, py::arg("softcap") = 0.0,
-           py::arg("normalizer") = 0.0, py::arg("block_rows") = 0)
+      .def(
+          "evaluate",
+          [](PyClient& self, py::handle logits, py::handle target,
+             py::handle dtype, py::handle weight, int64_t ignore_index,
+             double label_smoothing, const std::string& reduction,
+             double z_loss_scale, double softcap, double normalizer,
+             int64_t block_rows, py::object teacher, double temperature,
+             double alpha, const std::string& divergence, double beta,
+             const std::string& top_k_tail, py::object segments,
+             int64_t num_segments, py::object segment_reduction) {
+            PostTrainingKwargs post_training;
+            post_training.teacher = std::move(teacher);
+            post_training.temperature = temperature;
+            post_training.alpha = alpha;
+            post_training.divergence = divergence;
+            post_training.beta = beta;
+            post_training.top_k_tail = top_k_tail;
+            post_training.segments = std::move(segments);
+            post_training.num_segments = num_segments;
+            post_training.segment_reduction = std::move(segment_reduction);
+            return Evaluate(self, logits, target, dtype, weight, ignore_index,
+                            label_smoothing, reduction, z_loss_scale, softcap,
+                            normalizer, block_rows, post_training);
+          },
+          kEvaluateDoc, py::arg("logits"), py::arg("target"), py::kw_only(),
+          py::arg("dtype") = py::none(), py::arg("weight") = py::none(),
+          py::arg("ignore_index") = -100, py::arg("label_smoothing") = 0.0,
+          py::arg("reduction") = "mean", py::arg("z_loss_scale") = 0.0,
+          py::arg("softcap") = 0.0, py::arg("normalizer") = 0.0,
+          py::arg("block_rows") = 0, py::arg("teacher") = py::none(),
+          py::arg("temperature") = 1.0, py::arg("alpha") = 0.0,
+          py::arg("divergence") = "forward_kl", py::arg("beta") = 0.5,
+          py::arg("top_k_tail") = "renormalize",
+          py::arg("segments") = py::none(), py::arg("num_segments") = 0,
+          py::arg("segment_reduction") = py::none())
       .def("linear_evaluate", &LinearEvaluate, kLinearEvaluateDoc,
            py::arg("hidden"), py::arg("weight"), py::arg("target"),
            py::kw_only(), py::arg("bias") = "", py::arg("dtype") = py::none(),

@@ -3,6 +3,8 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -287,8 +289,9 @@ std::string HandleOrUpload(PyClient& self, py::handle value,
 }
 
 // Targets given as a handle, or as an int32/int64 buffer held in `*keep` for
-// the call.
+// the call; None sends none (a distillation with alpha 0 needs none).
 Targets ParseTargets(py::handle target, Tensor* keep) {
+  if (target.is_none()) return Targets();
   if (py::isinstance<py::str>(target)) {
     return Targets::Handle(target.cast<std::string>());
   }
@@ -299,6 +302,211 @@ Targets ParseTargets(py::handle target, Tensor* keep) {
   }
   return Targets::Inline(keep->dtype, keep->buffer->data(),
                          keep->buffer->bytes());
+}
+
+Divergence ParseDivergence(const std::string& name) {
+  if (name == "forward_kl") return Divergence::kForwardKl;
+  if (name == "reverse_kl") return Divergence::kReverseKl;
+  if (name == "jsd") return Divergence::kJsd;
+  ThrowInvalid(
+      "divergence must be \"forward_kl\", \"reverse_kl\" or \"jsd\", not "
+      "\"" +
+      name + "\"");
+}
+
+TopKTail ParseTopKTail(const std::string& name) {
+  if (name == "renormalize") return TopKTail::kRenormalize;
+  if (name == "bucket") return TopKTail::kBucket;
+  ThrowInvalid("top_k_tail must be \"renormalize\" or \"bucket\", not \"" +
+               name + "\"");
+}
+
+PolicyLossKind ParsePolicyLoss(const std::string& name) {
+  if (name == "importance_sampling") return PolicyLossKind::kImportanceSampling;
+  if (name == "ppo") return PolicyLossKind::kPpoClip;
+  if (name == "cispo") return PolicyLossKind::kCispo;
+  ThrowInvalid(
+      "policy_loss must be \"importance_sampling\", \"ppo\" or \"cispo\", "
+      "not \"" +
+      name + "\"");
+}
+
+KlEstimator ParseKlEstimator(const std::string& name) {
+  if (name == "k1") return KlEstimator::kK1;
+  if (name == "k2") return KlEstimator::kK2;
+  if (name == "k3") return KlEstimator::kK3;
+  ThrowInvalid("kl_estimator must be \"k1\", \"k2\" or \"k3\", not \"" + name +
+               "\"");
+}
+
+SegmentReduction ParseSegmentReduction(py::handle reduction) {
+  if (reduction.is_none()) return SegmentReduction::kNone;
+  const std::string name = reduction.cast<std::string>();
+  if (name == "seq_mean_token_mean") return SegmentReduction::kSeqMeanTokenMean;
+  if (name == "seq_mean_token_sum") return SegmentReduction::kSeqMeanTokenSum;
+  ThrowInvalid(
+      "segment_reduction must be \"seq_mean_token_mean\", "
+      "\"seq_mean_token_sum\" or None, not \"" +
+      name + "\"");
+}
+
+// Host buffers the post-training inputs of one call point into: kept alive
+// until the call returns.
+struct KeptInputs {
+  std::vector<Tensor> tensors;
+  std::vector<std::vector<int32_t>> narrowed;  // int64 segment ids as int32
+};
+
+// A post-training input: a handle, or a buffer sent inline (held in `kept`).
+LossInput ParseLossInput(py::handle value, const char* name, KeptInputs* kept) {
+  if (py::isinstance<py::str>(value)) {
+    return LossInput::Handle(value.cast<std::string>());
+  }
+  kept->tensors.push_back(
+      TensorFromObject(value, py::none(), py::none(), name));
+  const Tensor& tensor = kept->tensors.back();
+  return LossInput::Inline(tensor.dtype, tensor.buffer->data(),
+                           tensor.buffer->bytes());
+}
+
+// Segment ids: a handle, or an int32/int64 [N] buffer (int64 sent as int32).
+// *count is set to max + 1 when 0 and the ids are a buffer.
+LossInput ParseSegmentIds(py::handle value, int64_t* count, KeptInputs* kept) {
+  if (py::isinstance<py::str>(value)) {
+    return LossInput::Handle(value.cast<std::string>());
+  }
+  Tensor tensor = TensorFromObject(value, py::none(), py::none(), "segments");
+  if (!IsTargetsDType(tensor.dtype) || tensor.shape.size() != 1) {
+    ThrowInvalid(
+        "segments must be int32 or int64 [N] segment ids, or a handle");
+  }
+  std::vector<int32_t> ids(static_cast<std::size_t>(tensor.shape[0]));
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const int64_t id =
+        tensor.dtype == DType::kInt32
+            ? static_cast<const int32_t*>(tensor.buffer->data())[i]
+            : static_cast<const int64_t*>(tensor.buffer->data())[i];
+    if (id < 0 || id > INT32_MAX) {
+      ThrowInvalid(absl::StrCat("segments[", i, "] = ", id,
+                                " is not a segment id (0 <= id < 2^31)"));
+    }
+    ids[i] = static_cast<int32_t>(id);
+  }
+  if (*count == 0) {
+    for (int32_t id : ids) *count = std::max<int64_t>(*count, int64_t{id} + 1);
+  }
+  kept->narrowed.push_back(std::move(ids));
+  return LossInput::Inline(absl::Span<const int32_t>(kept->narrowed.back()));
+}
+
+// The distillation, policy and segment options of a forward's keyword
+// arguments. `in_blocks` (evaluate): the teacher and ids stay out of the
+// options; the caller sends them in the row blocks.
+void SetPostTraining(const PostTrainingKwargs& kwargs, KeptInputs* kept,
+                     std::optional<DistillationOptions>* distillation,
+                     std::optional<PolicyGradientOptions>* policy,
+                     std::optional<SegmentOptions>* segments, bool in_blocks) {
+  if (!kwargs.teacher.is_none()) {
+    DistillationOptions options;
+    options.temperature = static_cast<float>(kwargs.temperature);
+    options.alpha = static_cast<float>(kwargs.alpha);
+    options.divergence = ParseDivergence(kwargs.divergence);
+    options.beta = static_cast<float>(kwargs.beta);
+    options.tail = ParseTopKTail(kwargs.top_k_tail);
+    if (py::isinstance<py::tuple>(kwargs.teacher) ||
+        py::isinstance<py::list>(kwargs.teacher)) {
+      py::sequence pair = kwargs.teacher.cast<py::sequence>();
+      if (py::len(pair) != 2) {
+        ThrowInvalid(
+            "teacher must be teacher logits, or a pair (top-k indices, "
+            "top-k logprobs)");
+      }
+      if (!in_blocks) {
+        options.top_k_indices =
+            ParseLossInput(pair[0], "teacher indices", kept);
+        options.top_k_logprobs =
+            ParseLossInput(pair[1], "teacher logprobs", kept);
+      }
+      // k from whichever of the two is a buffer ([N, k]); 0 = the server
+      // takes it from a handle's shape.
+      for (py::handle part : {pair[0], pair[1]}) {
+        if (py::isinstance<py::str>(part)) continue;
+        Tensor tensor =
+            TensorFromObject(part, py::none(), py::none(), "teacher");
+        if (tensor.shape.size() != 2) {
+          ThrowInvalid("top-k teacher indices and logprobs must be [N, k]");
+        }
+        options.top_k = static_cast<int32_t>(tensor.shape[1]);
+        options.top_k_indices_dtype = tensor.dtype;
+        break;
+      }
+      if (in_blocks) {
+        Tensor indices =
+            TensorFromObject(pair[0], py::none(), py::none(), "teacher");
+        options.top_k_indices_dtype = indices.dtype;
+      }
+    } else if (py::isinstance<py::str>(kwargs.teacher)) {
+      if (in_blocks) {
+        ThrowInvalid(
+            "evaluate: the teacher must be logits or top-k arrays in host "
+            "memory, not a handle");
+      }
+      options.teacher_logits = kwargs.teacher.cast<std::string>();
+    } else {
+      if (!in_blocks) {
+        ThrowInvalid(
+            "forward: a dense teacher must be the handle of stored teacher "
+            "logits (upload them first)");
+      }
+      Tensor tensor =
+          TensorFromObject(kwargs.teacher, py::none(), py::none(), "teacher");
+      options.evaluate_teacher_dtype = tensor.dtype;
+    }
+    *distillation = options;
+  }
+  if (!kwargs.policy_loss.is_none()) {
+    if (distillation->has_value()) {
+      ThrowInvalid("teacher and policy_loss do not go together");
+    }
+    PolicyGradientOptions options;
+    options.loss = ParsePolicyLoss(kwargs.policy_loss.cast<std::string>());
+    if (kwargs.advantages.is_none() || kwargs.old_logprobs.is_none()) {
+      ThrowInvalid("policy_loss needs advantages and old_logprobs");
+    }
+    options.advantages = ParseLossInput(kwargs.advantages, "advantages", kept);
+    options.sampling_logprobs =
+        ParseLossInput(kwargs.old_logprobs, "old_logprobs", kept);
+    if (!kwargs.ref_logprobs.is_none()) {
+      options.reference_logprobs =
+          ParseLossInput(kwargs.ref_logprobs, "ref_logprobs", kept);
+    }
+    options.epsilon_low = static_cast<float>(kwargs.epsilon_low);
+    if (!kwargs.epsilon_high.is_none()) {
+      options.epsilon_high = kwargs.epsilon_high.cast<float>();
+    }
+    options.kl_coef = static_cast<float>(kwargs.kl_coef);
+    options.kl_estimator = ParseKlEstimator(kwargs.kl_estimator);
+    *policy = options;
+  } else if (!kwargs.advantages.is_none() || !kwargs.old_logprobs.is_none() ||
+             !kwargs.ref_logprobs.is_none()) {
+    ThrowInvalid(
+        "advantages, old_logprobs and ref_logprobs need a policy_loss");
+  }
+  if (!kwargs.segments.is_none()) {
+    SegmentOptions options;
+    int64_t count = kwargs.num_segments;
+    if (!in_blocks) {
+      options.ids = ParseSegmentIds(kwargs.segments, &count, kept);
+    } else if (count == 0) {
+      ParseSegmentIds(kwargs.segments, &count, kept);
+    }
+    if (count > INT32_MAX) ThrowInvalid("num_segments is over 2^31 - 1");
+    options.count = static_cast<int32_t>(count);
+    options.reduction = ParseSegmentReduction(kwargs.segment_reduction);
+    *segments = options;
+  } else if (!kwargs.segment_reduction.is_none()) {
+    ThrowInvalid("segment_reduction needs segments");
+  }
 }
 
 // The options Forward and LinearForward share (ForwardOptions' fields that
@@ -355,11 +563,17 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                       double z_loss_scale, double softcap, double normalizer,
                       double grad_scale, const std::string& mode,
                       bool token_loss, bool token_lse, bool token_argmax,
-                      const std::string& gradient_label) {
+                      const std::string& gradient_label,
+                      const PostTrainingKwargs& post_training) {
   ForwardOptions options;
   SetForwardOptions(&options, ignore_index, label_smoothing, reduction,
                     z_loss_scale, softcap, normalizer, grad_scale, mode,
                     token_loss, token_lse, token_argmax, gradient_label);
+  options.token_logprob = post_training.token_logprob;
+  options.token_entropy = post_training.token_entropy;
+  KeptInputs kept;
+  SetPostTraining(post_training, &kept, &options.distillation, &options.policy,
+                  &options.segments, /*in_blocks=*/false);
   return CallOnInputs<ForwardResult>(
       self, logits, "logits", options.mode, target, weight,
       [&](Client& client, const std::string& logits_handle,
@@ -466,10 +680,32 @@ namespace {
 
 // evaluate() and linear_evaluate(): `rows` [N, W] (logits, or hidden states
 // when options.weight is set) and target [N] streamed to Evaluate.
+// One per-row input of Evaluate's blocks: its bytes, bytes a row, and the
+// RowBlock string it is copied into.
+struct BlockColumn {
+  const char* data = nullptr;
+  std::size_t row_bytes = 0;
+  std::string RowBlock::*field = nullptr;
+};
+
+// A host buffer of `rows` rows for a block column, checked for its size.
+BlockColumn Column(const Tensor& tensor, int64_t rows, const char* what,
+                   std::string RowBlock::*field) {
+  if (tensor.shape.empty() || tensor.shape[0] != rows) {
+    ThrowInvalid(absl::StrCat("evaluate: ", what, " must have ", rows,
+                              " rows (one per logits row)"));
+  }
+  return {
+      static_cast<const char*>(tensor.buffer->data()),
+      rows == 0 ? 0 : tensor.buffer->bytes() / static_cast<std::size_t>(rows),
+      field};
+}
+
 EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
                             py::handle dtype, py::handle class_weights,
                             EvaluateOptions options, int64_t block_rows,
-                            const char* shape_name) {
+                            const char* shape_name,
+                            const PostTrainingKwargs* post_training) {
   std::shared_ptr<Client> client = self.Get();
   const char* const field = options.weight.empty() ? "logits" : "hidden";
   Tensor rows_tensor = TensorFromObject(rows, dtype, py::none(), field);
@@ -478,24 +714,108 @@ EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
                               ", got ", rows_tensor.shape.size(),
                               " dimensions"));
   }
-  Tensor targets_tensor =
-      TensorFromObject(target, py::none(), py::none(), "target");
-  if (!IsTargetsDType(targets_tensor.dtype) ||
-      targets_tensor.shape.size() != 1 ||
-      targets_tensor.shape[0] != rows_tensor.shape[0]) {
-    ThrowInvalid(
-        absl::StrCat("evaluate: target must be int32 or int64 [N] for ", field,
-                     " ", shape_name));
+  const int64_t n = rows_tensor.shape[0];
+  KeptInputs kept;
+  if (post_training != nullptr) {
+    std::optional<PolicyGradientOptions> policy;
+    SetPostTraining(*post_training, &kept, &options.distillation, &policy,
+                    &options.segments, /*in_blocks=*/true);
+    if (policy.has_value()) {
+      ThrowInvalid("evaluate: the policy losses are Forward only");
+    }
+  }
+  const bool in_blocks =
+      options.distillation.has_value() || options.segments.has_value();
+  Tensor targets_tensor;
+  if (!target.is_none() || !in_blocks) {
+    targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
+    if (!IsTargetsDType(targets_tensor.dtype) ||
+        targets_tensor.shape.size() != 1 || targets_tensor.shape[0] != n) {
+      ThrowInvalid(
+          absl::StrCat("evaluate: target must be int32 or int64 [N] "
+                       "for ",
+                       field, " ", shape_name));
+    }
   }
   Weight weights(client, class_weights);
   options.class_weights = weights.handle();
   absl::StatusOr<EvaluateResult> result;
+  if (!in_blocks) {
+    py::gil_scoped_release release;
+    result =
+        client->Evaluate(n, rows_tensor.shape[1], rows_tensor.dtype,
+                         rows_tensor.buffer->data(), targets_tensor.dtype,
+                         targets_tensor.buffer->data(), options, block_rows);
+    return ValueOrThrow(std::move(result));
+  }
+  // The teacher and segment ids go in the blocks, row by row beside the
+  // logits.
+  std::vector<BlockColumn> columns;
+  columns.push_back(Column(rows_tensor, n, field, &RowBlock::logits));
+  if (targets_tensor.buffer != nullptr) {
+    columns.push_back(Column(targets_tensor, n, "target", &RowBlock::targets));
+  }
+  std::vector<Tensor> teacher;
+  if (options.distillation.has_value()) {
+    py::handle value = post_training->teacher;
+    if (options.distillation->evaluate_teacher_dtype != DType::kInvalid) {
+      teacher.push_back(
+          TensorFromObject(value, py::none(), py::none(), "teacher"));
+      columns.push_back(
+          Column(teacher.back(), n, "teacher", &RowBlock::teacher_logits));
+    } else {
+      py::sequence pair = value.cast<py::sequence>();
+      for (int i = 0; i < 2; ++i) {
+        if (py::isinstance<py::str>(pair[i])) {
+          ThrowInvalid(
+              "evaluate: top-k teacher indices and logprobs must be arrays "
+              "in host memory, not handles");
+        }
+        teacher.push_back(
+            TensorFromObject(pair[i], py::none(), py::none(), "teacher"));
+      }
+      columns.push_back(
+          Column(teacher[0], n, "teacher indices", &RowBlock::teacher_indices));
+      columns.push_back(Column(teacher[1], n, "teacher logprobs",
+                               &RowBlock::teacher_logprobs));
+    }
+  }
+  if (options.segments.has_value()) {
+    int64_t count = options.segments->count;
+    ParseSegmentIds(post_training->segments, &count, &kept);
+    const std::vector<int32_t>& ids = kept.narrowed.back();
+    if (static_cast<int64_t>(ids.size()) != n) {
+      ThrowInvalid(absl::StrCat("evaluate: segments must have ", n,
+                                " ids (one per logits row)"));
+    }
+    columns.push_back({reinterpret_cast<const char*>(ids.data()),
+                       sizeof(int32_t), &RowBlock::segment_ids});
+  }
+  const std::size_t row_bytes = columns[0].row_bytes;
+  if (block_rows <= 0) {
+    block_rows = std::max<int64_t>(
+        1, static_cast<int64_t>(client->options().chunk_bytes /
+                                std::max<std::size_t>(row_bytes, 1)));
+  }
+  EvaluateOptions with_total = options;
+  with_total.total_rows = n;
+  int64_t next = 0;
   {
     py::gil_scoped_release release;
     result = client->Evaluate(
-        rows_tensor.shape[0], rows_tensor.shape[1], rows_tensor.dtype,
-        rows_tensor.buffer->data(), targets_tensor.dtype,
-        targets_tensor.buffer->data(), options, block_rows);
+        rows_tensor.shape[1], rows_tensor.dtype,
+        targets_tensor.buffer != nullptr ? targets_tensor.dtype : DType::kInt32,
+        with_total, [&](RowBlock* block) -> absl::StatusOr<bool> {
+          if (next >= n) return false;
+          const int64_t count = std::min(block_rows, n - next);
+          for (const BlockColumn& column : columns) {
+            (block->*column.field)
+                .assign(column.data + next * column.row_bytes,
+                        count * column.row_bytes);
+          }
+          next += count;
+          return true;
+        });
   }
   return ValueOrThrow(std::move(result));
 }
@@ -506,12 +826,13 @@ EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,
                         py::handle dtype, py::handle weight,
                         int64_t ignore_index, double label_smoothing,
                         const std::string& reduction, double z_loss_scale,
-                        double softcap, double normalizer, int64_t block_rows) {
+                        double softcap, double normalizer, int64_t block_rows,
+                        const PostTrainingKwargs& post_training) {
   EvaluateOptions options;
   options.loss = LossOptions(ignore_index, label_smoothing, reduction,
                              z_loss_scale, softcap, normalizer, 1.0);
   return EvaluateRows(self, logits, target, dtype, weight, std::move(options),
-                      block_rows, "[N, V]");
+                      block_rows, "[N, V]", &post_training);
 }
 
 EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
@@ -531,7 +852,7 @@ EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
   options.weight = weight;
   options.bias = bias;
   return EvaluateRows(self, hidden, target, dtype, class_weights,
-                      std::move(options), block_rows, "[N, H]");
+                      std::move(options), block_rows, "[N, H]", nullptr);
 }
 
 }  // namespace python

@@ -102,6 +102,31 @@ void CheckGrpcUsableHere();  // before a client connects
 void NoteGrpcUsed();         // after it connected
 [[noreturn]] void ThrowForkedClient(const std::string& message);
 
+// The post-training keyword arguments of lossd.Client.forward and evaluate
+// (docs/api.md, "Post-training losses"; bindings.cc documents each).
+struct PostTrainingKwargs {
+  py::object teacher = py::none();  // handle / array, or (indices, logprobs)
+  double temperature = 1.0;
+  double alpha = 0.0;
+  std::string divergence = "forward_kl";
+  double beta = 0.5;
+  std::string top_k_tail = "renormalize";
+  py::object policy_loss =
+      py::none();  // "importance_sampling" | "ppo" | "cispo"
+  py::object advantages = py::none();
+  py::object old_logprobs = py::none();
+  py::object ref_logprobs = py::none();
+  double epsilon_low = 0.2;
+  py::object epsilon_high = py::none();
+  double kl_coef = 0.0;
+  std::string kl_estimator = "k3";
+  py::object segments = py::none();
+  int64_t num_segments = 0;
+  py::object segment_reduction = py::none();
+  bool token_logprob = false;
+  bool token_entropy = false;
+};
+
 // The methods of lossd.Client (their docstrings are in bindings.cc).
 TensorInfo Upload(PyClient& self, py::handle data, py::handle dtype,
                   py::handle shape, const std::string& label,
@@ -122,7 +147,8 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                       double z_loss_scale, double softcap, double normalizer,
                       double grad_scale, const std::string& mode,
                       bool token_loss, bool token_lse, bool token_argmax,
-                      const std::string& gradient_label);
+                      const std::string& gradient_label,
+                      const PostTrainingKwargs& post_training);
 LinearForwardResult LinearForward(
     PyClient& self, py::handle hidden, const std::string& weight,
     py::handle target, const std::string& bias, const std::string& weight_grad,
@@ -140,7 +166,8 @@ EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,
                         py::handle dtype, py::handle weight,
                         int64_t ignore_index, double label_smoothing,
                         const std::string& reduction, double z_loss_scale,
-                        double softcap, double normalizer, int64_t block_rows);
+                        double softcap, double normalizer, int64_t block_rows,
+                        const PostTrainingKwargs& post_training);
 EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
                               const std::string& weight, py::handle target,
                               const std::string& bias, py::handle dtype,

@@ -8,8 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -509,6 +511,145 @@ TEST_F(LossctlTest, ErrorsAreNamedAndExitNonZero) {
   CommandResult bad_wait = Lossctl({"info", "--connect_wait=-1s"});
   EXPECT_EQ(bad_wait.exit_code, 2);
   EXPECT_THAT(bad_wait.err, HasSubstr("--connect_wait"));
+}
+
+// The line of `out` that starts with `key` and a space.
+std::string LineOf(const std::string& out, const std::string& key) {
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::StartsWith(line, key + " ")) return std::string(line);
+  }
+  ADD_FAILURE() << "no line '" << key << " ...' in: " << out;
+  return "";
+}
+
+// forward's post-training flags: a top-k teacher and segment ids from .npy
+// files, then a PPO loss with an advantages file and old logprobs by handle;
+// what lossctl prints is what lossd::Client gets for the same request.
+TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
+  constexpr int64_t kTopK = 3;
+  std::vector<int32_t> indices(kRows * kTopK), ids(kRows);
+  std::vector<float> logprobs(kRows * kTopK), advantages(kRows),
+      old_logprobs(kRows);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t j = 0; j < kTopK; ++j) {
+      indices[r * kTopK + j] = static_cast<int32_t>((r + 7 * j) % kVocab);
+      logprobs[r * kTopK + j] = -1.5f - j;
+    }
+    ids[r] = static_cast<int32_t>(r / 16);
+    advantages[r] = (r % 3) - 1.0f;
+    old_logprobs[r] = -5.0f - 0.01f * r;
+  }
+  const std::string indices_path = dir_.File("indices.npy");
+  const std::string logprobs_path = dir_.File("logprobs.npy");
+  const std::string ids_path = dir_.File("ids.npy");
+  const std::string advantages_path = dir_.File("advantages.npy");
+  ASSERT_TRUE(WriteNpy(indices_path, DType::kInt32, {kRows, kTopK},
+                       indices.data(), indices.size() * 4)
+                  .ok());
+  ASSERT_TRUE(WriteNpy(logprobs_path, DType::kFloat32, {kRows, kTopK},
+                       logprobs.data(), logprobs.size() * 4)
+                  .ok());
+  ASSERT_TRUE(
+      WriteNpy(ids_path, DType::kInt32, {kRows}, ids.data(), kRows * 4).ok());
+  ASSERT_TRUE(WriteNpy(advantages_path, DType::kFloat32, {kRows},
+                       advantages.data(), kRows * 4)
+                  .ok());
+  const std::string handle = UploadHandle({logits_path_});
+
+  CommandResult distill =
+      Lossctl({"forward", handle, "none", "--mode=none",
+               "--teacher_indices=" + indices_path,
+               "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
+               "--divergence=jsd", "--beta=0.3", "--temperature=2",
+               "--segments=" + ids_path, "--num_segments=4"});
+  ASSERT_EQ(distill.exit_code, 0) << distill.err;
+  ForwardOptions options;
+  options.mode = GradientMode::kNone;
+  DistillationOptions distillation;
+  distillation.top_k = kTopK;
+  distillation.top_k_indices = LossInput::Inline(indices);
+  distillation.top_k_logprobs = LossInput::Inline(logprobs);
+  distillation.tail = TopKTail::kBucket;
+  distillation.divergence = Divergence::kJsd;
+  distillation.beta = 0.3f;
+  distillation.temperature = 2.0f;
+  options.distillation = distillation;
+  SegmentOptions segments;
+  segments.ids = LossInput::Inline(ids);
+  segments.count = 4;
+  options.segments = segments;
+  absl::StatusOr<ForwardResult> want =
+      client_->Forward(handle, Targets(), options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(Field(distill.out, "loss"), want->loss);
+  EXPECT_EQ(
+      Field(LineOf(distill.out, "distillation_loss"), "distillation_loss"),
+      want->distillation_loss);
+  for (int s = 0; s < 4; ++s) {
+    const std::string line =
+        LineOf(distill.out, absl::StrCat("segment ", s, " loss"));
+    EXPECT_EQ(line,
+              absl::StrFormat("segment %d loss %.17g tokens %d", s,
+                              want->segment_loss[s], want->segment_tokens[s]));
+  }
+
+  // eval streams the same teacher and segment ids from the files, beside
+  // the logits and targets: the numbers of a Forward of all rows.
+  CommandResult eval =
+      Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
+               "--teacher_indices=" + indices_path,
+               "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
+               "--divergence=jsd", "--beta=0.3", "--temperature=2",
+               "--segments=" + ids_path, "--num_segments=4"});
+  ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  want = client_->Forward(
+      handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
+      options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_NEAR(Field(eval.out, "loss"), want->loss, 1e-10 * want->loss);
+  EXPECT_NEAR(Field(LineOf(eval.out, "distillation_loss"), "distillation_loss"),
+              want->distillation_loss, 1e-12 * want->distillation_loss);
+  for (int s = 0; s < 4; ++s) {
+    const std::string line =
+        LineOf(eval.out, absl::StrCat("segment ", s, " loss"));
+    EXPECT_NEAR(Field(line, "loss"), want->segment_loss[s],
+                1e-12 * want->segment_loss[s]);
+    EXPECT_EQ(Field(line, "tokens"), want->segment_tokens[s]);
+  }
+
+  absl::StatusOr<TensorInfo> old_handle =
+      client_->Upload(DType::kFloat32, {kRows}, old_logprobs.data(), kRows * 4);
+  ASSERT_TRUE(old_handle.ok()) << old_handle.status();
+  CommandResult ppo =
+      Lossctl({"forward", handle, targets_path_, "--mode=none",
+               "--policy_loss=ppo", "--advantages=" + advantages_path,
+               "--old_logprobs=" + old_handle->handle, "--epsilon_high=0.3",
+               "--token_logprob"});
+  ASSERT_EQ(ppo.exit_code, 0) << ppo.err;
+  ForwardOptions policy_options;
+  policy_options.mode = GradientMode::kNone;
+  policy_options.token_logprob = true;
+  PolicyGradientOptions policy;
+  policy.loss = PolicyLossKind::kPpoClip;
+  policy.advantages = LossInput::Inline(advantages);
+  policy.sampling_logprobs = LossInput::Handle(old_handle->handle);
+  policy.epsilon_high = 0.3f;
+  policy_options.policy = policy;
+  want = client_->Forward(
+      handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
+      policy_options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(Field(ppo.out, "loss"), want->loss);
+  const std::string stats = LineOf(ppo.out, "clipped_tokens");
+  EXPECT_EQ(Field(stats, "clipped_tokens"), want->policy_stats.clipped_tokens);
+  EXPECT_EQ(Field(stats, "ratio_sum"), want->policy_stats.ratio_sum);
+  EXPECT_FLOAT_EQ(Field(LineOf(ppo.out, "row 7 logprob"), "logprob"),
+                  want->token_logprob[7]);
+
+  CommandResult bad = Lossctl({"forward", handle, targets_path_,
+                               "--policy_loss=grpo", "--advantages=x"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--policy_loss=grpo"));
 }
 
 // --connect_wait: how long a command waits for a server that is down.

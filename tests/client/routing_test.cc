@@ -267,6 +267,25 @@ TEST_F(RoutingTest, UploadsFollowFreeMemoryAndRpcsReachTheirOwner) {
       weighted);
   EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument)
       << mixed.status();
+  // So are a teacher, policy inputs or segment ids on another instance.
+  ForwardOptions distilled;
+  distilled.distillation = DistillationOptions();
+  distilled.distillation->teacher_logits = elsewhere->handle;
+  ForwardOptions policy;
+  policy.policy = PolicyGradientOptions();
+  policy.policy->advantages = LossInput::Handle(elsewhere->handle);
+  ForwardOptions segmented;
+  segmented.segments = SegmentOptions();
+  segmented.segments->ids = LossInput::Handle(elsewhere->handle);
+  for (const ForwardOptions& options : {distilled, policy, segmented}) {
+    mixed = router_->Forward(
+        a.handle,
+        Targets::Inline(DType::kInt64, a.targets.data(), a.targets.size() * 8),
+        options);
+    EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument)
+        << mixed.status();
+    EXPECT_THAT(mixed.status().message(), HasSubstr("share one instance"));
+  }
 
   // A handle of an instance nobody serves.
   absl::StatusOr<TensorInfo> stranger =

@@ -21,7 +21,7 @@ from ._errors import (
     ResourceExhausted, StatusCode, Unauthenticated, Unavailable, Unimplemented, Unknown)
 from ._lossd import (
     LOSSD_SERVICE, BackwardResult, Client, EvaluateResult, ForwardResult, LinearForwardResult,
-    ListResult, ServerInfo, TensorInfo)
+    ListResult, PolicyStats, ServerInfo, TensorInfo)
 from ._version import __version__
 
 for _name, _method in _futures.METHODS.items():
@@ -30,7 +30,7 @@ del _name, _method
 
 # Shown as lossd.X (help(), reprs, tracebacks) rather than the private modules defining them.
 for _cls in (Client, TensorInfo, ServerInfo, ListResult, ForwardResult, LinearForwardResult,
-             BackwardResult, EvaluateResult, StatusCode, Error, ForkedClient,
+             BackwardResult, EvaluateResult, PolicyStats, StatusCode, Error, ForkedClient,
              *_errors.ERRORS.values()):
     _cls.__module__ = __name__
 del _cls
@@ -38,7 +38,7 @@ del _cls
 __all__ = [
     "Client", "TensorInfo", "ServerInfo", "ListResult", "ForwardResult", "LinearForwardResult",
     "BackwardResult",
-    "EvaluateResult", "LOSSD_SERVICE", "StatusCode", "Error", "Cancelled", "Unknown",
+    "EvaluateResult", "PolicyStats", "LOSSD_SERVICE", "StatusCode", "Error", "Cancelled", "Unknown",
     "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists", "PermissionDenied",
     "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented", "Internal",
     "Unavailable", "DataLoss", "Unauthenticated", "ForkedClient", "__version__",

@@ -11,6 +11,6 @@ from ._lossd import (
     LOSSD_SERVICE as LOSSD_SERVICE, BackwardResult as BackwardResult, Client as Client,
     EvaluateResult as EvaluateResult, ForwardResult as ForwardResult,
     LinearForwardResult as LinearForwardResult, ListResult as ListResult,
-    ServerInfo as ServerInfo, TensorInfo as TensorInfo)
+    PolicyStats as PolicyStats, ServerInfo as ServerInfo, TensorInfo as TensorInfo)
 
 __version__: str

@@ -62,6 +62,19 @@ class ListResult:
     @property
     def server(self) -> ServerInfo: ...
 
+class PolicyStats:
+    """Sums over the valid tokens of a policy-gradient forward (divide by valid_tokens)."""
+    @property
+    def clipped_tokens(self) -> int: ...
+    @property
+    def ratio_sum(self) -> float: ...
+    @property
+    def approx_kl_sum(self) -> float: ...
+    @property
+    def kl_sum(self) -> float: ...
+    @property
+    def entropy_sum(self) -> float: ...
+
 class ForwardResult:
     @property
     def loss(self) -> float: ...
@@ -85,6 +98,19 @@ class ForwardResult:
     def kernel_seconds(self) -> float: ...
     @property
     def denominator(self) -> float: ...
+    # The post-training losses (docs/api.md, "Post-training losses").
+    @property
+    def distillation_loss(self) -> float: ...
+    @property
+    def policy_stats(self) -> PolicyStats: ...
+    @property
+    def segment_loss(self) -> Optional[np.ndarray]: ...  # float64 [num_segments]
+    @property
+    def segment_tokens(self) -> Optional[np.ndarray]: ...  # int64 [num_segments]
+    @property
+    def token_logprob(self) -> Optional[np.ndarray]: ...
+    @property
+    def token_entropy(self) -> Optional[np.ndarray]: ...
 
 class LinearForwardResult(ForwardResult):
     @property
@@ -113,6 +139,12 @@ class EvaluateResult:
     def nonfinite_rows(self) -> int: ...
     @property
     def denominator(self) -> float: ...
+    @property
+    def distillation_loss(self) -> float: ...
+    @property
+    def segment_loss(self) -> Optional[np.ndarray]: ...
+    @property
+    def segment_tokens(self) -> Optional[np.ndarray]: ...
 
 class Client:
     def __init__(self, target: str, *, token: Optional[str] = None, tls: bool = False,
@@ -144,13 +176,30 @@ class Client:
     def download_to(self, handle: str, sink: Callable[[int, memoryview], Any], *,
                     dtype: DTypeLike = None,
                     on_header: Optional[Callable[[TensorInfo], Any]] = None) -> TensorInfo: ...
-    def forward(self, logits: Union[str, BufferLike], target: Union[str, BufferLike], *,
+    def forward(self, logits: Union[str, BufferLike], target: Union[None, str, BufferLike], *,
                 weight: Union[None, str, BufferLike] = None, ignore_index: int = -100,
                 label_smoothing: float = 0.0, reduction: str = "mean",
                 z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                 grad_scale: float = 1.0, mode: str = "in_place", token_loss: bool = False,
                 token_lse: bool = False, token_argmax: bool = False,
-                gradient_label: str = "") -> ForwardResult: ...
+                gradient_label: str = "",
+                # Distillation: teacher logits' handle, or a top-k pair (indices, logprobs).
+                teacher: Union[None, str, Tuple[Union[str, BufferLike],
+                                                Union[str, BufferLike]]] = None,
+                temperature: float = 1.0, alpha: float = 0.0,
+                divergence: str = "forward_kl", beta: float = 0.5,
+                top_k_tail: str = "renormalize",
+                # Policy-gradient losses: "importance_sampling", "ppo" or "cispo".
+                policy_loss: Optional[str] = None,
+                advantages: Union[None, str, BufferLike] = None,
+                old_logprobs: Union[None, str, BufferLike] = None,
+                ref_logprobs: Union[None, str, BufferLike] = None,
+                epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
+                kl_coef: float = 0.0, kl_estimator: str = "k3",
+                # Packed sequences: segment ids [N].
+                segments: Union[None, str, BufferLike] = None, num_segments: int = 0,
+                segment_reduction: Optional[str] = None,
+                token_logprob: bool = False, token_entropy: bool = False) -> ForwardResult: ...
     def linear_forward(self, hidden: Union[str, BufferLike], weight: str,
                        target: Union[str, BufferLike], *, bias: str = "",
                        weight_grad: str = "", bias_grad: str = "",
@@ -166,11 +215,18 @@ class Client:
                        precision: str = "exact") -> LinearForwardResult: ...
     def backward(self, handle: str, grad_output: Union[float, BufferLike] = 1.0, *,
                  materialize: bool = False) -> BackwardResult: ...
-    def evaluate(self, logits: BufferLike, target: BufferLike, *, dtype: DTypeLike = None,
+    def evaluate(self, logits: BufferLike, target: Optional[BufferLike], *, dtype: DTypeLike = None,
                  weight: Union[None, str, BufferLike] = None, ignore_index: int = -100,
                  label_smoothing: float = 0.0, reduction: str = "mean",
                  z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
-                 block_rows: int = 0) -> EvaluateResult: ...
+                 block_rows: int = 0,
+                 # Teacher logits [N, V] or a top-k pair (indices, logprobs), in host memory.
+                 teacher: Union[None, BufferLike, Tuple[BufferLike, BufferLike]] = None,
+                 temperature: float = 1.0, alpha: float = 0.0,
+                 divergence: str = "forward_kl", beta: float = 0.5,
+                 top_k_tail: str = "renormalize", segments: Optional[BufferLike] = None,
+                 num_segments: int = 0,
+                 segment_reduction: Optional[str] = None) -> EvaluateResult: ...
     def linear_evaluate(self, hidden: BufferLike, weight: str, target: BufferLike, *,
                         bias: str = "", dtype: DTypeLike = None,
                         class_weights: Union[None, str, BufferLike] = None,

@@ -19,7 +19,8 @@ from . import _futures
 from ._errors import DataLoss
 
 __all__ = ["cross_entropy", "cross_entropy_async", "PendingLoss", "LossdCrossEntropyLoss",
-           "linear_cross_entropy"]
+           "linear_cross_entropy", "kl_div", "jsd", "policy_loss", "kl_div_async", "jsd_async",
+           "policy_loss_async"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "float16"}
 
@@ -30,7 +31,8 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", mo
 
 def cross_entropy(input, target, *, client, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0, normalizer=0.0,
-                  grad_scale=1.0, label="logits", grad_out=None):
+                  grad_scale=1.0, label="logits", grad_out=None, segments=None,
+                  num_segments=0, segment_reduction=None):
     """torch.nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index,
     reduction=reduction, label_smoothing=label_smoothing), computed by the lossd server that
     `client` (a lossd.Client) talks to.
@@ -59,11 +61,21 @@ def cross_entropy(input, target, *, client, weight=None, ignore_index=-100, redu
     after the backward, or when the graph is dropped without one. Otherwise the loss alone is
     computed and nothing stays on the server. Raises lossd.Error subclasses (e.g.
     lossd.InvalidArgument for a target outside [0, V)).
+
+    segments: the segment (document) id [N] of each row of packed sequences; the loss then
+    carries .segment_loss (each segment's loss sum, float64 [num_segments]) and
+    .segment_tokens (its valid rows), e.g. per-document perplexity exp(segment_loss /
+    segment_tokens). num_segments: 0 = max id + 1. segment_reduction: None (the reduction over
+    tokens), "seq_mean_token_mean" or "seq_mean_token_sum" (verl's loss_agg_mode; needs
+    reduction "mean").
     """
     logits, target, single, options = _prepare(
         input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
         normalizer=normalizer, grad_scale=grad_scale, label=label, grad_out=grad_out)
+    options["extra"] = _segment_kwargs(segments, num_segments, segment_reduction)
+    if options["extra"]:
+        return _post_training_loss(logits, target, client, options, input.requires_grad)
     if torch.is_grad_enabled() and input.requires_grad:
         loss = _CrossEntropy.apply(logits, target, client, options)
     else:
@@ -115,7 +127,8 @@ def _prepare(input, target, *, weight, ignore_index, reduction, label_smoothing,
 
 def cross_entropy_async(input, target, *, client, weight=None, ignore_index=-100,
                         reduction="mean", label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
-                        normalizer=0.0, grad_scale=1.0, label="logits", grad_out=None):
+                        normalizer=0.0, grad_scale=1.0, label="logits", grad_out=None,
+                        segments=None, num_segments=0, segment_reduction=None):
     """cross_entropy started now and collected later: returns a PendingLoss at once, whose
     .result() gives what cross_entropy would have returned (with autograd: loss.backward()
     downloads the gradient). The upload and Forward run on the client's thread pool with the
@@ -130,13 +143,20 @@ def cross_entropy_async(input, target, *, client, weight=None, ignore_index=-100
         input, target, weight=weight, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
         normalizer=normalizer, grad_scale=grad_scale, label=label, grad_out=grad_out)
-    need_gradient = torch.is_grad_enabled() and input.requires_grad
+    options["extra"] = _segment_kwargs(segments, num_segments, segment_reduction)
+    return _start_async(logits, target, client, options, input.requires_grad, single)
+
+
+def _start_async(logits, target, client, options, requires_grad, single=False):
+    """The forward of cross_entropy_async and the post-training *_async functions on the
+    client's pool: a PendingLoss."""
+    need_gradient = torch.is_grad_enabled() and requires_grad
     ready = None
     if logits.is_cuda:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(logits.device))
     detached = logits.detach().contiguous()
-    host_target = _host_targets(target)
+    host_target = _host_targets(target) if target is not None else None
 
     def call():
         if ready is None:
@@ -188,6 +208,8 @@ class PendingLoss:
                     loss = _CrossEntropy.apply(self._logits, None, self._client, options)
             if self._single and self._options["reduction"] == "none":
                 loss = loss.reshape(())
+            if self._options.get("extra"):
+                _attach_metrics(loss, self._options.pop("result"))
             self._loss = loss
             self._logits = None
         return self._loss
@@ -308,28 +330,44 @@ def _download_gradient(client, handle, meta, out=None):
 
 def _forward(logits, target, client, options, need_gradient, stream=None):
     """Uploads the logits, runs Forward (in place when a gradient is needed, else mode "none")
-    and returns (loss tensor, _StoredTensor or None)."""
+    and returns (loss tensor, _StoredTensor or None). options["extra"]: more keyword arguments
+    of Client.forward (the post-training losses); a dense teacher tensor in
+    options["teacher_tensor"] is uploaded for the call and released after it. The result goes
+    into options["result"]."""
     logits = logits.detach().contiguous()
-    target = _host_targets(target)
+    target = _host_targets(target).numpy() if target is not None else None
     weight = options["weight"]
     if isinstance(weight, torch.Tensor):
         weight = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     reduction = options["reduction"]
+    extra = dict(options.get("extra") or {})
 
     stored = _store(client, logits, options["label"], stream)
+    staged = []
     try:
+        if options.get("teacher_tensor") is not None:
+            teacher = _store(client, options["teacher_tensor"].detach().contiguous(),
+                             "teacher", stream)
+            staged.append(teacher)
+            extra["teacher"] = teacher.handle
+        _stage_large_inputs(client, extra, staged)
         result = client.forward(
-            stored.handle, target.numpy(), weight=weight, ignore_index=options["ignore_index"],
+            stored.handle, target, weight=weight, ignore_index=options["ignore_index"],
             label_smoothing=options["label_smoothing"], reduction=reduction,
             z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
             normalizer=options["normalizer"], grad_scale=options["grad_scale"],
-            mode="in_place" if need_gradient else "none", token_loss=reduction == "none")
+            mode="in_place" if need_gradient else "none", token_loss=reduction == "none",
+            **extra)
     except BaseException:
         stored.release()
         raise
+    finally:
+        for tensor in staged:
+            tensor.release()
     if not need_gradient:
         stored.release()
         stored = None
+    options["result"] = result
 
     return _loss_tensor(result, reduction, options["normalizer"], logits), stored
 
@@ -587,3 +625,244 @@ def _linear_forward(hidden, target, client, options, need_gradient):
         stored.release()
         stored = None
     return _loss_tensor(result, reduction, options["normalizer"], hidden), stored
+
+
+# The post-training losses (docs/api.md, "Post-training losses"): each is one Forward with more
+# keyword arguments, its gradient written in place of the uploaded logits as cross_entropy's.
+
+def _segment_kwargs(segments, num_segments, segment_reduction):
+    """Client.forward's segment arguments; {} without segments."""
+    if segments is None:
+        if segment_reduction is not None:
+            raise ValueError("segment_reduction needs segments")
+        return {}
+    if not isinstance(segments, str):
+        segments = torch.as_tensor(segments).detach().to("cpu")
+        if segments.dtype not in (torch.int32, torch.int64):
+            raise TypeError("segments must hold integer segment ids, not %s" % segments.dtype)
+        if segments.numel() and (int(segments.min()) < 0 or int(segments.max()) >= 2 ** 31):
+            raise ValueError("segment ids must be in [0, 2^31)")
+        if num_segments == 0 and segments.numel():
+            num_segments = int(segments.max()) + 1
+        # int32, as the server takes them (also when uploaded: see _stage_large_inputs).
+        segments = segments.to(torch.int32).contiguous().numpy()
+    return dict(segments=segments, num_segments=int(num_segments),
+                segment_reduction=segment_reduction)
+
+
+# Inputs up to this size go inline in the Forward request; larger ones (a top-k teacher of many
+# tokens) are uploaded for the call, as one request must stay below the channel's message limit.
+_INLINE_BYTES = 4 << 20
+
+
+def _stage_large_inputs(client, extra, staged):
+    """Replaces the numpy inputs in `extra` (a top-k pair's too) of more than _INLINE_BYTES by
+    handles of uploaded copies, appended to `staged` for release after the call."""
+    def stage(value, label):
+        if getattr(value, "nbytes", 0) <= _INLINE_BYTES:
+            return value
+        tensor = _StoredTensor(client, client.upload(value, label=label).handle)
+        staged.append(tensor)
+        return tensor.handle
+
+    for key in ("advantages", "old_logprobs", "ref_logprobs", "segments"):
+        if key in extra:
+            extra[key] = stage(extra[key], key)
+    if isinstance(extra.get("teacher"), tuple):
+        extra["teacher"] = tuple(stage(part, "teacher") for part in extra["teacher"])
+
+
+def _small_input(value, name):
+    """A per-row input [N] (or [N, k]) as a float32 numpy array, or a handle as it is."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return None
+    tensor = torch.as_tensor(value)
+    if not tensor.is_floating_point():
+        raise TypeError("%s must be floating point, not %s" % (name, tensor.dtype))
+    return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _teacher_kwargs(teacher):
+    """(Client.forward's teacher argument, a dense teacher tensor to upload or None)."""
+    if isinstance(teacher, str):
+        return teacher, None
+    if isinstance(teacher, (tuple, list)):
+        if len(teacher) != 2:
+            raise ValueError("a top-k teacher is a pair (indices [N, k], logprobs [N, k])")
+        indices, logprobs = teacher
+        if not isinstance(indices, str):
+            indices = torch.as_tensor(indices).detach().to("cpu")
+            if indices.dtype not in (torch.int32, torch.int64):
+                indices = indices.to(torch.int64)
+            indices = indices.contiguous().numpy()
+        return (indices, _small_input(logprobs, "teacher logprobs")), None
+    if isinstance(teacher, torch.Tensor):
+        if teacher.dtype not in _DTYPE_NAMES:
+            raise TypeError("teacher logits must be float32, bfloat16 or float16, not %s"
+                            % teacher.dtype)
+        return None, teacher
+    raise TypeError("teacher must be a tensor of logits [N, V], a handle of stored teacher "
+                    "logits, or a pair (indices, logprobs) of a top-k teacher")
+
+
+def _check_logits(input, target, name):
+    if not isinstance(input, torch.Tensor):
+        raise TypeError("lossd.torch.%s: input must be a tensor" % name)
+    if input.dtype not in _DTYPE_NAMES:
+        raise TypeError("lossd.torch.%s: logits must be float32, bfloat16 or float16, not %s"
+                        % (name, input.dtype))
+    if input.dim() != 2:
+        raise ValueError("lossd.torch.%s takes logits [N, V], not %d-d" % (name, input.dim()))
+    if target is not None and (not isinstance(target, torch.Tensor) or target.dim() != 1
+                               or target.shape[0] != input.shape[0]):
+        raise ValueError("lossd.torch.%s: logits [N, V] need a target [N]" % name)
+
+
+def _base_options(reduction, ignore_index, softcap, normalizer, grad_scale, label):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError("reduction must be 'mean', 'sum' or 'none', not %r" % (reduction,))
+    return dict(weight=None, ignore_index=int(ignore_index), reduction=reduction,
+                label_smoothing=0.0, z_loss_scale=0.0, softcap=float(softcap),
+                normalizer=float(normalizer), grad_scale=float(grad_scale), label=label,
+                grad_out=None)
+
+
+def _post_training_loss(logits, target, client, options, requires_grad, asynchronous=False):
+    """One Forward with options["extra"], with autograd when a gradient is needed; the loss
+    carries the result's metrics as attributes. asynchronous: a PendingLoss instead."""
+    if asynchronous:
+        return _start_async(logits, target, client, options, requires_grad)
+    if torch.is_grad_enabled() and requires_grad:
+        loss = _CrossEntropy.apply(logits, target, client, options)
+    else:
+        loss, _ = _forward(logits, target, client, options, need_gradient=False)
+    _attach_metrics(loss, options.pop("result"))
+    return loss
+
+
+def _attach_metrics(loss, result):
+    """The post-training metrics of a ForwardResult as attributes of its loss tensor."""
+    loss.distillation_loss = result.distillation_loss
+    loss.policy_stats = result.policy_stats
+    loss.valid_tokens = result.valid_tokens
+    if result.segment_loss is not None:
+        loss.segment_loss = torch.from_numpy(result.segment_loss)
+        loss.segment_tokens = torch.from_numpy(result.segment_tokens)
+
+
+def _distill(name, input, teacher, target, client, divergence, beta, temperature, alpha,
+             top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale, segments,
+             num_segments, segment_reduction, label, asynchronous=False):
+    _check_logits(input, target, name)
+    if target is None and alpha != 0:
+        raise ValueError("lossd.torch.%s: alpha > 0 mixes in the cross entropy against target; "
+                         "pass target" % name)
+    teacher_arg, teacher_tensor = _teacher_kwargs(teacher)
+    if teacher_tensor is not None and teacher_tensor.shape != input.shape:
+        raise ValueError("teacher logits %s must have the student's shape %s"
+                         % (tuple(teacher_tensor.shape), tuple(input.shape)))
+    options = _base_options(reduction, ignore_index, softcap, normalizer, grad_scale, label)
+    extra = dict(divergence=divergence, beta=float(beta), temperature=float(temperature),
+                 alpha=float(alpha), top_k_tail=top_k_tail)
+    if teacher_arg is not None:
+        extra["teacher"] = teacher_arg
+    extra.update(_segment_kwargs(segments, num_segments, segment_reduction))
+    options["extra"] = extra
+    options["teacher_tensor"] = teacher_tensor
+    return _post_training_loss(input, target, client, options, input.requires_grad,
+                               asynchronous)
+
+
+def kl_div(input, teacher, target=None, *, client, reverse=False, temperature=1.0, alpha=0.0,
+           top_k_tail="renormalize", ignore_index=-100, reduction="mean", softcap=0.0,
+           normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0,
+           segment_reduction=None, label="logits", _asynchronous=False):
+    """Distillation loss KL(q || p) (reverse=True: KL(p || q)) per row between the teacher's
+    distribution q and the student's p = softmax(input / temperature), computed by the lossd
+    server, with autograd (the gradient written in place of the uploaded logits, as
+    cross_entropy's). Unlike torch.nn.functional.kl_div, input is the student's logits [N, V],
+    not log-probabilities, and reduction "mean" divides by the counted rows (torch's
+    "batchmean" when every row counts).
+
+    teacher: the teacher's logits [N, V] (a tensor, uploaded for the call, of float32,
+    bfloat16 or float16; or a handle of stored teacher logits), or a top-k teacher, a pair
+    (indices [N, k] int, logprobs [N, k] float) as teacher servers send, with top_k_tail
+    "renormalize" (both sides over the k classes) or "bucket" (the rest of the vocabulary as one
+    class). target: class indices [N], optional: rows at ignore_index count for nothing, and
+    alpha > 0 adds alpha * cross_entropy(input, target) (Liger's weight_hard_loss) to
+    (1 - alpha) times the divergence. No temperature**2 factor (as TRL and Liger); fold one
+    into grad_scale. segments as cross_entropy's. The loss tensor carries .distillation_loss
+    (the divergence term alone, a float), .valid_tokens and, with segments, .segment_loss and
+    .segment_tokens."""
+    return _distill("kl_div", input, teacher, target, client,
+                    "reverse_kl" if reverse else "forward_kl", 0.5, temperature, alpha,
+                    top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale,
+                    segments, num_segments, segment_reduction, label, _asynchronous)
+
+
+def jsd(input, teacher, target=None, *, client, beta=0.5, temperature=1.0, alpha=0.0,
+        top_k_tail="renormalize", ignore_index=-100, reduction="mean", softcap=0.0,
+        normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0, segment_reduction=None,
+        label="logits", _asynchronous=False):
+    """Generalized Jensen-Shannon divergence beta KL(q || m) + (1 - beta) KL(p || m),
+    m = beta q + (1 - beta) p, as TRL's GKDTrainer.generalized_jsd_loss and Liger's LigerJSD
+    define it (beta = 0 is forward KL, 1 reverse KL), between the teacher's q and the student's
+    p = softmax(input / temperature). Arguments and result as kl_div's."""
+    return _distill("jsd", input, teacher, target, client, "jsd", beta, temperature, alpha,
+                    top_k_tail, ignore_index, reduction, softcap, normalizer, grad_scale,
+                    segments, num_segments, segment_reduction, label, _asynchronous)
+
+
+def policy_loss(input, target, advantages, old_logprobs, *, client, loss_type="ppo",
+                ref_logprobs=None, epsilon_low=0.2, epsilon_high=None, kl_coef=0.0,
+                kl_estimator="k3", ignore_index=-100, reduction="mean", softcap=0.0,
+                normalizer=0.0, grad_scale=1.0, segments=None, num_segments=0,
+                segment_reduction=None, label="logits", _asynchronous=False):
+    """A per-token policy-gradient loss on the sampled tokens `target` [N] of the policy's logits
+    `input` [N, V], computed by the lossd server with autograd. With r = exp(logp -
+    old_logprobs) and A = advantages (float [N] each):
+
+    loss_type "importance_sampling": -r A; "ppo": max(-r A, -clip(r, 1 - epsilon_low,
+    1 + epsilon_high) A) (DAPO's clip-higher; epsilon_high None = epsilon_low); "cispo":
+    -sg(clip(r)) A logp. ref_logprobs [N] and kl_coef add kl_coef * KL against a reference
+    model, KL estimated by kl_estimator "k1", "k2" or "k3" (verl's low_var_kl). Rows at
+    ignore_index count for nothing. reduction "mean" is verl's "token-mean"; with segments
+    (sequence ids [N]) segment_reduction "seq_mean_token_sum" / "seq_mean_token_mean" are its
+    other modes. The loss tensor carries .policy_stats (clipped_tokens, ratio_sum,
+    approx_kl_sum, kl_sum, entropy_sum: sums over .valid_tokens), and with segments
+    .segment_loss and .segment_tokens."""
+    _check_logits(input, target, "policy_loss")
+    options = _base_options(reduction, ignore_index, softcap, normalizer, grad_scale, label)
+    extra = dict(policy_loss=loss_type, advantages=_small_input(advantages, "advantages"),
+                 old_logprobs=_small_input(old_logprobs, "old_logprobs"),
+                 ref_logprobs=_small_input(ref_logprobs, "ref_logprobs"),
+                 epsilon_low=float(epsilon_low),
+                 epsilon_high=None if epsilon_high is None else float(epsilon_high),
+                 kl_coef=float(kl_coef), kl_estimator=kl_estimator)
+    extra.update(_segment_kwargs(segments, num_segments, segment_reduction))
+    options["extra"] = extra
+    return _post_training_loss(input, target, client, options, input.requires_grad,
+                               _asynchronous)
+
+
+def kl_div_async(input, teacher, target=None, **kwargs):
+    """kl_div started now and collected later, as cross_entropy_async: a PendingLoss whose
+    .result() is kl_div's loss (with its metrics and autograd). Same arguments as kl_div."""
+    return _call_async(kl_div, input, teacher, target, **kwargs)
+
+
+def jsd_async(input, teacher, target=None, **kwargs):
+    """jsd started now and collected later (see kl_div_async)."""
+    return _call_async(jsd, input, teacher, target, **kwargs)
+
+
+def policy_loss_async(input, target, advantages, old_logprobs, **kwargs):
+    """policy_loss started now and collected later (see kl_div_async)."""
+    return _call_async(policy_loss, input, target, advantages, old_logprobs, **kwargs)
+
+
+def _call_async(function, *args, **kwargs):
+    kwargs["_asynchronous"] = True
+    return function(*args, **kwargs)

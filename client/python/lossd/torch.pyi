@@ -1,6 +1,6 @@
 # Type stubs of lossd.torch.
 from concurrent.futures import Future
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -11,7 +11,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, *, client: Client,
                   reduction: str = "mean", label_smoothing: float = 0.0,
                   z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                   grad_scale: float = 1.0, label: str = "logits",
-                  grad_out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+                  grad_out: Optional[torch.Tensor] = None,
+                  segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                  segment_reduction: Optional[str] = None) -> torch.Tensor: ...
 
 class PendingLoss:
     future: Future[Any]
@@ -24,7 +26,9 @@ def cross_entropy_async(input: torch.Tensor, target: torch.Tensor, *, client: Cl
                         reduction: str = "mean", label_smoothing: float = 0.0,
                         z_loss_scale: float = 0.0, softcap: float = 0.0, normalizer: float = 0.0,
                         grad_scale: float = 1.0, label: str = "logits",
-                        grad_out: Optional[torch.Tensor] = None) -> PendingLoss: ...
+                        grad_out: Optional[torch.Tensor] = None,
+                        segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                        segment_reduction: Optional[str] = None) -> PendingLoss: ...
 
 def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch.Tensor, *,
                          client: Client, bias_handle: Optional[str] = None,
@@ -48,3 +52,42 @@ class LossdCrossEntropyLoss(torch.nn.Module):
                  ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, **lossd_options: float) -> None: ...
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+
+# A dense teacher (logits [N, V], or the handle of stored ones) or a top-k teacher
+# (indices [N, k], logprobs [N, k]).
+Teacher = Union[str, torch.Tensor, Tuple[Union[str, torch.Tensor], Union[str, torch.Tensor]]]
+
+def kl_div(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None, *,
+           client: Client, reverse: bool = False, temperature: float = 1.0, alpha: float = 0.0,
+           top_k_tail: str = "renormalize", ignore_index: int = -100, reduction: str = "mean",
+           softcap: float = 0.0, normalizer: float = 0.0, grad_scale: float = 1.0,
+           segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+           segment_reduction: Optional[str] = None, label: str = "logits") -> torch.Tensor: ...
+
+def jsd(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None, *,
+        client: Client, beta: float = 0.5, temperature: float = 1.0, alpha: float = 0.0,
+        top_k_tail: str = "renormalize", ignore_index: int = -100, reduction: str = "mean",
+        softcap: float = 0.0, normalizer: float = 0.0, grad_scale: float = 1.0,
+        segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+        segment_reduction: Optional[str] = None, label: str = "logits") -> torch.Tensor: ...
+
+def policy_loss(input: torch.Tensor, target: torch.Tensor,
+                advantages: Union[str, torch.Tensor], old_logprobs: Union[str, torch.Tensor], *,
+                client: Client, loss_type: str = "ppo",
+                ref_logprobs: Union[None, str, torch.Tensor] = None, epsilon_low: float = 0.2,
+                epsilon_high: Optional[float] = None, kl_coef: float = 0.0,
+                kl_estimator: str = "k3", ignore_index: int = -100, reduction: str = "mean",
+                softcap: float = 0.0, normalizer: float = 0.0, grad_scale: float = 1.0,
+                segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                segment_reduction: Optional[str] = None,
+                label: str = "logits") -> torch.Tensor: ...
+
+# kl_div, jsd and policy_loss started on the client's pool, as cross_entropy_async: the same
+# arguments; .result() gives their loss.
+def kl_div_async(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> PendingLoss: ...
+def jsd_async(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tensor] = None,
+              **kwargs: Any) -> PendingLoss: ...
+def policy_loss_async(input: torch.Tensor, target: torch.Tensor,
+                      advantages: Union[str, torch.Tensor],
+                      old_logprobs: Union[str, torch.Tensor], **kwargs: Any) -> PendingLoss: ...
