@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
-#include "server/tensor_lookup.h"
 #include "server/post_training_forward.h"
+#include "server/tensor_lookup.h"
 #include "server/validation.h"
 
 namespace lossd {
