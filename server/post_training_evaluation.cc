@@ -258,14 +258,20 @@ absl::Status EvaluationLane::EvaluatePostTraining(
         config_->tenant);
   }
 
-  // The small inputs stay on the host for the checks (aligned copies).
+  // The small inputs stay on the host for the checks (aligned copies; an
+  // absent one stays empty: memcpy may not be given an empty vector's null).
   std::string targets(block.targets);
   std::vector<float> logprobs(block.teacher_logprobs.size() / 4);
-  std::memcpy(logprobs.data(), block.teacher_logprobs.data(),
-              block.teacher_logprobs.size());
+  if (!logprobs.empty()) {
+    std::memcpy(logprobs.data(), block.teacher_logprobs.data(),
+                logprobs.size() * sizeof(float));
+  }
   std::string indices(block.teacher_indices);
   std::vector<int32_t> ids(block.segment_ids.size() / 4);
-  std::memcpy(ids.data(), block.segment_ids.data(), block.segment_ids.size());
+  if (!ids.empty()) {
+    std::memcpy(ids.data(), block.segment_ids.data(),
+                ids.size() * sizeof(int32_t));
+  }
 
   PostTrainingArgs args;
   args.base.rows = rows;
