@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/post_training_cpu.h"
@@ -237,6 +238,17 @@ absl::StatusOr<int64_t> PostTrainingBlockRows(
   return rows;
 }
 
+// The values of T in `bytes` (whole values), copied to aligned memory; none
+// for no bytes (memcpy may not be given an empty vector's null pointer).
+template <typename T>
+std::vector<T> AlignedCopy(absl::string_view bytes) {
+  std::vector<T> values(bytes.size() / sizeof(T));
+  if (!values.empty()) {
+    std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  }
+  return values;
+}
+
 }  // namespace
 
 absl::Status EvaluationLane::EvaluatePostTraining(
@@ -258,20 +270,12 @@ absl::Status EvaluationLane::EvaluatePostTraining(
         config_->tenant);
   }
 
-  // The small inputs stay on the host for the checks (aligned copies; an
-  // absent one stays empty: memcpy may not be given an empty vector's null).
+  // The small inputs stay on the host for the checks (aligned copies).
   std::string targets(block.targets);
-  std::vector<float> logprobs(block.teacher_logprobs.size() / 4);
-  if (!logprobs.empty()) {
-    std::memcpy(logprobs.data(), block.teacher_logprobs.data(),
-                logprobs.size() * sizeof(float));
-  }
+  const std::vector<float> logprobs =
+      AlignedCopy<float>(block.teacher_logprobs);
   std::string indices(block.teacher_indices);
-  std::vector<int32_t> ids(block.segment_ids.size() / 4);
-  if (!ids.empty()) {
-    std::memcpy(ids.data(), block.segment_ids.data(),
-                ids.size() * sizeof(int32_t));
-  }
+  const std::vector<int32_t> ids = AlignedCopy<int32_t>(block.segment_ids);
 
   PostTrainingArgs args;
   args.base.rows = rows;
