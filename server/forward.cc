@@ -17,6 +17,17 @@ namespace lossd {
 
 namespace pb = ::lossd::v1;
 
+absl::StatusOr<std::shared_ptr<Tensor>> LookupLogits(
+    TensorStore* store, const std::string& tenant, const std::string& handle) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits, store->Get(tenant, handle));
+  if (!IsLogitsDType(logits->dtype()) || logits->shape().size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logits must be a 2-D float tensor, got ", DTypeName(logits->dtype()),
+        " ", ShapeString(logits->shape())));
+  }
+  return logits;
+}
+
 absl::Status CheckStoredTargets(const Tensor& targets, int64_t rows) {
   if (IsTargetsDType(targets.dtype()) &&
       targets.shape() == std::vector<int64_t>{rows}) {
@@ -126,12 +137,7 @@ absl::Status RunForward(RpcSupport* rpc, const std::string& tenant,
   Device* device = store->device();
 
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
-                   store->Get(tenant, request.logits()));
-  if (!IsLogitsDType(logits->dtype()) || logits->shape().size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logits must be a 2-D float tensor, got ", DTypeName(logits->dtype()),
-        " ", ShapeString(logits->shape())));
-  }
+                   LookupLogits(store, tenant, request.logits()));
   const int64_t rows = logits->shape()[0];
   const int64_t vocab = logits->shape()[1];
 

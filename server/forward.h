@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,12 @@ absl::Status RunForward(RpcSupport* rpc, const std::string& tenant,
 
 // INVALID_ARGUMENT unless the stored `targets` are int32 or int64 [rows].
 absl::Status CheckStoredTargets(const Tensor& targets, int64_t rows);
+
+// The tenant's stored logits `handle`: the store's lookup errors, or
+// INVALID_ARGUMENT unless they are a 2-D float tensor [N, V].
+absl::StatusOr<std::shared_ptr<Tensor>> LookupLogits(TensorStore* store,
+                                                     const std::string& tenant,
+                                                     const std::string& handle);
 
 // What a kernel reads of a request besides its rows: the loss options, the
 // targets (a stored tensor's, leased, or the request's inline ones, staged on

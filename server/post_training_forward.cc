@@ -19,6 +19,7 @@
 #include "common/tensor_math.h"
 #include "kernels/cpu/post_training_cpu.h"
 #include "kernels/post_training.h"
+#include "server/forward.h"
 #include "server/staged.h"
 #include "server/validation.h"
 
@@ -537,12 +538,7 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
   RETURN_IF_ERROR(CheckRequest(request, fields));
 
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
-                   store->Get(tenant, request.logits()));
-  if (!IsLogitsDType(logits->dtype()) || logits->shape().size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logits must be a 2-D float tensor, got ", DTypeName(logits->dtype()),
-        " ", ShapeString(logits->shape())));
-  }
+                   LookupLogits(store, tenant, request.logits()));
   const int64_t rows = logits->shape()[0];
   Inputs in;
   PostTrainingArgs& args = in.args;
