@@ -219,8 +219,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(VPT))
         float dfac = 1.0f;
         const float z = p.softcap > 0 ? SoftcapZ(x, p.softcap, &dfac) : x;
         const int c = e + j;
-        const float wc = (p.weights && c < vocab) ? p.weights[c] : 1.0f;
-        float gz = OtherGrad<T>(rm, z, wc);
+        float gz = p.weights ? OtherGrad<T, true>(
+                                   rm, z, c < vocab ? p.weights[c] : 1.0f)
+                             : OtherGrad<T, false>(rm, z, 1.0f);
         if (q == yq && j == yj) gz = rm.gy;
         g[j] = valid ? gz * dfac : 0.0f;
       } else {

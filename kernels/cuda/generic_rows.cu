@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
     float dfac = 1.0f;
     float z = Tr::Load(in + i);
     if (c > 0) z = SoftcapZ(z, c, &dfac);
-    const float wc = p.weights ? p.weights[i] : 1.0f;
-    float gz = OtherGrad<T>(rm, z, wc);
+    float gz = p.weights ? OtherGrad<T, true>(rm, z, p.weights[i])
+                         : OtherGrad<T, false>(rm, z, 1.0f);
     if (valid && i == y) gz = rm.gy;
     Tr::Store(out + i, valid ? gz * dfac : 0.0f);
   }

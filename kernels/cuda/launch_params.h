@@ -77,19 +77,25 @@ struct Params {
 
 // The options' per-element work a row needs, as the schedules' option builds
 // take it (a mask, a build each: a runtime test in the hot loops was compiled
-// as both sides computed and one selected, so smoothing paid for the softcap):
-// softcap and label smoothing. Class weights alone and z-loss are per-row
+// as both sides computed and one selected, so smoothing paid for the softcap,
+// and a runtime weight test split the unrolled loop at every element):
+// softcap, label smoothing, and class weights inside smoothing's terms (w_c
+// of every element). Class weights without smoothing and z-loss are per-row
 // terms (RowMath) and take the plain build, 0.
 constexpr int kOptSoftcap = 1;
 constexpr int kOptSmoothing = 2;
+constexpr int kOptWeights = 4;  // only with kOptSmoothing
 inline int ElementOptionsOn(const Params& p) {
+  const bool smoothing = p.eps > 0.0f;
   return (p.softcap > 0.0f ? kOptSoftcap : 0) |
-         (p.eps > 0.0f ? kOptSmoothing : 0);
+         (smoothing ? kOptSmoothing : 0) |
+         (smoothing && p.weights != nullptr ? kOptWeights : 0);
 }
 
 // Calls f(std::integral_constant<int, mask>()) for the option build `mask`.
 template <typename F>
 auto WithOptionBuild(int mask, F&& f) {
+  constexpr int kSmoothingWeights = kOptSmoothing | kOptWeights;
   switch (mask) {
     case kOptSoftcap:
       return f(std::integral_constant<int, kOptSoftcap>());
@@ -97,6 +103,10 @@ auto WithOptionBuild(int mask, F&& f) {
       return f(std::integral_constant<int, kOptSmoothing>());
     case kOptSoftcap | kOptSmoothing:
       return f(std::integral_constant<int, kOptSoftcap | kOptSmoothing>());
+    case kSmoothingWeights:
+      return f(std::integral_constant<int, kSmoothingWeights>());
+    case kOptSoftcap | kSmoothingWeights:
+      return f(std::integral_constant<int, kOptSoftcap | kSmoothingWeights>());
     default:
       return f(std::integral_constant<int, 0>());
   }

@@ -297,20 +297,21 @@ __device__ __forceinline__ float LogWeight(float w) {
 // and keeps the digits of d: p_c carries the rounding of its exponent's
 // argument (up to 2^-20 of p_c at |log2 p_c| ~ 20) and of Exp2, which the
 // cancellation multiplies by |b w_c / dz_c|. Both forms computed and one
-// selected: the band holds a few percent of a row, which as a branch made
-// nearly every warp take it.
-template <typename T>
+// selected, with no branch: the band holds a few percent of a row, which as a
+// branch made nearly every warp take it, and a branch on w_c split the
+// unrolled loops at every element. kWeights: w_c from class weights (else 1,
+// which folds); cancel_b = 0 (nothing cancels) selects the fast form.
+template <typename T, bool kWeights>
 __device__ __forceinline__ float OtherGrad(const RowMath& r, float z,
                                            float wc) {
   const float fast =
       Exp2(fmaf(z - r.shift, kLog2e, -r.lse_l2)) * r.a + r.b * wc;
-  if (r.cancel_b == 0.0f) return fast;  // (a row's: without smoothing)
   float d = __fsub_rn(__fsub_rn(z, r.cut_hi), r.cut_lo);
-  if (wc != 1.0f) d = __fsub_rn(d, LogWeight<T>(wc));
+  // (w_c = 0: d = +inf, never selected below)
+  if (kWeights) d = __fsub_rn(d, LogWeight<T>(wc));
   const float cancelled = -r.b * wc * Expm1Small<T>(d);
-  return wc > 0.0f && fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut
-             ? cancelled
-             : fast;
+  const bool band = fabsf(fast) < r.cancel_b * wc * Traits<T>::kCancelCut;
+  return (kWeights ? wc > 0.0f && band : band) ? cancelled : fast;
 }
 
 __device__ __forceinline__ void WriteRowOutputs(const Params& p, long long row,
@@ -388,11 +389,11 @@ __device__ __forceinline__ float OptionZ(const ElementOptions& o, float x,
   return o.cap * t;
 }
 // w_c as label smoothing's terms need it (1 without class weights or without
-// smoothing, where b = 0 leaves it out of the gradient).
+// smoothing, where b = 0 leaves it out of the gradient): a compile-time 1
+// outside the kOptWeights builds.
 template <int kOpts>
 __device__ __forceinline__ float OptionWeight(const ElementOptions& o, int c) {
-  return (kOpts & kOptSmoothing) && o.weights != nullptr ? __ldg(o.weights + c)
-                                                         : 1.0f;
+  return (kOpts & kOptWeights) ? __ldg(o.weights + c) : 1.0f;
 }
 // w_y of a row (1 without class weights or for an ignored row).
 __device__ __forceinline__ float TargetWeight(const Params& p, bool valid,

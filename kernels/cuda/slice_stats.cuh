@@ -245,7 +245,9 @@ __device__ __forceinline__ float ElementGrad(const RowMath& rm,
     return fmaf(Exp2(fmaf(z - rm.shift, kLog2e, -rm.lse_l2)), rm.a, rm.b) *
            dfac;
   }
-  return OtherGrad<T>(rm, z, OptionWeight<kOpts>(opts, c)) * dfac;
+  return OtherGrad<T, (kOpts & kOptWeights) != 0>(
+             rm, z, OptionWeight<kOpts>(opts, c)) *
+         dfac;
 }
 
 // dz_y with the options: the softcap's factor at the target's logit x_y.
