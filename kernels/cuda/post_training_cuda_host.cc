@@ -1,16 +1,24 @@
 // The host wrapper of the CUDA post-training losses: the plan from the targets
-// and segment ids on the host, the row kernel, and the CPU backend's reduction
-// of the rows' totals, so both devices sum in the same order.
+// and segment ids on the host, the fast schedule or the row kernel
+// (post_training_policy.h), and the CPU backend's reduction of the rows'
+// totals, so both devices sum in the same order.
 #include "kernels/cuda/post_training_cuda_host.h"
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/post_training_cpu.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/device_limits.h"
+#include "kernels/cuda/dispatch.h"
 #include "kernels/cuda/post_training_cuda.h"
+#include "kernels/cuda/post_training_policy.h"
+#include "kernels/cuda/row_terms.h"
+#include "kernels/cuda/schedules.h"
 
 namespace lossd {
 namespace {
@@ -44,10 +52,123 @@ absl::Status CopyToHost(void* host, const void* device, size_t bytes,
   return CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize");
 }
 
+// The fast schedule's choice for `args` (device pointers), or nullopt for the
+// row kernel.
+absl::Status ChooseFast(const PostTrainingArgs& args,
+                        std::optional<cuda_ce::ScheduleChoice>* choice) {
+  *choice = std::nullopt;
+  const CrossEntropyArgs& base = args.base;
+  if (base.rows <= 0 || base.rows > INT32_MAX || base.vocab > INT32_MAX) {
+    return absl::OkStatus();
+  }
+  cuda_ce::PostTrainingShape shape;
+  shape.logits =
+      cuda_ce::ShapeOf(cuda_ce::FillParams(base, nullptr), base.logits_dtype);
+  shape.distillation = args.distillation != nullptr;
+  shape.policy = args.policy != nullptr;
+  shape.targets = base.targets != nullptr;
+  cuda_ce::DeviceLimits limits;
+  RETURN_IF_ERROR(CudaStatus(cuda_ce::CurrentDeviceLimits(&limits),
+                             "post_training device limits"));
+  *choice = cuda_ce::ChoosePostTrainingSchedule(shape, limits);
+  return absl::OkStatus();
+}
+
+// Enqueues `args` on the smem row pieces schedule as `choice` sizes it: the
+// rows' records into `rows_out` as the row kernel writes them.
+// cudaErrorInvalidConfiguration (nothing written) where the pieces do not
+// fit this device after all: the caller takes the row kernel.
+cudaError_t LaunchFast(const PostTrainingArgs& args,
+                       const cuda_ce::ScheduleChoice& choice,
+                       const float* row_scale, void* workspace,
+                       PostTrainingCudaRow* rows_out, cudaStream_t stream) {
+  CrossEntropyArgs base = args.base;
+  // (host pointers here: the records carry these values)
+  base.token_loss = nullptr;
+  base.token_lse = nullptr;
+  base.token_argmax = nullptr;
+  cuda_ce::Params p = cuda_ce::FillParams(base, workspace);
+  p.chunk = choice.chunk;
+  cuda_ce::RowTerms terms = {};
+  terms.row_scale = row_scale;
+  if (args.policy != nullptr) {
+    const PolicyArgs& pg = *args.policy;
+    terms.policy = true;
+    terms.loss = static_cast<int>(pg.loss);
+    terms.estimator = static_cast<int>(pg.kl_estimator);
+    terms.advantages = pg.advantages;
+    terms.sampling = pg.sampling_logprobs;
+    terms.reference = pg.reference_logprobs;
+    terms.eps_low = pg.epsilon_low;
+    terms.eps_high = pg.epsilon_high;
+    terms.kl_coef = pg.kl_coef;
+  }
+  terms.rows_out = rows_out;
+  // (label smoothing's per-piece floats: free, the options are off)
+  terms.piece_entropy = p.piece_wz;
+  cudaError_t e = cuda_ce::LaunchPrepare(p, stream);
+  if (e == cudaSuccess) {
+    e = cuda_ce::LaunchSmemRowPiecesTerms(p, terms, base.logits_dtype,
+                                          choice.bulk, choice.pieces, stream);
+  }
+  if (e == cudaSuccess) {
+    e = cuda_ce::LaunchRowTermsEntropy(terms, p.rows, choice.pieces, stream);
+  }
+  return e;
+}
+
+// The rows' records of `args` into `out` ([rows] > 0), on the path `path`
+// asks for, each row's gradient scaled by `row_scale`.
+absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
+                     const std::vector<float>& row_scale,
+                     std::vector<PostTrainingCudaRow>* out,
+                     cudaStream_t stream) {
+  DeviceBuffer device_scale(stream), device_rows(stream);
+  RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
+  RETURN_IF_ERROR(
+      device_rows.Allocate(out->size() * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
+                                 row_scale.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream),
+                 "post_training copy row scales"));
+  std::optional<cuda_ce::ScheduleChoice> fast;
+  if (path == PostTrainingCudaPath::kAuto) {
+    RETURN_IF_ERROR(ChooseFast(args, &fast));
+  }
+  cudaError_t launched = cudaErrorInvalidConfiguration;
+  DeviceBuffer workspace(stream);
+  if (fast) {
+    RETURN_IF_ERROR(
+        workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+    launched = LaunchFast(
+        args, *fast, static_cast<const float*>(device_scale.get()),
+        workspace.get(), static_cast<PostTrainingCudaRow*>(device_rows.get()),
+        stream);
+  }
+  if (launched == cudaErrorInvalidConfiguration) {
+    cudaGetLastError();  // (the fast schedule's refusal, if any)
+    launched = PostTrainingCudaLaunch(
+        args, static_cast<const float*>(device_scale.get()),
+        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  }
+  if (launched == cudaErrorInvalidValue) {
+    cudaStreamSynchronize(stream);
+    return absl::InvalidArgumentError(
+        "post_training: the shape is not supported by the GPU kernel");
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
+  RETURN_IF_ERROR(CopyToHost(out->data(), device_rows.get(),
+                             out->size() * sizeof(PostTrainingCudaRow),
+                             stream));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
-                              PostTrainingResult* result, cudaStream_t stream) {
+                              PostTrainingResult* result, cudaStream_t stream,
+                              PostTrainingCudaPath path) {
   if (result == nullptr) {
     return absl::InvalidArgumentError("post_training: result is nullptr");
   }
@@ -91,27 +212,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
 
   std::vector<PostTrainingCudaRow> out(static_cast<size_t>(rows));
   if (rows > 0) {
-    DeviceBuffer device_scale(stream), device_rows(stream);
-    RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
-    RETURN_IF_ERROR(
-        device_rows.Allocate(out.size() * sizeof(PostTrainingCudaRow)));
-    RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
-                                   row_scale.size() * sizeof(float),
-                                   cudaMemcpyHostToDevice, stream),
-                   "post_training copy row scales"));
-    const cudaError_t launched = PostTrainingCudaLaunch(
-        device_args, static_cast<const float*>(device_scale.get()),
-        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
-    if (launched == cudaErrorInvalidValue) {
-      cudaStreamSynchronize(stream);
-      return absl::InvalidArgumentError(
-          "post_training: the shape is not supported by the GPU kernel");
-    }
-    RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
-    RETURN_IF_ERROR(CopyToHost(out.data(), device_rows.get(),
-                               out.size() * sizeof(PostTrainingCudaRow),
-                               stream));
+    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, &out, stream));
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
