@@ -64,7 +64,11 @@ absl::Status ChooseFast(const PostTrainingArgs& args,
   cuda_ce::PostTrainingShape shape;
   shape.logits =
       cuda_ce::ShapeOf(cuda_ce::FillParams(base, nullptr), base.logits_dtype);
-  shape.distillation = args.distillation != nullptr;
+  if (args.distillation != nullptr) {
+    shape.distillation = true;
+    shape.dense_teacher = args.distillation->teacher_logits != nullptr;
+    shape.temperature = args.distillation->temperature;
+  }
   shape.policy = args.policy != nullptr;
   shape.targets = base.targets != nullptr;
   cuda_ce::DeviceLimits limits;
@@ -81,7 +85,8 @@ absl::Status ChooseFast(const PostTrainingArgs& args,
 cudaError_t LaunchFast(const PostTrainingArgs& args,
                        const cuda_ce::ScheduleChoice& choice,
                        const float* row_scale, void* workspace,
-                       PostTrainingCudaRow* rows_out, cudaStream_t stream) {
+                       float* support_z, PostTrainingCudaRow* rows_out,
+                       cudaStream_t stream) {
   CrossEntropyArgs base = args.base;
   // (host pointers here: the records carry these values)
   base.token_loss = nullptr;
@@ -103,10 +108,33 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
     terms.eps_high = pg.epsilon_high;
     terms.kl_coef = pg.kl_coef;
   }
+  if (args.distillation != nullptr) {
+    const DistillationArgs& kd = *args.distillation;
+    terms.kd = true;
+    terms.top_k = static_cast<int>(kd.top_k);
+    terms.indices64 = kd.top_k_indices_dtype == DType::kInt64;
+    terms.renormalize = kd.tail == TopKTail::kRenormalize;
+    terms.divergence = static_cast<int>(kd.divergence);
+    // (JSD at beta 0 and 1 is defined as forward and reverse KL)
+    if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
+      terms.divergence = static_cast<int>(Divergence::kForwardKl);
+    }
+    if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
+      terms.divergence = static_cast<int>(Divergence::kReverseKl);
+    }
+    terms.beta = kd.beta;
+    terms.alpha = kd.alpha;
+    terms.indices = kd.top_k_indices;
+    terms.logprobs = kd.top_k_logprobs;
+    terms.support_z = support_z;
+  }
   terms.rows_out = rows_out;
   // (label smoothing's per-piece floats: free, the options are off)
   terms.piece_entropy = p.piece_wz;
   cudaError_t e = cuda_ce::LaunchPrepare(p, stream);
+  if (e == cudaSuccess && terms.kd) {
+    e = cuda_ce::LaunchGatherSupport(p, terms, base.logits_dtype, stream);
+  }
   if (e == cudaSuccess) {
     e = cuda_ce::LaunchSmemRowPiecesTerms(p, terms, base.logits_dtype,
                                           choice.bulk, choice.pieces, stream);
@@ -117,16 +145,40 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   return e;
 }
 
-// The rows' records of `args` into `out` ([rows] > 0), on the path `path`
-// asks for, each row's gradient scaled by `row_scale`.
+// Pinned host memory of at least `bytes` that a thread reuses for the rows'
+// records (64 bytes a row: a pageable copy of them ran at a fraction of the
+// bus's speed), or nullptr where it cannot be had (then pageable memory).
+void* PinnedRecords(size_t bytes) {
+  struct Staging {
+    void* pointer = nullptr;
+    size_t bytes = 0;
+    ~Staging() {
+      if (pointer != nullptr) cudaFreeHost(pointer);
+    }
+  };
+  thread_local Staging staging;
+  if (staging.bytes < bytes) {
+    if (staging.pointer != nullptr) cudaFreeHost(staging.pointer);
+    staging.bytes = 0;
+    if (cudaMallocHost(&staging.pointer, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      staging.pointer = nullptr;
+      return nullptr;
+    }
+    staging.bytes = bytes;
+  }
+  return staging.pointer;
+}
+
+// The rows' records of `args` into `out` (host, [rows] > 0), on the path
+// `path` asks for, each row's gradient scaled by `row_scale`.
 absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
                      const std::vector<float>& row_scale,
-                     std::vector<PostTrainingCudaRow>* out,
-                     cudaStream_t stream) {
+                     PostTrainingCudaRow* out, cudaStream_t stream) {
+  const size_t rows = row_scale.size();
   DeviceBuffer device_scale(stream), device_rows(stream);
   RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
-  RETURN_IF_ERROR(
-      device_rows.Allocate(out->size() * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
                                  row_scale.size() * sizeof(float),
@@ -137,14 +189,18 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
     RETURN_IF_ERROR(ChooseFast(args, &fast));
   }
   cudaError_t launched = cudaErrorInvalidConfiguration;
-  DeviceBuffer workspace(stream);
+  DeviceBuffer workspace(stream), support_z(stream);
   if (fast) {
     RETURN_IF_ERROR(
         workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+    if (args.distillation != nullptr) {
+      RETURN_IF_ERROR(
+          support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+    }
     launched = LaunchFast(
         args, *fast, static_cast<const float*>(device_scale.get()),
-        workspace.get(), static_cast<PostTrainingCudaRow*>(device_rows.get()),
-        stream);
+        workspace.get(), static_cast<float*>(support_z.get()),
+        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
   }
   if (launched == cudaErrorInvalidConfiguration) {
     cudaGetLastError();  // (the fast schedule's refusal, if any)
@@ -158,9 +214,8 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
         "post_training: the shape is not supported by the GPU kernel");
   }
   RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
-  RETURN_IF_ERROR(CopyToHost(out->data(), device_rows.get(),
-                             out->size() * sizeof(PostTrainingCudaRow),
-                             stream));
+  RETURN_IF_ERROR(CopyToHost(out, device_rows.get(),
+                             rows * sizeof(PostTrainingCudaRow), stream));
   return absl::OkStatus();
 }
 
@@ -210,9 +265,16 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
         static_cast<float>(plan.row_scale[row] * base.options.grad_scale);
   }
 
-  std::vector<PostTrainingCudaRow> out(static_cast<size_t>(rows));
+  std::vector<PostTrainingCudaRow> pageable;
+  PostTrainingCudaRow* out = nullptr;
   if (rows > 0) {
-    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, &out, stream));
+    out = static_cast<PostTrainingCudaRow*>(
+        PinnedRecords(static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
+    if (out == nullptr) {
+      pageable.resize(static_cast<size_t>(rows));
+      out = pageable.data();
+    }
+    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));

@@ -11,8 +11,12 @@ std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
     const PostTrainingShape& shape, const DeviceLimits& device,
     const Sm90Policy& policy) {
   const ScheduleShape& s = shape.logits;
-  if (shape.distillation || !shape.targets || s.forward_only ||
-      !s.whole_vectors || s.rows <= 0 || s.rows > INT_MAX) {
+  if (shape.distillation &&
+      (shape.dense_teacher || shape.temperature != 1.0f)) {
+    return std::nullopt;
+  }
+  if (!shape.targets || s.forward_only || !s.whole_vectors || s.rows <= 0 ||
+      s.rows > INT_MAX) {
     return std::nullopt;
   }
   const ScheduleChoice c = ChooseSchedule(s, device, policy);

@@ -145,8 +145,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   extern __shared__ uint4 kept[];
   __shared__ Stats scratch[kBlock / 32 + 1];
   __shared__ long long item_s;
-  __shared__ RowMath rowmath;  // of the item's row
-  __shared__ float row_corr;   // kTerms: the row's TermsRow::corr
+  __shared__ RowMath rowmath;           // of the item's row
+  __shared__ float row_corr;            // kTerms: the row's TermsRow::corr
+  __shared__ float row_in[kRowInputs];  // kTerms: FetchRowInputs
+  __shared__ TopKRow row_top_k;         // kTerms with a top-k teacher
   // kBulk: landed[c] completes when chunk c of the piece (kChunkBytes, the
   // bytes of one SliceStats batch of the block) is in `kept`.
   constexpr unsigned kChunkBytes = kU * kBlock * 16;
@@ -214,6 +216,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       }
     }
     const long long row = k / per_row;
+    if (kTerms && tid == 0) FetchRowInputs(terms, row, row_in);
     const int piece = static_cast<int>(k - row * per_row);
     const PieceSpan<T, kEdges> span(p, row, piece);
     const int start = span.start;
@@ -319,11 +322,14 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           valid ? __shfl_sync(0xffffffffu, zy_lane, y_piece) : 0.0f;
       const bool owner = y_piece == piece;
       if constexpr (kTerms) {
-        const TermsRow tr =
-            MakeTermsRow(p, hdr, rs, valid, zy, terms, row, owner && lane == 0);
+        if (lane == 0) AwaitRowInputs();
+        __syncwarp();
+        const TermsRow tr = MakeTermsRow(p, hdr, rs, valid, y, zy, terms,
+                                         row_in, row, lane, owner && lane == 0);
         if (lane == 0) {
           rowmath = tr.rm;
           row_corr = tr.corr;
+          row_top_k = tr.top_k;
         }
       } else {
         const RowMath rm =
@@ -379,6 +385,11 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       // (scratch is free: every warp has passed the barrier after the merge)
       h = BlockReduce<kBlock>(h, reinterpret_cast<float*>(scratch));
       if (tid == 0) terms.piece_entropy[k] = h * row_corr;
+      if (terms.kd && valid && warp == 0) {
+        // (after BlockReduce's barriers: over the gradient just written)
+        FixSupport<T, kOpts>(terms, row, y, start, n, out_row, row_top_k,
+                             rowmath.lse, row_in[kInScale], opts, lane);
+      }
     }
     parity ^= 1u;
     __syncthreads();  // kept, rowmath and item_s are rewritten by the next item

@@ -398,8 +398,9 @@ TEST_F(PostTrainingCudaTest, LargeVocabularyMatchesTheCpu) {
 }
 
 // Rows of whole 16-byte vectors long enough for the smem row pieces schedule
-// (2-byte rows from 32 KiB, fp32 from 120 KiB): the policy losses and plain
-// cross entropy with segments there, and the same calls on the row kernel.
+// (2-byte rows from 32 KiB, fp32 from 120 KiB): the policy losses, plain
+// cross entropy with segments and top-k distillation (k 1, 64, 512) there,
+// and the same calls on the row kernel.
 TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
   uint32_t seed = 300;
   for (PostTrainingCudaPath path :
@@ -424,6 +425,22 @@ TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
       plain.path = path;
       plain.seed = seed++;
       Compare(plain);
+      for (Divergence divergence :
+           {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+        for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+          Config c{Family::kTopK, dtype, 5, 32768};
+          c.k = tail == TopKTail::kBucket ? 64 : 1 + seed % 2 * 511;
+          c.tail = tail;
+          c.divergence = divergence;
+          c.beta = 0.3f;
+          c.alpha = divergence == Divergence::kJsd ? 0.4f : 0.0f;
+          c.softcap = dtype == DType::kBFloat16 ? 20.0f : 0.0f;
+          c.segments = divergence == Divergence::kReverseKl;
+          c.path = path;
+          c.seed = seed++;
+          Compare(c);
+        }
+      }
     }
   }
 }

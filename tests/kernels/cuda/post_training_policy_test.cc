@@ -1,7 +1,8 @@
 // The post-training losses' choice of kernel
 // (kernels/cuda/post_training_policy.h) on the CPU: the fast schedule for
-// policy losses and plain cross entropy on the bench's shapes with the H200's
-// limits, the row kernel for everything it does not take.
+// policy losses, top-k distillation at temperature 1 and plain cross entropy
+// on the bench's shapes with the H200's limits, the row kernel for everything
+// it does not take.
 #include "kernels/cuda/post_training_policy.h"
 
 #include "gtest/gtest.h"
@@ -55,10 +56,25 @@ TEST(PostTrainingPolicyTest, PlainCrossEntropyWithSegmentsTakesItToo) {
   ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
 }
 
+TEST(PostTrainingPolicyTest, TopKDistillationAtTemperatureOneTakesIt) {
+  PostTrainingShape s = Policy(8192, 128256, 2);
+  s.policy = false;
+  s.distillation = true;
+  ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
+  EXPECT_EQ(*ChoosePostTrainingSchedule(s, H200()),
+            ChooseSchedule(s.logits, H200()));
+}
+
 TEST(PostTrainingPolicyTest,
      WhatTheFastScheduleDoesNotTakeStaysOnTheRowKernel) {
   PostTrainingShape s = Policy(8192, 128256, 2);
-  s.distillation = true;  // a teacher
+  s.policy = false;
+  s.distillation = true;
+  s.dense_teacher = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  s.dense_teacher = false;
+  s.temperature = 2.0f;  // a second lse the statistics do not keep
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
   s = Policy(8192, 128256, 2);
