@@ -145,10 +145,13 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   return e;
 }
 
-// Pinned host memory of at least `bytes` that a thread reuses for the rows'
-// records (64 bytes a row: a pageable copy of them ran at a fraction of the
-// bus's speed), or nullptr where it cannot be had (then pageable memory).
-void* PinnedRecords(size_t bytes) {
+// Pinned host memory of at least `bytes` that a thread reuses, one buffer a
+// slot: the rows' records (64 bytes a row: a pageable copy of them ran at a
+// fraction of the bus's speed) and the targets (copied while the kernels
+// run); nullptr where it cannot be had (then pageable memory).
+constexpr int kRecordsSlot = 0;
+constexpr int kTargetsSlot = 1;
+void* PinnedStaging(int slot, size_t bytes) {
   struct Staging {
     void* pointer = nullptr;
     size_t bytes = 0;
@@ -156,7 +159,8 @@ void* PinnedRecords(size_t bytes) {
       if (pointer != nullptr) cudaFreeHost(pointer);
     }
   };
-  thread_local Staging staging;
+  thread_local Staging slots[2];
+  Staging& staging = slots[slot];
   if (staging.bytes < bytes) {
     if (staging.pointer != nullptr) cudaFreeHost(staging.pointer);
     staging.bytes = 0;
@@ -219,6 +223,113 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
   return absl::OkStatus();
 }
 
+// The host's view of a call: the targets and segment ids copied back, and the
+// plan made from them.
+struct HostView {
+  PostTrainingArgs args;
+  std::vector<char> targets;
+  std::vector<int32_t> ids;
+  SegmentArgs segments;
+  PostTrainingPlan plan;
+};
+
+// Copies the targets and segment ids of `device_args` back and plans.
+absl::Status PlanOnHost(const PostTrainingArgs& device_args, HostView* view,
+                        cudaStream_t stream) {
+  const int64_t rows = device_args.base.rows;
+  view->args = device_args;
+  if (device_args.base.targets != nullptr) {
+    view->targets.resize(static_cast<size_t>(rows) *
+                         DTypeSize(device_args.base.targets_dtype));
+    RETURN_IF_ERROR(CopyToHost(view->targets.data(), device_args.base.targets,
+                               view->targets.size(), stream));
+    view->args.base.targets = view->targets.data();
+  }
+  if (device_args.segments != nullptr) {
+    view->segments = *device_args.segments;
+    view->ids.resize(static_cast<size_t>(rows));
+    RETURN_IF_ERROR(CopyToHost(view->ids.data(), view->segments.ids,
+                               view->ids.size() * sizeof(int32_t), stream));
+    view->segments.ids = view->ids.data();
+    view->args.segments = &view->segments;
+  }
+  view->plan = PlanPostTraining(view->args);
+  return absl::OkStatus();
+}
+
+// An event of one call, destroyed with it.
+class Event {
+ public:
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  cudaError_t Record(cudaStream_t stream) {
+    const cudaError_t e =
+        cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    return e == cudaSuccess ? cudaEventRecord(event_, stream) : e;
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// The fast schedule without segments, whose gradient factor is then the
+// prepare kernel's scale (RowTerms::row_scale nullptr): the targets' copy
+// back, the kernels and the records' copy back are enqueued at once, and the
+// host plans from the targets while the kernels run. *ran is false where the
+// pieces do not fit this device (the caller takes the other path) or no
+// pinned memory could be had.
+absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
+                                const cuda_ce::ScheduleChoice& choice,
+                                PostTrainingCudaRow* out, HostView* view,
+                                bool* ran, cudaStream_t stream) {
+  *ran = false;
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  const size_t target_bytes = rows * DTypeSize(args.base.targets_dtype);
+  void* targets = PinnedStaging(kTargetsSlot, target_bytes);
+  if (targets == nullptr) return absl::OkStatus();
+  Event copied;
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(targets, args.base.targets, target_bytes,
+                                 cudaMemcpyDeviceToHost, stream),
+                 "post_training copy targets"));
+  RETURN_IF_ERROR(CudaStatus(copied.Record(stream), "post_training event"));
+  DeviceBuffer device_rows(stream), workspace(stream), support_z(stream);
+  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(
+      workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+  if (args.distillation != nullptr) {
+    RETURN_IF_ERROR(
+        support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+  }
+  const cudaError_t launched =
+      LaunchFast(args, choice, nullptr, workspace.get(),
+                 static_cast<float*>(support_z.get()),
+                 static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  if (launched == cudaErrorInvalidConfiguration) {
+    cudaGetLastError();
+    return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
+  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(out, device_rows.get(),
+                                             rows * sizeof(PostTrainingCudaRow),
+                                             cudaMemcpyDeviceToHost, stream),
+                             "post_training copy to host"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied.get()),
+                             "post_training copy targets"));
+  view->args = args;
+  view->args.base.targets = targets;
+  view->plan = PlanPostTraining(view->args);
+  RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize"));
+  *ran = true;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
@@ -239,42 +350,37 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
                      kPostTrainingCudaMaxTopKVocab, ")"));
   }
 
-  // The plan needs the targets and segment ids on the host.
-  PostTrainingArgs host_view = device_args;
-  std::vector<char> targets;
-  std::vector<int32_t> ids;
-  SegmentArgs segments;
-  if (base.targets != nullptr) {
-    targets.resize(static_cast<size_t>(rows) * DTypeSize(base.targets_dtype));
-    RETURN_IF_ERROR(
-        CopyToHost(targets.data(), base.targets, targets.size(), stream));
-    host_view.base.targets = targets.data();
-  }
-  if (device_args.segments != nullptr) {
-    segments = *device_args.segments;
-    ids.resize(static_cast<size_t>(rows));
-    RETURN_IF_ERROR(CopyToHost(ids.data(), segments.ids,
-                               ids.size() * sizeof(int32_t), stream));
-    segments.ids = ids.data();
-    host_view.segments = &segments;
-  }
-  const PostTrainingPlan plan = PlanPostTraining(host_view);
-  std::vector<float> row_scale(static_cast<size_t>(rows));
-  for (int64_t row = 0; row < rows; ++row) {
-    row_scale[row] =
-        static_cast<float>(plan.row_scale[row] * base.options.grad_scale);
-  }
-
   std::vector<PostTrainingCudaRow> pageable;
   PostTrainingCudaRow* out = nullptr;
+  HostView view;
+  bool ran = false;
   if (rows > 0) {
-    out = static_cast<PostTrainingCudaRow*>(
-        PinnedRecords(static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
+    out = static_cast<PostTrainingCudaRow*>(PinnedStaging(
+        kRecordsSlot, static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
     if (out == nullptr) {
       pageable.resize(static_cast<size_t>(rows));
       out = pageable.data();
     }
-    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
+    std::optional<cuda_ce::ScheduleChoice> fast;
+    if (path == PostTrainingCudaPath::kAuto) {
+      RETURN_IF_ERROR(ChooseFast(device_args, &fast));
+    }
+    if (fast && device_args.segments == nullptr) {
+      RETURN_IF_ERROR(
+          RunFastUnsegmented(device_args, *fast, out, &view, &ran, stream));
+    }
+  }
+  if (!ran) {
+    // The plan first: the kernels need each row's factor.
+    RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
+    if (rows > 0) {
+      std::vector<float> row_scale(static_cast<size_t>(rows));
+      for (int64_t row = 0; row < rows; ++row) {
+        row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
+                                            base.options.grad_scale);
+      }
+      RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
+    }
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
@@ -302,7 +408,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
       device_args.token_entropy[row] = static_cast<float>(r.entropy);
     }
   }
-  *result = ReducePostTrainingRows(host_view, plan, totals);
+  *result = ReducePostTrainingRows(view.args, view.plan, totals);
   return absl::OkStatus();
 }
 

@@ -34,7 +34,9 @@ __device__ __forceinline__ void CopyFloatAsync(float* smem, const float* src) {
 }
 __device__ __forceinline__ void FetchRowInputs(const RowTerms& terms,
                                                long long row, float* in) {
-  CopyFloatAsync(in + kInScale, terms.row_scale + row);
+  if (terms.row_scale != nullptr) {
+    CopyFloatAsync(in + kInScale, terms.row_scale + row);
+  }
   if (terms.policy) {
     CopyFloatAsync(in + kInAdvantage, terms.advantages + row);
     CopyFloatAsync(in + kInSampling, terms.sampling + row);
@@ -212,6 +214,7 @@ __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
 struct TermsRow {
   RowMath rm;
   float corr;
+  float scale;  // s: the row's row_scale, or the prepare kernel's scale
   TopKRow top_k;
 };
 
@@ -224,8 +227,9 @@ __device__ __forceinline__ TermsRow
 MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
              long long y, float zy, const RowTerms& terms, const float* in,
              long long row, int lane, bool record) {
-  h.scale = 1.0f;
   TermsRow out;
+  out.scale = terms.row_scale != nullptr ? in[kInScale] : h.scale;
+  h.scale = 1.0f;
   out.rm = MakeRowMath(p, h, st, true, zy, 1.0f);
   out.corr = out.rm.a;
   out.top_k = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -250,7 +254,7 @@ MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
     loss = -static_cast<double>(logp);
     f = g = 1.0f;
   }
-  const float s = in[kInScale];
+  const float s = out.scale;
   out.rm.a *= f * s;
   out.rm.gy = s * fmaf(f, out.rm.gy, f - g);
   if (record) {

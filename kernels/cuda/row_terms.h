@@ -24,11 +24,13 @@ namespace cuda_ce {
 // written again after the gradient pass (their divergence term). Device
 // pointers, [rows] each unless said.
 struct RowTerms {
-  const float* row_scale;  // the reduction's factor of the row, grad_scale in
-  bool policy;             // a policy loss
-  bool kd;                 // top-k distillation (else plain cross entropy)
-  int loss;                // PolicyLossKind
-  int estimator;           // KlEstimator
+  // The reduction's factor of each row, grad_scale in; nullptr: the prepare
+  // kernel's (Params::header->scale), which is every row's without segments.
+  const float* row_scale;
+  bool policy;    // a policy loss
+  bool kd;        // top-k distillation (else plain cross entropy)
+  int loss;       // PolicyLossKind
+  int estimator;  // KlEstimator
   const float* advantages;
   const float* sampling;
   const float* reference;  // or nullptr
@@ -57,7 +59,7 @@ struct RowTerms {
 // smem_row_pieces.cu: the schedule with `terms` (terms.kd: after
 // LaunchGatherSupport), on 16-byte aligned rows of whole vectors (p.chunk and
 // `pieces` as the policy sizes it, `bulk` as it chooses); p.eps, p.zls and
-// p.weights must be off, p.header->scale is not used.
+// p.weights must be off.
 // cudaErrorInvalidConfiguration where the pieces do not fit this device (as
 // LaunchSmemRowPieces), cudaErrorInvalidValue for another dtype.
 cudaError_t LaunchSmemRowPiecesTerms(const Params& p, const RowTerms& terms,

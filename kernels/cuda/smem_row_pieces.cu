@@ -326,10 +326,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
         __syncwarp();
         const TermsRow tr = MakeTermsRow(p, hdr, rs, valid, y, zy, terms,
                                          row_in, row, lane, owner && lane == 0);
+        __syncwarp();  // (every lane has read row_in)
         if (lane == 0) {
           rowmath = tr.rm;
           row_corr = tr.corr;
           row_top_k = tr.top_k;
+          row_in[kInScale] = tr.scale;
         }
       } else {
         const RowMath rm =
