@@ -1,8 +1,6 @@
-// The host wrapper of the CUDA post-training losses: the plan from the targets
-// and segment ids on the host (while the kernels run, where they need no
-// per-row factor from it), the fast schedule or the row kernel
-// (post_training_policy.h), and the CPU backend's reduction of the rows'
-// totals, so both devices sum in the same order.
+// The host wrapper of the CUDA post-training losses: the host's plan (made
+// while the kernels run where they need nothing of it), the fast schedule or
+// the row kernel, and the CPU backend's reduction of the rows (same order).
 #include "kernels/cuda/post_training_cuda_host.h"
 
 #include <cstdint>

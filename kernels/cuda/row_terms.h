@@ -1,7 +1,6 @@
 // The post-training losses on the smem row pieces schedule: what a row adds
-// to cross entropy's statistics and gradient passes (RowTerms), and the
-// launchers that take it. Host-side declarations; the device code is in
-// row_terms.cuh and smem_row_pieces.cu.
+// to cross entropy's passes (RowTerms) and the launchers that take it (host
+// declarations; the device code is in row_terms.cuh and smem_row_pieces.cu).
 #ifndef LOSSD_KERNELS_CUDA_ROW_TERMS_H_
 #define LOSSD_KERNELS_CUDA_ROW_TERMS_H_
 

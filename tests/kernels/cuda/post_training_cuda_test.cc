@@ -1,7 +1,6 @@
-// The CUDA post-training losses against the fp64 CPU backend over families,
-// dtypes, odd V and V = 128256, on the fast schedule and on the row kernel
-// (skipped without a GPU), and disabled benches of dense and top-k KD and of
-// the policy losses.
+// The CUDA post-training losses against the fp64 CPU backend (families,
+// dtypes, odd V, V = 128256; the fast schedule and the row kernel; skipped
+// without a GPU), and disabled benches of distillation and the policy losses.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>

@@ -1,8 +1,6 @@
-// The post-training losses' choice of kernel
-// (kernels/cuda/post_training_policy.h) on the CPU: the fast schedule for
-// policy losses, top-k distillation at temperature 1 and plain cross entropy
-// on the bench's shapes with the H200's limits, the row kernel for everything
-// it does not take.
+// The post-training losses' choice of kernel (post_training_policy.h) on the
+// CPU: the fast schedule for what it takes at the bench's shapes with the
+// H200's limits, the row kernel for everything else.
 #include "kernels/cuda/post_training_policy.h"
 
 #include "gtest/gtest.h"
