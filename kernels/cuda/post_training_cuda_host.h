@@ -23,6 +23,8 @@ enum class PostTrainingCudaPath { kAuto, kRowKernel };
 // or for result == nullptr; UNIMPLEMENTED for a top-k teacher over more than
 // kPostTrainingCudaMaxTopKVocab classes; RESOURCE_EXHAUSTED when device
 // memory runs out; INTERNAL for other CUDA errors. Synchronizes `stream`.
+// Each calling thread keeps two pinned host buffers (the rows' records and
+// targets come back through them), grown as needed, freed at its exit.
 // Thread safety: reentrant for distinct buffers.
 absl::Status PostTrainingCuda(
     const PostTrainingArgs& device_args, PostTrainingResult* result,
