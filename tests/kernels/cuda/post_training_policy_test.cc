@@ -3,6 +3,8 @@
 // H200's limits, the row kernel for everything else.
 #include "kernels/cuda/post_training_policy.h"
 
+#include <utility>
+
 #include "gtest/gtest.h"
 
 namespace lossd {
