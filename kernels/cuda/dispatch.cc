@@ -1,6 +1,8 @@
 // CrossEntropyCudaLaunch: fills the kernels' Params, asks the schedule policy
 // (schedule_policy.h, the one table of that decision) for a schedule and its
 // sizes, and enqueues prepare, the schedule and finalize.
+#include "kernels/cuda/dispatch.h"
+
 #include <climits>
 #include <cstdint>
 #include <optional>
@@ -159,6 +161,69 @@ cudaError_t Choose(const ScheduleShape& s, const CrossEntropyCudaConfig& config,
 }  // namespace
 
 namespace cuda_ce {
+Params FillParams(const CrossEntropyArgs& args, void* workspace) {
+  Params p = {};
+  p.logits = args.logits;
+  p.grad = args.mode == GradientMode::kNone ? nullptr : args.gradient;
+  p.targets = args.targets;
+  p.weights = args.class_weights;
+  p.token_loss = args.token_loss;
+  p.token_lse = args.token_lse;
+  p.token_argmax = args.token_argmax;
+  if (workspace != nullptr) {
+    char* ws = static_cast<char*>(workspace);
+    const std::size_t col =
+        cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * 4);
+    p.header = reinterpret_cast<cuda_ce::WorkspaceHeader*>(ws);
+    p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
+    p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
+    p.row_flags = reinterpret_cast<int*>(ws + kHeaderBytes + 2 * col);
+    p.row_done = reinterpret_cast<int*>(ws + kHeaderBytes + 3 * col);
+    p.row_zy = reinterpret_cast<float*>(ws + kHeaderBytes + 4 * col);
+    p.pieces = ws + kHeaderBytes + 5 * col;
+    p.piece_wz = reinterpret_cast<float*>(
+        ws + kHeaderBytes + 5 * col +
+        cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * kMaxPieces *
+                         cuda_ce::kStatsBytes));
+  }
+  p.rows = args.rows;
+  p.stride = args.row_stride;
+  p.ignore_index = args.options.ignore_index;
+  p.normalizer = args.options.normalizer;
+  p.vocab = static_cast<int>(args.vocab);
+  p.targets64 = args.targets_dtype == DType::kInt64 ? 1 : 0;
+  p.reduction = static_cast<int>(args.options.reduction);
+  p.eps = args.options.label_smoothing;
+  p.zls = args.options.z_loss_scale;
+  p.softcap = args.options.softcap;
+  p.grad_scale = args.options.grad_scale;
+  return p;
+}
+
+ScheduleShape ShapeOf(const Params& p, DType dtype) {
+  const int esize = static_cast<int>(DTypeSize(dtype));
+  const auto aligned = [](const void* ptr) {
+    return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
+  };
+  ScheduleShape s;
+  s.element_bytes = esize;
+  s.rows = p.rows;
+  s.vocab = p.vocab;
+  s.forward_only = p.grad == nullptr;
+  s.in_place = p.grad == p.logits;
+  s.options_on = p.softcap > 0 || p.weights != nullptr || p.eps > 0;
+  s.aligned_rows = aligned(p.logits) &&
+                   (p.grad == nullptr || aligned(p.grad)) &&
+                   (p.stride * esize) % 16 == 0;
+  s.whole_vectors = s.aligned_rows && p.vocab % s.VectorElements() == 0;
+  s.edges_ok =
+      p.grad == nullptr || (reinterpret_cast<std::uintptr_t>(p.grad) -
+                            reinterpret_cast<std::uintptr_t>(p.logits)) %
+                                   16 ==
+                               0;
+  return s;
+}
+
 cudaError_t CurrentDeviceLimits(DeviceLimits* limits) {
   static DeviceLimitsCache* const cache = new DeviceLimitsCache;
   int device = 0;
@@ -186,63 +251,11 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
       !IsLogitsDType(args.logits_dtype)) {
     return cudaErrorInvalidValue;
   }
-  Params p = {};
-  p.logits = args.logits;
-  p.grad = args.mode == GradientMode::kNone ? nullptr : args.gradient;
-  p.targets = args.targets;
-  p.weights = args.class_weights;
-  p.token_loss = args.token_loss;
-  p.token_lse = args.token_lse;
-  p.token_argmax = args.token_argmax;
-  char* ws = static_cast<char*>(workspace);
-  const std::size_t col =
-      cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * 4);
-  p.header = reinterpret_cast<cuda_ce::WorkspaceHeader*>(ws);
-  p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
-  p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
-  p.row_flags = reinterpret_cast<int*>(ws + kHeaderBytes + 2 * col);
-  p.row_done = reinterpret_cast<int*>(ws + kHeaderBytes + 3 * col);
-  p.row_zy = reinterpret_cast<float*>(ws + kHeaderBytes + 4 * col);
-  p.pieces = ws + kHeaderBytes + 5 * col;
-  p.piece_wz = reinterpret_cast<float*>(
-      ws + kHeaderBytes + 5 * col +
-      cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * kMaxPieces *
-                       cuda_ce::kStatsBytes));
-  p.rows = args.rows;
-  p.stride = args.row_stride;
-  p.ignore_index = args.options.ignore_index;
-  p.normalizer = args.options.normalizer;
-  p.vocab = static_cast<int>(args.vocab);
-  p.targets64 = args.targets_dtype == DType::kInt64 ? 1 : 0;
-  p.reduction = static_cast<int>(args.options.reduction);
-  p.eps = args.options.label_smoothing;
-  p.zls = args.options.z_loss_scale;
-  p.softcap = args.options.softcap;
-  p.grad_scale = args.options.grad_scale;
-
+  Params p = cuda_ce::FillParams(args, workspace);
   cudaError_t e = cuda_ce::LaunchPrepare(p, stream);
   if (e != cudaSuccess) return e;
   if (args.rows > 0) {
-    const int esize = static_cast<int>(DTypeSize(args.logits_dtype));
-    const auto aligned = [](const void* ptr) {
-      return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
-    };
-    ScheduleShape s;
-    s.element_bytes = esize;
-    s.rows = args.rows;
-    s.vocab = p.vocab;
-    s.forward_only = p.grad == nullptr;
-    s.in_place = p.grad == p.logits;
-    s.options_on = p.softcap > 0 || p.weights != nullptr || p.eps > 0;
-    s.aligned_rows = aligned(p.logits) &&
-                     (p.grad == nullptr || aligned(p.grad)) &&
-                     (p.stride * esize) % 16 == 0;
-    s.whole_vectors = s.aligned_rows && p.vocab % s.VectorElements() == 0;
-    s.edges_ok =
-        p.grad == nullptr || (reinterpret_cast<std::uintptr_t>(p.grad) -
-                              reinterpret_cast<std::uintptr_t>(p.logits)) %
-                                     16 ==
-                                 0;
+    const ScheduleShape s = cuda_ce::ShapeOf(p, args.logits_dtype);
     std::optional<ScheduleChoice> choice;
     e = Choose(s, config ? *config : CrossEntropyCudaConfig{}, &choice);
     if (e != cudaSuccess) return e;

@@ -1,16 +1,23 @@
-// The host wrapper of the CUDA post-training losses: the plan from the targets
-// and segment ids on the host, the row kernel, and the CPU backend's reduction
-// of the rows' totals, so both devices sum in the same order.
+// The host wrapper of the CUDA post-training losses: the host's plan (made
+// while the kernels run where they need nothing of it), the fast schedule or
+// the row kernel, and the CPU backend's reduction of the rows (same order).
 #include "kernels/cuda/post_training_cuda_host.h"
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/post_training_cpu.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/device_limits.h"
+#include "kernels/cuda/dispatch.h"
 #include "kernels/cuda/post_training_cuda.h"
+#include "kernels/cuda/post_training_policy.h"
+#include "kernels/cuda/row_terms.h"
+#include "kernels/cuda/schedules.h"
 
 namespace lossd {
 namespace {
@@ -44,10 +51,289 @@ absl::Status CopyToHost(void* host, const void* device, size_t bytes,
   return CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize");
 }
 
+// The fast schedule's choice for `args` (device pointers), or nullopt for the
+// row kernel.
+absl::Status ChooseFast(const PostTrainingArgs& args,
+                        std::optional<cuda_ce::ScheduleChoice>* choice) {
+  *choice = std::nullopt;
+  const CrossEntropyArgs& base = args.base;
+  if (base.rows <= 0 || base.rows > INT32_MAX || base.vocab > INT32_MAX) {
+    return absl::OkStatus();
+  }
+  cuda_ce::PostTrainingShape shape;
+  shape.logits =
+      cuda_ce::ShapeOf(cuda_ce::FillParams(base, nullptr), base.logits_dtype);
+  if (args.distillation != nullptr) {
+    shape.distillation = true;
+    shape.dense_teacher = args.distillation->teacher_logits != nullptr;
+    shape.temperature = args.distillation->temperature;
+  }
+  shape.policy = args.policy != nullptr;
+  shape.targets = base.targets != nullptr;
+  cuda_ce::DeviceLimits limits;
+  RETURN_IF_ERROR(CudaStatus(cuda_ce::CurrentDeviceLimits(&limits),
+                             "post_training device limits"));
+  *choice = cuda_ce::ChoosePostTrainingSchedule(shape, limits);
+  return absl::OkStatus();
+}
+
+// Enqueues `args` on the smem row pieces schedule as `choice` sizes it: the
+// rows' records into `rows_out` as the row kernel writes them.
+// cudaErrorInvalidConfiguration (nothing written) where the pieces do not
+// fit this device after all: the caller takes the row kernel.
+cudaError_t LaunchFast(const PostTrainingArgs& args,
+                       const cuda_ce::ScheduleChoice& choice,
+                       const float* row_scale, void* workspace,
+                       float* support_z, PostTrainingCudaRow* rows_out,
+                       cudaStream_t stream) {
+  CrossEntropyArgs base = args.base;
+  // (host pointers here: the records carry these values)
+  base.token_loss = nullptr;
+  base.token_lse = nullptr;
+  base.token_argmax = nullptr;
+  cuda_ce::Params p = cuda_ce::FillParams(base, workspace);
+  p.chunk = choice.chunk;
+  cuda_ce::RowTerms terms = {};
+  terms.row_scale = row_scale;
+  if (args.policy != nullptr) {
+    const PolicyArgs& pg = *args.policy;
+    terms.policy = true;
+    terms.loss = static_cast<int>(pg.loss);
+    terms.estimator = static_cast<int>(pg.kl_estimator);
+    terms.advantages = pg.advantages;
+    terms.sampling = pg.sampling_logprobs;
+    terms.reference = pg.reference_logprobs;
+    terms.eps_low = pg.epsilon_low;
+    terms.eps_high = pg.epsilon_high;
+    terms.kl_coef = pg.kl_coef;
+  }
+  if (args.distillation != nullptr) {
+    const DistillationArgs& kd = *args.distillation;
+    terms.kd = true;
+    terms.top_k = static_cast<int>(kd.top_k);
+    terms.indices64 = kd.top_k_indices_dtype == DType::kInt64;
+    terms.renormalize = kd.tail == TopKTail::kRenormalize;
+    terms.divergence = static_cast<int>(kd.divergence);
+    // (JSD at beta 0 and 1 is defined as forward and reverse KL)
+    if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
+      terms.divergence = static_cast<int>(Divergence::kForwardKl);
+    }
+    if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
+      terms.divergence = static_cast<int>(Divergence::kReverseKl);
+    }
+    terms.beta = kd.beta;
+    terms.alpha = kd.alpha;
+    terms.indices = kd.top_k_indices;
+    terms.logprobs = kd.top_k_logprobs;
+    terms.support_z = support_z;
+  }
+  terms.rows_out = rows_out;
+  // (label smoothing's per-piece floats: free, the options are off)
+  terms.piece_entropy = p.piece_wz;
+  cudaError_t e = cuda_ce::LaunchPrepare(p, stream);
+  if (e == cudaSuccess && terms.kd) {
+    e = cuda_ce::LaunchGatherSupport(p, terms, base.logits_dtype, stream);
+  }
+  if (e == cudaSuccess) {
+    e = cuda_ce::LaunchSmemRowPiecesTerms(p, terms, base.logits_dtype,
+                                          choice.bulk, choice.pieces, stream);
+  }
+  if (e == cudaSuccess) {
+    e = cuda_ce::LaunchRowTermsEntropy(terms, p.rows, choice.pieces, stream);
+  }
+  return e;
+}
+
+// Pinned host memory of at least `bytes` that a thread reuses, one buffer a
+// slot: the rows' records (64 bytes a row: a pageable copy of them ran at a
+// fraction of the bus's speed) and the targets (copied while the kernels
+// run); nullptr where it cannot be had (then pageable memory).
+constexpr int kRecordsSlot = 0;
+constexpr int kTargetsSlot = 1;
+void* PinnedStaging(int slot, size_t bytes) {
+  struct Staging {
+    void* pointer = nullptr;
+    size_t bytes = 0;
+    ~Staging() {
+      if (pointer != nullptr) cudaFreeHost(pointer);
+    }
+  };
+  thread_local Staging slots[2];
+  Staging& staging = slots[slot];
+  if (staging.bytes < bytes) {
+    if (staging.pointer != nullptr) cudaFreeHost(staging.pointer);
+    staging.bytes = 0;
+    if (cudaMallocHost(&staging.pointer, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      staging.pointer = nullptr;
+      return nullptr;
+    }
+    staging.bytes = bytes;
+  }
+  return staging.pointer;
+}
+
+// The rows' records of `args` into `out` (host, [rows] > 0), on the path
+// `path` asks for, each row's gradient scaled by `row_scale`.
+absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
+                     const std::vector<float>& row_scale,
+                     PostTrainingCudaRow* out, cudaStream_t stream) {
+  const size_t rows = row_scale.size();
+  DeviceBuffer device_scale(stream), device_rows(stream);
+  RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
+  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
+                                 row_scale.size() * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream),
+                 "post_training copy row scales"));
+  std::optional<cuda_ce::ScheduleChoice> fast;
+  if (path == PostTrainingCudaPath::kAuto) {
+    RETURN_IF_ERROR(ChooseFast(args, &fast));
+  }
+  cudaError_t launched = cudaErrorInvalidConfiguration;
+  DeviceBuffer workspace(stream), support_z(stream);
+  if (fast) {
+    RETURN_IF_ERROR(
+        workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+    if (args.distillation != nullptr) {
+      RETURN_IF_ERROR(
+          support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+    }
+    launched = LaunchFast(
+        args, *fast, static_cast<const float*>(device_scale.get()),
+        workspace.get(), static_cast<float*>(support_z.get()),
+        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  }
+  if (launched == cudaErrorInvalidConfiguration) {
+    cudaGetLastError();  // (the fast schedule's refusal, if any)
+    launched = PostTrainingCudaLaunch(
+        args, static_cast<const float*>(device_scale.get()),
+        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  }
+  if (launched == cudaErrorInvalidValue) {
+    cudaStreamSynchronize(stream);
+    return absl::InvalidArgumentError(
+        "post_training: the shape is not supported by the GPU kernel");
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
+  RETURN_IF_ERROR(CopyToHost(out, device_rows.get(),
+                             rows * sizeof(PostTrainingCudaRow), stream));
+  return absl::OkStatus();
+}
+
+// The host's view of a call: the targets and segment ids copied back, and the
+// plan made from them.
+struct HostView {
+  PostTrainingArgs args;
+  std::vector<char> targets;
+  std::vector<int32_t> ids;
+  SegmentArgs segments;
+  PostTrainingPlan plan;
+};
+
+// Copies the targets and segment ids of `device_args` back and plans.
+absl::Status PlanOnHost(const PostTrainingArgs& device_args, HostView* view,
+                        cudaStream_t stream) {
+  const int64_t rows = device_args.base.rows;
+  view->args = device_args;
+  if (device_args.base.targets != nullptr) {
+    view->targets.resize(static_cast<size_t>(rows) *
+                         DTypeSize(device_args.base.targets_dtype));
+    RETURN_IF_ERROR(CopyToHost(view->targets.data(), device_args.base.targets,
+                               view->targets.size(), stream));
+    view->args.base.targets = view->targets.data();
+  }
+  if (device_args.segments != nullptr) {
+    view->segments = *device_args.segments;
+    view->ids.resize(static_cast<size_t>(rows));
+    RETURN_IF_ERROR(CopyToHost(view->ids.data(), view->segments.ids,
+                               view->ids.size() * sizeof(int32_t), stream));
+    view->segments.ids = view->ids.data();
+    view->args.segments = &view->segments;
+  }
+  view->plan = PlanPostTraining(view->args);
+  return absl::OkStatus();
+}
+
+// An event of one call, destroyed with it.
+class Event {
+ public:
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  cudaError_t Record(cudaStream_t stream) {
+    const cudaError_t e =
+        cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
+    return e == cudaSuccess ? cudaEventRecord(event_, stream) : e;
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// The fast schedule without segments, whose gradient factor is then the
+// prepare kernel's scale (RowTerms::row_scale nullptr): the targets' copy
+// back, the kernels and the records' copy back are enqueued at once, and the
+// host plans from the targets while the kernels run. *ran is false where the
+// pieces do not fit this device (the caller takes the other path) or no
+// pinned memory could be had.
+absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
+                                const cuda_ce::ScheduleChoice& choice,
+                                PostTrainingCudaRow* out, HostView* view,
+                                bool* ran, cudaStream_t stream) {
+  *ran = false;
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  const size_t target_bytes = rows * DTypeSize(args.base.targets_dtype);
+  void* targets = PinnedStaging(kTargetsSlot, target_bytes);
+  if (targets == nullptr) return absl::OkStatus();
+  Event copied;
+  RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(targets, args.base.targets, target_bytes,
+                                 cudaMemcpyDeviceToHost, stream),
+                 "post_training copy targets"));
+  RETURN_IF_ERROR(CudaStatus(copied.Record(stream), "post_training event"));
+  DeviceBuffer device_rows(stream), workspace(stream), support_z(stream);
+  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(
+      workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+  if (args.distillation != nullptr) {
+    RETURN_IF_ERROR(
+        support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+  }
+  const cudaError_t launched =
+      LaunchFast(args, choice, nullptr, workspace.get(),
+                 static_cast<float*>(support_z.get()),
+                 static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  if (launched == cudaErrorInvalidConfiguration) {
+    cudaGetLastError();
+    return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
+  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(out, device_rows.get(),
+                                             rows * sizeof(PostTrainingCudaRow),
+                                             cudaMemcpyDeviceToHost, stream),
+                             "post_training copy to host"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied.get()),
+                             "post_training copy targets"));
+  view->args = args;
+  view->args.base.targets = targets;
+  view->plan = PlanPostTraining(view->args);
+  RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize"));
+  *ran = true;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
-                              PostTrainingResult* result, cudaStream_t stream) {
+                              PostTrainingResult* result, cudaStream_t stream,
+                              PostTrainingCudaPath path) {
   if (result == nullptr) {
     return absl::InvalidArgumentError("post_training: result is nullptr");
   }
@@ -63,55 +349,37 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
                      kPostTrainingCudaMaxTopKVocab, ")"));
   }
 
-  // The plan needs the targets and segment ids on the host.
-  PostTrainingArgs host_view = device_args;
-  std::vector<char> targets;
-  std::vector<int32_t> ids;
-  SegmentArgs segments;
-  if (base.targets != nullptr) {
-    targets.resize(static_cast<size_t>(rows) * DTypeSize(base.targets_dtype));
-    RETURN_IF_ERROR(
-        CopyToHost(targets.data(), base.targets, targets.size(), stream));
-    host_view.base.targets = targets.data();
-  }
-  if (device_args.segments != nullptr) {
-    segments = *device_args.segments;
-    ids.resize(static_cast<size_t>(rows));
-    RETURN_IF_ERROR(CopyToHost(ids.data(), segments.ids,
-                               ids.size() * sizeof(int32_t), stream));
-    segments.ids = ids.data();
-    host_view.segments = &segments;
-  }
-  const PostTrainingPlan plan = PlanPostTraining(host_view);
-  std::vector<float> row_scale(static_cast<size_t>(rows));
-  for (int64_t row = 0; row < rows; ++row) {
-    row_scale[row] =
-        static_cast<float>(plan.row_scale[row] * base.options.grad_scale);
-  }
-
-  std::vector<PostTrainingCudaRow> out(static_cast<size_t>(rows));
+  std::vector<PostTrainingCudaRow> pageable;
+  PostTrainingCudaRow* out = nullptr;
+  HostView view;
+  bool ran = false;
   if (rows > 0) {
-    DeviceBuffer device_scale(stream), device_rows(stream);
-    RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
-    RETURN_IF_ERROR(
-        device_rows.Allocate(out.size() * sizeof(PostTrainingCudaRow)));
-    RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
-                                   row_scale.size() * sizeof(float),
-                                   cudaMemcpyHostToDevice, stream),
-                   "post_training copy row scales"));
-    const cudaError_t launched = PostTrainingCudaLaunch(
-        device_args, static_cast<const float*>(device_scale.get()),
-        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
-    if (launched == cudaErrorInvalidValue) {
-      cudaStreamSynchronize(stream);
-      return absl::InvalidArgumentError(
-          "post_training: the shape is not supported by the GPU kernel");
+    out = static_cast<PostTrainingCudaRow*>(PinnedStaging(
+        kRecordsSlot, static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
+    if (out == nullptr) {
+      pageable.resize(static_cast<size_t>(rows));
+      out = pageable.data();
     }
-    RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
-    RETURN_IF_ERROR(CopyToHost(out.data(), device_rows.get(),
-                               out.size() * sizeof(PostTrainingCudaRow),
-                               stream));
+    std::optional<cuda_ce::ScheduleChoice> fast;
+    if (path == PostTrainingCudaPath::kAuto) {
+      RETURN_IF_ERROR(ChooseFast(device_args, &fast));
+    }
+    if (fast && device_args.segments == nullptr) {
+      RETURN_IF_ERROR(
+          RunFastUnsegmented(device_args, *fast, out, &view, &ran, stream));
+    }
+  }
+  if (!ran) {
+    // The plan first: the kernels need each row's factor.
+    RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
+    if (rows > 0) {
+      std::vector<float> row_scale(static_cast<size_t>(rows));
+      for (int64_t row = 0; row < rows; ++row) {
+        row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
+                                            base.options.grad_scale);
+      }
+      RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
+    }
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
@@ -139,7 +407,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
       device_args.token_entropy[row] = static_cast<float>(r.entropy);
     }
   }
-  *result = ReducePostTrainingRows(host_view, plan, totals);
+  *result = ReducePostTrainingRows(view.args, view.plan, totals);
   return absl::OkStatus();
 }
 

@@ -16,6 +16,8 @@
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/row_math.cuh"
+#include "kernels/cuda/row_terms.cuh"
+#include "kernels/cuda/row_terms.h"
 #include "kernels/cuda/schedules.h"
 #include "kernels/cuda/slice_stats.cuh"
 
@@ -127,17 +129,26 @@ constexpr int kBulkChunks = 8;
 // kOpts: softcap and label smoothing (ElementOptionsOn): z is the softcapped
 // logit in the statistics and the gradient, each piece's sum of w_c z_c goes
 // beside its slot (PublishWz), and the gradient takes OtherGrad's form.
+//
+// kTerms: a post-training row (RowTerms; no edges, no smoothing): the row's
+// factor scales its gradient, its record replaces cross entropy's outputs,
+// and each piece writes its share of the row's entropy.
 template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges,
-          int kOpts>
+          int kOpts, bool kTerms = false>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
-    SmemPieceKernel(Params p, int per_row, long long ahead) {
+    SmemPieceKernel(Params p, int per_row, long long ahead, RowTerms terms) {
+  static_assert(!kTerms || (!kEdges && !(kOpts & kOptSmoothing)),
+                "post-training rows: whole vectors, no smoothing");
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   constexpr bool kBulk = kLoad == kLoadBulk;
   extern __shared__ uint4 kept[];
   __shared__ Stats scratch[kBlock / 32 + 1];
   __shared__ long long item_s;
-  __shared__ RowMath rowmath;  // of the item's row
+  __shared__ RowMath rowmath;           // of the item's row
+  __shared__ float row_corr;            // kTerms: the row's TermsRow::corr
+  __shared__ float row_in[kRowInputs];  // kTerms: FetchRowInputs
+  __shared__ TopKRow row_top_k;         // kTerms with a top-k teacher
   // kBulk: landed[c] completes when chunk c of the piece (kChunkBytes, the
   // bytes of one SliceStats batch of the block) is in `kept`.
   constexpr unsigned kChunkBytes = kU * kBlock * 16;
@@ -205,6 +216,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       }
     }
     const long long row = k / per_row;
+    if (kTerms && tid == 0) FetchRowInputs(terms, row, row_in);
     const int piece = static_cast<int>(k - row * per_row);
     const PieceSpan<T, kEdges> span(p, row, piece);
     const int start = span.start;
@@ -308,23 +320,47 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       const Stats rs = WarpMergeStats(ps);
       const float zy =
           valid ? __shfl_sync(0xffffffffu, zy_lane, y_piece) : 0.0f;
-      const RowMath rm =
-          MakeRowMath(p, hdr, rs, valid, zy, TargetWeight(p, valid, y));
       const bool owner = y_piece == piece;
-      if (lane == 0) {
-        if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
-        rowmath = rm;
+      if constexpr (kTerms) {
+        if (lane == 0) AwaitRowInputs();
+        __syncwarp();
+        const TermsRow tr = MakeTermsRow(p, hdr, rs, valid, y, zy, terms,
+                                         row_in, row, lane, owner && lane == 0);
+        __syncwarp();  // (every lane has read row_in)
+        if (lane == 0) {
+          rowmath = tr.rm;
+          row_corr = tr.corr;
+          row_top_k = tr.top_k;
+          row_in[kInScale] = tr.scale;
+        }
+      } else {
+        const RowMath rm =
+            MakeRowMath(p, hdr, rs, valid, zy, TargetWeight(p, valid, y));
+        if (lane == 0) {
+          if (owner) WriteRowOutputs(p, row, valid, y, rm, rs.arg, true);
+          rowmath = rm;
+        }
       }
     }
     __syncthreads();
     T* const out_row = static_cast<T*>(p.grad) + row * p.stride;
     T* const out = out_row + start;
     const int nvec = n / kVec;
+    float h = 0.0f;  // kTerms: this thread's share of the row's entropy
     if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
+      if constexpr (kTerms) {
+        h = EntropyGradientSlice<T, kBlock, kOpts, false>(kept, out, nvec, tid,
+                                                          rowmath, opts);
+      }
     } else {
       const RowMath rm = rowmath;
-      GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
+      if constexpr (kTerms) {
+        h = EntropyGradientSlice<T, kBlock, kOpts, true>(kept, out, nvec, tid,
+                                                         rm, opts);
+      } else {
+        GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
+      }
       // The target column, computed without cancellation, overwrites what
       // the same thread stored there (program order).
       if (yl >= 0 && yl < n && (yl / kVec) % kBlock == tid) {
@@ -347,6 +383,16 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       }
       Tr::Store(out_row + c, g);
     }
+    if constexpr (kTerms) {
+      // (scratch is free: every warp has passed the barrier after the merge)
+      h = BlockReduce<kBlock>(h, reinterpret_cast<float*>(scratch));
+      if (tid == 0) terms.piece_entropy[k] = h * row_corr;
+      if (terms.kd && valid && warp == 0) {
+        // (after BlockReduce's barriers: over the gradient just written)
+        FixSupport<T, kOpts>(terms, row, y, start, n, out_row, row_top_k,
+                             rowmath.lse, row_in[kInScale], opts, lane);
+      }
+    }
     parity ^= 1u;
     __syncthreads();  // kept, rowmath and item_s are rewritten by the next item
   }
@@ -363,10 +409,11 @@ struct Plan {
   bool fits = false;
 };
 
-template <typename T, int kLoad, bool kEdges, int kOpts>
+template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false>
 cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   constexpr int kBlock = kThreads;
-  const auto kernel = SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts>;
+  const auto kernel =
+      SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts, kTerms>;
   plan->smem = static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
   plan->fits = false;
   int device = 0, smem_max = 0;
@@ -403,10 +450,11 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
 // persistent grid of every block that fits with a piece of shared memory
 // (256 threads, four a SM); each taken item prefetches the piece 256 KiB of
 // logits ahead into L2 where four blocks fit a SM (none otherwise).
-template <typename T, int kLoad, bool kEdges, int kOpts>
-cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
+template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false>
+cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream,
+                         const RowTerms& terms = {}) {
   Plan plan;
-  cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts>(p, per_row, &plan);
+  cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts, kTerms>(p, per_row, &plan);
   if (e != cudaSuccess) return e;
   if (!plan.fits) return cudaErrorInvalidConfiguration;
   const long long grid = static_cast<long long>(plan.sms) * plan.per_sm;
@@ -420,10 +468,11 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream) {
   e = cudaMemsetAsync(p.pieces, 0, sizeof(PieceSlot) * p.rows * per_row,
                       stream);
   if (e != cudaSuccess) return e;
-  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges, kOpts>
+  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges, kOpts, kTerms>
       <<<static_cast<unsigned>(grid), kThreads, plan.smem, stream>>>(
           p, per_row,
-          ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / plan.smem) : 0);
+          ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / plan.smem) : 0,
+          terms);
   return cudaGetLastError();
 }
 
@@ -488,7 +537,42 @@ cudaError_t ForDType(const Params& p, DType dtype, bool bulk, bool edges,
   }
 }
 
+// The kTerms builds: the softcap or none, by bulk copies, or the threads'
+// loads where ForBuild would take them (2-byte logits, `bulk` false, no
+// softcap).
+template <typename T, bool kRegisterLoads>
+cudaError_t LaunchTerms(const Params& p, const RowTerms& terms, bool bulk,
+                        int per_row, cudaStream_t stream) {
+  if (p.softcap > 0.0f) {
+    return LaunchPieces<T, kLoadBulk, false, kOptSoftcap, true>(p, per_row,
+                                                                stream, terms);
+  }
+  if (kRegisterLoads && !bulk) {
+    constexpr int kLoad = kRegisterLoads ? kLoadRegisters : kLoadBulk;
+    return LaunchPieces<T, kLoad, false, 0, true>(p, per_row, stream, terms);
+  }
+  return LaunchPieces<T, kLoadBulk, false, 0, true>(p, per_row, stream, terms);
+}
+
 }  // namespace
+
+cudaError_t LaunchSmemRowPiecesTerms(const Params& p, const RowTerms& terms,
+                                     DType dtype, bool bulk, int pieces,
+                                     cudaStream_t stream) {
+  if (p.eps > 0.0f || p.zls != 0.0f || p.weights != nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  switch (dtype) {
+    case DType::kFloat32:
+      return LaunchTerms<float, false>(p, terms, bulk, pieces, stream);
+    case DType::kBFloat16:
+      return LaunchTerms<__nv_bfloat16, true>(p, terms, bulk, pieces, stream);
+    case DType::kFloat16:
+      return LaunchTerms<__half, true>(p, terms, bulk, pieces, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
 
 cudaError_t SmemRowPiecesFit(const Params& p, DType dtype, bool bulk,
                              bool edges, int pieces, bool* fits) {

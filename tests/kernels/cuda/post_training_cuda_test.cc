@@ -1,6 +1,6 @@
-// The CUDA post-training losses against the fp64 CPU backend over families,
-// dtypes, odd V and V = 128256 (skipped without a GPU), and a disabled bench of
-// dense and top-k KD at 8192 x 128256 bf16.
+// The CUDA post-training losses against the fp64 CPU backend (families,
+// dtypes, odd V, V = 128256; the fast schedule and the row kernel; skipped
+// without a GPU), and disabled benches of distillation and the policy losses.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -11,11 +11,13 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/float16.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/post_training_cpu.h"
+#include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/post_training_cuda_host.h"
 
 namespace lossd {
@@ -99,6 +101,8 @@ struct Config {
   float softcap = 0.0f;
   bool segments = false;
   uint32_t seed = 1;
+  PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
+  bool in_place = false;  // the GPU's gradient over its logits
 };
 
 std::string Name(const Config& c) {
@@ -108,7 +112,9 @@ std::string Name(const Config& c) {
          std::to_string(c.k) + " tail " +
          std::to_string(static_cast<int>(c.tail)) + " tau " +
          std::to_string(c.tau) + " alpha " + std::to_string(c.alpha) +
-         " loss " + std::to_string(static_cast<int>(c.loss));
+         " loss " + std::to_string(static_cast<int>(c.loss)) + " path " +
+         std::to_string(static_cast<int>(c.path)) + " in place " +
+         std::to_string(c.in_place);
 }
 
 // Runs `c` on both backends and compares.
@@ -236,7 +242,8 @@ void Compare(const Config& c) {
   std::vector<float> gpu_loss(c.rows), gpu_entropy(c.rows);
   gpu.base.logits_dtype = c.dtype;
   gpu.base.logits = d_logits.get();
-  gpu.base.gradient = d_grad.get();
+  gpu.base.gradient = c.in_place ? d_logits.get() : d_grad.get();
+  if (c.in_place) gpu.base.mode = GradientMode::kInPlace;
   gpu.base.targets = d_targets.get();
   gpu.base.token_loss = gpu_loss.data();
   gpu.token_entropy = gpu_entropy.data();
@@ -253,7 +260,7 @@ void Compare(const Config& c) {
       c.reference ? static_cast<const float*>(d_reference.get()) : nullptr;
   gpu_seg.ids = static_cast<const int32_t*>(d_ids.get());
   PostTrainingResult got;
-  const absl::Status status = PostTrainingCuda(gpu, &got, nullptr);
+  const absl::Status status = PostTrainingCuda(gpu, &got, nullptr, c.path);
   ASSERT_TRUE(status.ok()) << status;
 
   EXPECT_NEAR(got.base.loss, want.base.loss,
@@ -264,6 +271,12 @@ void Compare(const Config& c) {
   EXPECT_EQ(got.base.correct_tokens, want.base.correct_tokens);
   EXPECT_EQ(got.policy.clipped_tokens, want.policy.clipped_tokens);
   EXPECT_EQ(got.segment_tokens, want.segment_tokens);
+  EXPECT_NEAR(got.policy.ratio_sum, want.policy.ratio_sum,
+              2e-4 * std::fabs(want.policy.ratio_sum) + 1e-5);
+  EXPECT_NEAR(got.policy.kl_sum, want.policy.kl_sum,
+              2e-4 * std::fabs(want.policy.kl_sum) + 1e-5);
+  EXPECT_NEAR(got.policy.entropy_sum, want.policy.entropy_sum,
+              1e-4 * std::fabs(want.policy.entropy_sum) + 1e-4);
   for (int64_t row = 0; row < c.rows; ++row) {
     EXPECT_NEAR(gpu_loss[row], cpu_loss[row],
                 2e-4 * std::fabs(cpu_loss[row]) + 2e-5)
@@ -271,7 +284,8 @@ void Compare(const Config& c) {
     EXPECT_NEAR(gpu_entropy[row], cpu_entropy[row],
                 1e-4 * std::fabs(cpu_entropy[row]) + 2e-5);
   }
-  const std::vector<uint8_t> grad = d_grad.Read();
+  const std::vector<uint8_t> grad =
+      c.in_place ? d_logits.Read() : d_grad.Read();
   // Each row's factor s in the reduced, scaled loss.
   const PostTrainingPlan plan = PlanPostTraining(cpu);
   const double unit = c.dtype == DType::kFloat32   ? 1.0 / (1 << 23)
@@ -387,6 +401,59 @@ TEST_F(PostTrainingCudaTest, LargeVocabularyMatchesTheCpu) {
   Compare(policy);
 }
 
+// Rows of whole 16-byte vectors long enough for the smem row pieces schedule
+// (2-byte rows from 32 KiB, fp32 from 120 KiB): the policy losses, plain
+// cross entropy with segments and top-k distillation (k 1, 64, 512) there,
+// and the same calls on the row kernel.
+TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
+  uint32_t seed = 300;
+  for (PostTrainingCudaPath path :
+       {PostTrainingCudaPath::kAuto, PostTrainingCudaPath::kRowKernel}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (PolicyLossKind loss :
+           {PolicyLossKind::kImportanceSampling, PolicyLossKind::kPpoClip,
+            PolicyLossKind::kCispo}) {
+        Config c{Family::kPolicy, dtype, 9, 32768};
+        c.loss = loss;
+        c.estimator = loss == PolicyLossKind::kCispo ? KlEstimator::kK2
+                                                     : KlEstimator::kK3;
+        c.reference = loss != PolicyLossKind::kImportanceSampling;
+        c.segments = loss == PolicyLossKind::kPpoClip;
+        c.softcap = dtype == DType::kBFloat16 ? 20.0f : 0.0f;
+        // (2-byte logits in place: the build with the threads' own loads)
+        c.in_place = dtype != DType::kFloat32 &&
+                     loss == PolicyLossKind::kImportanceSampling;
+        c.path = path;
+        c.seed = seed++;
+        Compare(c);
+      }
+      Config plain{Family::kPlain, dtype, 7, 40000};
+      plain.segments = true;
+      plain.path = path;
+      plain.seed = seed++;
+      Compare(plain);
+      for (Divergence divergence :
+           {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+        for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+          Config c{Family::kTopK, dtype, 5, 32768};
+          c.k = tail == TopKTail::kBucket ? 64 : 1 + seed % 2 * 511;
+          c.tail = tail;
+          c.divergence = divergence;
+          c.beta = 0.3f;
+          c.alpha = divergence == Divergence::kJsd ? 0.4f : 0.0f;
+          c.softcap = dtype == DType::kBFloat16 ? 20.0f : 0.0f;
+          c.segments = divergence == Divergence::kReverseKl;
+          c.in_place = dtype != DType::kFloat32 && tail == TopKTail::kBucket &&
+                       divergence == Divergence::kForwardKl;
+          c.path = path;
+          c.seed = seed++;
+          Compare(c);
+        }
+      }
+    }
+  }
+}
+
 // Times a kernel call (median of 5 after one warm-up) in seconds.
 template <typename Call>
 double Time(Call call) {
@@ -473,6 +540,83 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
   cudaFree(student);
   cudaFree(teacher);
   cudaFree(copy);
+}
+
+// The policy losses (PPO-clip with a k3 reference KL) and plain cross entropy
+// fwd+gradient in place, bf16, at the two large shapes, against a device copy
+// of the logits (their traffic floor: one read and one write), on the fast
+// schedule and on the row kernel, beside cross entropy itself. Run with
+// --gtest_also_run_disabled_tests --gtest_filter=*Bench*.
+TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicy) {
+  for (const auto& [rows, vocab] :
+       {std::pair<int64_t, int64_t>{8192, 128256}, {16384, 131072}}) {
+    const size_t bytes = static_cast<size_t>(rows * vocab) * 2;
+    void *logits = nullptr, *copy = nullptr;
+    ASSERT_EQ(cudaMalloc(&logits, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&copy, bytes), cudaSuccess);
+    cudaMemset(logits, 0x3c, bytes);  // bf16 ~0.011
+    std::vector<int64_t> targets(rows);
+    std::vector<float> advantages(rows), sampling(rows), reference(rows);
+    for (int64_t row = 0; row < rows; ++row) {
+      targets[row] = (row * 7919) % vocab;
+      advantages[row] = (row % 3) - 1.0f;
+      sampling[row] = -std::log(static_cast<float>(vocab)) + (row % 5) * 0.1f;
+      reference[row] = sampling[row] - 0.05f;
+    }
+    DeviceBytes d_targets(targets.data(), targets.size() * 8);
+    DeviceBytes d_adv(advantages.data(), advantages.size() * 4);
+    DeviceBytes d_sampling(sampling.data(), sampling.size() * 4);
+    DeviceBytes d_reference(reference.data(), reference.size() * 4);
+    const double copy_s = Time(
+        [&] { cudaMemcpy(copy, logits, bytes, cudaMemcpyDeviceToDevice); });
+    CrossEntropyArgs base;
+    base.rows = rows;
+    base.vocab = vocab;
+    base.row_stride = vocab;
+    base.logits_dtype = DType::kBFloat16;
+    base.logits = logits;
+    base.gradient = logits;
+    base.mode = GradientMode::kInPlace;
+    base.targets = d_targets.get();
+    base.targets_dtype = DType::kInt64;
+    const double ce_s = Time([&] {
+      CrossEntropyResult result;
+      const absl::Status status = CrossEntropyCuda(base, &result, nullptr);
+      EXPECT_TRUE(status.ok()) << status;
+    });
+    auto run = [&](bool policy, PostTrainingCudaPath path) {
+      PostTrainingArgs args;
+      args.base = base;
+      PolicyArgs pg;
+      pg.advantages = static_cast<const float*>(d_adv.get());
+      pg.sampling_logprobs = static_cast<const float*>(d_sampling.get());
+      pg.reference_logprobs = static_cast<const float*>(d_reference.get());
+      pg.kl_coef = 0.05f;
+      if (policy) args.policy = &pg;
+      PostTrainingResult result;
+      const absl::Status status =
+          PostTrainingCuda(args, &result, nullptr, path);
+      EXPECT_TRUE(status.ok()) << status;
+    };
+    const double plain_s =
+        Time([&] { run(false, PostTrainingCudaPath::kAuto); });
+    const double policy_s =
+        Time([&] { run(true, PostTrainingCudaPath::kAuto); });
+    const double policy_rows_s =
+        Time([&] { run(true, PostTrainingCudaPath::kRowKernel); });
+    auto pct = [&](double s) { return 100.0 * copy_s / s; };
+    std::printf(
+        "bench: bf16 %lld x %lld in place: copy %.3f ms; cross entropy %.3f "
+        "ms (%.0f%% of copy); post-training plain CE %.3f ms (%.0f%%); "
+        "PPO-clip "
+        "+ k3 KL %.3f ms (%.0f%%); PPO-clip on the row kernel %.3f ms "
+        "(%.0f%%)\n",
+        static_cast<long long>(rows), static_cast<long long>(vocab),
+        copy_s * 1e3, ce_s * 1e3, pct(ce_s), plain_s * 1e3, pct(plain_s),
+        policy_s * 1e3, pct(policy_s), policy_rows_s * 1e3, pct(policy_rows_s));
+    cudaFree(logits);
+    cudaFree(copy);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,41 @@
+// Which CUDA kernel runs a post-training call: the smem row pieces schedule
+// with per-row terms (row_terms.h) where it takes the call, else the row
+// kernel (post_training_rows.cu). Plain C++, so that a CPU test checks it.
+#ifndef LOSSD_KERNELS_CUDA_POST_TRAINING_POLICY_H_
+#define LOSSD_KERNELS_CUDA_POST_TRAINING_POLICY_H_
+
+#include <optional>
+
+#include "kernels/cuda/schedule_policy.h"
+
+namespace lossd {
+namespace cuda_ce {
+
+// What the choice depends on, from PostTrainingArgs.
+struct PostTrainingShape {
+  // The student logits as cross entropy's dispatch sees them (ShapeOf).
+  ScheduleShape logits;
+  bool distillation = false;   // a teacher
+  bool dense_teacher = false;  // ... of logits [N, V] (else top-k)
+  float temperature = 1.0f;    // ... and its temperature
+  bool policy = false;         // a policy loss
+  bool targets = false;        // base.targets given
+};
+
+// The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
+// The fast path takes policy losses, top-k distillation at temperature 1 and
+// plain cross entropy (with segments) with targets, forward+gradient, on rows
+// of whole 16-byte vectors where cross entropy itself would take smem row
+// pieces (ChooseSchedule): the gradient is then a per-row combination of
+// p - onehot(y) on that schedule's passes (RowTerms), plus the support's
+// entries. A dense teacher, another temperature, forward only, rows with
+// unaligned edges and rows the pieces do not fit stay on the row kernel. Pure
+// and thread-safe.
+std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
+    const PostTrainingShape& shape, const DeviceLimits& device,
+    const Sm90Policy& policy = {});
+
+}  // namespace cuda_ce
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_POST_TRAINING_POLICY_H_

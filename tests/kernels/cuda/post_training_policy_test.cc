@@ -1,0 +1,110 @@
+// The post-training losses' choice of kernel (post_training_policy.h) on the
+// CPU: the fast schedule for what it takes at the bench's shapes with the
+// H200's limits, the row kernel for everything else.
+#include "kernels/cuda/post_training_policy.h"
+
+#include <utility>
+
+#include "gtest/gtest.h"
+
+namespace lossd {
+namespace cuda_ce {
+namespace {
+
+DeviceLimits H200() {
+  DeviceLimits d;
+  d.sms = 132;
+  d.smem_per_block_optin = 227 * 1024;
+  d.smem_per_sm = 228 * 1024;
+  return d;
+}
+
+// A policy call on contiguous, 16-byte aligned logits, in place.
+PostTrainingShape Policy(long long rows, int vocab, int element_bytes) {
+  PostTrainingShape s;
+  s.logits.element_bytes = element_bytes;
+  s.logits.rows = rows;
+  s.logits.vocab = vocab;
+  s.logits.in_place = true;
+  const bool whole = static_cast<long long>(vocab) * element_bytes % 16 == 0;
+  s.logits.aligned_rows = whole;
+  s.logits.whole_vectors = whole;
+  s.logits.edges_ok = true;
+  s.policy = true;
+  s.targets = true;
+  return s;
+}
+
+TEST(PostTrainingPolicyTest, PolicyLossesOnLargeRowsTakeSmemRowPieces) {
+  for (int bytes : {2, 4}) {
+    for (const auto& [rows, vocab] :
+         {std::pair<long long, int>{8192, 128256}, {16384, 131072}}) {
+      const PostTrainingShape s = Policy(rows, vocab, bytes);
+      const auto c = ChoosePostTrainingSchedule(s, H200());
+      ASSERT_TRUE(c.has_value()) << rows << " x " << vocab << " " << bytes;
+      EXPECT_EQ(c->schedule, Schedule::kSmemRowPieces);
+      EXPECT_FALSE(c->edges);
+      // The same sizes as cross entropy's own choice.
+      EXPECT_EQ(*c, ChooseSchedule(s.logits, H200()));
+    }
+  }
+}
+
+TEST(PostTrainingPolicyTest, PlainCrossEntropyWithSegmentsTakesItToo) {
+  PostTrainingShape s = Policy(4096, 128256, 2);
+  s.policy = false;
+  ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
+}
+
+TEST(PostTrainingPolicyTest, TopKDistillationAtTemperatureOneTakesIt) {
+  PostTrainingShape s = Policy(8192, 128256, 2);
+  s.policy = false;
+  s.distillation = true;
+  ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
+  EXPECT_EQ(*ChoosePostTrainingSchedule(s, H200()),
+            ChooseSchedule(s.logits, H200()));
+}
+
+TEST(PostTrainingPolicyTest,
+     WhatTheFastScheduleDoesNotTakeStaysOnTheRowKernel) {
+  PostTrainingShape s = Policy(8192, 128256, 2);
+  s.policy = false;
+  s.distillation = true;
+  s.dense_teacher = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  s.dense_teacher = false;
+  s.temperature = 2.0f;  // a second lse the statistics do not keep
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  s = Policy(8192, 128256, 2);
+  s.targets = false;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  s = Policy(8192, 128256, 2);
+  s.logits.forward_only = true;
+  s.logits.in_place = false;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  // An odd vocab: rows with edges.
+  s = Policy(8192, 128257, 2);
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  // Short rows: cross entropy takes cluster register rows there.
+  s = Policy(8192, 1024, 2);
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  // Rows past what the pieces hold in place (L2 row pieces for cross
+  // entropy).
+  s = Policy(64, 16 << 20, 2);
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
+  // No device limits known (no SMs): nothing fits.
+  EXPECT_FALSE(
+      ChoosePostTrainingSchedule(Policy(8192, 128256, 2), DeviceLimits{})
+          .has_value());
+}
+
+}  // namespace
+}  // namespace cuda_ce
+}  // namespace lossd
