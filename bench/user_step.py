@@ -129,15 +129,14 @@ def overlap_lines(serial, overlapped, calibration):
     compute = statistics.median(s["compute"] for s in later)
     transfer = statistics.median(s["transfer"] for s in later)
     hidden = serial_steady - overlapped_steady
-    # With 4 stages, at most 3 of the 4 computes or transfers (the smaller) can hide.
-    hideable = 3 * min(compute, transfer) / 4
     return [
         f"Overlapped step (6a/6b): 4 micro-batches, each {calibration['matmuls']} matmuls "
         f"({calibration['matmul_seconds'] * 1e3:.2f} ms each) of compute. One after the other "
         f"(steady): compute {compute:.3f} s + transfer {transfer:.3f} s = {serial_steady:.3f} s; "
         f"overlapped {overlapped_steady:.3f} s: **{hidden:.3f} s hidden**, "
-        f"{100 * hidden / transfer:.0f}% of the transfer time, {100 * hidden / hideable:.0f}% of "
-        f"the {hideable:.3f} s a 4-stage pipeline can hide (3/4 of the smaller of the two).",
+        f"{100 * hidden / transfer:.0f}% of the transfer time. Besides the compute, micro-batch "
+        f"k+1's upload and forward run beside micro-batch k's download (they overlap each "
+        f"other): hidden beyond the compute time {max(0.0, hidden - compute):.3f} s.",
         ""]
 
 
