@@ -45,13 +45,13 @@ absl::Status WriteAt(int fd, const void* data, std::size_t bytes,
 
 // Gives every page of the shared file mapping [mapping, mapping + bytes) its
 // storage and a writable page-table entry, a 64 MiB chunk per task of
-// `pool`, before the download's stores reach it: one thread doing this
-// (fallocate, then MAP_POPULATE) took most of a 4.2 GB .npy download into
-// /dev/shm on a 16-core machine (bench/SERVICE_RESULTS.md), and faults taken
-// by the converting threads slow a 2-core machine's transfer.
-// MADV_POPULATE_WRITE reports a full file system as EFAULT, where a store
-// would raise SIGBUS; a kernel without it (before 5.14) gets the storage from
-// posix_fallocate, then one store a page.
+// `pool`, before the download's stores reach it: in one thread (fallocate,
+// then MAP_POPULATE) this costs about a second a GiB of /dev/shm on the build
+// machine, ahead of the first byte, and faults taken by the converting
+// threads slow the transfer where cores are few. MADV_POPULATE_WRITE reports
+// a full file system as EFAULT, where a store would raise SIGBUS; a kernel
+// without it (before 5.14) gets the storage from posix_fallocate, then one
+// store a page.
 absl::Status PopulateMapping(uint8_t* mapping, uint64_t bytes, int fd,
                              ConvertPool* pool, const std::string& path) {
   constexpr uint64_t kChunk = uint64_t{64} << 20;
