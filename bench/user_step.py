@@ -1,20 +1,32 @@
 #!/usr/bin/env python3
-"""The user's training step five ways, each in a fresh process, in one run.
+"""The user's training step every way, each in a fresh process, in one run.
 
 For each shape (bf16 logits [rows, vocab], int64 targets): upload, forward in
 place, backward, the gradient back where the user wants it. The ways:
   1. lossd.torch.cross_entropy from a CUDA tensor, gradient on the device;
-  2. the Python client (lossd.Client) from numpy, gradient into numpy;
-  3. lossctl with .npy files (fp32 file sent as bf16, gradient written back);
-  4. lossd::Client (bench/user_step_bench);
-  5. the Python server (bench/python_server.py: grpcio + torch), driven by
+  2. lossd.torch from CPU tensors (a GPU-less client: logits in host memory,
+     the gradient received into host memory; skipped with --device=cpu, where
+     way 1 is this);
+  3. the Python client (lossd.Client) from numpy, gradient into numpy;
+  4. lossctl with .npy files (fp32 file sent as bf16, gradient written back);
+  5. lossd::Client (bench/user_step_bench);
+  6. the overlapped step: 4 micro-batches of rows / 4, each a "compute" (a
+     timed matmul on --device standing in for the model) and its loss through
+     lossd.torch, (a) one after the other and (b) with micro-batch k's upload,
+     forward and download running during micro-batch k+1's compute
+     (bench/user_step_python.py --mode=overlap; the compute is sized to one
+     micro-batch's transfer; (b)'s transfer column counts its waits too);
+  7. the Python server (bench/python_server.py: grpcio + torch), driven by
      the same C++ client over one gRPC stream each way.
 Raw TCP over loopback with the same bytes is the transport's ceiling. Every
-way reports its first step and its steady state (median of the later steps).
+way reports its first step and its steady state (median of the later steps),
+and its ratio to the Python server's step; the targets of issue 27 are checked
+on the steady step.
 
   python3 bench/user_step.py --build build-gpu --out $OUT/USER_STEP.md
-(on the GPU machine after scripts/gpu-python build; --device=cpu and small
---shapes run it here).
+(on the GPU machine after a scripts/gpu-python install; here, a smoke run of
+every way in about a minute:
+  python3 bench/user_step.py --build build-gpu --device=cpu --shapes=512x4096 --steps=2)
 """
 import argparse
 import json
@@ -108,11 +120,49 @@ def scratch_folder(need_bytes):
     return tempfile.mkdtemp(prefix="user_step_")
 
 
+def overlap_lines(serial, overlapped, calibration):
+    """The overlapped step against the serial one: the time it hides against the transfer time
+    (both from the serial process, where each is measured alone)."""
+    serial_steady = summary(serial)[1]
+    overlapped_steady = summary(overlapped)[1]
+    later = serial[1:] or serial
+    compute = statistics.median(s["compute"] for s in later)
+    transfer = statistics.median(s["transfer"] for s in later)
+    hidden = serial_steady - overlapped_steady
+    return [
+        f"Overlapped step (6a/6b): 4 micro-batches, each {calibration['matmuls']} matmuls "
+        f"({calibration['matmul_seconds'] * 1e3:.2f} ms each) of compute. One after the other "
+        f"(steady): compute {compute:.3f} s + transfer {transfer:.3f} s = {serial_steady:.3f} s; "
+        f"overlapped {overlapped_steady:.3f} s: **{hidden:.3f} s hidden**, "
+        f"{100 * hidden / transfer:.0f}% of the transfer time. Besides the compute, micro-batch "
+        f"k+1's upload and forward run beside micro-batch k's download (they overlap each "
+        f"other): hidden beyond the compute time {max(0.0, hidden - compute):.3f} s.",
+        ""]
+
+
+# Issue 27's targets: (way's number, least ratio of the Python server's step to its steady step).
+TARGETS = (("1.", 20), ("2.", 15), ("3.", 15), ("4.", 8))
+
+
+def target_lines(ways, python_steady):
+    """One line: each target of issue 27, met or missed, on the steady step."""
+    checks = []
+    for prefix, least in TARGETS:
+        for name, steps in ways.items():
+            # Way 1's target is for CUDA tensors (with --device=cpu it is the CPU tensors' way).
+            if name.startswith(prefix) and (prefix != "1." or "cuda" in name):
+                ratio = python_steady / summary(steps)[1]
+                checks.append(f"{name.split(' (')[0]} {ratio:.1f}x (>= {least}x: "
+                              f"{'met' if ratio >= least else 'MISSED'})")
+    return ["Targets, steady step vs the Python server: " + "; ".join(checks) + ".", ""]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default="build-gpu", help="the build folder (lossd, lossctl, user_step_bench)")
     parser.add_argument("--python_package", default=None,
-                        help="folder to put on PYTHONPATH for `import lossd` (default: BUILD/client/python)")
+                        help="folder to put on PYTHONPATH for `import lossd` (default: BUILD/client/python; "
+                        "'installed': the package pip installed into this Python)")
     parser.add_argument("--shapes", default="16384x131072,8192x128256")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--python_server_steps", type=int, default=1)
@@ -121,8 +171,10 @@ def main():
     args = parser.parse_args()
 
     build = os.path.abspath(args.build)
-    package = os.path.abspath(args.python_package or os.path.join(build, "client", "python"))
-    env = dict(os.environ, PYTHONPATH=package + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
+    if args.python_package != "installed":
+        package = os.path.abspath(args.python_package or os.path.join(build, "client", "python"))
+        env["PYTHONPATH"] = package + os.pathsep + os.environ.get("PYTHONPATH", "")
     lines = [f"Command: `python3 bench/user_step.py {' '.join(sys.argv[1:])}`", ""]
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else ""
@@ -142,33 +194,43 @@ def main():
             bench = os.path.join(build, "bench", "user_step_bench")
             sizes = [f"--rows={rows}", f"--vocab={vocab}"]
             tcp = {k: run_json([bench, f"--tcp_connections={k}"] + sizes)[0]["seconds"] for k in (1, 4)}
+            python_step = [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"),
+                           f"--target={target}", f"--steps={args.steps}"] + sizes
             ways = {}
             ways[f"1. lossd.torch from a {args.device} tensor"] = run_json(
-                [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"), "--mode=torch",
-                 f"--target={target}", f"--steps={args.steps}", f"--device={args.device}"] + sizes, env=env)
-            ways["2. Python client from numpy"] = run_json(
-                [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"), "--mode=numpy",
-                 f"--target={target}", f"--steps={args.steps}"] + sizes, env=env)
+                python_step + ["--mode=torch", f"--device={args.device}"], env=env)
+            if args.device != "cpu":
+                ways["2. lossd.torch from CPU tensors (GPU-less client)"] = run_json(
+                    python_step + ["--mode=torch", "--device=cpu"], env=env)
+            ways["3. Python client from numpy"] = run_json(python_step + ["--mode=numpy"], env=env)
             folder = scratch_folder(rows * vocab * 8)
             try:
-                ways["3. lossctl, .npy files (fp32 sent as bf16) in " + os.path.dirname(folder)] = lossctl_steps(
+                ways["4. lossctl, .npy files (fp32 sent as bf16) in " + os.path.dirname(folder)] = lossctl_steps(
                     os.path.join(build, "client", "lossctl"), target, rows, vocab, args.steps, folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            ways["4. lossd::Client"] = run_json([bench, f"--target={target}", f"--steps={args.steps}"] + sizes)
+            ways["5. lossd::Client"] = run_json([bench, f"--target={target}", f"--steps={args.steps}"] + sizes)
+            serial = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=0"],
+                              env=env)
+            calibration = next(s for s in serial if "calibration" in s)
+            serial = [s for s in serial if "calibration" not in s]
+            overlapped = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=1",
+                                                 f"--matmuls={calibration['matmuls']}"], env=env)
+            ways["6a. 4 micro-batches + compute, one after the other"] = serial
+            ways["6b. 4 micro-batches + compute, overlapped"] = overlapped
             python_port = tempfile.mktemp(prefix="user_step_python_")
             python, python_target = start_server(
                 [sys.executable, os.path.join(ROOT, "bench", "python_server.py"),
                  f"--stubs={os.path.join(build, 'tests', 'reference', 'py')}", f"--port_file={python_port}",
                  f"--device={args.device}"], python_port)
             try:
-                ways["5. Python server (grpcio + torch)"] = run_json(
+                ways["7. Python server (grpcio + torch)"] = run_json(
                     [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
                      "--single_stream"] + sizes)
             finally:
                 stop(python)
-            python_first, python_steady = summary(ways["5. Python server (grpcio + torch)"])
-            client_steady = summary(ways["4. lossd::Client"])[1]
+            python_first, python_steady = summary(ways["7. Python server (grpcio + torch)"])
+            client_steady = summary(ways["5. lossd::Client"])[1]
             lines.append(f"### {rows} x {vocab} bf16 ({gb:.2f} GB each way)")
             lines.append("")
             lines.append(f"Raw TCP over loopback, the same bytes once: 1 connection {tcp[1]:.3f} s "
@@ -181,20 +243,24 @@ def main():
             for name, steps in ways.items():
                 first, steady = summary(steps)
                 later = steps[1:] or steps
-                up = statistics.median(s.get("upload", float("nan")) for s in later)
-                down = statistics.median(s.get("download", float("nan")) for s in later)
+                # The overlapped step's columns: its compute and transfer (micro-batches summed).
+                up_key, down_key = ("compute", "transfer") if "compute" in later[0] else ("upload", "download")
+                up = statistics.median(s.get(up_key, float("nan")) for s in later)
+                down = statistics.median(s.get(down_key, float("nan")) for s in later)
+                parts = "" if up_key == "upload" else " (compute / transfer)"
                 lines.append(f"| {name} | {first:.3f} s | {steady:.3f} s | {python_first / first:.1f}x / "
                              f"{python_steady / steady:.1f}x | {steady / client_steady:.2f} | "
-                             f"{steady / (2 * tcp[4]):.2f} | {up:.3f} / {down:.3f} s |")
+                             f"{steady / (2 * tcp[4]):.2f} | {up:.3f} / {down:.3f} s{parts} |")
             lines.append("")
-            print("\n".join(lines[-len(ways) - 8:]), flush=True)
+            lines += overlap_lines(serial, overlapped, calibration)
+            lines += target_lines(ways, python_steady)
+            print("\n".join(lines[-len(ways) - 14:]), flush=True)
+            if args.out:  # each shape as it is done: a run cut short keeps the shapes it did
+                with open(args.out, "a") as f:
+                    f.write("\n".join(lines) + "\n")
+                lines = []
     finally:
         stop(server)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    print(text)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,25 @@
 #!/usr/bin/env python3
-"""The user's step from Python, for bench/user_step.py: ways 1 (lossd.torch.cross_entropy from a
-tensor on --device, gradient back on it) and 2 (lossd.Client from numpy, gradient into a numpy
-buffer kept from step to step). Prints one JSON object a step: seconds, upload, download.
+"""The user's step from Python, for bench/user_step.py. Modes:
+  torch    lossd.torch.cross_entropy from a tensor on --device, the gradient back on it (CPU
+           tensors: a GPU-less client, the gradient received into host memory: a fresh tensor
+           at the first step, the same grad_out tensor after it);
+  numpy    lossd.Client from numpy, the gradient into a numpy buffer kept from step to step;
+  overlap  4 micro-batches (--micro_batches) of rows / 4, each one a "compute" (a timed matmul
+           on --device standing in for the model's forward) and then its loss through
+           lossd.torch: with --overlap, micro-batch k's upload, forward and download
+           (cross_entropy_async, collected and backpropagated on a worker thread) run while
+           micro-batch k+1 computes; without, one after the other. --matmuls 0 sizes the
+           compute to the transfer of one micro-batch and prints it ({"calibration": ...}).
+Prints one JSON object a step: seconds, upload, download (overlap: compute, transfer).
 
   python3 bench/user_step_python.py --mode=torch --target=127.0.0.1:50051 --rows=8192 \
       --vocab=128256 --steps=3 --device=cuda
-(`import lossd` from the build's client/python, or scripts/gpu-python build's folder.)
+(`import lossd` from the build's client/python, or a scripts/gpu-python install.)
 """
 import argparse
+import contextlib
 import json
+import statistics
 import time
 
 import numpy as np
@@ -56,36 +67,60 @@ def numpy_steps(client, args):
                           "download": download, "loss": result.loss}), flush=True)
 
 
+def random_logits(rows, vocab, device, seed=0):
+    """bf16 logits on `device`: drawn there on a GPU, from random_bf16_bits on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        generator = torch.Generator(device=device).manual_seed(seed)
+        return 3 * torch.randn(rows, vocab, generator=generator, device=device,
+                               dtype=torch.bfloat16)
+    return torch.from_numpy(random_bf16_bits(rows, vocab, seed).view(np.int16)).view(
+        torch.bfloat16)
+
+
+def torch_device(name):
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def torch_steps(client, args):
     import torch
 
     import lossd.torch
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    generator = torch.Generator(device=device).manual_seed(0)
-    logits = 3 * torch.randn(args.rows, args.vocab, generator=generator, device=device,
-                             dtype=torch.bfloat16)
+    device = torch_device(args.device)
+    logits = random_logits(args.rows, args.vocab, device)
     targets = torch.randint(0, args.vocab, (args.rows,), device=device)
-
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    # Host memory: the first step receives the gradient into a fresh tensor (first-touch page
+    # faults), the later ones into the one kept, as numpy_steps' out= buffer.
+    grad_out = None
     for step in range(args.steps):
         x = logits.detach().requires_grad_()
-        synchronize()
+        synchronize(device)
         start = time.perf_counter()
-        loss = lossd.torch.cross_entropy(x, targets, client=client)
-        synchronize()
+        loss = lossd.torch.cross_entropy(x, targets, client=client, grad_out=grad_out)
+        synchronize(device)
         forward = time.perf_counter() - start
         at = time.perf_counter()
         loss.backward()
-        synchronize()
+        synchronize(device)
         backward = time.perf_counter() - at
         total = time.perf_counter() - start
         assert x.grad.device == device and x.grad.dtype == torch.bfloat16
+        if device.type == "cpu":
+            grad_out = x.grad
         # "upload" is the forward call (upload, then Forward), "download" the backward call
         # (Backward, the download and its copies to the device).
         print(json.dumps({"step": step, "seconds": total, "upload": forward,
@@ -93,19 +128,114 @@ def torch_steps(client, args):
         del x, loss
 
 
+class Compute:
+    """The stand-in for a micro-batch's model forward: `count` products of two square matrices
+    (4096 x 4096 bf16 on a GPU, 512 x 512 float32 on the CPU), waited for. Returns its
+    seconds."""
+
+    def __init__(self, device, count):
+        import torch
+
+        side = 4096 if device.type == "cuda" else 512
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        generator = torch.Generator(device=device).manual_seed(2)
+        self.a = torch.randn(side, side, generator=generator, device=device, dtype=dtype)
+        self.out = torch.empty_like(self.a)
+        self.device = device
+        self.count = count
+
+    def __call__(self):
+        import torch
+
+        start = time.perf_counter()
+        for _ in range(self.count):
+            torch.matmul(self.a, self.a, out=self.out)
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def overlap_steps(client, args):
+    import concurrent.futures
+
+    import torch
+
+    import lossd.torch
+
+    device = torch_device(args.device)
+    rows = args.rows // args.micro_batches
+    logits = [random_logits(rows, args.vocab, device, seed=k) for k in range(args.micro_batches)]
+    targets = torch.randint(0, args.vocab, (args.micro_batches, rows), device=device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def transfer(pending):
+        """Collects a micro-batch's loss and downloads its gradient (on the side stream, so the
+        copies do not queue behind the next compute); its seconds from the start of the
+        upload."""
+        context = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+        with context:
+            loss = pending.result()
+            loss.backward()
+            if side is not None:
+                side.synchronize()
+        return time.perf_counter() - pending.started
+
+    def start(k):
+        x = logits[k].detach().requires_grad_()
+        pending = lossd.torch.cross_entropy_async(x, targets[k], client=client)
+        pending.started = time.perf_counter()
+        return pending
+
+    # Calibrated on a burst: one product waited for alone takes about twice its share of many.
+    compute = Compute(device, args.matmuls or 50)
+    compute()  # warm-up: the GEMM's workspace and kernel choice
+    transfer(start(0))  # warm-up: connections and scratch buffers
+    if args.matmuls == 0:
+        one_matmul = compute() / compute.count
+        one_transfer = statistics.median(transfer(start(k)) for k in range(args.micro_batches))
+        compute.count = max(1, round(one_transfer / one_matmul))
+        print(json.dumps({"calibration": True, "matmuls": compute.count,
+                          "matmul_seconds": one_matmul, "transfer_seconds": one_transfer}),
+              flush=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        for step in range(args.steps):
+            synchronize(device)
+            begin = time.perf_counter()
+            computed, transfers, waiting = 0.0, [], []
+            for k in range(args.micro_batches):
+                computed += compute()
+                pending = start(k)
+                if args.overlap:
+                    waiting.append(worker.submit(transfer, pending))
+                else:
+                    transfers.append(transfer(pending))
+            transfers += [future.result() for future in waiting]
+            synchronize(device)
+            total = time.perf_counter() - begin
+            print(json.dumps({"step": step, "seconds": total, "compute": computed,
+                              "transfer": sum(transfers), "matmuls": compute.count,
+                              "overlap": args.overlap}), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["torch", "numpy"], required=True)
+    parser.add_argument("--mode", choices=["torch", "numpy", "overlap"], required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--vocab", type=int, required=True)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--device", default="cuda", help="--mode=torch: where the logits live")
+    parser.add_argument("--device", default="cuda",
+                        help="--mode=torch and overlap: where the logits (and the compute) live")
+    parser.add_argument("--micro_batches", type=int, default=4)
+    parser.add_argument("--overlap", type=int, default=1, help="--mode=overlap: 1 or 0")
+    parser.add_argument("--matmuls", type=int, default=0,
+                        help="--mode=overlap: products a micro-batch's compute; 0 = calibrate")
     args = parser.parse_args()
     with lossd.Client(args.target) as client:
         if args.mode == "numpy":
             numpy_steps(client, args)
+        elif args.mode == "overlap":
+            overlap_steps(client, args)
         else:
             torch_steps(client, args)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA path of lossd.torch checked on a GPU machine without pytest (the device machine's
 Python has torch but no pytest): test_torch.py's test_cuda_tensors as a plain script, plus
-cross_entropy_async from a side stream, gradient accumulation and linear_cross_entropy with CUDA hidden states, against a lossd it starts (--lossd; its CPU device unless --device).
+cross_entropy_async from a side stream, a backward on a side stream beside a busy default stream, gradient accumulation and linear_cross_entropy with CUDA hidden states, against a lossd it starts (--lossd; its CPU device unless --device).
 
   PYTHONPATH=<lossd package folder> python3 tests/python/cuda_check.py --lossd=build/server/lossd
 Exits 0 when every case matches F.cross_entropy, 1 on a mismatch, 77 without a CUDA device."""
@@ -9,6 +9,7 @@ Exits 0 when every case matches F.cross_entropy, 1 on a mismatch, 77 without a C
 import argparse
 import os
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,45 @@ def overlapped(client):
     return problems
 
 
+def backward_beside_busy_stream(client):
+    """The pattern of bench/user_step_python.py --mode=overlap: a micro-batch's loss and backward
+    on a worker thread under a side stream while the default stream computes (about a second
+    of matmuls). The gradient must come back before that compute ends (its copies run on the
+    backward's stream, not behind the compute) and match F.cross_entropy's."""
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(256, 32000, generator=generator)
+    target = torch.randint(0, 32000, (256,), generator=generator)
+    x = logits.cuda().requires_grad_()
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(400):
+        busy = busy @ busy.T / 4096
+    computed = torch.cuda.Event()
+    computed.record()
+    outcome = {}
+
+    def loss_step():
+        with torch.cuda.stream(side):
+            lossd.torch.cross_entropy(x, target.cuda(), client=client).backward()
+            side.synchronize()
+        outcome["compute still running"] = not computed.query()
+
+    worker = threading.Thread(target=loss_step)
+    worker.start()
+    worker.join()
+    torch.cuda.synchronize()
+    reference_x = logits.double().requires_grad_()
+    F.cross_entropy(reference_x, target).backward()
+    problems = []
+    if not outcome.get("compute still running"):
+        problems.append("the gradient waited for the default stream's compute")
+    problem = close(x.grad, reference_x.grad.float(), "fp32")
+    if problem:
+        problems.append("gradient: " + problem)
+    return problems
+
+
 def accumulation(client):
     logits = torch.randn(64, 1000)
     target = torch.randint(0, 1000, (64,))
@@ -170,6 +210,10 @@ def main():
                         failures += bool(problems)
             problems = overlapped(client)
             print("cross_entropy_async, 4 in flight from a side stream:",
+                  "ok" if not problems else problems)
+            failures += bool(problems)
+            problems = backward_beside_busy_stream(client)
+            print("backward on a side stream beside a busy default stream:",
                   "ok" if not problems else problems)
             failures += bool(problems)
             problems = accumulation(client)

@@ -484,12 +484,16 @@ def _download_to_device(client, handle, gradient):
     scratch = _CudaScratch.of(client)
     device = gradient.device
     flat = gradient.view(-1).view(torch.uint8)
+    # The caller's stream (autograd's for the backward): on the transfer threads' own current
+    # stream, the default one, each copy would wait behind the caller's unrelated work queued
+    # there, e.g. the next micro-batch's forward while this gradient comes back.
+    stream = torch.cuda.current_stream(device)
 
     def sink(offset, data):
         host = torch.frombuffer(data, dtype=torch.uint8)
         scratch.register(host.data_ptr())
         size = host.numel()
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             flat[offset:offset + size].copy_(host, non_blocking=False)
 
     def on_header(info):
