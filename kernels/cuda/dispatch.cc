@@ -1,6 +1,8 @@
 // CrossEntropyCudaLaunch: fills the kernels' Params, asks the schedule policy
 // (schedule_policy.h, the one table of that decision) for a schedule and its
 // sizes, and enqueues prepare, the schedule and finalize.
+#include "kernels/cuda/dispatch.h"
+
 #include <climits>
 #include <cstdint>
 #include <optional>
@@ -166,26 +168,8 @@ cudaError_t CurrentDeviceLimits(DeviceLimits* limits) {
   if (e != cudaSuccess) return e;
   return cache->Get(device, limits);
 }
-}  // namespace cuda_ce
 
-std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
-  const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
-  return kHeaderBytes + 5 * cuda_ce::AlignUp(n * 4) +
-         cuda_ce::AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes) +
-         cuda_ce::AlignUp(n * kMaxPieces * sizeof(float));
-}
-
-cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
-                                   CrossEntropyCudaResult* device_result,
-                                   void* workspace, std::size_t workspace_bytes,
-                                   cudaStream_t stream,
-                                   const CrossEntropyCudaConfig* config) {
-  if (workspace_bytes < CrossEntropyCudaWorkspaceBytes(args.rows) ||
-      args.vocab <= 0 || args.vocab > INT_MAX || args.rows < 0 ||
-      args.rows > INT_MAX || device_result == nullptr ||
-      !IsLogitsDType(args.logits_dtype)) {
-    return cudaErrorInvalidValue;
-  }
+Params MakeParams(const CrossEntropyArgs& args, void* workspace) {
   Params p = {};
   p.logits = args.logits;
   p.grad = args.mode == GradientMode::kNone ? nullptr : args.gradient;
@@ -219,6 +203,29 @@ cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
   p.zls = args.options.z_loss_scale;
   p.softcap = args.options.softcap;
   p.grad_scale = args.options.grad_scale;
+  return p;
+}
+}  // namespace cuda_ce
+
+std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
+  const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
+  return kHeaderBytes + 5 * cuda_ce::AlignUp(n * 4) +
+         cuda_ce::AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes) +
+         cuda_ce::AlignUp(n * kMaxPieces * sizeof(float));
+}
+
+cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,
+                                   CrossEntropyCudaResult* device_result,
+                                   void* workspace, std::size_t workspace_bytes,
+                                   cudaStream_t stream,
+                                   const CrossEntropyCudaConfig* config) {
+  if (workspace_bytes < CrossEntropyCudaWorkspaceBytes(args.rows) ||
+      args.vocab <= 0 || args.vocab > INT_MAX || args.rows < 0 ||
+      args.rows > INT_MAX || device_result == nullptr ||
+      !IsLogitsDType(args.logits_dtype)) {
+    return cudaErrorInvalidValue;
+  }
+  const Params p = cuda_ce::MakeParams(args, workspace);
 
   cudaError_t e = cuda_ce::LaunchPrepare(p, stream);
   if (e != cudaSuccess) return e;
