@@ -36,81 +36,143 @@ int ColumnTiles(int64_t vocab) {
 // its z to p.row_zy. z = accumulator + bias, softcapped in build kOpts, and
 // -inf past the vocabulary (never the max, exp() = 0). The exponentials are
 // of (z - max) * log2e: z - max is exact near the max, where the terms count.
+//
+// The tensor cores wait while both warpgroups run this, so each value costs
+// as few instructions as the statistics allow: the first pass only raises
+// the max (two chains for latency), the second finds the first column equal
+// to it and sums the other columns' exponentials, counting the max's other
+// ties as the 1 each adds; the tile test (kFull) and the bias (kBias) are
+// builds, and the target compare runs only in the quads whose row's target
+// falls in the tile.
 template <int kOpts>
 struct LossStatsEpilogue {
   static constexpr int kStagingBytes = 0;  // no Z: the ring gets 4 stages
+  static constexpr int kRowValues = cuda_gemm::kFragmentValues / 2;
   cuda_ce::Params p;
-  const float* bias;  // fp32 [vocab], or null
+  const float* bias;  // fp32 [vocab], 8-byte aligned, or null
   int col_tiles;
   Stats* partials;  // [rows, col_tiles]
+
+  // Value j (0 .. 63, column order) of the row of `half` in the fragment.
+  __device__ __forceinline__ static int Index(int half, int j) {
+    return (j >> 1) * 4 + 2 * half + (j & 1);
+  }
+
+  template <bool kFull, bool kBias>
+  __device__ __forceinline__ Stats
+  RowStats(float (&acc)[cuda_gemm::kFragmentValues],
+           const cuda_gemm::FragmentCoords& at, int half, int tile_col, int y,
+           const cuda_ce::ElementOptions& opts) const {
+    const int cols = p.vocab;
+    float m0 = -INFINITY, m1 = -INFINITY;
+    float wz = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRowValues; j += 2) {
+      const int i = Index(half, j);
+      const int c = at.ColOf(i);
+      float2 b = make_float2(0.0f, 0.0f);
+      if (kBias && (kFull || c < cols)) {
+        // c is even: the pair (c, c + 1) is one 8-byte load, c + 1 < cols
+        // wherever the vocabulary is even or c + 1 is not its last column.
+        if (kFull || c + 1 < cols) {
+          b = __ldg(reinterpret_cast<const float2*>(bias + c));
+        } else {
+          b.x = __ldg(bias + c);
+        }
+      }
+      float z0 = cuda_ce::OptionZ<float, kOpts>(opts, acc[i] + b.x);
+      float z1 = cuda_ce::OptionZ<float, kOpts>(opts, acc[i + 1] + b.y);
+      if (kOpts & cuda_ce::kOptSmoothing) {
+        if (kFull || c < cols) {
+          wz = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c), z0, wz);
+        }
+        if (kFull || c + 1 < cols) {
+          wz = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c + 1), z1, wz);
+        }
+      }
+      if (!kFull) {
+        z0 = c < cols ? z0 : -INFINITY;
+        z1 = c + 1 < cols ? z1 : -INFINITY;
+      }
+      acc[i] = z0;
+      acc[i + 1] = z1;
+      m0 = fmaxf(m0, z0);
+      m1 = fmaxf(m1, z1);
+    }
+    const float m = fmaxf(m0, m1);
+    if (y >= tile_col && y < tile_col + cuda_gemm::kTileCols) {
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) {
+        const int i = Index(half, j);
+        if (at.ColOf(i) == y) p.row_zy[at.RowOf(i)] = acc[i];
+      }
+    }
+    // With no finite z (every column past the vocabulary) the slice is
+    // empty; a NaN seen anywhere makes the sum NaN.
+    const float shift = m == -INFINITY ? 0.0f : m;
+    float t0 = 0.0f, t1 = 0.0f;
+    int first = kRowValues;  // the first j holding the max
+    int ties = 0;
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) {
+      const float z = acc[Index(half, j)];
+      const float e = cuda_ce::Exp2((z - shift) * cuda_ce::kLog2e);
+      if (z == m) {
+        first = min(first, j);
+        ++ties;
+      } else if (j & 1) {
+        t1 += e;
+      } else {
+        t0 += e;
+      }
+    }
+    Stats s;
+    s.m = m;
+    s.sum_wz = wz;
+    if (m == -INFINITY) {
+      const float t = t0 + t1;
+      s.t = isnan(t) ? t : -1.0f;
+      s.arg = INT_MAX;
+    } else {
+      s.t = (t0 + t1) + static_cast<float>(ties - 1);
+      s.arg = at.ColOf(Index(half, first));
+    }
+    return s;
+  }
 
   __device__ __forceinline__ void operator()(
       float (&acc)[cuda_gemm::kFragmentValues],
       const cuda_gemm::FragmentCoords& at,
       const cuda_gemm::WarpgroupTile& wg) const {
-    constexpr int kRowValues = cuda_gemm::kFragmentValues / 2;
     const int tile = wg.col / cuda_gemm::kTileCols;
     const int lane = wg.thread % 32;
-    const int cols = p.vocab;
     const cuda_ce::ElementOptions opts = cuda_ce::MakeElementOptions(p);
+    const bool full = wg.col + cuda_gemm::kTileCols <= p.vocab;
     // Both rows' targets first, so that one load latency covers both; as
     // columns (-1 for none here: ignored, or past the vocabulary), as a
-    // 64-bit compare an element cost registers the accumulator needs.
+    // 64-bit compare cost registers the accumulator needs.
     int target[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = at.row + 8 * half;
       const long long y = r < p.rows ? cuda_ce::LoadTarget(p, r) : -1;
-      target[half] = y >= 0 && y < cols ? static_cast<int>(y) : -1;
+      target[half] = y >= 0 && y < p.vocab ? static_cast<int>(y) : -1;
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = at.row + 8 * half;
-      const bool row_in = r < p.rows;
       const int y = target[half];
-      float m = -INFINITY;
-      int arg = INT_MAX;
-      float wz = 0.0f;
-      // The row's values in column order (value i of the fragment is in the
-      // row of half (i & 2) / 2): strict > keeps the first maximum.
-#pragma unroll
-      for (int j = 0; j < kRowValues; ++j) {
-        const int i = (j >> 1) * 4 + 2 * half + (j & 1);
-        const int c = at.ColOf(i);
-        const bool in = c < cols;
-        float z = acc[i];
-        if (bias != nullptr && in) z += __ldg(bias + c);
-        z = cuda_ce::OptionZ<float, kOpts>(opts, z);
-        if ((kOpts & cuda_ce::kOptSmoothing) && in) {
-          wz = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c), z, wz);
-        }
-        if (c == y) p.row_zy[r] = z;
-        z = in ? z : -INFINITY;
-        acc[i] = z;
-        if (z > m) {
-          m = z;
-          arg = c;
-        }
-      }
-      // With no finite z the sum stays NaN if a NaN was seen, else the
-      // empty slice's -1 (Stats).
-      const float shift = m == -INFINITY ? 0.0f : m;
-      float t = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kRowValues; ++j) {
-        const int i = (j >> 1) * 4 + 2 * half + (j & 1);
-        if (at.ColOf(i) != arg) {
-          t += cuda_ce::Exp2((acc[i] - shift) * cuda_ce::kLog2e);
-        }
-      }
       Stats s;
-      s.m = m;
-      s.t = m == -INFINITY && !isnan(t) ? -1.0f : t;
-      s.sum_wz = wz;
-      s.arg = arg;
+      if (bias != nullptr) {
+        s = full ? RowStats<true, true>(acc, at, half, wg.col, y, opts)
+                 : RowStats<false, true>(acc, at, half, wg.col, y, opts);
+      } else {
+        s = full ? RowStats<true, false>(acc, at, half, wg.col, y, opts)
+                 : RowStats<false, false>(acc, at, half, wg.col, y, opts);
+      }
       cuda_ce::ShuffleCombine(s, 1);
       cuda_ce::ShuffleCombine(s, 2);
-      if (lane % 4 == 0 && row_in) {
+      const int r = at.row + 8 * half;
+      if (lane % 4 == 0 && r < p.rows) {
         partials[static_cast<int64_t>(r) * col_tiles + tile] = s;
       }
     }

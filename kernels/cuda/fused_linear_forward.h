@@ -19,7 +19,7 @@ namespace lossd {
 struct FusedLinearForwardArgs {
   const void* x = nullptr;       // bf16 [loss.rows, hidden], 16-byte aligned
   const void* weight = nullptr;  // bf16 [loss.vocab, hidden], 16-byte aligned
-  const float* bias = nullptr;   // fp32 [loss.vocab], or null
+  const float* bias = nullptr;   // fp32 [loss.vocab], 8-byte aligned, or null
   int64_t hidden = 0;            // a multiple of 8 (TMA's 16-byte strides)
   // The cross-entropy of Z: rows, vocab, targets, class weights, options and
   // the per-token outputs. logits and gradient are unused (mode kNone).
