@@ -39,7 +39,7 @@ int ColumnTiles(int64_t vocab) {
 //
 // The tensor cores wait while both warpgroups run this, so each value costs
 // as few instructions as the statistics allow: the first pass only raises
-// the max (two chains for latency), the second finds the first column equal
+// the max, the second finds the first column equal
 // to it and sums the other columns' exponentials, counting the max's other
 // ties as the 1 each adds; the tile test (kFull) and the bias (kBias) are
 // builds, and the target compare runs only in the quads whose row's target
@@ -64,8 +64,11 @@ struct LossStatsEpilogue {
            const cuda_gemm::FragmentCoords& at, int half, int tile_col, int y,
            const cuda_ce::ElementOptions& opts) const {
     const int cols = p.vocab;
-    float m0 = -INFINITY, m1 = -INFINITY;
-    float wz = 0.0f;
+    // Four chains each for the max, the sum of w_c z_c and the sum of
+    // exponentials (value j in chain j % 4), combined in a fixed order: the
+    // epilogue is latency-bound with two warps a scheduler.
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float wz[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < kRowValues; j += 2) {
       const int i = Index(half, j);
@@ -82,12 +85,14 @@ struct LossStatsEpilogue {
       }
       float z0 = cuda_ce::OptionZ<float, kOpts>(opts, acc[i] + b.x);
       float z1 = cuda_ce::OptionZ<float, kOpts>(opts, acc[i + 1] + b.y);
+      const int k = j % 4;  // (0 or 2: the pair's chains are k, k + 1)
       if (kOpts & cuda_ce::kOptSmoothing) {
         if (kFull || c < cols) {
-          wz = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c), z0, wz);
+          wz[k] = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c), z0, wz[k]);
         }
         if (kFull || c + 1 < cols) {
-          wz = fmaf(cuda_ce::OptionWeight<kOpts>(opts, c + 1), z1, wz);
+          wz[k + 1] =
+              fmaf(cuda_ce::OptionWeight<kOpts>(opts, c + 1), z1, wz[k + 1]);
         }
       }
       if (!kFull) {
@@ -96,10 +101,10 @@ struct LossStatsEpilogue {
       }
       acc[i] = z0;
       acc[i + 1] = z1;
-      m0 = fmaxf(m0, z0);
-      m1 = fmaxf(m1, z1);
+      m[k] = fmaxf(m[k], z0);
+      m[k + 1] = fmaxf(m[k + 1], z1);
     }
-    const float m = fmaxf(m0, m1);
+    const float row_max = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
     if (y >= tile_col && y < tile_col + cuda_gemm::kTileCols) {
 #pragma unroll
       for (int j = 0; j < kRowValues; ++j) {
@@ -109,32 +114,30 @@ struct LossStatsEpilogue {
     }
     // With no finite z (every column past the vocabulary) the slice is
     // empty; a NaN seen anywhere makes the sum NaN.
-    const float shift = m == -INFINITY ? 0.0f : m;
-    float t0 = 0.0f, t1 = 0.0f;
+    const float shift = row_max == -INFINITY ? 0.0f : row_max;
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int first = kRowValues;  // the first j holding the max
     int ties = 0;
 #pragma unroll
     for (int j = 0; j < kRowValues; ++j) {
       const float z = acc[Index(half, j)];
       const float e = cuda_ce::Exp2((z - shift) * cuda_ce::kLog2e);
-      if (z == m) {
+      if (z == row_max) {
         first = min(first, j);
         ++ties;
-      } else if (j & 1) {
-        t1 += e;
       } else {
-        t0 += e;
+        t[j % 4] += e;
       }
     }
     Stats s;
-    s.m = m;
-    s.sum_wz = wz;
-    if (m == -INFINITY) {
-      const float t = t0 + t1;
-      s.t = isnan(t) ? t : -1.0f;
+    s.m = row_max;
+    s.sum_wz = (wz[0] + wz[1]) + (wz[2] + wz[3]);
+    const float sum = (t[0] + t[1]) + (t[2] + t[3]);
+    if (row_max == -INFINITY) {
+      s.t = isnan(sum) ? sum : -1.0f;
       s.arg = INT_MAX;
     } else {
-      s.t = (t0 + t1) + static_cast<float>(ties - 1);
+      s.t = sum + static_cast<float>(ties - 1);
       s.arg = at.ColOf(Index(half, first));
     }
     return s;
