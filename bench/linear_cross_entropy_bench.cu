@@ -4,6 +4,8 @@
 //
 // Usage: linear_cross_entropy_bench [--out=FILE.md] [--reps=N] [--quick]
 //        [--few]  (default chunking of each precision only)
+//        [--forward]  (forward-only: the fused forward against cuBLASLt and
+//                      the fused cross-entropy, and the Z product alone)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -17,6 +19,7 @@
 
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/cuda/gemm_sm90.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
 
 namespace lossd {
@@ -189,6 +192,21 @@ struct Variant {
   }
 };
 
+// The bench's problem: bf16 X [n, h] and W [v, h], int64 targets.
+LinearCrossEntropyArgs BenchArgs(const Shape& s, const void* x, const void* w,
+                                 const int64_t* targets) {
+  LinearCrossEntropyArgs a;
+  a.rows = s.n;
+  a.hidden = s.h;
+  a.vocab = s.v;
+  a.dtype = DType::kBFloat16;
+  a.x = x;
+  a.weight = w;
+  a.targets_dtype = DType::kInt64;
+  a.targets = targets;
+  return a;
+}
+
 void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
               std::string* md) {
   const int64_t N = s.n, H = s.h, V = s.v;
@@ -340,15 +358,7 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     config.chunk_rows = variant.chunk_rows;
     config.sparse_threshold = variant.sparse_threshold;
     config.sparse_slots = variant.sparse_slots;
-    LinearCrossEntropyArgs a;
-    a.rows = N;
-    a.hidden = H;
-    a.vocab = V;
-    a.dtype = DType::kBFloat16;
-    a.x = x;
-    a.weight = w;
-    a.targets_dtype = DType::kInt64;
-    a.targets = targets;
+    LinearCrossEntropyArgs a = BenchArgs(s, x, w, targets);
     a.dx_mode = GradientMode::kOutOfPlace;
     a.dx = dx_out;
     a.accumulate = AccumulateMode::kOverwrite;
@@ -414,6 +424,106 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     CHECK_CUDA(cudaFree(p));
 }
 
+// Forward-only (no dX, no dW): the loss in the Hopper GEMM's epilogue against
+// today's cuBLASLt Z (fp32) and the fused cross-entropy, in one process, with
+// cuBLAS's Z = X W^T (bf16 out) alone as the floor; each option with the
+// fused forward.
+void RunForward(const Shape& s, int reps, cublasHandle_t blas,
+                std::string* md) {
+  const int64_t N = s.n, H = s.h, V = s.v;
+  auto* x = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
+  auto* w = static_cast<__nv_bfloat16*>(Alloc(V * H * 2));
+  auto* targets = static_cast<int64_t*>(Alloc(N * 8));
+  auto* z = static_cast<__nv_bfloat16*>(Alloc(N * V * 2));
+  FillBf16<<<4096, 256>>>(x, N * H, 1.7f, 1);
+  FillBf16<<<4096, 256>>>(w, V * H, s.logit_std * 1.7f / std::sqrt(float(H)),
+                          2);
+  FillTargets<<<64, 256>>>(targets, N, V, s.ignore_every);
+  CHECK_CUDA(cudaGetLastError());
+  const float one = 1.0f, zero = 0.0f;
+  const double t_z = MedianMs(2, reps, [&] {
+    CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, V, N, H, &one, w,
+                              CUDA_R_16BF, H, x, CUDA_R_16BF, H, &zero, z,
+                              CUDA_R_16BF, V, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  });
+  cuda_gemm::GemmSm90Args gemm;
+  gemm.x = x;
+  gemm.w = w;
+  gemm.z = z;
+  gemm.rows = N;
+  gemm.cols = V;
+  gemm.depth = H;
+  gemm.z_stride = V;
+  const double t_own = MedianMs(
+      2, reps, [&] { CHECK_CUDA(cuda_gemm::GemmSm90(gemm, nullptr)); });
+  CHECK_CUDA(cudaFree(z));
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "\n### forward only, %lldx%lldx%lld bf16, logits of std %.0f\n"
+                "\ncuBLAS Z = XW^T (bf16 out) alone: **%.2f ms**; lossd's "
+                "Hopper GEMM, the same Z: %.2f ms\n\n| lossd "
+                "forward | ms | ratio to Z alone | loss | repeat bits |\n"
+                "|---|---|---|---|---|\n",
+                (long long)N, (long long)H, (long long)V, s.logit_std, t_z,
+                t_own);
+  *md += line;
+  std::printf("%s", line);
+  struct Way {
+    const char* name;
+    LinearFusedForward fused;
+    float smoothing, softcap, z_loss;
+  };
+  const Way ways[] = {
+      {"cuBLASLt fp32 Z + fused cross-entropy (before)",
+       LinearFusedForward::kOff, 0, 0, 0},
+      {"fused: statistics in the GEMM's epilogue", LinearFusedForward::kRequire,
+       0, 0, 0},
+      {"fused, label smoothing 0.1", LinearFusedForward::kRequire, 0.1f, 0, 0},
+      {"fused, softcap 30", LinearFusedForward::kRequire, 0, 30.0f, 0},
+      {"fused, z-loss 1e-4", LinearFusedForward::kRequire, 0, 0, 1e-4f},
+      {"fused, all three", LinearFusedForward::kRequire, 0.1f, 30.0f, 1e-4f},
+      {"cuBLASLt, all three (before)", LinearFusedForward::kOff, 0.1f, 30.0f,
+       1e-4f},
+  };
+  for (const Way& way : ways) {
+    LinearCrossEntropyLabConfig config;
+    config.fused_forward = way.fused;
+    LinearCrossEntropyArgs a = BenchArgs(s, x, w, targets);
+    a.dx_mode = GradientMode::kNone;
+    a.dx = nullptr;
+    a.accumulate = AccumulateMode::kNone;
+    a.options.label_smoothing = way.smoothing;
+    a.options.softcap = way.softcap;
+    a.options.z_loss_scale = way.z_loss;
+    CrossEntropyResult result, again;
+    bool ok = true;
+    const auto run = [&](CrossEntropyResult* r) {
+      const absl::Status status =
+          LinearCrossEntropyCudaLab(a, r, nullptr, config);
+      if (!status.ok()) {
+        std::fprintf(stderr, "lossd: %s\n",
+                     std::string(status.message()).c_str());
+        ok = false;
+      }
+    };
+    const double t = MedianMs(2, reps, [&] { run(&result); });
+    if (!ok) continue;
+    run(&again);
+    std::snprintf(line, sizeof(line), "| %s | %.2f | %.3fx | %.9f | %s |\n",
+                  way.name, t, t / t_z, result.loss,
+                  std::memcmp(&result.loss, &again.loss, sizeof(double)) == 0
+                      ? "same"
+                      : "DIFFER");
+    *md += line;
+    std::printf("%s", line);
+    std::fflush(stdout);
+  }
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w),
+                  static_cast<void*>(targets)})
+    CHECK_CUDA(cudaFree(p));
+}
+
 }  // namespace
 }  // namespace lossd
 
@@ -422,12 +532,14 @@ int main(int argc, char** argv) {
   int reps = 10;
   bool quick = false;
   bool few = false;
+  bool forward = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--out=", 0) == 0) out = arg.substr(6);
     if (arg.rfind("--reps=", 0) == 0) reps = std::stoi(arg.substr(7));
     if (arg == "--quick") quick = true;
     if (arg == "--few") few = true;
+    if (arg == "--forward") forward = true;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -440,7 +552,16 @@ int main(int argc, char** argv) {
       {8192, 4096, 128256, 8.0f},   {8192, 4096, 128256, 2.0f, 7},
       {8192, 4096, 50257, 2.0f, 7}, {8192, 4096, 32000, 2.0f, 7}};
   if (quick) shapes = {{2048, 1024, 32000, 2.0f}};
-  for (const lossd::Shape& s : shapes) lossd::RunShape(s, reps, few, blas, &md);
+  if (forward) {
+    for (const lossd::Shape& s : {lossd::Shape{16384, 4096, 131072, 2.0f},
+                                  lossd::Shape{8192, 4096, 128256, 2.0f}}) {
+      lossd::RunForward(s, reps, blas, &md);
+    }
+  } else {
+    for (const lossd::Shape& s : shapes) {
+      lossd::RunShape(s, reps, few, blas, &md);
+    }
+  }
   if (!out.empty()) {
     FILE* f = std::fopen(out.c_str(), "w");
     if (f != nullptr) {

@@ -231,6 +231,7 @@ cudaError_t CurrentDeviceLimits(DeviceLimits* limits) {
   if (e != cudaSuccess) return e;
   return cache->Get(device, limits);
 }
+
 }  // namespace cuda_ce
 
 std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {

@@ -4,8 +4,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <algorithm>
-
 #include "kernels/cuda/gemm_sm90.cuh"
 #include "kernels/cuda/gemm_sm90.h"
 
@@ -205,50 +203,6 @@ cudaError_t ZMap(CUtensorMap* map, const GemmSm90Args& args,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int kCluster, typename Epilogue>
-cudaError_t Launch(const CUtensorMap& x_map, const CUtensorMap& w_map,
-                   const GemmSm90Args& args, const Epilogue& epilogue,
-                   cudaStream_t stream) {
-  auto kernel = GemmSm90Kernel<kCluster, Epilogue>;
-  constexpr int kSmemBytes = SmemLayout<Epilogue::kStagingBytes>::kBytes;
-  cudaError_t e = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (e != cudaSuccess) return e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kCluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  cfg.gridDim = dim3(kCluster);
-  // Persistent: as many clusters as fit at once, no more than the units.
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (e != cudaSuccess) return e;
-  if (clusters <= 0) return cudaErrorInvalidConfiguration;
-  const int64_t row_tiles = (args.rows + kTileRows - 1) / kTileRows;
-  const int64_t col_tiles = (args.cols + kTileCols - 1) / kTileCols;
-  const int64_t units = (row_tiles + kCluster - 1) / kCluster * col_tiles;
-  cfg.gridDim = dim3(
-      static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
-  return cudaLaunchKernelEx(
-      &cfg, kernel, x_map, w_map, static_cast<int>(args.rows),
-      static_cast<int>(args.cols), static_cast<int>(args.depth), epilogue);
-}
-
-template <typename Epilogue>
-cudaError_t LaunchCluster(const CUtensorMap& x_map, const CUtensorMap& w_map,
-                          const GemmSm90Args& args, const Epilogue& epilogue,
-                          cudaStream_t stream) {
-  return args.cluster == 1 ? Launch<1>(x_map, w_map, args, epilogue, stream)
-                           : Launch<2>(x_map, w_map, args, epilogue, stream);
-}
-
 }  // namespace
 
 GemmSm90Shape ShapeOf(const GemmSm90Args& args) {
@@ -265,11 +219,9 @@ GemmSm90Shape ShapeOf(const GemmSm90Args& args) {
   return s;
 }
 
-cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
-  if (requested.cluster < 0 || requested.cluster > 2) {
-    return cudaErrorInvalidValue;
-  }
-  GemmSm90Args args = requested;
+cudaError_t PrepareGemmSm90(GemmSm90Args* args, CUtensorMap* x_map,
+                            CUtensorMap* w_map) {
+  if (args->cluster < 0 || args->cluster > 2) return cudaErrorInvalidValue;
   int device = 0, major = 0, minor = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) {
@@ -281,17 +233,23 @@ cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
                                device);
   }
   if (e != cudaSuccess) return e;
-  const GemmSm90Shape shape = ShapeOf(args);
+  const GemmSm90Shape shape = ShapeOf(*args);
   if (GemmSm90Eligibility(shape, major, minor) != GemmSm90Fit::kYes) {
     return cudaErrorNotSupported;
   }
-  if (args.cluster == 0) args.cluster = GemmSm90Cluster(shape);
+  if (args->cluster == 0) args->cluster = GemmSm90Cluster(shape);
+  e = OperandMap(x_map, args->x, args->rows, args->depth, kTileRows);
+  if (e != cudaSuccess) return e;
+  return OperandMap(w_map, args->w, args->cols, args->depth,
+                    kTileCols / args->cluster);
+}
+
+cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
+  GemmSm90Args args = requested;
   CUtensorMap x_map, w_map;
-  e = OperandMap(&x_map, args.x, args.rows, args.depth, kTileRows);
+  cudaError_t e = PrepareGemmSm90(&args, &x_map, &w_map);
   if (e != cudaSuccess) return e;
-  e = OperandMap(&w_map, args.w, args.cols, args.depth,
-                 kTileCols / args.cluster);
-  if (e != cudaSuccess) return e;
+  const GemmSm90Shape shape = ShapeOf(args);
   const int element = shape.z_element_bytes;
   if (ZByTensorStore(shape)) {
     const CUtensorMapDataType type = args.z_type == ZType::kBFloat16
@@ -303,13 +261,13 @@ cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
       store.rows = static_cast<int>(args.rows);
       e = ZMap(&store.map, args, type, box_cols);
       if (e != cudaSuccess) return e;
-      return LaunchCluster(x_map, w_map, args, store, stream);
+      return LaunchGemmSm90(x_map, w_map, args, store, stream);
     }
     TmaStoreZ<float> store;
     store.rows = static_cast<int>(args.rows);
     e = ZMap(&store.map, args, type, box_cols);
     if (e != cudaSuccess) return e;
-    return LaunchCluster(x_map, w_map, args, store, stream);
+    return LaunchGemmSm90(x_map, w_map, args, store, stream);
   }
   const bool pairs = args.z_stride % 2 == 0 &&
                      reinterpret_cast<uintptr_t>(args.z) % (2 * element) == 0;
@@ -317,12 +275,12 @@ cudaError_t GemmSm90(const GemmSm90Args& requested, cudaStream_t stream) {
     const StoreZ<__nv_bfloat16> store{
         static_cast<__nv_bfloat16*>(args.z), args.z_stride,
         static_cast<int>(args.rows), static_cast<int>(args.cols), pairs};
-    return LaunchCluster(x_map, w_map, args, store, stream);
+    return LaunchGemmSm90(x_map, w_map, args, store, stream);
   }
   const StoreZ<float> store{static_cast<float*>(args.z), args.z_stride,
                             static_cast<int>(args.rows),
                             static_cast<int>(args.cols), pairs};
-  return LaunchCluster(x_map, w_map, args, store, stream);
+  return LaunchGemmSm90(x_map, w_map, args, store, stream);
 }
 
 }  // namespace cuda_gemm

@@ -1,15 +1,18 @@
 // lossd's Hopper GEMM, Z = X W^T (X [N, H], W [V, H], both row-major bf16,
 // fp32 accumulation), with its epilogue a template parameter: the plain store
-// of Z (gemm_sm90.cu) now, per-row loss statistics of Z later (issue 30).
-// sm_90a only: wgmma, TMA tensor loads and setmaxnreg.
+// of Z (gemm_sm90.cu), or per-row loss statistics of Z that never store it
+// (fused_linear_forward.cu). sm_90a only: wgmma, TMA tensor loads and
+// setmaxnreg.
 #ifndef LOSSD_KERNELS_CUDA_GEMM_SM90_CUH_
 #define LOSSD_KERNELS_CUDA_GEMM_SM90_CUH_
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/gemm_sm90.h"
 #include "kernels/cuda/gemm_sm90_policy.h"
 
 namespace lossd {
@@ -80,12 +83,13 @@ struct WarpgroupTile {
 // An epilogue is a struct (a __grid_constant__ kernel parameter, so that it
 // may hold TMA tensor maps) with
 //   static constexpr int kStagingBytes;  // shared memory a warpgroup
-//   __device__ void operator()(const float (&acc)[kFragmentValues],
+//   __device__ void operator()(float (&acc)[kFragmentValues],
 //                              const FragmentCoords& at,
 //                              const WarpgroupTile& wg) const;
 //   __device__ void Finish(const WarpgroupTile& wg) const;
 // The call is made by every thread of a consumer warpgroup once its part of
-// a tile is final; Finish once at the end (for asynchronous stores to
+// a tile is final (it may overwrite acc: the next tile's first product
+// overwrites it anyway); Finish once at the end (for asynchronous stores to
 // complete before the block's shared memory goes). Values past Z's rows or
 // columns are zeros (TMA fills the boxes' out-of-bounds rows with zeros) and
 // the epilogue must not store them.
@@ -461,6 +465,66 @@ __global__ void __launch_bounds__(kThreads, 1)
   // leave Z unwritten (the library is built for sm_90a alone).
   __trap();
 #endif
+}
+
+// ---- host side, shared by the epilogues' entry points --------------------
+
+// Checks the current device and `args` against GemmSm90Eligibility, fills in
+// the policy's cluster size for args->cluster 0 and encodes X's and W's tensor
+// maps. cudaSuccess; cudaErrorNotSupported where the policy says no (use
+// cuBLASLt); cudaErrorInvalidValue for a cluster other than 0, 1 or 2 or a
+// map the driver refuses. gemm_sm90.cu.
+cudaError_t PrepareGemmSm90(GemmSm90Args* args, CUtensorMap* x_map,
+                            CUtensorMap* w_map);
+
+// Enqueues the persistent kernel with `epilogue` over the tiles of `args`
+// (as PrepareGemmSm90 left them: rows, cols, depth, cluster).
+template <int kCluster, typename Epilogue>
+cudaError_t LaunchGemmSm90Kernel(const CUtensorMap& x_map,
+                                 const CUtensorMap& w_map,
+                                 const GemmSm90Args& args,
+                                 const Epilogue& epilogue,
+                                 cudaStream_t stream) {
+  auto kernel = GemmSm90Kernel<kCluster, Epilogue>;
+  constexpr int kSmemBytes = SmemLayout<Epilogue::kStagingBytes>::kBytes;
+  cudaError_t e = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kCluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  cfg.gridDim = dim3(kCluster);
+  // Persistent: as many clusters as fit at once, no more than the units.
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) return e;
+  if (clusters <= 0) return cudaErrorInvalidConfiguration;
+  const int64_t row_tiles = (args.rows + kTileRows - 1) / kTileRows;
+  const int64_t col_tiles = (args.cols + kTileCols - 1) / kTileCols;
+  const int64_t units = (row_tiles + kCluster - 1) / kCluster * col_tiles;
+  cfg.gridDim = dim3(
+      static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
+  return cudaLaunchKernelEx(
+      &cfg, kernel, x_map, w_map, static_cast<int>(args.rows),
+      static_cast<int>(args.cols), static_cast<int>(args.depth), epilogue);
+}
+
+// The same with args.cluster (1 or 2) chosen at run time.
+template <typename Epilogue>
+cudaError_t LaunchGemmSm90(const CUtensorMap& x_map, const CUtensorMap& w_map,
+                           const GemmSm90Args& args, const Epilogue& epilogue,
+                           cudaStream_t stream) {
+  return args.cluster == 1
+             ? LaunchGemmSm90Kernel<1>(x_map, w_map, args, epilogue, stream)
+             : LaunchGemmSm90Kernel<2>(x_map, w_map, args, epilogue, stream);
 }
 
 }  // namespace cuda_gemm

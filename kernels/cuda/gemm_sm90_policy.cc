@@ -55,5 +55,11 @@ bool ZByTensorStore(const GemmSm90Shape& shape) {
 
 int GemmSm90Cluster(const GemmSm90Shape&) { return 2; }
 
+bool FusedLinearForwardTakes(const GemmSm90Shape& shape, bool bf16,
+                             bool gradient, int major, int minor) {
+  return bf16 && !gradient &&
+         GemmSm90Eligibility(shape, major, minor) == GemmSm90Fit::kYes;
+}
+
 }  // namespace cuda_gemm
 }  // namespace lossd

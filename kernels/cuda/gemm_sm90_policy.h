@@ -68,6 +68,16 @@ bool ZByTensorStore(const GemmSm90Shape& shape);
 // epilogue stores no Z.
 int GemmSm90Cluster(const GemmSm90Shape& shape);
 
+// Whether the linear cross-entropy's chunk of `shape.rows` rows takes the
+// fused forward (fused_linear_forward.h: the loss's statistics in the
+// GEMM's epilogue, Z never stored) rather than cuBLASLt and the fused
+// cross-entropy: forward-only work (no dX, no dW: `gradient` false) on bf16
+// X and W, where the GEMM takes the product (GemmSm90Eligibility, with Z's
+// fields as the statistics' epilogue stores none). The gradient still needs Z
+// (or G) in memory for its products, so it keeps cuBLASLt.
+bool FusedLinearForwardTakes(const GemmSm90Shape& shape, bool bf16,
+                             bool gradient, int major, int minor);
+
 struct TileCoord {
   int row_tile;
   int col_tile;

@@ -20,6 +20,8 @@
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/fused_linear_forward.h"
+#include "kernels/cuda/gemm_sm90_policy.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
 #include "kernels/cuda/sparse_residual.h"
@@ -205,6 +207,11 @@ struct Layout {
   float sparse_threshold;
   int sparse_slots;
   bool dx_fp32_temp;  // dX accumulated in fp32, then converted
+  // Forward-only work with the loss in the Hopper GEMM's epilogue
+  // (fused_linear_forward.h): no logits, no cuBLASLt. Decided per call on
+  // the device (UseFusedForward); row_bytes is the cuBLASLt path's, which
+  // takes more.
+  bool fused = false;
   std::size_t row_bytes;
 };
 
@@ -254,14 +261,17 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   p.results = at;
   at += AlignUp(sizeof(CrossEntropyCudaResult) * std::max<int64_t>(chunks, 1));
   p.ce = at;
-  at += AlignUp(CrossEntropyCudaWorkspaceBytes(chunk_rows));
+  at += AlignUp(l.fused ? FusedLinearForwardWorkspaceBytes(chunk_rows, v)
+                        : CrossEntropyCudaWorkspaceBytes(chunk_rows));
   // The bias in Z's dtype, for the product's epilogue.
   p.bias = at;
   if (args.bias != nullptr) {
     at += AlignUp(v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
   }
   p.logits = at;
-  at += AlignUp(c * v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
+  if (!l.fused) {
+    at += AlignUp(c * v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype)));
+  }
   // hi and lo of a chunk of `count` rows are one [2 count, V] matrix (lo
   // right after hi), so that dW takes both in one product of depth 2 count
   // against X stacked twice (x2, [2 count, H]).
@@ -281,7 +291,7 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
     at += AlignUp(ColumnSumWorkspaceBytes(chunk_rows, args.vocab));
   }
   p.lt = at;
-  at += kLtWorkspaceBytes;
+  if (!l.fused) at += kLtWorkspaceBytes;
   p.total = at;
   return p;
 }
@@ -347,6 +357,43 @@ absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
   RETURN_IF_ERROR(BuildGemms(handle, args, l, rows, gemms.get()));
   cache.emplace(key, gemms);
   return std::shared_ptr<const ChunkGemms>(gemms);
+}
+
+// Whether the call's forward-only work takes the fused forward: the policy
+// (FusedLinearForwardTakes) on the current device, unless the lab config
+// says otherwise.
+absl::StatusOr<bool> UseFusedForward(
+    const LinearCrossEntropyArgs& args,
+    const LinearCrossEntropyLabConfig& config) {
+  if (config.fused_forward == LinearFusedForward::kOff) return false;
+  int device = 0, major = 0, minor = 0;
+  RETURN_IF_ERROR(
+      CudaStatus(cudaGetDevice(&device), "linear_cross_entropy: device"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+      "linear_cross_entropy: device"));
+  RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+      "linear_cross_entropy: device"));
+  cuda_gemm::GemmSm90Shape shape;
+  shape.rows = args.rows;
+  shape.cols = args.vocab;
+  shape.depth = args.hidden;
+  shape.z_stride = args.vocab;
+  shape.z_element_bytes = 4;
+  shape.operands_aligned = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(args.weight) % 16 == 0;
+  shape.z_aligned = true;
+  const bool takes = cuda_gemm::FusedLinearForwardTakes(
+      shape, args.dtype == DType::kBFloat16,
+      LinearCrossEntropyWantsGradient(args), major, minor);
+  if (!takes && config.fused_forward == LinearFusedForward::kRequire) {
+    return absl::FailedPreconditionError(
+        "linear_cross_entropy: the fused forward does not take this call "
+        "(it needs forward-only bf16 work on an sm_90 device with H a "
+        "multiple of 8 and 16-byte aligned X and W)");
+  }
+  return takes;
 }
 
 }  // namespace
@@ -521,6 +568,47 @@ absl::Status WaitAndAskBeforeChunk(const LinearCudaCall& call, int64_t chunk) {
   return absl::OkStatus();
 }
 
+// The cross-entropy's arguments for the chunk of `count` rows from row0,
+// without its logits: targets, class weights, options, per-token outputs.
+CrossEntropyArgs ChunkLossArgs(const LinearCudaCall& call, int64_t row0,
+                               int64_t count) {
+  const LinearCrossEntropyArgs& args = call.args;
+  CrossEntropyArgs ce;
+  ce.rows = count;
+  ce.vocab = args.vocab;
+  ce.row_stride = args.vocab;
+  ce.mode = GradientMode::kNone;
+  ce.targets_dtype = args.targets_dtype;
+  ce.targets = static_cast<const char*>(args.targets) +
+               row0 * DTypeSize(args.targets_dtype);
+  ce.class_weights = args.class_weights;
+  ce.options = call.chunk_options;
+  if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
+  if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
+  if (args.token_argmax != nullptr) ce.token_argmax = args.token_argmax + row0;
+  return ce;
+}
+
+// The chunk's loss with the statistics in the Hopper GEMM's epilogue
+// (Layout::fused): Z never reaches memory.
+absl::Status RunChunkFusedLoss(const LinearCudaCall& call, int64_t chunk,
+                               int64_t row0, int64_t count, const char* x) {
+  FusedLinearForwardArgs fused;
+  fused.x = x;
+  fused.weight = call.args.weight;
+  fused.bias = static_cast<const float*>(call.bias_z);
+  fused.hidden = call.args.hidden;
+  fused.loss = ChunkLossArgs(call, row0, count);
+  auto* chunk_results = reinterpret_cast<CrossEntropyCudaResult*>(
+      call.block + call.parts.results);
+  return CudaStatus(
+      FusedLinearForwardLaunch(
+          fused, chunk_results + chunk, call.block + call.parts.ce,
+          FusedLinearForwardWorkspaceBytes(count, call.args.vocab),
+          call.stream),
+      "linear_cross_entropy: fused forward");
+}
+
 // Z = X W^T (+ b) of the chunk's `count` rows from row0 (X's rows at `x`)
 // and its cross-entropy, the gradient G replacing Z when one is wanted.
 // Returns the cross-entropy's arguments (the chunk's targets, for the
@@ -535,22 +623,11 @@ absl::StatusOr<CrossEntropyArgs> RunChunkLoss(const LinearCudaCall& call,
   RETURN_IF_ERROR(g.logits.Run(1.0f, args.weight, x, 0.0f, logits,
                                call.block + call.parts.lt, call.stream,
                                call.bias_z));
-  CrossEntropyArgs ce;
-  ce.rows = count;
-  ce.vocab = args.vocab;
-  ce.row_stride = args.vocab;
+  CrossEntropyArgs ce = ChunkLossArgs(call, row0, count);
   ce.logits_dtype = call.z_dtype;
   ce.logits = logits;
-  ce.targets_dtype = args.targets_dtype;
-  ce.targets = static_cast<const char*>(args.targets) +
-               row0 * DTypeSize(args.targets_dtype);
-  ce.class_weights = args.class_weights;
-  ce.options = call.chunk_options;
   ce.mode = want_grad ? GradientMode::kInPlace : GradientMode::kNone;
   ce.gradient = want_grad ? logits : nullptr;
-  if (args.token_loss != nullptr) ce.token_loss = args.token_loss + row0;
-  if (args.token_lse != nullptr) ce.token_lse = args.token_lse + row0;
-  if (args.token_argmax != nullptr) ce.token_argmax = args.token_argmax + row0;
   RETURN_IF_ERROR(ValidateCrossEntropyArgs(ce));
   auto* chunk_results = reinterpret_cast<CrossEntropyCudaResult*>(
       call.block + call.parts.results);
@@ -689,8 +766,12 @@ absl::Status RunChunks(const LinearCudaCall& call) {
     }
     const int64_t row0 = chunk * call.chunk_rows;
     const int64_t count = std::min(call.chunk_rows, args.rows - row0);
-    const ChunkGemms& g = count == call.chunk_rows ? *call.full : *call.tail;
     const char* x = static_cast<const char*>(args.x) + row0 * args.hidden * es;
+    if (call.l.fused) {
+      RETURN_IF_ERROR(RunChunkFusedLoss(call, chunk, row0, count, x));
+      continue;
+    }
+    const ChunkGemms& g = count == call.chunk_rows ? *call.full : *call.tail;
     ASSIGN_OR_RETURN(const CrossEntropyArgs ce,
                      RunChunkLoss(call, g, chunk, row0, count, x));
     if (!LinearCrossEntropyWantsGradient(args)) continue;
@@ -707,7 +788,7 @@ absl::Status RunChunks(const LinearCudaCall& call) {
 // The call's steps up to the last chunk enqueued; the first error stops
 // them.
 absl::Status EnqueueLinearCall(cublasLtHandle_t handle, LinearCudaCall* call) {
-  RETURN_IF_ERROR(PlanChunkGemms(handle, call));
+  if (!call->l.fused) RETURN_IF_ERROR(PlanChunkGemms(handle, call));
   RETURN_IF_ERROR(CheckTargetsOnDevice(call));
   ScaleGradient(call);
   RETURN_IF_ERROR(PrepareChunks(call));
@@ -741,9 +822,13 @@ absl::Status LinearCrossEntropyCudaLab(
     return absl::InvalidArgumentError(
         "linear_cross_entropy: result is nullptr");
   RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(args));
-  const Layout l = MakeLayout(args, config);
+  Layout l = MakeLayout(args, config);
   const LinearCrossEntropyCudaPlan plan =
       PlanLinearCrossEntropyCudaLab(args, config);
+  ASSIGN_OR_RETURN(l.fused, UseFusedForward(args, config));
+  // The statistics come from the fp32 accumulator, and the bias is added
+  // to it in fp32.
+  if (l.fused) l.logits_fp32 = true;
   const int64_t chunk_rows = plan.chunk_rows;
   const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
   const Parts parts = MakeParts(args, l, chunk_rows, chunks);

@@ -45,7 +45,8 @@ struct LinearCrossEntropyCudaConfig {
 
 // The chunk the call will use, and the device memory it takes beyond its
 // inputs and outputs (logits chunk, split gradient, cuBLASLt and
-// cross-entropy workspaces). Pure.
+// cross-entropy workspaces): the cuBLASLt path's, an upper bound for a
+// forward-only call that the fused forward takes (no logits). Pure.
 struct LinearCrossEntropyCudaPlan {
   int64_t chunk_rows = 0;
   LinearPrecision precision = LinearPrecision::kSparseResidual;
@@ -59,7 +60,10 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
 // device pointer, the per-token outputs too): one target check and
 // denominator up front (one host synchronisation, so that a bad target
 // changes nothing and every chunk's mean uses the whole call's D), then per
-// chunk of rows with no host synchronisation: Z = X W^T (+ b) with cuBLASLt,
+// chunk of rows with no host synchronisation: forward-only bf16 work where
+// the policy takes it (FusedLinearForwardTakes on the current device) with
+// the loss in the Hopper GEMM's epilogue (fused_linear_forward.h: no logits
+// in memory); otherwise Z = X W^T (+ b) with cuBLASLt,
 // the fused cross-entropy in place on Z (CrossEntropyCudaLaunch), dbias
 // (+)= column sums of G, dW (+)= G^T X with fp32 output and beta = 1, dX = G W
 // (in place over X once the chunk's dW has read it); chunk results summed on

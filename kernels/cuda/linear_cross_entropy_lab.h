@@ -23,6 +23,12 @@ inline constexpr LinearPrecision kLinearSplitBoth =
 inline constexpr LinearPrecision kLinearFp32Logits =
     static_cast<LinearPrecision>(4);
 
+// Where forward-only work goes: the policy's choice (the fused forward,
+// fused_linear_forward.h, where FusedLinearForwardTakes says so on the
+// device), cuBLASLt and the fused cross-entropy always, or the fused forward
+// required (FAILED_PRECONDITION where the policy says no).
+enum class LinearFusedForward : int { kAuto = 0, kOff = 1, kRequire = 2 };
+
 // The public settings, and kSparseResidual's knobs; 0 fields mean "choose".
 struct LinearCrossEntropyLabConfig : LinearCrossEntropyCudaConfig {
   // The fraction of a row's scale from which an entry's residual is kept,
@@ -31,6 +37,7 @@ struct LinearCrossEntropyLabConfig : LinearCrossEntropyCudaConfig {
   // never overflow without class weights or z-loss.
   float sparse_threshold = 0.0f;  // 0: 2^-6
   int sparse_slots = 0;           // 0: 128
+  LinearFusedForward fused_forward = LinearFusedForward::kAuto;
 };
 
 // PlanLinearCrossEntropyCuda and LinearCrossEntropyCuda with lab settings.

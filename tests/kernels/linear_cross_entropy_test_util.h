@@ -365,6 +365,44 @@ inline void CheckCase(const Case& c, const Runner& run, const Tolerance& tol) {
   }
 }
 
+// Option set `set` (0 to 5) of the sweeps: plain; sum with smoothing and
+// class weights; z-loss with softcap; an explicit normalizer, grad_scale,
+// ignore_index 0 and class weights; none-reduction with smoothing and
+// softcap; grad_scale with smoothing, z-loss and class weights.
+inline void ApplyOptionSet(int set, Case* c) {
+  CrossEntropyOptions& o = c->options;
+  switch (set) {
+    case 0:
+      break;
+    case 1:
+      o.reduction = Reduction::kSum;
+      o.label_smoothing = 0.1f;
+      c->class_weights = true;
+      break;
+    case 2:
+      o.z_loss_scale = 1e-2f;
+      o.softcap = 3.0f;
+      break;
+    case 3:
+      o.normalizer = 5.0;
+      o.grad_scale = 0.25f;
+      o.ignore_index = 0;
+      c->class_weights = true;
+      break;
+    case 4:
+      o.reduction = Reduction::kNone;
+      o.label_smoothing = 0.2f;
+      o.softcap = 5.0f;
+      break;
+    default:
+      o.grad_scale = 3.0f;
+      o.label_smoothing = 0.05f;
+      o.z_loss_scale = 1e-3f;
+      c->class_weights = true;
+      break;
+  }
+}
+
 // The sweep both backends run: every dtype over awkward shapes, with the
 // options, modes and extras rotated so that each appears with each dtype.
 inline std::vector<Case> SweepCases() {
@@ -398,37 +436,7 @@ inline std::vector<Case> SweepCases() {
               AccumulateMode::kAdd, AccumulateMode::kNone};
           c.accumulate = acc[(k / 3) % 4];
           if (c.accumulate == AccumulateMode::kNone) c.grad_bias = false;
-          CrossEntropyOptions& o = c.options;
-          switch (k % 6) {
-            case 0:
-              break;
-            case 1:
-              o.reduction = Reduction::kSum;
-              o.label_smoothing = 0.1f;
-              c.class_weights = true;
-              break;
-            case 2:
-              o.z_loss_scale = 1e-2f;
-              o.softcap = 3.0f;
-              break;
-            case 3:
-              o.normalizer = 5.0;
-              o.grad_scale = 0.25f;
-              o.ignore_index = 0;
-              c.class_weights = true;
-              break;
-            case 4:
-              o.reduction = Reduction::kNone;
-              o.label_smoothing = 0.2f;
-              o.softcap = 5.0f;
-              break;
-            default:
-              o.grad_scale = 3.0f;
-              o.label_smoothing = 0.05f;
-              o.z_loss_scale = 1e-3f;
-              c.class_weights = true;
-              break;
-          }
+          ApplyOptionSet(static_cast<int>(k % 6), &c);
           cases.push_back(c);
         }
   return cases;

@@ -94,6 +94,29 @@ TEST(GemmSm90PolicyTest, TwoBlocksAClusterForEitherZ) {
   EXPECT_EQ(GemmSm90Cluster(s), 2);
 }
 
+TEST(GemmSm90PolicyTest, FusedLinearForwardTakesForwardOnlyBf16OnSm90) {
+  GemmSm90Shape s = BenchShape();
+  s.z_element_bytes = 4;  // no Z is stored: the statistics' shape
+  EXPECT_TRUE(FusedLinearForwardTakes(s, true, false, 9, 0));
+  // A gradient needs Z (or G) in memory for its products.
+  EXPECT_FALSE(FusedLinearForwardTakes(s, true, true, 9, 0));
+  // fp16 and fp32 operands: the kernel multiplies bf16 only.
+  EXPECT_FALSE(FusedLinearForwardTakes(s, false, false, 9, 0));
+  EXPECT_FALSE(FusedLinearForwardTakes(s, true, false, 8, 0));
+  EXPECT_FALSE(FusedLinearForwardTakes(s, true, false, 10, 0));
+  s.depth = 4100;  // H not a multiple of 8: no tensor map
+  EXPECT_FALSE(FusedLinearForwardTakes(s, true, false, 9, 0));
+  s = BenchShape();
+  s.operands_aligned = false;
+  EXPECT_FALSE(FusedLinearForwardTakes(s, true, false, 9, 0));
+  // One row and a ragged vocabulary are the kernel's to take.
+  s = BenchShape();
+  s.rows = 1;
+  s.cols = 300;
+  s.z_stride = 300;
+  EXPECT_TRUE(FusedLinearForwardTakes(s, true, false, 9, 0));
+}
+
 TEST(GemmSm90PolicyTest, TileOrderIsABijectionInBands) {
   for (int row_tiles : {1, 5, 16, 17, 40, 64}) {
     for (int col_tiles : {1, 3, 501}) {

@@ -1,6 +1,7 @@
 // Checks the CUDA linear cross-entropy against the fp64 reference (the CPU
 // tests' harness) for each precision, over chunks, micro-batches, repeated
-// runs and bad inputs; skipped without a GPU.
+// runs and bad inputs, and the fused forward (the loss in the Hopper GEMM's
+// epilogue) on sm_90; skipped without a GPU.
 #include <cuda_runtime_api.h>
 
 #include <cstring>
@@ -298,6 +299,154 @@ TEST(LinearCrossEntropyCudaTest, BadTargetChangesNothing) {
   bad.weight_hidden = 9;
   EXPECT_EQ(LinearCrossEntropyCuda(bad, &r, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The fused forward runs on sm_90 devices only (FusedLinearForwardTakes).
+bool HaveSm90() {
+  if (!HaveGpu()) return false;
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  return major == 9 && minor == 0;
+}
+
+#define SKIP_WITHOUT_SM90() \
+  if (!HaveSm90()) GTEST_SKIP() << "the fused forward needs an sm_90 GPU"
+
+LinearCrossEntropyLabConfig FusedConfig(LinearFusedForward fused) {
+  LinearCrossEntropyLabConfig config;
+  config.fused_forward = fused;
+  return config;
+}
+
+// Forward-only bf16 problems over ragged shapes (one row, a partial row tile,
+// V = 1, V not a multiple of the 256-column tile, H not a multiple of the
+// 64-deep block), the sweep's option sets rotated over them.
+std::vector<Case> FusedForwardCases() {
+  std::vector<Case> cases;
+  uint32_t seed = 500;
+  for (int64_t rows : {1, 7, 130, 300}) {
+    for (int64_t hidden : {8, 72, 136}) {
+      for (int64_t vocab : {1, 3, 257, 1000}) {
+        Case c;
+        c.rows = rows;
+        c.hidden = hidden;
+        c.vocab = vocab;
+        c.dtype = DType::kBFloat16;
+        c.dx_mode = GradientMode::kNone;
+        c.accumulate = AccumulateMode::kNone;
+        c.token_outputs = true;
+        c.seed = seed++;
+        const uint32_t k = c.seed;
+        c.bias = k % 2 == 0;
+        c.targets_dtype = k % 3 == 0 ? DType::kInt32 : DType::kInt64;
+        linear_test::ApplyOptionSet(static_cast<int>(k % 6), &c);
+        cases.push_back(c);
+      }
+    }
+  }
+  return cases;
+}
+
+TEST(LinearCrossEntropyCudaTest, FusedForwardMatchesReference) {
+  SKIP_WITHOUT_SM90();
+  const LinearCrossEntropyLabConfig fused =
+      FusedConfig(LinearFusedForward::kRequire);
+  for (const Case& c : FusedForwardCases()) {
+    CheckCase(c, CudaRunner(fused), linear_test::Tolerance());
+    // The argmax and the correct count too, which CheckCase leaves out.
+    SCOPED_TRACE(c.Name());
+    Problem p(c);
+    const linear_test::Expected e = linear_test::Reference(p);
+    CrossEntropyResult r;
+    ASSERT_TRUE(CudaRunner(fused)(p.Args(), &r).ok());
+    EXPECT_EQ(p.token_argmax, e.token_argmax);
+    EXPECT_EQ(r.correct_tokens, e.result.correct_tokens);
+  }
+}
+
+TEST(LinearCrossEntropyCudaTest, FusedForwardOverChunksWithATail) {
+  SKIP_WITHOUT_SM90();
+  Case c;
+  c.rows = 300;  // chunks of 128: two full ones and a tail of 44
+  c.hidden = 64;
+  c.vocab = 2000;
+  c.dtype = DType::kBFloat16;
+  c.dx_mode = GradientMode::kNone;
+  c.accumulate = AccumulateMode::kNone;
+  c.token_outputs = true;
+  c.bias = true;
+  c.class_weights = true;
+  c.options.label_smoothing = 0.1f;
+  LinearCrossEntropyLabConfig config =
+      FusedConfig(LinearFusedForward::kRequire);
+  config.chunk_rows = 128;
+  CheckCase(c, CudaRunner(config), linear_test::Tolerance());
+}
+
+// A shape of many tiles a row and several waves, where the fp64 reference
+// would take minutes: against the cuBLASLt path (fp32 Z, the fused
+// cross-entropy), which the tests above hold to fp64; and the same bits on a
+// second run.
+TEST(LinearCrossEntropyCudaTest, FusedForwardEqualsCublasPathAndRepeats) {
+  SKIP_WITHOUT_SM90();
+  Case c;
+  c.rows = 1000;
+  c.hidden = 512;
+  c.vocab = 50257;
+  c.dtype = DType::kBFloat16;
+  c.dx_mode = GradientMode::kNone;
+  c.accumulate = AccumulateMode::kNone;
+  c.token_outputs = true;
+  c.bias = true;
+  c.options.z_loss_scale = 1e-4f;
+  const auto run = [&](LinearFusedForward mode, Problem* p,
+                       CrossEntropyResult* r) {
+    ASSERT_TRUE(CudaRunner(FusedConfig(mode))(p->Args(), r).ok());
+  };
+  Problem fused(c), again(c), cublas(c);
+  CrossEntropyResult fused_result, again_result, cublas_result;
+  run(LinearFusedForward::kRequire, &fused, &fused_result);
+  run(LinearFusedForward::kRequire, &again, &again_result);
+  run(LinearFusedForward::kOff, &cublas, &cublas_result);
+  EXPECT_EQ(fused_result.loss, again_result.loss);
+  EXPECT_EQ(fused.token_loss, again.token_loss);
+  EXPECT_EQ(fused.token_lse, again.token_lse);
+  EXPECT_NEAR(fused_result.loss, cublas_result.loss,
+              2e-6 * std::fabs(cublas_result.loss));
+  EXPECT_EQ(fused_result.valid_tokens, cublas_result.valid_tokens);
+  EXPECT_EQ(fused_result.correct_tokens, cublas_result.correct_tokens);
+  EXPECT_EQ(fused.token_argmax, cublas.token_argmax);
+  for (int64_t n = 0; n < c.rows; ++n) {
+    EXPECT_NEAR(fused.token_lse[n], cublas.token_lse[n], 1e-5f) << "row " << n;
+  }
+}
+
+// Work the fused forward does not take: it says so when required, and the
+// policy's choice runs it on cuBLASLt.
+TEST(LinearCrossEntropyCudaTest, FusedForwardRefusesWhatItCannotTake) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.rows = 16;
+  c.hidden = 20;  // 40-byte rows: no tensor map
+  c.vocab = 300;
+  c.dtype = DType::kBFloat16;
+  c.dx_mode = GradientMode::kNone;
+  c.accumulate = AccumulateMode::kNone;
+  Problem p(c);
+  CrossEntropyResult r;
+  EXPECT_EQ(CudaRunner(FusedConfig(LinearFusedForward::kRequire))(p.Args(), &r)
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  CheckCase(c, CudaRunner(FusedConfig(LinearFusedForward::kAuto)),
+            linear_test::Tolerance());
+  c.hidden = 64;
+  c.dx_mode = GradientMode::kOutOfPlace;  // a gradient needs Z in memory
+  Problem grad(c);
+  EXPECT_EQ(
+      CudaRunner(FusedConfig(LinearFusedForward::kRequire))(grad.Args(), &r)
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

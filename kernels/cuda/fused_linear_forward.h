@@ -1,0 +1,54 @@
+// The linear cross-entropy's forward with the loss in the GEMM's epilogue:
+// Z = X W^T (+ b) on lossd's Hopper GEMM, each tile's per-row softmax
+// statistics taken from the fp32 accumulator, Z never stored. CUDA headers
+// only; the caller (linear_cross_entropy_cuda.cc) falls back to cuBLASLt and
+// the fused cross-entropy where this returns cudaErrorNotSupported.
+#ifndef LOSSD_KERNELS_CUDA_FUSED_LINEAR_FORWARD_H_
+#define LOSSD_KERNELS_CUDA_FUSED_LINEAR_FORWARD_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cross_entropy.h"
+#include "kernels/cuda/cross_entropy_cuda.h"
+
+namespace lossd {
+
+struct FusedLinearForwardArgs {
+  const void* x = nullptr;       // bf16 [loss.rows, hidden], 16-byte aligned
+  const void* weight = nullptr;  // bf16 [loss.vocab, hidden], 16-byte aligned
+  const float* bias = nullptr;   // fp32 [loss.vocab], 8-byte aligned, or null
+  int64_t hidden = 0;            // a multiple of 8 (TMA's 16-byte strides)
+  // The cross-entropy of Z: rows, vocab, targets, class weights, options and
+  // the per-token outputs. logits and gradient are unused (mode kNone).
+  CrossEntropyArgs loss;
+};
+
+// Device workspace FusedLinearForwardLaunch needs: the cross-entropy's
+// (CrossEntropyCudaWorkspaceBytes) and a 16-byte record a row and column
+// tile of 256. Pure.
+std::size_t FusedLinearForwardWorkspaceBytes(int64_t rows, int64_t vocab);
+
+// Enqueues on `stream`: the cross-entropy's prepare (target check, D, the
+// class weights' total), the GEMM with the statistics epilogue (each tile's
+// max, first argmax, sum of exponentials relative to the max, sum of w_c z_c
+// for label smoothing, and the target's z, softcap applied to z first), a
+// merge of each row's tiles in column order (one warp a row, a fixed
+// butterfly) into the row's lse, loss, z-loss and argmax, and the
+// cross-entropy's fixed-order finalize into *device_result: the same outputs
+// as CrossEntropyCudaLaunch on Z in fp32, and the same bits on every run.
+// cudaErrorNotSupported (nothing enqueued) where the Hopper GEMM does not
+// take the product (GemmSm90Eligibility on the current device);
+// cudaErrorInvalidValue for a short workspace or a null result; else the
+// launches' error. A bad target is reported in device_result->error.
+cudaError_t FusedLinearForwardLaunch(const FusedLinearForwardArgs& args,
+                                     CrossEntropyCudaResult* device_result,
+                                     void* workspace,
+                                     std::size_t workspace_bytes,
+                                     cudaStream_t stream);
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_CUDA_FUSED_LINEAR_FORWARD_H_
