@@ -26,19 +26,10 @@
 #include <utility>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 
 namespace {
-
-#define CHECK_CUDA(expr)                                                \
-  do {                                                                  \
-    cudaError_t e_ = (expr);                                            \
-    if (e_ != cudaSuccess) {                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(e_));                             \
-      std::exit(1);                                                     \
-    }                                                                   \
-  } while (0)
 
 // Logits [n] of random values in [-8, 8) from a hash of (seed, index).
 template <typename T>

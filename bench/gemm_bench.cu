@@ -14,29 +14,11 @@
 #include <functional>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/cuda/gemm_sm90.h"
 
 namespace lossd {
 namespace {
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    const cudaError_t e_ = (expr);                                       \
-    if (e_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(e_));                              \
-      std::abort();                                                      \
-    }                                                                    \
-  } while (0)
-#define CHECK_LT(expr)                                                     \
-  do {                                                                     \
-    const cublasStatus_t s_ = (expr);                                      \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                     \
-      std::fprintf(stderr, "%s:%d: %s: cublasLt %d\n", __FILE__, __LINE__, \
-                   #expr, static_cast<int>(s_));                           \
-      std::abort();                                                        \
-    }                                                                      \
-  } while (0)
 
 // Deterministic pseudo-random values in [-1, 1) (a hash of the index).
 __global__ void FillBf16(__nv_bfloat16* out, int64_t n, uint32_t seed) {
@@ -87,25 +69,27 @@ class LtProduct {
   LtProduct(cublasLtHandle_t handle, const Shape& s, cudaDataType_t z_type,
             size_t workspace_bytes)
       : handle_(handle), workspace_bytes_(workspace_bytes) {
-    CHECK_LT(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CHECK_CUBLAS(
+        cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    CHECK_LT(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA,
-                                            &t, sizeof(t)));
-    CHECK_LT(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB,
-                                            &n, sizeof(n)));
-    CHECK_LT(
+    CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+        op_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+        op_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
+    CHECK_CUBLAS(
         cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, s.depth, s.cols, s.depth));
-    CHECK_LT(
+    CHECK_CUBLAS(
         cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, s.depth, s.rows, s.depth));
-    CHECK_LT(cublasLtMatrixLayoutCreate(&d_, z_type, s.cols, s.rows, s.cols));
+    CHECK_CUBLAS(
+        cublasLtMatrixLayoutCreate(&d_, z_type, s.cols, s.rows, s.cols));
     cublasLtMatmulPreference_t pref;
-    CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
-    CHECK_LT(cublasLtMatmulPreferenceSetAttribute(
+    CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+    CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
         sizeof(workspace_bytes)));
     int found = 0;
-    CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, op_, a_, b_, d_, d_, pref,
-                                            1, &heuristic_, &found));
+    CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, op_, a_, b_, d_, d_,
+                                                pref, 1, &heuristic_, &found));
     cublasLtMatmulPreferenceDestroy(pref);
     if (found == 0) {
       std::fprintf(stderr, "no cuBLASLt algorithm\n");
@@ -120,9 +104,9 @@ class LtProduct {
   }
   void Run(const void* x, const void* w, void* z, void* workspace) const {
     const float one = 1, zero = 0;
-    CHECK_LT(cublasLtMatmul(handle_, op_, &one, w, a_, x, b_, &zero, z, d_, z,
-                            d_, &heuristic_.algo, workspace, workspace_bytes_,
-                            nullptr));
+    CHECK_CUBLAS(cublasLtMatmul(handle_, op_, &one, w, a_, x, b_, &zero, z, d_,
+                                z, d_, &heuristic_.algo, workspace,
+                                workspace_bytes_, nullptr));
   }
 
  private:
@@ -263,7 +247,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   cublasLtHandle_t handle;
-  CHECK_LT(cublasLtCreate(&handle));
+  CHECK_CUBLAS(cublasLtCreate(&handle));
   std::vector<lossd::Shape> shapes = {{16384, 4096, 131072},
                                       {8192, 4096, 128256}};
   if (quick) shapes = {{1024, 1024, 4096}, {1000, 512, 5000}};

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda_check.h"
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/gemm_sm90.h"
@@ -24,25 +25,6 @@
 
 namespace lossd {
 namespace {
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    const cudaError_t e_ = (expr);                                       \
-    if (e_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(e_));                              \
-      std::abort();                                                      \
-    }                                                                    \
-  } while (0)
-#define CHECK_CUBLAS(expr)                                               \
-  do {                                                                   \
-    const cublasStatus_t s_ = (expr);                                    \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                   \
-      std::fprintf(stderr, "%s:%d: %s: cublas %d\n", __FILE__, __LINE__, \
-                   #expr, static_cast<int>(s_));                         \
-      std::abort();                                                      \
-    }                                                                    \
-  } while (0)
 
 // Deterministic pseudo-random values (a hash of the index): never zeros.
 __device__ float Uniform(uint64_t i, uint32_t seed) {
