@@ -93,8 +93,8 @@ double BucketDivergence(const DistillationArgs& kd,
 // Everything the rows share.
 struct Plan {
   const PostTrainingArgs* args;
-  void* gradient;                 // nullptr for kNone
-  std::vector<double> row_scale;  // ds/dl_i for each row (0 for ignored rows)
+  void* gradient;           // nullptr for kNone
+  const double* row_scale;  // ds/dl_i for each row (0 for ignored rows)
 };
 
 bool RowIsValid(const PostTrainingArgs& args, int64_t row) {
@@ -762,30 +762,14 @@ PostTrainingResult ReducePostTrainingRows(
   return out;
 }
 
-absl::Status PostTrainingCpu(const PostTrainingArgs& args,
-                             PostTrainingResult* result, int num_threads) {
-  if (result == nullptr) return Invalid("result is nullptr");
-  absl::Status status = ValidatePostTrainingArgs(args);
-  if (!status.ok()) return status;
-  status = CheckPostTrainingData(args);
-  if (!status.ok()) return status;
-
+void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
+                         PostTrainingRowTotals* totals, int num_threads) {
   const CrossEntropyArgs& base = args.base;
   const int64_t rows = base.rows;
-  // The reduction's factors depend on the targets and segment ids only, so
-  // they are known before any row is computed. The gradient scale is folded
-  // into the gradient's factors only.
-  const PostTrainingPlan plan = PlanPostTraining(args);
-  Plan gradient_plan;
-  gradient_plan.args = &args;
-  gradient_plan.gradient =
-      base.mode == GradientMode::kNone ? nullptr : base.gradient;
-  gradient_plan.row_scale = plan.row_scale;
-  for (double& scale : gradient_plan.row_scale) {
-    scale *= base.options.grad_scale;
-  }
-
-  std::vector<PostTrainingRowTotals> totals(rows);
+  Plan plan;
+  plan.args = &args;
+  plan.gradient = base.mode == GradientMode::kNone ? nullptr : base.gradient;
+  plan.row_scale = row_scale;
   unsigned threads = num_threads > 0 ? static_cast<unsigned>(num_threads)
                                      : std::thread::hardware_concurrency();
   threads = std::max(
@@ -800,13 +784,85 @@ absl::Status PostTrainingCpu(const PostTrainingArgs& args,
     const int64_t begin = rows * thread / threads;
     const int64_t end = rows * (thread + 1) / threads;
     for (int64_t row = begin; row < end; ++row) {
-      totals[row] = ComputeRow(gradient_plan, row, &scratch);
+      totals[row] = ComputeRow(plan, row, &scratch);
     }
   };
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
   work(0);
   for (std::thread& thread : pool) thread.join();
+}
+
+void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
+                           int64_t count, void* logits, DType logits_dtype,
+                           bool gradient, PostTrainingChunk* holder) {
+  const auto offset = [row0](const void* pointer, size_t row_bytes) {
+    return pointer == nullptr ? nullptr
+                              : static_cast<const char*>(pointer) +
+                                    row0 * static_cast<int64_t>(row_bytes);
+  };
+  const auto shift = [row0](auto* pointer) {
+    return pointer == nullptr ? nullptr : pointer + row0;
+  };
+  PostTrainingArgs& args = holder->args;
+  args = whole;
+  CrossEntropyArgs& base = args.base;
+  base.rows = count;
+  base.row_stride = whole.base.vocab;
+  base.logits = logits;
+  base.logits_dtype = logits_dtype;
+  base.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
+  base.gradient = gradient ? logits : nullptr;
+  base.targets =
+      offset(whole.base.targets, DTypeSize(whole.base.targets_dtype));
+  base.token_loss = shift(whole.base.token_loss);
+  base.token_lse = shift(whole.base.token_lse);
+  base.token_argmax = shift(whole.base.token_argmax);
+  args.token_logprob = shift(whole.token_logprob);
+  args.token_entropy = shift(whole.token_entropy);
+  if (whole.distillation != nullptr) {
+    DistillationArgs& kd = holder->distillation;
+    kd = *whole.distillation;
+    kd.teacher_logits = offset(
+        kd.teacher_logits, kd.teacher_row_stride * DTypeSize(kd.teacher_dtype));
+    kd.top_k_indices =
+        offset(kd.top_k_indices, kd.top_k * DTypeSize(kd.top_k_indices_dtype));
+    kd.top_k_logprobs = kd.top_k_logprobs == nullptr
+                            ? nullptr
+                            : kd.top_k_logprobs + row0 * kd.top_k;
+    args.distillation = &kd;
+  }
+  if (whole.policy != nullptr) {
+    PolicyArgs& pg = holder->policy;
+    pg = *whole.policy;
+    pg.advantages = shift(pg.advantages);
+    pg.sampling_logprobs = shift(pg.sampling_logprobs);
+    pg.reference_logprobs = shift(pg.reference_logprobs);
+    args.policy = &pg;
+  }
+  if (whole.segments != nullptr) {
+    holder->segments = *whole.segments;
+    holder->segments.ids = shift(holder->segments.ids);
+    args.segments = &holder->segments;
+  }
+}
+
+absl::Status PostTrainingCpu(const PostTrainingArgs& args,
+                             PostTrainingResult* result, int num_threads) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  absl::Status status = ValidatePostTrainingArgs(args);
+  if (!status.ok()) return status;
+  status = CheckPostTrainingData(args);
+  if (!status.ok()) return status;
+
+  // The reduction's factors depend on the targets and segment ids only, so
+  // they are known before any row is computed. The gradient scale is folded
+  // into the gradient's factors only.
+  const PostTrainingPlan plan = PlanPostTraining(args);
+  std::vector<double> row_scale = plan.row_scale;
+  for (double& scale : row_scale) scale *= args.base.options.grad_scale;
+  std::vector<PostTrainingRowTotals> totals(args.base.rows);
+  PostTrainingCpuRows(args, row_scale.data(), totals.data(), num_threads);
   *result = ReducePostTrainingRows(args, plan, totals);
   return absl::OkStatus();
 }

@@ -82,6 +82,32 @@ PostTrainingResult ReducePostTrainingRows(
 absl::Status PostTrainingCpu(const PostTrainingArgs& args,
                              PostTrainingResult* result, int num_threads = 0);
 
+// The rows of `args` alone, for a caller that plans and reduces a larger
+// problem itself (LinearForward's chunks of rows): row r's gradient is scaled
+// by row_scale[r] (the plan's factor times grad_scale) and its totals go to
+// totals[r]; the per-token outputs are written. `args` must have passed the
+// checks above (on the whole problem); its inputs are host pointers. Threads
+// as PostTrainingCpu; writes nothing but the gradient, the per-token outputs
+// and `totals`.
+void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
+                         PostTrainingRowTotals* totals, int num_threads = 0);
+
+// The rows [row0, row0 + count) of `whole` as a problem of their own, their
+// logits at `logits` ([count, vocab] of `logits_dtype`, the gradient written
+// over them when `gradient` is true): every row-indexed input and per-token
+// output offset by row0. `segments` keeps its ids (offset) for the caller's
+// bookkeeping. The sliced arguments are holder->args, pointing into
+// `holder`, which must outlive them.
+struct PostTrainingChunk {
+  DistillationArgs distillation;
+  PolicyArgs policy;
+  SegmentArgs segments;
+  PostTrainingArgs args;
+};
+void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
+                           int64_t count, void* logits, DType logits_dtype,
+                           bool gradient, PostTrainingChunk* holder);
+
 }  // namespace lossd
 
 #endif  // LOSSD_KERNELS_CPU_POST_TRAINING_CPU_H_
