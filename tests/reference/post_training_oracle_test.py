@@ -185,8 +185,9 @@ def reduce(values, valid, case):
 
 
 class Oracle:
-    def __init__(self, pb2, grpc, stub, gpu_tolerance):
+    def __init__(self, pb2, grpc, stub, gpu_tolerance, linear_fraction):
         self.pb2 = pb2
+        self.linear_fraction = linear_fraction
         self.grpc = grpc
         self.stub = stub
         self.gpu_tolerance = gpu_tolerance
@@ -251,11 +252,28 @@ class Oracle:
                       grad_scale=grad_scale, ignore_fraction=ignore_fraction)
         self.config = config
 
-        raw = (nprng.standard_normal((rows, vocab)) * scale).astype(np.float32)
-        logits_bytes, x_values = lt.encode_float(raw, dtype)
+        head = None
+        if rng.random() < self.linear_fraction:
+            # LinearForward: Z = X W^T of the same size as the logits, X and W in the dtype.
+            width = rng.choice([1, 4, 16])
+            x_bytes, x_rows = lt.encode_float(nprng.standard_normal((rows, width)), dtype)
+            w_bytes, w_rows = lt.encode_float(
+                nprng.standard_normal((vocab, width)) * scale / math.sqrt(width), dtype)
+            head = dict(width=width, x=x_rows, w=w_rows,
+                        hidden=self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, width), x_bytes),
+                        weight=self.upload(lt.FLOAT_DTYPES[dtype][0], (vocab, width), w_bytes))
+            x_values = x_rows @ w_rows.T
+            logits_bytes = None
+            logits_handle = head["hidden"]
+            config["linear_width"] = width
+            self.coverage.update(["linear"])
+        else:
+            raw = (nprng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+            logits_bytes, x_values = lt.encode_float(raw, dtype)
         targets = nprng.integers(0, vocab, size=rows)
         targets[nprng.random(rows) < ignore_fraction] = -100
-        logits_handle = self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, vocab), logits_bytes)
+        if head is None:
+            logits_handle = self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, vocab), logits_bytes)
         request = pb2.ForwardRequest(logits=logits_handle, mode=pb2.GradientMode.Value(mode))
         request.options.reduction = pb2.Reduction.Value("REDUCTION_" + reduction)
         request.options.softcap = softcap
@@ -381,9 +399,12 @@ class Oracle:
         config["targets"] = send_targets
         self.coverage.update([dtype, family, mode])
 
-        response = self.stub.Forward(request)
-
-        x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
+        if head is None:
+            response = self.stub.Forward(request)
+            x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
+        else:
+            response = self.linear_forward(request, head, rows, reduction, mode).result
+            x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
         per_row, distill, valid, extras = reference(x, case)
         loss, denominator, seg_loss, seg_tokens = reduce(per_row, valid, case)
         distill_loss, _, _, _ = reduce(distill.detach(), valid, case)
@@ -413,7 +434,7 @@ class Oracle:
             for name in ("ratio_sum", "approx_kl_sum", "kl_sum", "entropy_sum"):
                 check_close(name, getattr(stats, name), extras[name], self.loss_rtol, self.loss_rtol)
 
-        if family != "policy" and case["reduction"] != "NONE":
+        if family != "policy" and case["reduction"] != "NONE" and head is None:
             self.evaluate_case(rng, case, request, rows, vocab, dtype, logits_bytes, targets,
                                send_targets, float(loss.detach()), float(distill_loss),
                                denominator, seg_loss, seg_tokens, int(valid.sum()))
@@ -425,6 +446,15 @@ class Oracle:
                                              retain_graph=True)[0].abs().numpy()[:, None]
             (loss * scale_factor).backward()
             ref = x.grad.numpy()
+            if head is not None:
+                def grad_at(z_values):
+                    z = torch.tensor(z_values, dtype=torch.float64, requires_grad=True)
+                    values, _, rows_valid, _ = reference(z, case)
+                    (reduce(values, rows_valid, case)[0] * scale_factor).backward()
+                    return z.grad.numpy()
+                self.check_linear_gradients(response, head, ref, grad_at, nprng, rows, vocab,
+                                            dtype)
+                return
             check(response.gradient, "no gradient handle")
             got = lt.decode_float(self.download(response.gradient), dtype, (rows, vocab))
             row_max = np.abs(ref).max(axis=1, keepdims=True)
@@ -434,8 +464,55 @@ class Oracle:
                 # fp32 row math: a few ulps of lse move every p_c (docs/api.md).
                 tolerance = tolerance + 2.0 ** -18 * row_factor
             check_close("gradient", got, ref, tolerance)
-        for handle in [logits_handle]:
+        for handle in [logits_handle] + ([] if head is None else [head["weight"]]):
             self.stub.Release(pb2.ReleaseRequest(handle=handle))
+
+    def linear_forward(self, forward, head, rows, reduction, mode):
+        """The Forward request's loss as a LinearForward of the head (a new fp32 dW accumulator
+        with a gradient; reduction NONE with a gradient takes token_grad_output of ones)."""
+        pb2 = self.pb2
+        request = pb2.LinearForwardRequest(hidden=head["hidden"], weight=head["weight"],
+                                           mode=forward.mode)
+        for field in ("options", "outputs", "distillation", "policy", "segments"):
+            if forward.HasField(field):
+                getattr(request, field).CopyFrom(getattr(forward, field))
+        if forward.WhichOneof("targets") == "targets_handle":
+            request.targets_handle = forward.targets_handle
+        elif forward.WhichOneof("targets") == "targets_inline":
+            request.targets_inline.CopyFrom(forward.targets_inline)
+        if reduction == "NONE" and mode != "GRADIENT_MODE_NONE":
+            request.token_grad_output.extend([1.0] * rows)
+        response = self.stub.LinearForward(request)
+        head["weight_grad"] = response.weight_grad
+        return response
+
+    def check_linear_gradients(self, response, head, g, grad_at, nprng, rows, vocab, dtype):
+        """dX and dW against G W and G^T X, G the reference gradient over Z = X W^T. The server's
+        Z, G and products are fp32: the allowance is 1e-5 of the terms' magnitude (|G| |W|,
+        |G|^T |X|) plus 8x how far G moves when Z moves by 4 fp32 roundings of its terms (the
+        most of three such moves: the loss's own sensitivity, large where a KL penalty's
+        d = log p_ref - log p is small), plus one rounding of dX's dtype."""
+        x_rows, w_rows = head["x"], head["w"]
+        width = head["width"]
+        terms = np.abs(x_rows) @ np.abs(w_rows).T
+        moved = np.zeros_like(g)
+        for signs in (nprng.choice([-1.0, 1.0], size=terms.shape),
+                      nprng.choice([-1.0, 1.0], size=terms.shape), np.ones_like(terms)):
+            shifted = grad_at(x_rows @ w_rows.T + 2.0 ** -22 * terms * signs)
+            moved = np.maximum(moved, np.abs(shifted - g))
+        check(response.gradient, "no dX handle")
+        got_dx = lt.decode_float(self.download(response.gradient), dtype, (rows, width))
+        ref_dx = g @ w_rows
+        check_close("dX", got_dx, ref_dx, lt.ulp(ref_dx, dtype) +
+                    (1e-5 * np.abs(g) + 8 * moved) @ np.abs(w_rows))
+        check(head["weight_grad"], "no dW handle")
+        got_dw = np.frombuffer(self.download(head["weight_grad"]), "<f4").astype(
+            np.float64).reshape(vocab, width)
+        ref_dw = g.T @ x_rows
+        check_close("dW", got_dw, ref_dw, (1e-5 * np.abs(g) + 8 * moved).T @ np.abs(x_rows) +
+                    1e-30)
+        for handle in {head["hidden"], head["weight"], head["weight_grad"], response.gradient}:
+            self.stub.Release(self.pb2.ReleaseRequest(handle=handle))
 
     def evaluate_case(self, rng, case, forward, rows, vocab, dtype, logits_bytes, targets,
                       send_targets, loss_ref, distill_ref, denominator, seg_loss, seg_tokens,
@@ -534,6 +611,8 @@ def main():
     parser.add_argument("--gpu_tolerance", type=float, default=0.0,
                         help="gradient allowance relative to the row's largest element "
                              "(0: the CPU device's 2e-6)")
+    parser.add_argument("--linear_fraction", type=float, default=0.25,
+                        help="share of the cases run as a LinearForward of a random head")
     args = parser.parse_args()
     if args.device == "cuda" and not lt.gpu_visible():
         print("post-training oracle: no GPU visible; skipping the CUDA run")
@@ -551,7 +630,7 @@ def main():
     started = time.monotonic()
     with lt.LossdServer(args.lossd, args.device) as server:
         channel, stub = lt.connect(grpc, pb2_grpc, server.address)
-        oracle = Oracle(pb2, grpc, stub, args.gpu_tolerance)
+        oracle = Oracle(pb2, grpc, stub, args.gpu_tolerance, args.linear_fraction)
         try:
             oracle.boundary_case()
         except (CheckFailure, grpc.RpcError) as error:
