@@ -46,6 +46,61 @@ absl::Status CopyToHost(void* host, const void* device, size_t bytes,
 
 }  // namespace
 
+absl::Status CopyPostTrainingPlanInputs(const PostTrainingArgs& device_args,
+                                        cudaStream_t stream,
+                                        PostTrainingHostView* host) {
+  const CrossEntropyArgs& base = device_args.base;
+  const int64_t rows = base.rows;
+  host->args = device_args;
+  if (base.targets != nullptr) {
+    host->targets.resize(static_cast<size_t>(rows) *
+                         DTypeSize(base.targets_dtype));
+    RETURN_IF_ERROR(CopyToHost(host->targets.data(), base.targets,
+                               host->targets.size(), stream));
+    host->args.base.targets = host->targets.data();
+  }
+  if (device_args.segments != nullptr) {
+    host->segments = *device_args.segments;
+    host->ids.resize(static_cast<size_t>(rows));
+    RETURN_IF_ERROR(CopyToHost(host->ids.data(), host->segments.ids,
+                               host->ids.size() * sizeof(int32_t), stream));
+    host->segments.ids = host->ids.data();
+    host->args.segments = &host->segments;
+  }
+  return absl::OkStatus();
+}
+
+void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
+                                 const PostTrainingCudaRow* out,
+                                 PostTrainingRowTotals* totals) {
+  const CrossEntropyArgs& base = args.base;
+  const int64_t rows = base.rows;
+  for (int64_t row = 0; row < rows; ++row) {
+    const PostTrainingCudaRow& r = out[row];
+    PostTrainingRowTotals& t = totals[row];
+    t.valid = (r.flags & kPostTrainingRowValid) != 0;
+    t.correct = (r.flags & kPostTrainingRowCorrect) != 0;
+    t.clipped = (r.flags & kPostTrainingRowClipped) != 0;
+    t.loss = r.loss;
+    t.distillation = r.distillation;
+    t.ratio = r.ratio;
+    t.approx_kl = r.approx_kl;
+    t.kl = r.kl;
+    t.entropy = args.policy != nullptr && t.valid ? r.entropy : 0.0;
+    if (base.token_loss != nullptr) {
+      base.token_loss[row] = static_cast<float>(r.loss);
+    }
+    if (base.token_lse != nullptr) base.token_lse[row] = r.lse;
+    if (base.token_argmax != nullptr) base.token_argmax[row] = r.argmax;
+    if (args.token_logprob != nullptr) {
+      args.token_logprob[row] = r.logprob;
+    }
+    if (args.token_entropy != nullptr) {
+      args.token_entropy[row] = static_cast<float>(r.entropy);
+    }
+  }
+}
+
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
                               PostTrainingResult* result, cudaStream_t stream) {
   if (result == nullptr) {
@@ -64,24 +119,9 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   }
 
   // The plan needs the targets and segment ids on the host.
-  PostTrainingArgs host_view = device_args;
-  std::vector<char> targets;
-  std::vector<int32_t> ids;
-  SegmentArgs segments;
-  if (base.targets != nullptr) {
-    targets.resize(static_cast<size_t>(rows) * DTypeSize(base.targets_dtype));
-    RETURN_IF_ERROR(
-        CopyToHost(targets.data(), base.targets, targets.size(), stream));
-    host_view.base.targets = targets.data();
-  }
-  if (device_args.segments != nullptr) {
-    segments = *device_args.segments;
-    ids.resize(static_cast<size_t>(rows));
-    RETURN_IF_ERROR(CopyToHost(ids.data(), segments.ids,
-                               ids.size() * sizeof(int32_t), stream));
-    segments.ids = ids.data();
-    host_view.segments = &segments;
-  }
+  PostTrainingHostView host;
+  RETURN_IF_ERROR(CopyPostTrainingPlanInputs(device_args, stream, &host));
+  const PostTrainingArgs& host_view = host.args;
   const PostTrainingPlan plan = PlanPostTraining(host_view);
   std::vector<float> row_scale(static_cast<size_t>(rows));
   for (int64_t row = 0; row < rows; ++row) {
@@ -115,30 +155,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
-  for (int64_t row = 0; row < rows; ++row) {
-    const PostTrainingCudaRow& r = out[row];
-    PostTrainingRowTotals& t = totals[row];
-    t.valid = (r.flags & kPostTrainingRowValid) != 0;
-    t.correct = (r.flags & kPostTrainingRowCorrect) != 0;
-    t.clipped = (r.flags & kPostTrainingRowClipped) != 0;
-    t.loss = r.loss;
-    t.distillation = r.distillation;
-    t.ratio = r.ratio;
-    t.approx_kl = r.approx_kl;
-    t.kl = r.kl;
-    t.entropy = device_args.policy != nullptr && t.valid ? r.entropy : 0.0;
-    if (base.token_loss != nullptr) {
-      base.token_loss[row] = static_cast<float>(r.loss);
-    }
-    if (base.token_lse != nullptr) base.token_lse[row] = r.lse;
-    if (base.token_argmax != nullptr) base.token_argmax[row] = r.argmax;
-    if (device_args.token_logprob != nullptr) {
-      device_args.token_logprob[row] = r.logprob;
-    }
-    if (device_args.token_entropy != nullptr) {
-      device_args.token_entropy[row] = static_cast<float>(r.entropy);
-    }
-  }
+  CollectPostTrainingCudaRows(device_args, out.data(), totals.data());
   *result = ReducePostTrainingRows(host_view, plan, totals);
   return absl::OkStatus();
 }
