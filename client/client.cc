@@ -348,6 +348,10 @@ ForwardResult ForwardFromProto(const v1::ForwardResponse& response) {
                               response.token_logprob().end());
   result.token_entropy.assign(response.token_entropy().begin(),
                               response.token_entropy().end());
+  result.token_ratio.assign(response.token_ratio().begin(),
+                            response.token_ratio().end());
+  result.token_clipped.assign(response.token_clipped().begin(),
+                              response.token_clipped().end());
   return result;
 }
 
@@ -546,6 +550,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   request.mutable_outputs()->set_token_argmax(options.token_argmax);
   request.mutable_outputs()->set_token_logprob(options.token_logprob);
   request.mutable_outputs()->set_token_entropy(options.token_entropy);
+  request.mutable_outputs()->set_token_ratio(options.token_ratio);
+  request.mutable_outputs()->set_token_clipped(options.token_clipped);
   request.set_gradient_label(options.gradient_label);
   if (options.distillation.has_value()) {
     RETURN_IF_ERROR(

@@ -173,7 +173,7 @@ commands:
                                  a policy-gradient loss
          [--segments --num_segments --segment_reduction]
                                  per-segment sums of packed sequences
-         [--token_logprob --token_entropy]
+         [--token_logprob --token_entropy --token_ratio]
   linear HIDDEN WEIGHT TARGETS    the LM head and cross entropy: hidden
          [loss options --mode    states [N, H] times the weight [V, H];
           --bias --weight_grad   dX as --mode says, dW (and dbias) added

@@ -48,6 +48,8 @@ ABSL_FLAG(std::string, segment_reduction, "",
           "empty, seq_mean_token_mean or seq_mean_token_sum");
 ABSL_FLAG(bool, token_logprob, false, "forward: print log p(target) per row");
 ABSL_FLAG(bool, token_entropy, false, "forward: print the entropy per row");
+ABSL_FLAG(bool, token_ratio, false,
+          "forward: print the policy's ratio and clipped flag per row");
 
 namespace lossd {
 namespace {
@@ -174,6 +176,8 @@ absl::Status PostTrainingFlagsInto(
   }
   options->token_logprob = absl::GetFlag(FLAGS_token_logprob);
   options->token_entropy = absl::GetFlag(FLAGS_token_entropy);
+  options->token_ratio = absl::GetFlag(FLAGS_token_ratio);
+  options->token_clipped = options->token_ratio;
   return absl::OkStatus();
 }
 
@@ -200,6 +204,11 @@ void PrintPostTrainingResult(const ForwardOptions& options,
   }
   for (std::size_t r = 0; r < result.token_entropy.size(); ++r) {
     std::printf("row %zu entropy %.9g\n", r, result.token_entropy[r]);
+  }
+  for (std::size_t r = 0; r < result.token_ratio.size(); ++r) {
+    std::printf(
+        "row %zu ratio %.9g clipped %d\n", r, result.token_ratio[r],
+        r < result.token_clipped.size() && result.token_clipped[r] ? 1 : 0);
   }
 }
 

@@ -27,8 +27,10 @@ struct LinearPostTrainingArgs {
   const DistillationArgs* distillation = nullptr;
   const PolicyArgs* policy = nullptr;
   const SegmentArgs* segments = nullptr;
-  float* token_logprob = nullptr;  // [rows]
-  float* token_entropy = nullptr;  // [rows]
+  float* token_logprob = nullptr;    // [rows]
+  float* token_entropy = nullptr;    // [rows]
+  float* token_ratio = nullptr;      // [rows]
+  uint8_t* token_clipped = nullptr;  // [rows]
 };
 
 // The whole call as a PostTrainingArgs without logits (its `base.logits` a
@@ -57,6 +59,8 @@ inline PostTrainingArgs WholePostTrainingView(
   view.segments = args.segments;
   view.token_logprob = args.token_logprob;
   view.token_entropy = args.token_entropy;
+  view.token_ratio = args.token_ratio;
+  view.token_clipped = args.token_clipped;
   return view;
 }
 

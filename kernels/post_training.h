@@ -97,6 +97,10 @@ struct PostTrainingArgs {
   // [rows] log softmax(z)_y (0 for ignored rows); [rows] entropy of softmax(z).
   float* token_logprob = nullptr;
   float* token_entropy = nullptr;
+  // [rows] the policy's ratio r and whether the row counts in
+  // clipped_tokens (0 / 1); 0 for ignored rows and without a policy.
+  float* token_ratio = nullptr;
+  uint8_t* token_clipped = nullptr;
 };
 
 struct PolicyStatsResult {

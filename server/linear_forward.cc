@@ -503,9 +503,11 @@ absl::Status CommitLinear(const LinearSpec& spec, const LinearTensors& tensors,
 // The post-training loss of a LinearForward: its inputs (read and checked
 // before any lease), per-token outputs and result.
 struct LinearPostTrainingLoss {
+  LinearPostTrainingLoss(const pb::Outputs& asked, int64_t rows)
+      : tokens(asked, rows) {}
+
   PostTrainingInputs inputs;
-  std::vector<float> token_loss, token_lse, token_logprob, token_entropy;
-  std::vector<int32_t> token_argmax;
+  PostTrainingTokens tokens;
   PostTrainingResult result;
 
   // Reads the loss's inputs for `tensors` (Z is [rows, vocab]) and stages
@@ -523,46 +525,36 @@ struct LinearPostTrainingLoss {
     RETURN_IF_ERROR(
         ReadPostTrainingInputs(store, tenant, ForwardView(request, true),
                                {tensors.rows, tensors.vocab}, &inputs));
-    RETURN_IF_ERROR(StagePostTrainingInputs(store->device(), &inputs));
-    const pb::Outputs& asked = request.outputs();
-    const auto size = [&](bool wanted) {
-      return static_cast<size_t>(wanted ? tensors.rows : 0);
-    };
-    token_loss.resize(size(asked.token_loss()));
-    token_lse.resize(size(asked.token_lse()));
-    token_argmax.resize(size(asked.token_argmax()));
-    token_logprob.resize(size(asked.token_logprob()));
-    token_entropy.resize(size(asked.token_entropy()));
-    return absl::OkStatus();
+    return StagePostTrainingInputs(store->device(), &inputs);
   }
 
   // The kernel's arguments: `linear` with the loss's targets, inputs and
   // per-token outputs.
   LinearPostTrainingArgs KernelArgs(const LinearCrossEntropyArgs& linear) {
-    const auto data = [](auto& values) {
-      return values.empty() ? nullptr : values.data();
-    };
+    PostTrainingArgs outputs;
+    tokens.Point(&outputs);
     LinearPostTrainingArgs args;
     args.linear = linear;
     args.linear.targets = inputs.args.base.targets;
     args.linear.targets_dtype = inputs.args.base.targets != nullptr
                                     ? inputs.args.base.targets_dtype
                                     : DType::kInt32;
-    args.linear.token_loss = data(token_loss);
-    args.linear.token_lse = data(token_lse);
-    args.linear.token_argmax = data(token_argmax);
+    args.linear.token_loss = outputs.base.token_loss;
+    args.linear.token_lse = outputs.base.token_lse;
+    args.linear.token_argmax = outputs.base.token_argmax;
     args.distillation = inputs.args.distillation;
     args.policy = inputs.args.policy;
     args.segments = inputs.args.segments;
-    args.token_logprob = data(token_logprob);
-    args.token_entropy = data(token_entropy);
+    args.token_logprob = outputs.token_logprob;
+    args.token_entropy = outputs.token_entropy;
+    args.token_ratio = outputs.token_ratio;
+    args.token_clipped = outputs.token_clipped;
     return args;
   }
 
   void Fill(double seconds, pb::ForwardResponse* response) const {
     FillPostTrainingResponse(result, inputs.args.policy != nullptr, seconds,
-                             token_loss, token_lse, token_argmax, token_logprob,
-                             token_entropy, response);
+                             tokens, response);
   }
 };
 
@@ -582,7 +574,8 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   const Tensor& hidden = *tensors.hidden;
   std::unique_ptr<LinearPostTrainingLoss> post_training;
   if (spec.post_training) {
-    post_training = std::make_unique<LinearPostTrainingLoss>();
+    post_training = std::make_unique<LinearPostTrainingLoss>(request.outputs(),
+                                                             tensors.rows);
     RETURN_IF_ERROR(post_training->Read(store, tenant, request, spec, tensors));
   }
   LinearCall call(spec.forward.options);

@@ -463,13 +463,34 @@ absl::Status ReadPostTrainingInputs(TensorStore* store,
   return CheckPostTrainingData(checked);
 }
 
+PostTrainingTokens::PostTrainingTokens(const pb::Outputs& asked, int64_t rows) {
+  const auto size = [rows](bool wanted) {
+    return static_cast<size_t>(wanted ? rows : 0);
+  };
+  loss.resize(size(asked.token_loss()));
+  lse.resize(size(asked.token_lse()));
+  argmax.resize(size(asked.token_argmax()));
+  logprob.resize(size(asked.token_logprob()));
+  entropy.resize(size(asked.token_entropy()));
+  ratio.resize(size(asked.token_ratio()));
+  clipped.resize(size(asked.token_clipped()));
+}
+
+void PostTrainingTokens::Point(PostTrainingArgs* args) {
+  const auto data = [](auto& values) {
+    return values.empty() ? nullptr : values.data();
+  };
+  args->base.token_loss = data(loss);
+  args->base.token_lse = data(lse);
+  args->base.token_argmax = data(argmax);
+  args->token_logprob = data(logprob);
+  args->token_entropy = data(entropy);
+  args->token_ratio = data(ratio);
+  args->token_clipped = data(clipped);
+}
+
 void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
-                              double elapsed,
-                              const std::vector<float>& token_loss,
-                              const std::vector<float>& token_lse,
-                              const std::vector<int32_t>& token_argmax,
-                              const std::vector<float>& token_logprob,
-                              const std::vector<float>& token_entropy,
+                              double elapsed, const PostTrainingTokens& tokens,
                               pb::ForwardResponse* response) {
   response->set_loss(result.base.loss);
   response->set_valid_tokens(result.base.valid_tokens);
@@ -491,14 +512,19 @@ void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
                                         result.segment_loss.end());
   response->mutable_segment_tokens()->Add(result.segment_tokens.begin(),
                                           result.segment_tokens.end());
-  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
-  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
-  response->mutable_token_argmax()->Add(token_argmax.begin(),
-                                        token_argmax.end());
-  response->mutable_token_logprob()->Add(token_logprob.begin(),
-                                         token_logprob.end());
-  response->mutable_token_entropy()->Add(token_entropy.begin(),
-                                         token_entropy.end());
+  response->mutable_token_loss()->Add(tokens.loss.begin(), tokens.loss.end());
+  response->mutable_token_lse()->Add(tokens.lse.begin(), tokens.lse.end());
+  response->mutable_token_argmax()->Add(tokens.argmax.begin(),
+                                        tokens.argmax.end());
+  response->mutable_token_logprob()->Add(tokens.logprob.begin(),
+                                         tokens.logprob.end());
+  response->mutable_token_entropy()->Add(tokens.entropy.begin(),
+                                         tokens.entropy.end());
+  response->mutable_token_ratio()->Add(tokens.ratio.begin(),
+                                       tokens.ratio.end());
+  for (uint8_t clipped : tokens.clipped) {
+    response->add_token_clipped(clipped != 0);
+  }
 }
 
 absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
@@ -541,19 +567,11 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                       request.gradient_label(), TensorState::kGradient));
   }
   const pb::Outputs& outputs = request.outputs();
-  std::vector<float> token_loss(outputs.token_loss() ? rows : 0);
-  std::vector<float> token_lse(outputs.token_lse() ? rows : 0);
-  std::vector<int32_t> token_argmax(outputs.token_argmax() ? rows : 0);
-  std::vector<float> token_logprob(outputs.token_logprob() ? rows : 0);
-  std::vector<float> token_entropy(outputs.token_entropy() ? rows : 0);
+  PostTrainingTokens tokens(outputs, rows);
+  tokens.Point(&args);
   args.base.gradient = mode == GradientMode::kInPlace      ? logits->data()
                        : mode == GradientMode::kOutOfPlace ? gradient->data()
                                                            : nullptr;
-  args.base.token_loss = token_loss.empty() ? nullptr : token_loss.data();
-  args.base.token_lse = token_lse.empty() ? nullptr : token_lse.data();
-  args.base.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
-  args.token_logprob = token_logprob.empty() ? nullptr : token_logprob.data();
-  args.token_entropy = token_entropy.empty() ? nullptr : token_entropy.data();
 
   if (cancelled()) return absl::CancelledError("Forward cancelled");
   PostTrainingResult result;
@@ -586,8 +604,7 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
       break;
   }
   FillPostTrainingResponse(result, args.policy != nullptr, elapsed.count(),
-                           token_loss, token_lse, token_argmax, token_logprob,
-                           token_entropy, response);
+                           tokens, response);
   return absl::OkStatus();
 }
 

@@ -81,15 +81,22 @@ absl::Status ReadPostTrainingInputs(TensorStore* store,
 // in->args then points there. Errors from the device.
 absl::Status StagePostTrainingInputs(Device* device, PostTrainingInputs* in);
 
-// The response's loss, counts, statistics, segment sums and the per-token
-// outputs asked for (empty vectors: not asked).
+// The per-token outputs a request asked for (lossd::v1::Outputs), held on the
+// host while the kernel writes them; those not asked for are empty.
+struct PostTrainingTokens {
+  PostTrainingTokens(const lossd::v1::Outputs& asked, int64_t rows);
+  // Points the per-token outputs of `args` here (null where not asked for).
+  void Point(PostTrainingArgs* args);
+
+  std::vector<float> loss, lse, logprob, entropy, ratio;
+  std::vector<int32_t> argmax;
+  std::vector<uint8_t> clipped;
+};
+
+// The response's loss, counts, statistics, segment sums and per-token
+// outputs.
 void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
-                              double elapsed,
-                              const std::vector<float>& token_loss,
-                              const std::vector<float>& token_lse,
-                              const std::vector<int32_t>& token_argmax,
-                              const std::vector<float>& token_logprob,
-                              const std::vector<float>& token_entropy,
+                              double elapsed, const PostTrainingTokens& tokens,
                               lossd::v1::ForwardResponse* response);
 
 }  // namespace lossd

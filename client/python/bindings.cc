@@ -170,7 +170,8 @@ constexpr char kForwardDoc[] =
         policy_loss=None, advantages=None, old_logprobs=None, ref_logprobs=None,
         epsilon_low=0.2, epsilon_high=None, kl_coef=0.0, kl_estimator="k3",
         segments=None, num_segments=0, segment_reduction=None,
-        token_logprob=False, token_entropy=False) -> ForwardResult
+        token_logprob=False, token_entropy=False, token_ratio=False)
+        -> ForwardResult
 
 Cross entropy of stored logits [N, V], with the semantics of
 torch.nn.functional.cross_entropy (and lossd's z-loss, softcap, normalizer
@@ -199,7 +200,9 @@ below max_message_bytes: upload larger ones and pass their handles):
   (0 = max id + 1), segment_reduction (None, "seq_mean_token_mean",
   "seq_mean_token_sum").
 Results: .distillation_loss, .policy_stats, .segment_loss and
-.segment_tokens, and with token_logprob / token_entropy those per row.
+.segment_tokens, and with token_logprob / token_entropy those per row;
+token_ratio=True adds the policy's .token_ratio (r) and .token_clipped
+(bool) per row (0 / False for ignored rows).
 
 A mean over zero valid rows is 0 here (torch: NaN). Raises NotFound,
 InvalidArgument (shapes, a target outside [0, V), options),
@@ -372,6 +375,20 @@ PYBIND11_MODULE(_lossd, m) {
                                return r.token_entropy.empty()
                                           ? py::none()
                                           : NumpyCopy(r.token_entropy, "<f4");
+                             })
+      .def_property_readonly("token_ratio",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.token_ratio.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.token_ratio, "<f4");
+                             })
+      .def_property_readonly("token_clipped",
+                             [](const ForwardResult& r) -> py::object {
+                               if (r.token_clipped.empty()) return py::none();
+                               const std::vector<uint8_t> flags(
+                                   r.token_clipped.begin(),
+                                   r.token_clipped.end());
+                               return NumpyCopy(flags, "|b1");
                              })
       .def("__repr__", [](const ForwardResult& r) {
         return "ForwardResult(loss=" + std::to_string(r.loss) +
@@ -571,7 +588,7 @@ PYBIND11_MODULE(_lossd, m) {
              py::object epsilon_high, double kl_coef,
              const std::string& kl_estimator, py::object segments,
              int64_t num_segments, py::object segment_reduction,
-             bool token_logprob, bool token_entropy) {
+             bool token_logprob, bool token_entropy, bool token_ratio) {
             PostTrainingKwargs post_training;
             post_training.teacher = std::move(teacher);
             post_training.temperature = temperature;
@@ -592,6 +609,7 @@ PYBIND11_MODULE(_lossd, m) {
             post_training.segment_reduction = std::move(segment_reduction);
             post_training.token_logprob = token_logprob;
             post_training.token_entropy = token_entropy;
+            post_training.token_ratio = token_ratio;
             return Forward(self, logits, target, weight, ignore_index,
                            label_smoothing, reduction, z_loss_scale, softcap,
                            normalizer, grad_scale, mode, token_loss, token_lse,
@@ -616,7 +634,8 @@ PYBIND11_MODULE(_lossd, m) {
           py::arg("kl_estimator") = "k3", py::arg("segments") = py::none(),
           py::arg("num_segments") = 0,
           py::arg("segment_reduction") = py::none(),
-          py::arg("token_logprob") = false, py::arg("token_entropy") = false)
+          py::arg("token_logprob") = false, py::arg("token_entropy") = false,
+          py::arg("token_ratio") = false)
       .def("linear_forward", &LinearForward, kLinearForwardDoc,
            py::arg("hidden"), py::arg("weight"), py::arg("target"),
            py::kw_only(), py::arg("bias") = "", py::arg("weight_grad") = "",

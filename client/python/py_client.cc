@@ -571,6 +571,8 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                     token_loss, token_lse, token_argmax, gradient_label);
   options.token_logprob = post_training.token_logprob;
   options.token_entropy = post_training.token_entropy;
+  options.token_ratio = post_training.token_ratio;
+  options.token_clipped = post_training.token_ratio;
   KeptInputs kept;
   SetPostTraining(post_training, &kept, &options.distillation, &options.policy,
                   &options.segments, /*in_blocks=*/false);

@@ -125,6 +125,7 @@ struct PostTrainingKwargs {
   py::object segment_reduction = py::none();
   bool token_logprob = false;
   bool token_entropy = false;
+  bool token_ratio = false;  // and token_clipped
 };
 
 // The methods of lossd.Client (their docstrings are in bindings.cc).

@@ -394,6 +394,8 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
     totals = PostTrainingRowTotals();
     if (base.token_loss != nullptr) base.token_loss[index] = 0.0f;
     if (args.token_logprob != nullptr) args.token_logprob[index] = 0.0f;
+    if (args.token_ratio != nullptr) args.token_ratio[index] = 0.0f;
+    if (args.token_clipped != nullptr) args.token_clipped[index] = 0;
     if (plan.gradient != nullptr) {
       const int64_t offset = index * base.row_stride;
       for (int64_t c = 0; c < base.vocab; ++c) {
@@ -425,6 +427,10 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
     }
   }
   totals.loss = loss;
+  if (args.token_ratio != nullptr) {
+    args.token_ratio[index] = static_cast<float>(totals.ratio);
+  }
+  if (args.token_clipped != nullptr) args.token_clipped[index] = totals.clipped;
   if (base.token_loss != nullptr) {
     base.token_loss[index] = static_cast<float>(loss);
   }
@@ -820,6 +826,8 @@ void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
   base.token_argmax = shift(whole.base.token_argmax);
   args.token_logprob = shift(whole.token_logprob);
   args.token_entropy = shift(whole.token_entropy);
+  args.token_ratio = shift(whole.token_ratio);
+  args.token_clipped = shift(whole.token_clipped);
   if (whole.distillation != nullptr) {
     DistillationArgs& kd = holder->distillation;
     kd = *whole.distillation;

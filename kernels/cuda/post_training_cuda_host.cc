@@ -98,6 +98,13 @@ void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
     if (args.token_entropy != nullptr) {
       args.token_entropy[row] = static_cast<float>(r.entropy);
     }
+    const bool policy_row = args.policy != nullptr && t.valid;
+    if (args.token_ratio != nullptr) {
+      args.token_ratio[row] = policy_row ? static_cast<float>(r.ratio) : 0.0f;
+    }
+    if (args.token_clipped != nullptr) {
+      args.token_clipped[row] = policy_row && t.clipped;
+    }
   }
 }
 

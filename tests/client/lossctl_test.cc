@@ -624,11 +624,13 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
       Lossctl({"forward", handle, targets_path_, "--mode=none",
                "--policy_loss=ppo", "--advantages=" + advantages_path,
                "--old_logprobs=" + old_handle->handle, "--epsilon_high=0.3",
-               "--token_logprob"});
+               "--token_logprob", "--token_ratio"});
   ASSERT_EQ(ppo.exit_code, 0) << ppo.err;
   ForwardOptions policy_options;
   policy_options.mode = GradientMode::kNone;
   policy_options.token_logprob = true;
+  policy_options.token_ratio = true;
+  policy_options.token_clipped = true;
   PolicyGradientOptions policy;
   policy.loss = PolicyLossKind::kPpoClip;
   policy.advantages = LossInput::Inline(advantages);
@@ -645,6 +647,16 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   EXPECT_EQ(Field(stats, "ratio_sum"), want->policy_stats.ratio_sum);
   EXPECT_FLOAT_EQ(Field(LineOf(ppo.out, "row 7 logprob"), "logprob"),
                   want->token_logprob[7]);
+  ASSERT_EQ(want->token_ratio.size(), static_cast<std::size_t>(kRows));
+  ASSERT_EQ(want->token_clipped.size(), static_cast<std::size_t>(kRows));
+  int64_t clipped = 0;
+  for (int r = 0; r < kRows; ++r) {
+    const std::string line = LineOf(ppo.out, absl::StrCat("row ", r, " ratio"));
+    EXPECT_FLOAT_EQ(Field(line, "ratio"), want->token_ratio[r]) << r;
+    EXPECT_EQ(Field(line, "clipped"), want->token_clipped[r] ? 1 : 0) << r;
+    clipped += want->token_clipped[r];
+  }
+  EXPECT_EQ(clipped, want->policy_stats.clipped_tokens);
 
   CommandResult bad = Lossctl({"forward", handle, targets_path_,
                                "--policy_loss=grpo", "--advantages=x"});

@@ -3,6 +3,7 @@ evaluate's post-training keyword arguments on a real lossd (CPU device): the los
 gradient loss.backward() gives against a float64 torch implementation written here from
 docs/api.md's formulas ("Post-training losses"), on the same (rounded) logits."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,6 +298,31 @@ def test_client_forward_policy_outputs_and_async(client):
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.from_numpy(result.token_entropy).double(), entropy,
                                rtol=1e-5, atol=1e-5)
+    assert result.token_ratio is None and result.token_clipped is None
+
+
+def test_client_forward_token_ratio_and_clipped(client):
+    """PPO's per-token ratio and clip flag: ratios of e^0.5, 1 and e^-0.5 against epsilon 0.2,
+    with advantages that clip the first (A > 0 past 1 + eps) and the last (A < 0 below 1 - eps)."""
+    rows, vocab = 4, 7
+    logits = make_logits(torch.float32, rows, vocab, seed=21)
+    target = make_target(rows, vocab, seed=21, ignored=False)
+    target[2] = -100
+    logp = torch.log_softmax(logits.double(), -1).gather(
+        1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+    shift = torch.tensor([0.5, 0.0, 0.0, -0.5], dtype=torch.float64)
+    old = (logp - shift).float()
+    ratio = torch.exp(logp - old.double())
+    result = client.forward(
+        logits.numpy(), target.numpy(), mode="none", policy_loss="ppo",
+        advantages=np.array([1.0, 1.0, 1.0, -1.0], np.float32), old_logprobs=old.numpy(),
+        token_ratio=True)
+    assert result.token_clipped.dtype == np.bool_
+    assert result.token_clipped.tolist() == [True, False, False, True]
+    expected = torch.where(target >= 0, ratio, torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(torch.from_numpy(result.token_ratio).double(), expected,
+                               rtol=1e-5, atol=1e-6)
+    assert result.policy_stats.clipped_tokens == 2
 
 
 def test_bad_arguments_raise_invalid_argument(client):

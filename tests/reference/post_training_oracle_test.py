@@ -113,7 +113,9 @@ def reference(x, case):
                       ratio_sum=float(ratio.detach().numpy()[v].sum()),
                       approx_kl_sum=float((old - logp).detach().numpy()[v].sum()),
                       kl_sum=float(kl.detach().numpy()[v].sum()),
-                      entropy_sum=float(entropy.detach().numpy()[v].sum()))
+                      entropy_sum=float(entropy.detach().numpy()[v].sum()),
+                      ratio_rows=np.where(v, ratio.detach().numpy(), 0.0),
+                      clipped_rows=v & clipped.numpy())
         distill = torch.zeros(rows, dtype=torch.float64)
     elif family == "distillation":
         kd = case["kd"]
@@ -283,6 +285,8 @@ class Oracle:
         request.outputs.token_loss = True
         request.outputs.token_logprob = True
         request.outputs.token_entropy = True
+        request.outputs.token_ratio = rng.random() < 0.5
+        request.outputs.token_clipped = request.outputs.token_ratio
 
         send_targets = True
         if family == "distillation":
@@ -427,6 +431,13 @@ class Oracle:
                   "segment_tokens %s != %s" % (list(response.segment_tokens), seg_tokens.tolist()))
             check_close("segment_loss", response.segment_loss, seg_loss.detach().numpy(),
                         self.loss_rtol, self.loss_rtol)
+        if request.outputs.token_ratio:
+            ratio_ref = extras.get("ratio_rows", np.zeros(rows))
+            clipped_ref = extras.get("clipped_rows", np.zeros(rows, dtype=bool))
+            check_close("token_ratio", response.token_ratio, ratio_ref, self.loss_rtol,
+                        self.loss_rtol)
+            check(list(response.token_clipped) == clipped_ref.tolist(),
+                  "token_clipped %s != %s" % (list(response.token_clipped), clipped_ref.tolist()))
         if family == "policy":
             stats = response.policy_stats
             check(stats.clipped_tokens == extras["clipped"],

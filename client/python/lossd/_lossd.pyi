@@ -111,6 +111,10 @@ class ForwardResult:
     def token_logprob(self) -> Optional[np.ndarray]: ...
     @property
     def token_entropy(self) -> Optional[np.ndarray]: ...
+    @property
+    def token_ratio(self) -> Optional[np.ndarray]: ...
+    @property
+    def token_clipped(self) -> Optional[np.ndarray]: ...
 
 class LinearForwardResult(ForwardResult):
     @property
@@ -199,7 +203,8 @@ class Client:
                 # Packed sequences: segment ids [N].
                 segments: Union[None, str, BufferLike] = None, num_segments: int = 0,
                 segment_reduction: Optional[str] = None,
-                token_logprob: bool = False, token_entropy: bool = False) -> ForwardResult: ...
+                token_logprob: bool = False, token_entropy: bool = False,
+                token_ratio: bool = False) -> ForwardResult: ...
     def linear_forward(self, hidden: Union[str, BufferLike], weight: str,
                        target: Union[str, BufferLike], *, bias: str = "",
                        weight_grad: str = "", bias_grad: str = "",
