@@ -493,6 +493,7 @@ void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
                               double elapsed, const PostTrainingTokens& tokens,
                               pb::ForwardResponse* response) {
   response->set_loss(result.base.loss);
+  response->set_z_loss(result.base.z_loss);
   response->set_valid_tokens(result.base.valid_tokens);
   response->set_correct_tokens(result.base.correct_tokens);
   response->set_nonfinite_rows(result.base.nonfinite_rows);

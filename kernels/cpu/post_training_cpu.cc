@@ -165,6 +165,25 @@ Row LoadRow(const PostTrainingArgs& args, int64_t index, Scratch* scratch,
   return row;
 }
 
+// The (label-smoothed) cross entropy of a valid row against its target,
+// times `weight`; weight * dCE/dz added into scratch->grad. With smoothing
+// eps: (1 - eps)(lse - z_y) + eps (lse - mean_c z_c), gradient
+// p_c - (1 - eps)[c == y] - eps / V.
+double CrossEntropyRow(const Row& row, double smoothing, double weight) {
+  std::vector<double>& grad = row.scratch->grad;
+  const std::vector<double>& z = row.scratch->z;
+  const double vocab = static_cast<double>(z.size());
+  double z_sum = 0.0;
+  for (size_t c = 0; c < z.size(); ++c) {
+    grad[c] += weight * (std::exp(z[c] - row.lse) - smoothing / vocab);
+    if (smoothing > 0.0) z_sum += z[c];
+  }
+  grad[row.y] -= weight * (1.0 - smoothing);
+  double loss = (1.0 - smoothing) * -row.logp;
+  if (smoothing > 0.0) loss += smoothing * (row.lse - z_sum / vocab);
+  return weight * loss;
+}
+
 // The policy loss of a valid row; its gradient into scratch->grad.
 double PolicyRow(const PolicyArgs& pg, const Row& row,
                  PostTrainingRowTotals* totals) {
@@ -332,20 +351,14 @@ double TopKDivergence(const DistillationArgs& kd, const Row& row,
 
 // The distillation loss of a valid row; its gradient into scratch->grad.
 double DistillationRow(const DistillationArgs& kd, const Row& row,
-                       PostTrainingRowTotals* totals) {
+                       double smoothing, PostTrainingRowTotals* totals) {
   Scratch& scratch = *row.scratch;
   const std::vector<double>& z = scratch.z;
   const int64_t vocab = static_cast<int64_t>(z.size());
   const double tau = kd.temperature;
   const double alpha = kd.alpha;
   double loss = 0.0;
-  if (alpha > 0.0) {
-    loss += alpha * -row.logp;
-    for (int64_t c = 0; c < vocab; ++c) {
-      scratch.grad[c] = alpha * std::exp(z[c] - row.lse);
-    }
-    scratch.grad[row.y] -= alpha;
-  }
+  if (alpha > 0.0) loss += CrossEntropyRow(row, smoothing, alpha);
   // The student at the temperature: log softmax(z / tau).
   double max_u = -kInf;
   for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
@@ -416,14 +429,22 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
   } else {
     // Only the policy sums the entropy over the tokens.
     totals.entropy = 0.0;
+    const double smoothing = base.options.label_smoothing;
     if (args.distillation != nullptr) {
-      loss = DistillationRow(*args.distillation, row, &totals);
+      loss = DistillationRow(*args.distillation, row, smoothing, &totals);
     } else {
-      loss = -row.logp;
-      for (size_t c = 0; c < scratch->z.size(); ++c) {
-        scratch->grad[c] = std::exp(scratch->z[c] - row.lse);
-      }
-      scratch->grad[row.y] -= 1.0;
+      loss = CrossEntropyRow(row, smoothing, 1.0);
+    }
+  }
+  const double z_loss_scale = base.options.z_loss_scale;
+  if (z_loss_scale > 0.0) {
+    // PaLM's z-loss on every valid row: z_loss_scale lse^2, gradient
+    // 2 z_loss_scale lse p_c.
+    totals.z_loss = z_loss_scale * row.lse * row.lse;
+    loss += totals.z_loss;
+    for (size_t c = 0; c < scratch->z.size(); ++c) {
+      scratch->grad[c] +=
+          2.0 * z_loss_scale * row.lse * std::exp(scratch->z[c] - row.lse);
     }
   }
   totals.loss = loss;
@@ -569,11 +590,16 @@ absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
   absl::Status status = ValidateCrossEntropyArgs(checked);
   if (!status.ok()) return status;
   const CrossEntropyOptions& options = base.options;
-  if (options.label_smoothing != 0.0f || options.z_loss_scale != 0.0f ||
-      base.class_weights != nullptr) {
+  // A class weight would weigh a row by its target's class, which the
+  // divergence and the policy terms do not have; label smoothing changes the
+  // target distribution, which a policy loss does not have (docs/api.md).
+  if (base.class_weights != nullptr) {
     return Invalid(
-        "label_smoothing, z_loss_scale and class_weights do not compose "
-        "with distillation, policy losses or segments");
+        "class_weights do not compose with distillation, policy losses or "
+        "segments");
+  }
+  if (options.label_smoothing != 0.0f && pg != nullptr) {
+    return Invalid("label_smoothing does not compose with policy losses");
   }
   if (kd != nullptr && pg != nullptr) {
     return Invalid("distillation and policy cannot be combined");
@@ -732,6 +758,7 @@ PostTrainingResult ReducePostTrainingRows(
     out.policy.approx_kl_sum += t.approx_kl;
     out.policy.kl_sum += t.kl;
     out.policy.entropy_sum += t.entropy;
+    out.base.z_loss += plan.row_scale[row] * t.z_loss;
     if (segments != nullptr) {
       out.segment_loss[segments->ids[row]] += t.loss;
       out.segment_distillation[segments->ids[row]] += t.distillation;

@@ -13,8 +13,8 @@ namespace lossd {
 
 // Checks everything about `args` that needs no tensor data: the base
 // arguments as ValidateCrossEntropyArgs (targets may be nullptr only for a
-// distillation with alpha 0); label_smoothing, class_weights and z_loss_scale
-// off; at most one of distillation and policy; the fields of each (ranges,
+// distillation with alpha 0); class_weights off, label_smoothing off with a
+// policy; at most one of distillation and policy; the fields of each (ranges,
 // enum values, exactly one teacher, top_k in [1, min(vocab, 512)], non-null
 // pointers); segments' count in [1, 2^31) and a segment reduction only with
 // Reduction::kMean.
@@ -43,6 +43,7 @@ struct PostTrainingRowTotals {
   double approx_kl = 0.0;
   double kl = 0.0;
   double entropy = 0.0;
+  double z_loss = 0.0;  // z_loss_scale * lse^2, included in `loss`
 };
 
 // The reduction of a problem, known from its targets and segment ids alone:

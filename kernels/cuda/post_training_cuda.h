@@ -19,6 +19,7 @@ struct PostTrainingCudaRow {
   double approx_kl;
   double kl;
   double entropy;
+  double z_loss;  // z_loss_scale lse^2, included in loss
   float lse;
   float logprob;
   int argmax;

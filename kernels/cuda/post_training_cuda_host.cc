@@ -86,6 +86,7 @@ void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
     t.ratio = r.ratio;
     t.approx_kl = r.approx_kl;
     t.kl = r.kl;
+    t.z_loss = r.z_loss;
     t.entropy = args.policy != nullptr && t.valid ? r.entropy : 0.0;
     if (base.token_loss != nullptr) {
       base.token_loss[row] = static_cast<float>(r.loss);

@@ -177,10 +177,10 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         TopK(r, GoodIndices(), GoodLogprobs());
         r->mutable_distillation()->set_alpha(0.5f);
       }));
-  add("distillation: with label smoothing", Code::INVALID_ARGUMENT,
-      "do not compose", ForwardWith([](auto* r) {
+  add("distillation: label smoothing out of range", Code::INVALID_ARGUMENT,
+      "label_smoothing", ForwardWith([](auto* r) {
         TopK(r, GoodIndices(), GoodLogprobs());
-        r->mutable_options()->set_label_smoothing(0.1f);
+        r->mutable_options()->set_label_smoothing(1.5f);
       }));
   add("distillation: with class weights", Code::INVALID_ARGUMENT,
       "does not compose", ForwardWith([this](auto* r) {
@@ -248,10 +248,16 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         r->clear_targets_handle();
         Policy(r, good_advantages);
       }));
-  add("policy: z-loss", Code::INVALID_ARGUMENT, "do not compose",
+  add("policy: label smoothing", Code::INVALID_ARGUMENT,
+      "label_smoothing does not compose with policy losses",
       ForwardWith([good_advantages](auto* r) {
         Policy(r, good_advantages);
-        r->mutable_options()->set_z_loss_scale(1e-4f);
+        r->mutable_options()->set_label_smoothing(0.1f);
+      }));
+  add("policy: class weights", Code::INVALID_ARGUMENT, "does not compose",
+      ForwardWith([this, good_advantages](auto* r) {
+        Policy(r, good_advantages);
+        r->mutable_options()->set_class_weights(weights_);
       }));
 
   // ----------------------------------------------------------- Segments

@@ -84,6 +84,10 @@ def reference(x, case):
     y = (torch.zeros(rows, dtype=torch.long) if targets is None
          else torch.as_tensor(np.where(valid.numpy(), targets, 0)))
     logp = log_softmax.gather(1, y[:, None])[:, 0]
+    lse = torch.logsumexp(z, dim=-1)
+    eps = case.get("label_smoothing", 0.0)
+    # torch's label smoothing: (1 - eps) NLL + eps mean_c(-log p_c).
+    ce = -(1 - eps) * logp + (eps * (lse - z.mean(-1)) if eps > 0 else 0.0)
     extras = {}
     family = case["family"]
     if family == "policy":
@@ -145,10 +149,13 @@ def reference(x, case):
             distill = divergence(bucket_p, bucket_q, kd["divergence"], kd["beta"])
         loss = (1 - kd["alpha"]) * distill
         if kd["alpha"] > 0:
-            loss = loss + kd["alpha"] * (-logp)
+            loss = loss + kd["alpha"] * ce
     else:
-        loss = -logp
+        loss = ce
         distill = torch.zeros(rows, dtype=torch.float64)
+    z_loss = case.get("z_loss_scale", 0.0) * lse * lse
+    loss = loss + z_loss
+    extras["z_loss"] = z_loss.detach()
     has_target = valid if targets is not None else torch.zeros(rows, dtype=torch.bool)
     extras["logp"] = torch.where(has_target, logp, torch.zeros((), dtype=torch.float64)).detach()
     p = log_softmax.exp()
@@ -280,6 +287,16 @@ class Oracle:
         request.options.reduction = pb2.Reduction.Value("REDUCTION_" + reduction)
         request.options.softcap = softcap
         request.options.normalizer = normalizer
+        # Label smoothing (not with a policy) and z-loss compose with the losses.
+        label_smoothing = 0.0 if family == "policy" else rng.choice([0.0, 0.0, 0.1])
+        z_loss_scale = rng.choice([0.0, 0.0, 0.01])
+        request.options.label_smoothing = label_smoothing
+        request.options.z_loss_scale = z_loss_scale
+        case.update(label_smoothing=float(np.float32(label_smoothing)),
+                    z_loss_scale=float(np.float32(z_loss_scale)))
+        config.update(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale)
+        self.coverage.update(["label_smoothing"] * (label_smoothing > 0) +
+                             ["z_loss"] * (z_loss_scale > 0))
         if grad_scale is not None:
             request.options.grad_scale = grad_scale
         request.outputs.token_loss = True
@@ -417,6 +434,8 @@ class Oracle:
         if family == "distillation":
             check_close("distillation_loss", response.distillation_loss, float(distill_loss),
                         self.loss_atol, self.loss_rtol)
+        z_loss_ref = float(reduce(extras["z_loss"], valid, case)[0])
+        check_close("z_loss", response.z_loss, z_loss_ref, self.loss_atol, self.loss_rtol)
         check(response.valid_tokens == int(valid.sum()),
               "valid_tokens %d != %d" % (response.valid_tokens, int(valid.sum())))
         check_close("denominator", response.denominator, denominator, 1e-9, 1e-9)

@@ -312,6 +312,67 @@ TEST(PostTrainingCpuTest, SegmentReductionsGradientMatchesDifferences) {
   }
 }
 
+TEST(PostTrainingCpuTest, ZLossAndLabelSmoothingGradientsMatchDifferences) {
+  {
+    Problem problem = Random(3, 7, 61);
+    AddTopKTeacher(&problem, 3, TopKTail::kBucket, 62);
+    problem.kd.alpha = 0.4f;
+    problem.kd.temperature = 1.5f;
+    problem.options.label_smoothing = 0.2f;
+    problem.options.z_loss_scale = 0.05f;
+    problem.targets[1] = kIgnore;
+    ExpectGradientMatchesDifferences(problem,
+                                     "distillation, smoothing, z-loss");
+  }
+  {
+    Problem problem = Random(3, 7, 63);
+    AddPolicy(&problem, PolicyLossKind::kImportanceSampling, 64);
+    problem.options.z_loss_scale = 0.1f;
+    problem.options.reduction = Reduction::kSum;
+    ExpectGradientMatchesDifferences(problem, "importance sampling, z-loss");
+  }
+  {
+    Problem problem = Random(4, 6, 65);
+    problem.segmented = true;
+    problem.segment_ids = {0, 0, 1, 1};
+    problem.segment_args.count = 2;
+    problem.segment_args.reduction = SegmentReduction::kSeqMeanTokenMean;
+    problem.options.label_smoothing = 0.3f;
+    problem.options.z_loss_scale = 0.02f;
+    ExpectGradientMatchesDifferences(problem, "segments, smoothing, z-loss");
+  }
+}
+
+TEST(PostTrainingCpuTest, ZLossIsReportedAloneAndLabelSmoothingIsTorchs) {
+  // Plain cross entropy over segments with smoothing equals the smoothed
+  // formula; z_loss is the mean of z_loss_scale lse^2.
+  Problem problem = Random(3, 5, 71);
+  problem.segmented = true;
+  problem.segment_ids = {0, 1, 1};
+  problem.segment_args.count = 2;
+  problem.options.label_smoothing = 0.25f;
+  problem.options.z_loss_scale = 0.1f;
+  const Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+  double loss = 0.0, z_loss = 0.0;
+  for (int64_t row = 0; row < 3; ++row) {
+    const float* z = problem.logits.data() + row * 5;
+    double max_z = *std::max_element(z, z + 5), sum = 0.0, z_sum = 0.0;
+    for (int c = 0; c < 5; ++c) {
+      sum += std::exp(z[c] - max_z);
+      z_sum += z[c];
+    }
+    const double lse = max_z + std::log(sum);
+    const double ce =
+        0.75 * (lse - z[problem.targets[row]]) + 0.25 * (lse - z_sum / 5.0);
+    const double zl = static_cast<double>(0.1f) * lse * lse;
+    loss += ce + zl;
+    z_loss += zl;
+  }
+  EXPECT_NEAR(outcome.result.base.loss, loss / 3.0, 1e-6);
+  EXPECT_NEAR(outcome.result.base.z_loss, z_loss / 3.0, 1e-9);
+}
+
 TEST(PostTrainingCpuTest, SegmentSumsAndMeans) {
   Problem problem = Random(6, 5, 61);
   problem.segmented = true;
@@ -452,12 +513,12 @@ TEST(PostTrainingCpuTest, RefusesBadInputAndWritesNothing) {
   p.kd.alpha = 0.5f;
   p.targets.clear();
   expect_invalid(p, "alpha without targets");
-  p = base;
-  p.options.label_smoothing = 0.1f;
-  expect_invalid(p, "label smoothing");
   Problem q = Random(2, 5, 93);
   AddPolicy(&q, PolicyLossKind::kPpoClip, 94);
   Problem r = q;
+  r.options.label_smoothing = 0.1f;
+  expect_invalid(r, "label smoothing with a policy");
+  r = q;
   r.advantages[1] = NAN;
   expect_invalid(r, "NaN advantage");
   r = q;
