@@ -308,6 +308,15 @@ struct LinearForwardOptions {
   // Reduction kNone with a gradient: the per-row grad_output [N].
   std::vector<float> token_grad_output;
   LinearForwardPrecision precision = LinearForwardPrecision::kExact;
+  // A post-training loss on Z = X W^T + b instead of cross entropy, and its
+  // per-token outputs, as ForwardOptions' (docs/api.md, "In LinearForward").
+  bool token_logprob = false;
+  bool token_entropy = false;
+  bool token_ratio = false;
+  bool token_clipped = false;
+  std::optional<DistillationOptions> distillation;
+  std::optional<PolicyGradientOptions> policy;
+  std::optional<SegmentOptions> segments;
 };
 
 struct LinearForwardResult {

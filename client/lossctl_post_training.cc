@@ -121,8 +121,9 @@ absl::Status SegmentScalarsFromFlags(SegmentOptions* segments) {
 
 }  // namespace
 
+template <typename Options>
 absl::Status PostTrainingFlagsInto(
-    ForwardOptions* options, std::vector<std::unique_ptr<InputTensor>>* files) {
+    Options* options, std::vector<std::unique_ptr<InputTensor>>* files) {
   const std::string teacher = absl::GetFlag(FLAGS_teacher);
   const std::string indices = absl::GetFlag(FLAGS_teacher_indices);
   const std::string logprobs = absl::GetFlag(FLAGS_teacher_logprobs);
@@ -181,7 +182,8 @@ absl::Status PostTrainingFlagsInto(
   return absl::OkStatus();
 }
 
-void PrintPostTrainingResult(const ForwardOptions& options,
+template <typename Options>
+void PrintPostTrainingResult(const Options& options,
                              const ForwardResult& result) {
   if (options.distillation.has_value()) {
     std::printf("distillation_loss %.17g\n", result.distillation_loss);
@@ -289,5 +291,14 @@ void PrintEvalPostTrainingResult(const EvaluateOptions& options,
                 static_cast<long long>(result.segment_tokens[s]));
   }
 }
+
+template absl::Status PostTrainingFlagsInto(
+    ForwardOptions*, std::vector<std::unique_ptr<InputTensor>>*);
+template absl::Status PostTrainingFlagsInto(
+    LinearForwardOptions*, std::vector<std::unique_ptr<InputTensor>>*);
+template void PrintPostTrainingResult(const ForwardOptions&,
+                                      const ForwardResult&);
+template void PrintPostTrainingResult(const LinearForwardOptions&,
+                                      const ForwardResult&);
 
 }  // namespace lossd
