@@ -97,7 +97,7 @@ InvalidArgument for another dtype or shape, FailedPrecondition while the
 tensor is in use).)doc";
 
 constexpr char kLinearForwardDoc[] =
-    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="", precision="exact") -> LinearForwardResult
+    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="", precision="exact", **post_training) -> LinearForwardResult
 
 The LM head and the cross-entropy in one call: hidden states [N, H] (a
 handle, or a buffer uploaded for the call) times the stored weight [V, H]
@@ -116,6 +116,12 @@ precision: "exact" (dW within ~3e-5 of fp32) or "fast" (on a CUDA server with
 bf16/fp16 inputs, the three products in 16 bits as the peers compute them:
 a ~1.1x faster kernel, dW 2e-4 to 2e-3 relative error on mild logits, 2e-2 on
 peaked ones); fp32 and the CPU compute the same.
+post_training: forward()'s post-training keywords (teacher, temperature,
+alpha, divergence, beta, top_k_tail, policy_loss, advantages, old_logprobs,
+ref_logprobs, epsilon_low, epsilon_high, kl_coef, kl_estimator, segments,
+num_segments, segment_reduction, token_logprob, token_entropy, token_ratio)
+put that loss on the logits instead of cross entropy (target may be None for
+a distillation with alpha 0); result.forward carries its fields.
 
 Raises NotFound, InvalidArgument (shapes, dtypes, options, one tensor in two
 roles, a precision other than "exact" or "fast"), FailedPrecondition (hidden holds a gradient, a tensor in use),
@@ -444,6 +450,10 @@ PYBIND11_MODULE(_lossd, m) {
       .def_property_readonly(
           "denominator",
           [](const LinearForwardResult& r) { return r.forward.denominator; })
+      .def_property_readonly(
+          "forward", [](const LinearForwardResult& r) { return r.forward; },
+          "the loss's ForwardResult (with a post-training loss, its fields "
+          "too)")
       .def_readonly("weight_grad", &LinearForwardResult::weight_grad,
                     "the fp32 [V, H] weight-gradient accumulator's handle")
       .def_readonly("bias_grad", &LinearForwardResult::bias_grad,
