@@ -866,14 +866,7 @@ absl::Status LinearPostTrainingCuda(
   RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(checked));
   const PostTrainingArgs whole = WholePostTrainingView(device_args);
   RETURN_IF_ERROR(ValidatePostTrainingArgs(whole));
-  if (whole.distillation != nullptr &&
-      whole.distillation->teacher_logits == nullptr &&
-      args.vocab > kPostTrainingCudaMaxTopKVocab) {
-    return absl::UnimplementedError(
-        absl::StrCat("a top-k teacher over V = ", args.vocab,
-                     " classes is not offered on the GPU yet (at most ",
-                     kPostTrainingCudaMaxTopKVocab, ")"));
-  }
+  RETURN_IF_ERROR(CheckPostTrainingCudaVocab(whole));
   PostTrainingHostView host;
   RETURN_IF_ERROR(CopyPostTrainingPlanInputs(whole, stream, &host));
   const PostTrainingPlan plan = PlanPostTraining(host.args);

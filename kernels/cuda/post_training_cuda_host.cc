@@ -46,6 +46,18 @@ absl::Status CopyToHost(void* host, const void* device, size_t bytes,
 
 }  // namespace
 
+absl::Status CheckPostTrainingCudaVocab(const PostTrainingArgs& args) {
+  if (args.distillation != nullptr &&
+      args.distillation->teacher_logits == nullptr &&
+      args.base.vocab > kPostTrainingCudaMaxTopKVocab) {
+    return absl::UnimplementedError(
+        absl::StrCat("a top-k teacher over V = ", args.base.vocab,
+                     " classes is not offered on the GPU yet (at most ",
+                     kPostTrainingCudaMaxTopKVocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CopyPostTrainingPlanInputs(const PostTrainingArgs& device_args,
                                         cudaStream_t stream,
                                         PostTrainingHostView* host) {
@@ -117,14 +129,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   RETURN_IF_ERROR(ValidatePostTrainingArgs(device_args));
   const CrossEntropyArgs& base = device_args.base;
   const int64_t rows = base.rows;
-  if (device_args.distillation != nullptr &&
-      device_args.distillation->teacher_logits == nullptr &&
-      base.vocab > kPostTrainingCudaMaxTopKVocab) {
-    return absl::UnimplementedError(
-        absl::StrCat("a top-k teacher over V = ", base.vocab,
-                     " classes is not offered on the GPU yet (at most ",
-                     kPostTrainingCudaMaxTopKVocab, ")"));
-  }
+  RETURN_IF_ERROR(CheckPostTrainingCudaVocab(device_args));
 
   // The plan needs the targets and segment ids on the host.
   PostTrainingHostView host;

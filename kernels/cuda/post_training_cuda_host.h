@@ -27,6 +27,11 @@ namespace lossd {
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
                               PostTrainingResult* result, cudaStream_t stream);
 
+// UNIMPLEMENTED for a top-k teacher over more than
+// kPostTrainingCudaMaxTopKVocab classes (the row kernel's support bitmap),
+// else OK. Pure.
+absl::Status CheckPostTrainingCudaVocab(const PostTrainingArgs& args);
+
 // `device_args` with its targets and segment ids copied to the host (what
 // the plan and the reduction read; the rest still device pointers), in
 // `host`, which must stay where it is while host->args is used. Synchronizes
