@@ -19,11 +19,13 @@ struct PostTrainingCudaRow {
   double approx_kl;
   double kl;
   double entropy;
-  double z_loss;  // z_loss_scale lse^2, included in loss
   float lse;
   float logprob;
   int argmax;
   int flags;  // kPostTrainingRow*
+  // Last, so that a kernel's positional initializer of the fields above
+  // leaves it 0.
+  double z_loss;  // z_loss_scale lse^2, included in loss
 };
 constexpr int kPostTrainingRowValid = 1;
 constexpr int kPostTrainingRowCorrect = 2;

@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t c = tid; c < V; c += kThreads) StoreF(g, c, 0.0f);
     }
     if (tid == 0) {
-      prm.out[row] = {0.0, 0.0, 0.0,  0.0,    0.0, entropy,
-                      0.0, lse, 0.0f, argmax, 0};
+      prm.out[row] = {0.0, 0.0,  0.0,    0.0, 0.0, entropy,
+                      lse, 0.0f, argmax, 0,   0.0};
     }
     return;
   }
@@ -490,8 +490,8 @@ __global__ void __launch_bounds__(kThreads)
     if (clipped) flags |= kPostTrainingRowClipped;
     prm.out[row] = {loss,      distill, ratio_out,
                     approx_kl, kl_out,  static_cast<double>(entropy),
-                    z_loss,    lse,     logp,
-                    argmax,    flags};
+                    lse,       logp,    argmax,
+                    flags,     z_loss};
   }
 }
 
