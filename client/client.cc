@@ -348,6 +348,10 @@ ForwardResult ForwardFromProto(const v1::ForwardResponse& response) {
                               response.token_logprob().end());
   result.token_entropy.assign(response.token_entropy().begin(),
                               response.token_entropy().end());
+  result.token_ratio.assign(response.token_ratio().begin(),
+                            response.token_ratio().end());
+  result.token_clipped.assign(response.token_clipped().begin(),
+                              response.token_clipped().end());
   return result;
 }
 
@@ -533,6 +537,32 @@ absl::StatusOr<int64_t> Client::Release(const std::string& handle) {
   return response.released_bytes();
 }
 
+namespace {
+
+// The post-training loss and its per-token outputs, which Forward and
+// LinearForward requests (and options) share.
+template <typename Options, typename Request>
+absl::Status SetPostTrainingFields(const Options& options, Request* request) {
+  v1::Outputs* outputs = request->mutable_outputs();
+  outputs->set_token_logprob(options.token_logprob);
+  outputs->set_token_entropy(options.token_entropy);
+  outputs->set_token_ratio(options.token_ratio);
+  outputs->set_token_clipped(options.token_clipped);
+  if (options.distillation.has_value()) {
+    RETURN_IF_ERROR(
+        ToProto(*options.distillation, request->mutable_distillation()));
+  }
+  if (options.policy.has_value()) {
+    RETURN_IF_ERROR(ToProto(*options.policy, request->mutable_policy()));
+  }
+  if (options.segments.has_value()) {
+    RETURN_IF_ERROR(ToProto(*options.segments, request->mutable_segments()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
                                               const Targets& targets,
                                               const ForwardOptions& options) {
@@ -544,19 +574,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   request.mutable_outputs()->set_token_loss(options.token_loss);
   request.mutable_outputs()->set_token_lse(options.token_lse);
   request.mutable_outputs()->set_token_argmax(options.token_argmax);
-  request.mutable_outputs()->set_token_logprob(options.token_logprob);
-  request.mutable_outputs()->set_token_entropy(options.token_entropy);
   request.set_gradient_label(options.gradient_label);
-  if (options.distillation.has_value()) {
-    RETURN_IF_ERROR(
-        ToProto(*options.distillation, request.mutable_distillation()));
-  }
-  if (options.policy.has_value()) {
-    RETURN_IF_ERROR(ToProto(*options.policy, request.mutable_policy()));
-  }
-  if (options.segments.has_value()) {
-    RETURN_IF_ERROR(ToProto(*options.segments, request.mutable_segments()));
-  }
+  RETURN_IF_ERROR(SetPostTrainingFields(options, &request));
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
@@ -588,6 +607,7 @@ absl::StatusOr<LinearForwardResult> Client::LinearForward(
   request.mutable_token_grad_output()->Add(options.token_grad_output.begin(),
                                            options.token_grad_output.end());
   request.set_precision(static_cast<v1::LinearPrecision>(options.precision));
+  RETURN_IF_ERROR(SetPostTrainingFields(options, &request));
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);

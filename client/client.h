@@ -226,6 +226,8 @@ struct ForwardOptions {
   bool token_argmax = false;
   bool token_logprob = false;  // log p(target) per row, 0 for ignored rows
   bool token_entropy = false;  // entropy of softmax(z) per row
+  bool token_ratio = false;    // policy: r per row, 0 for ignored rows
+  bool token_clipped = false;  // policy: whether each row counts as clipped
   std::string gradient_label;  // label of an out-of-place gradient
   std::optional<DistillationOptions> distillation;
   std::optional<PolicyGradientOptions> policy;
@@ -265,6 +267,8 @@ struct ForwardResult {
   std::vector<int64_t> segment_tokens;
   std::vector<float> token_logprob;
   std::vector<float> token_entropy;
+  std::vector<float> token_ratio;
+  std::vector<bool> token_clipped;
 };
 
 // How LinearForward's weight (and bias) gradient meets its accumulator.
@@ -304,6 +308,15 @@ struct LinearForwardOptions {
   // Reduction kNone with a gradient: the per-row grad_output [N].
   std::vector<float> token_grad_output;
   LinearForwardPrecision precision = LinearForwardPrecision::kExact;
+  // A post-training loss on Z = X W^T + b instead of cross entropy, and its
+  // per-token outputs, as ForwardOptions' (docs/api.md, "In LinearForward").
+  bool token_logprob = false;
+  bool token_entropy = false;
+  bool token_ratio = false;
+  bool token_clipped = false;
+  std::optional<DistillationOptions> distillation;
+  std::optional<PolicyGradientOptions> policy;
+  std::optional<SegmentOptions> segments;
 };
 
 struct LinearForwardResult {

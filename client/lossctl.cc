@@ -173,13 +173,15 @@ commands:
                                  a policy-gradient loss
          [--segments --num_segments --segment_reduction]
                                  per-segment sums of packed sequences
-         [--token_logprob --token_entropy]
+         [--token_logprob --token_entropy --token_ratio]
   linear HIDDEN WEIGHT TARGETS    the LM head and cross entropy: hidden
          [loss options --mode    states [N, H] times the weight [V, H];
           --bias --weight_grad   dX as --mode says, dW (and dbias) added
           --bias_grad            into fp32 accumulators (printed)
           --accumulate
-          --linear_precision]
+          --linear_precision     forward's post-training flags: that
+          and forward's post-    loss on Z = X W^T (TARGETS "none"
+          training flags]        with alpha 0)
   backward HANDLE                record grad_output for a gradient
          [--grad_output=X|FILE]  (FILE: a float32 [N] tensor file)
          [--materialize]
@@ -568,11 +570,17 @@ absl::Status Linear(RoutingClient& client,
     return UsageError(
         absl::StrCat("--linear_precision=", precision, ": exact or fast"));
   }
+  std::vector<std::unique_ptr<InputTensor>> files;
+  RETURN_IF_ERROR(PostTrainingFlagsInto(&options, &files));
   std::unique_ptr<InputTensor> targets_file;
-  ASSIGN_OR_RETURN(const Targets targets, TargetsArg(args[2], &targets_file));
+  Targets targets;  // "none": no targets (a distillation with alpha 0)
+  if (args[2] != "none") {
+    ASSIGN_OR_RETURN(targets, TargetsArg(args[2], &targets_file));
+  }
   ASSIGN_OR_RETURN(const LinearForwardResult linear,
                    client.LinearForward(args[0], args[1], targets, options));
   PrintForwardResult(linear.forward);
+  PrintPostTrainingResult(options, linear.forward);
   if (!linear.weight_grad.empty()) {
     std::printf("weight_grad %s\n", linear.weight_grad.c_str());
   }

@@ -48,6 +48,8 @@ ABSL_FLAG(std::string, segment_reduction, "",
           "empty, seq_mean_token_mean or seq_mean_token_sum");
 ABSL_FLAG(bool, token_logprob, false, "forward: print log p(target) per row");
 ABSL_FLAG(bool, token_entropy, false, "forward: print the entropy per row");
+ABSL_FLAG(bool, token_ratio, false,
+          "forward: print the policy's ratio and clipped flag per row");
 
 namespace lossd {
 namespace {
@@ -119,8 +121,9 @@ absl::Status SegmentScalarsFromFlags(SegmentOptions* segments) {
 
 }  // namespace
 
+template <typename Options>
 absl::Status PostTrainingFlagsInto(
-    ForwardOptions* options, std::vector<std::unique_ptr<InputTensor>>* files) {
+    Options* options, std::vector<std::unique_ptr<InputTensor>>* files) {
   const std::string teacher = absl::GetFlag(FLAGS_teacher);
   const std::string indices = absl::GetFlag(FLAGS_teacher_indices);
   const std::string logprobs = absl::GetFlag(FLAGS_teacher_logprobs);
@@ -174,10 +177,13 @@ absl::Status PostTrainingFlagsInto(
   }
   options->token_logprob = absl::GetFlag(FLAGS_token_logprob);
   options->token_entropy = absl::GetFlag(FLAGS_token_entropy);
+  options->token_ratio = absl::GetFlag(FLAGS_token_ratio);
+  options->token_clipped = options->token_ratio;
   return absl::OkStatus();
 }
 
-void PrintPostTrainingResult(const ForwardOptions& options,
+template <typename Options>
+void PrintPostTrainingResult(const Options& options,
                              const ForwardResult& result) {
   if (options.distillation.has_value()) {
     std::printf("distillation_loss %.17g\n", result.distillation_loss);
@@ -200,6 +206,11 @@ void PrintPostTrainingResult(const ForwardOptions& options,
   }
   for (std::size_t r = 0; r < result.token_entropy.size(); ++r) {
     std::printf("row %zu entropy %.9g\n", r, result.token_entropy[r]);
+  }
+  for (std::size_t r = 0; r < result.token_ratio.size(); ++r) {
+    std::printf(
+        "row %zu ratio %.9g clipped %d\n", r, result.token_ratio[r],
+        r < result.token_clipped.size() && result.token_clipped[r] ? 1 : 0);
   }
 }
 
@@ -280,5 +291,14 @@ void PrintEvalPostTrainingResult(const EvaluateOptions& options,
                 static_cast<long long>(result.segment_tokens[s]));
   }
 }
+
+template absl::Status PostTrainingFlagsInto(
+    ForwardOptions*, std::vector<std::unique_ptr<InputTensor>>*);
+template absl::Status PostTrainingFlagsInto(
+    LinearForwardOptions*, std::vector<std::unique_ptr<InputTensor>>*);
+template void PrintPostTrainingResult(const ForwardOptions&,
+                                      const ForwardResult&);
+template void PrintPostTrainingResult(const LinearForwardOptions&,
+                                      const ForwardResult&);
 
 }  // namespace lossd

@@ -16,14 +16,18 @@
 
 namespace lossd {
 
-// The distillation, policy and segment options of forward, from their flags;
-// tensor files named by them are opened into `files`, which must outlive the
-// call that sends them inline.
+// The distillation, policy and segment options of forward and linear
+// (ForwardOptions or LinearForwardOptions), from their flags; tensor files
+// named by them are opened into `files`, which must outlive the call that
+// sends them inline.
+template <typename Options>
 absl::Status PostTrainingFlagsInto(
-    ForwardOptions* options, std::vector<std::unique_ptr<InputTensor>>* files);
+    Options* options, std::vector<std::unique_ptr<InputTensor>>* files);
 
-// forward's lines for the post-training results, after the loss line.
-void PrintPostTrainingResult(const ForwardOptions& options,
+// forward's and linear's lines for the post-training results, after the
+// loss line.
+template <typename Options>
+void PrintPostTrainingResult(const Options& options,
                              const ForwardResult& result);
 
 // A per-row input of eval (a file of `rows` entries) and the RowBlock field

@@ -596,6 +596,35 @@ absl::StatusOr<TensorInfo> RoutingClient::OverwriteFrom(
   });
 }
 
+namespace {
+
+// `check(what, handle)` for every handle of a post-training loss (Forward's
+// and LinearForward's options alike).
+template <typename Options, typename Check>
+absl::Status CheckPostTrainingHandles(const Options& options,
+                                      const Check& check) {
+  if (options.distillation.has_value()) {
+    const DistillationOptions& distillation = *options.distillation;
+    RETURN_IF_ERROR(check("teacher_logits", distillation.teacher_logits));
+    RETURN_IF_ERROR(check("top_k_indices", distillation.top_k_indices.handle));
+    RETURN_IF_ERROR(
+        check("top_k_logprobs", distillation.top_k_logprobs.handle));
+  }
+  if (options.policy.has_value()) {
+    RETURN_IF_ERROR(check("advantages", options.policy->advantages.handle));
+    RETURN_IF_ERROR(
+        check("sampling_logprobs", options.policy->sampling_logprobs.handle));
+    RETURN_IF_ERROR(
+        check("reference_logprobs", options.policy->reference_logprobs.handle));
+  }
+  if (options.segments.has_value()) {
+    RETURN_IF_ERROR(check("segment ids", options.segments->ids.handle));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ForwardResult> RoutingClient::Forward(
     const std::string& logits, const Targets& targets,
     const ForwardOptions& options) {
@@ -615,23 +644,7 @@ absl::StatusOr<ForwardResult> RoutingClient::Forward(
   };
   RETURN_IF_ERROR(check("targets", targets.handle));
   RETURN_IF_ERROR(check("class_weights", options.class_weights));
-  if (options.distillation.has_value()) {
-    const DistillationOptions& distillation = *options.distillation;
-    RETURN_IF_ERROR(check("teacher_logits", distillation.teacher_logits));
-    RETURN_IF_ERROR(check("top_k_indices", distillation.top_k_indices.handle));
-    RETURN_IF_ERROR(
-        check("top_k_logprobs", distillation.top_k_logprobs.handle));
-  }
-  if (options.policy.has_value()) {
-    RETURN_IF_ERROR(check("advantages", options.policy->advantages.handle));
-    RETURN_IF_ERROR(
-        check("sampling_logprobs", options.policy->sampling_logprobs.handle));
-    RETURN_IF_ERROR(
-        check("reference_logprobs", options.policy->reference_logprobs.handle));
-  }
-  if (options.segments.has_value()) {
-    RETURN_IF_ERROR(check("segment ids", options.segments->ids.handle));
-  }
+  RETURN_IF_ERROR(CheckPostTrainingHandles(options, check));
   return OnOwner<ForwardResult>(logits, [&](Client& client) {
     return client.Forward(logits, targets, options);
   });
@@ -648,16 +661,21 @@ absl::StatusOr<LinearForwardResult> RoutingClient::LinearForward(
       {"class_weights", &options.class_weights},
       {"weight_grad", &options.weight_grad},
       {"bias_grad", &options.bias_grad}};
-  for (const auto& [what, handle] : named) {
-    if (handle->empty() || !home.ok()) continue;
-    absl::StatusOr<std::string> instance = InstanceOf(*handle);
-    if (!instance.ok() || *instance == *home) continue;
+  const auto check = [&](const char* what,
+                         const std::string& handle) -> absl::Status {
+    if (handle.empty() || !home.ok()) return absl::OkStatus();
+    absl::StatusOr<std::string> instance = InstanceOf(handle);
+    if (!instance.ok() || *instance == *home) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
-        what, " ", *handle, " lives on instance ", *instance,
+        what, " ", handle, " lives on instance ", *instance,
         ", the hidden states ", hidden, " on instance ", *home,
         ": a LinearForward's tensors must share one instance (upload them "
         "with UploadColocated)"));
+  };
+  for (const auto& [what, handle] : named) {
+    RETURN_IF_ERROR(check(what, *handle));
   }
+  RETURN_IF_ERROR(CheckPostTrainingHandles(options, check));
   return OnOwner<LinearForwardResult>(hidden, [&](Client& client) {
     return client.LinearForward(hidden, weight, targets, options);
   });

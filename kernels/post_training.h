@@ -83,9 +83,11 @@ struct SegmentArgs {
 
 // One post-training problem. `base` carries the student logits, the targets
 // (may be nullptr only for a distillation with alpha 0: then every row is
-// valid), the options (label_smoothing, class_weights and z_loss_scale must be
-// off), the gradient mode and buffer, and the per-token outputs, as for cross
-// entropy; token_loss is the row's full loss. Exactly one of distillation and
+// valid), the options (class_weights must be off; label_smoothing applies to
+// the cross-entropy terms, so not with a policy; z_loss_scale adds
+// z_loss_scale lse(z)^2 to every valid row), the gradient mode and buffer, and
+// the per-token outputs, as for cross entropy; token_loss is the row's full
+// loss. Exactly one of distillation and
 // policy may be set; with neither the loss is plain cross entropy (useful with
 // segments). Pointers are host pointers for the CPU backend and device pointers
 // for a GPU backend, except the per-token outputs, which are host pointers.
@@ -97,6 +99,10 @@ struct PostTrainingArgs {
   // [rows] log softmax(z)_y (0 for ignored rows); [rows] entropy of softmax(z).
   float* token_logprob = nullptr;
   float* token_entropy = nullptr;
+  // [rows] the policy's ratio r and whether the row counts in
+  // clipped_tokens (0 / 1); 0 for ignored rows and without a policy.
+  float* token_ratio = nullptr;
+  uint8_t* token_clipped = nullptr;
 };
 
 struct PolicyStatsResult {
@@ -108,8 +114,9 @@ struct PolicyStatsResult {
 };
 
 struct PostTrainingResult {
-  // loss reduced as the options (and segments) say; z_loss 0; denominator is
-  // the segment count used with a segment reduction.
+  // loss reduced as the options (and segments) say; z_loss the z-loss terms
+  // reduced with the same row factors; denominator is the segment count used
+  // with a segment reduction.
   CrossEntropyResult base;
   double distillation_loss = 0.0;  // the divergence term alone, reduced
   PolicyStatsResult policy;

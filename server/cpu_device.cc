@@ -105,6 +105,11 @@ absl::Status CpuDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
   return LinearCrossEntropyCpu(args, result);
 }
 
+absl::Status CpuDevice::LinearPostTraining(const LinearPostTrainingArgs& args,
+                                           PostTrainingResult* result) {
+  return LinearPostTrainingCpu(args, result, num_threads_);
+}
+
 int64_t CpuDevice::LinearCrossEntropyWorkspaceBytes(
     const LinearCrossEntropyArgs& args) const {
   return LinearCrossEntropyCpuWorkspaceBytes(args);

@@ -44,6 +44,9 @@ class CpuDevice final : public Device {
   // LinearCrossEntropyCpu (OpenBLAS).
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;
+  // LinearPostTrainingCpu (fp64 rows on fp32 chunks of Z).
+  absl::Status LinearPostTraining(const LinearPostTrainingArgs& args,
+                                  PostTrainingResult* result) override;
   // LinearCrossEntropyCpuWorkspaceBytes: its scratch is host memory, the
   // CPU device's.
   int64_t LinearCrossEntropyWorkspaceBytes(

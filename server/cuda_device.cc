@@ -844,4 +844,39 @@ absl::Status CudaDevice::LinearCrossEntropy(const LinearCrossEntropyArgs& args,
   return status;
 }
 
+absl::Status CudaDevice::LinearPostTraining(const LinearPostTrainingArgs& args,
+                                            PostTrainingResult* result) {
+  RETURN_IF_ERROR(Check(cudaSetDevice(options_.ordinal), "select device"));
+  const size_t rows =
+      static_cast<size_t>(std::max<int64_t>(args.linear.rows, 0));
+  ASSIGN_OR_RETURN(const PooledStream pooled, TakeStream());
+  const cudaStream_t stream = pooled.get();
+  StreamBlock device_block(stream);
+  absl::Status status;
+  LinearPostTrainingArgs device_args = args;
+  if (args.linear.token_grad_output != nullptr && rows > 0) {
+    status = AllocateOn(device_block.address(), rows * sizeof(float), stream);
+    if (status.ok()) {
+      float* staged = static_cast<float*>(device_block.get());
+      // From pageable memory: staged by the driver before the call returns.
+      status = Check(
+          cudaMemcpyAsync(staged, args.linear.token_grad_output,
+                          rows * sizeof(float), cudaMemcpyHostToDevice, stream),
+          "token_grad_output copy");
+      device_args.linear.token_grad_output = staged;
+    }
+  }
+  if (status.ok()) {
+    // The per-token outputs stay host pointers: the kernel copies its rows
+    // back and writes them there.
+    const LinearCrossEntropyCudaConfig config = LinearConfig(args.linear);
+    status = LinearPostTrainingCuda(device_args, result, stream, &config);
+    if (!status.ok()) cudaGetLastError();
+  }
+  device_block.Free();
+  RETURN_IF_ERROR(
+      Check(cudaStreamSynchronize(stream), "linear_post_training free"));
+  return status;
+}
+
 }  // namespace lossd

@@ -105,6 +105,10 @@ class CudaDevice final : public Device {
   // arrays staged through one device block.
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;
+  // LinearPostTrainingCuda on a stream of the pool (token_grad_output staged
+  // on the device; the per-token outputs written from host copies).
+  absl::Status LinearPostTraining(const LinearPostTrainingArgs& args,
+                                  PostTrainingResult* result) override;
   // The kernel's planned workspace (PlanLinearCrossEntropyCuda) and the
   // block staging the per-token arrays.
   int64_t LinearCrossEntropyWorkspaceBytes(

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/linear_cross_entropy.h"
+#include "kernels/linear_post_training.h"
 #include "kernels/post_training.h"
 
 namespace lossd {
@@ -174,6 +175,16 @@ class Device {
   virtual absl::Status LinearCrossEntropy(
       const LinearCrossEntropyArgs& /*args*/, CrossEntropyResult* /*result*/) {
     return absl::UnimplementedError("this device has no linear cross-entropy");
+  }
+
+  // LinearForward with a post-training loss (kernels/linear_post_training.h):
+  // pointers as for LinearCrossEntropy, the small inputs checked already
+  // (CheckPostTrainingData on host copies). Its working memory is
+  // LinearCrossEntropyWorkspaceBytes(args.linear). UNIMPLEMENTED by default.
+  virtual absl::Status LinearPostTraining(
+      const LinearPostTrainingArgs& /*args*/, PostTrainingResult* /*result*/) {
+    return absl::UnimplementedError(
+        "this device has no linear post-training losses");
   }
 };
 

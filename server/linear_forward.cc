@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "server/forward.h"
+#include "server/post_training_forward.h"
 #include "server/tensor_lookup.h"
 #include "server/validation.h"
 
@@ -31,7 +33,41 @@ struct LinearSpec {
   ForwardSpec forward;  // options, dX mode, inline targets' dtype
   AccumulateMode accumulate = AccumulateMode::kNone;
   bool fast_products = false;
+  // A post-training loss (distillation, policy or segments) on Z: it reads
+  // its targets itself (PostTrainingInputs).
+  bool post_training = false;
 };
+
+// The request as a Forward of its hidden states: the options, mode, outputs,
+// targets and (with `loss_inputs`) the post-training fields and the inline
+// targets' bytes. Forward's rules check it; the post-training reads take it.
+pb::ForwardRequest ForwardView(const pb::LinearForwardRequest& request,
+                               bool loss_inputs) {
+  pb::ForwardRequest forward;
+  forward.set_logits(request.hidden());
+  forward.set_gradient_label(request.gradient_label());
+  *forward.mutable_options() = request.options();
+  forward.set_mode(request.mode());
+  *forward.mutable_outputs() = request.outputs();
+  if (request.targets_case() == pb::LinearForwardRequest::kTargetsHandle) {
+    forward.set_targets_handle(request.targets_handle());
+  } else if (request.targets_case() ==
+             pb::LinearForwardRequest::kTargetsInline) {
+    forward.mutable_targets_inline()->set_dtype(
+        request.targets_inline().dtype());
+    if (loss_inputs) {
+      forward.mutable_targets_inline()->set_data(
+          request.targets_inline().data());
+    }
+  }
+  if (!loss_inputs) return forward;
+  if (request.has_distillation()) {
+    *forward.mutable_distillation() = request.distillation();
+  }
+  if (request.has_policy()) *forward.mutable_policy() = request.policy();
+  if (request.has_segments()) *forward.mutable_segments() = request.segments();
+  return forward;
+}
 
 absl::StatusOr<AccumulateMode> ParseAccumulate(int value, GradientMode mode) {
   switch (value) {
@@ -81,19 +117,19 @@ absl::StatusOr<LinearSpec> ValidateLinearForwardRequest(
   RETURN_IF_ERROR(CheckLabel(request.bias_grad_label(), "bias_grad_label"));
   // The options, mode, targets and gradient label are Forward's: checked by
   // Forward's rules, with the hidden states in the logits' place.
-  pb::ForwardRequest forward;
-  forward.set_logits(request.hidden());
-  forward.set_gradient_label(request.gradient_label());
-  *forward.mutable_options() = request.options();
-  forward.set_mode(request.mode());
-  if (request.targets_case() == pb::LinearForwardRequest::kTargetsHandle) {
-    forward.set_targets_handle(request.targets_handle());
-  } else if (request.targets_case() ==
-             pb::LinearForwardRequest::kTargetsInline) {
-    forward.mutable_targets_inline()->set_dtype(
-        request.targets_inline().dtype());
+  pb::ForwardRequest forward = ForwardView(request, false);
+  const bool post_training = request.has_distillation() ||
+                             request.has_policy() || request.has_segments();
+  if (post_training) {
+    RETURN_IF_ERROR(CheckPostTrainingRequest(ForwardView(request, true)));
+    // A distillation with alpha 0 may go without targets: its own checks
+    // decide (ReadPostTrainingInputs); Forward's rules see a stand-in dtype.
+    if (request.targets_case() == pb::LinearForwardRequest::TARGETS_NOT_SET) {
+      forward.mutable_targets_inline()->set_dtype(pb::DTYPE_INT32);
+    }
   }
   LinearSpec spec;
+  spec.post_training = post_training;
   ASSIGN_OR_RETURN(spec.forward, ValidateForwardRequest(forward));
   ASSIGN_OR_RETURN(spec.accumulate,
                    ParseAccumulate(request.accumulate(), spec.forward.mode));
@@ -274,7 +310,10 @@ absl::StatusOr<LinearTensors> ResolveLinearTensors(
     RETURN_IF_ERROR(
         Expect(*tensors.bias, "bias", tensors.dtype, {tensors.vocab}));
   }
-  if (request.targets_case() == pb::LinearForwardRequest::kTargetsHandle) {
+  if (spec.post_training) {
+    // The loss's own reads resolve and check them.
+  } else if (request.targets_case() ==
+             pb::LinearForwardRequest::kTargetsHandle) {
     ASSIGN_OR_RETURN(
         tensors.targets,
         LookupField(store, tenant, "targets_handle", request.targets_handle()));
@@ -330,7 +369,7 @@ absl::Status LeaseLinearTensors(TensorStore* store, const std::string& tenant,
     ASSIGN_OR_RETURN(ReadLease targets_lease,
                      store->TryBeginRead(tensors.targets));
     call->loss_inputs.UseStoredTargets(std::move(targets_lease));
-  } else {
+  } else if (!spec.post_training) {
     RETURN_IF_ERROR(call->loss_inputs.StageInlineTargets(
         store->device(), request.targets_inline(),
         spec.forward.inline_targets_dtype));
@@ -461,6 +500,64 @@ absl::Status CommitLinear(const LinearSpec& spec, const LinearTensors& tensors,
                         response->mutable_result());
 }
 
+// The post-training loss of a LinearForward: its inputs (read and checked
+// before any lease), per-token outputs and result.
+struct LinearPostTrainingLoss {
+  LinearPostTrainingLoss(const pb::Outputs& asked, int64_t rows)
+      : tokens(asked, rows) {}
+
+  PostTrainingInputs inputs;
+  PostTrainingTokens tokens;
+  PostTrainingResult result;
+
+  // Reads the loss's inputs for `tensors` (Z is [rows, vocab]) and stages
+  // them on the device.
+  absl::Status Read(TensorStore* store, const std::string& tenant,
+                    const pb::LinearForwardRequest& request,
+                    const LinearSpec& spec, const LinearTensors& tensors) {
+    CrossEntropyArgs& base = inputs.args.base;
+    base.rows = tensors.rows;
+    base.vocab = tensors.vocab;
+    base.row_stride = tensors.vocab;
+    base.logits_dtype = tensors.dtype;
+    base.logits = tensors.hidden->data();  // a stand-in, never read
+    base.options = spec.forward.options;
+    RETURN_IF_ERROR(
+        ReadPostTrainingInputs(store, tenant, ForwardView(request, true),
+                               {tensors.rows, tensors.vocab}, &inputs));
+    return StagePostTrainingInputs(store->device(), &inputs);
+  }
+
+  // The kernel's arguments: `linear` with the loss's targets, inputs and
+  // per-token outputs.
+  LinearPostTrainingArgs KernelArgs(const LinearCrossEntropyArgs& linear) {
+    PostTrainingArgs outputs;
+    tokens.Point(&outputs);
+    LinearPostTrainingArgs args;
+    args.linear = linear;
+    args.linear.targets = inputs.args.base.targets;
+    args.linear.targets_dtype = inputs.args.base.targets != nullptr
+                                    ? inputs.args.base.targets_dtype
+                                    : DType::kInt32;
+    args.linear.token_loss = outputs.base.token_loss;
+    args.linear.token_lse = outputs.base.token_lse;
+    args.linear.token_argmax = outputs.base.token_argmax;
+    args.distillation = inputs.args.distillation;
+    args.policy = inputs.args.policy;
+    args.segments = inputs.args.segments;
+    args.token_logprob = outputs.token_logprob;
+    args.token_entropy = outputs.token_entropy;
+    args.token_ratio = outputs.token_ratio;
+    args.token_clipped = outputs.token_clipped;
+    return args;
+  }
+
+  void Fill(double seconds, pb::ForwardResponse* response) const {
+    FillPostTrainingResponse(result, inputs.args.policy != nullptr, seconds,
+                             tokens, response);
+  }
+};
+
 }  // namespace
 
 absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
@@ -475,6 +572,12 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   ASSIGN_OR_RETURN(const LinearTensors tensors,
                    ResolveLinearTensors(store, tenant, request, spec));
   const Tensor& hidden = *tensors.hidden;
+  std::unique_ptr<LinearPostTrainingLoss> post_training;
+  if (spec.post_training) {
+    post_training = std::make_unique<LinearPostTrainingLoss>(request.outputs(),
+                                                             tensors.rows);
+    RETURN_IF_ERROR(post_training->Read(store, tenant, request, spec, tensors));
+  }
   LinearCall call(spec.forward.options);
   RETURN_IF_ERROR(
       LeaseLinearTensors(store, tenant, request, spec, tensors, &call));
@@ -506,10 +609,17 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   }
   if (!adds_to_given) args.cancelled = cancelled;
   CrossEntropyResult result;
-  ASSIGN_OR_RETURN(
-      const double seconds,
-      TimeKernel(rpc->metrics(), *device, "linear_cross_entropy",
-                 [&] { return device->LinearCrossEntropy(args, &result); }));
+  const std::function<absl::Status()> kernel = [&] {
+    return post_training != nullptr
+               ? device->LinearPostTraining(post_training->KernelArgs(args),
+                                            &post_training->result)
+               : device->LinearCrossEntropy(args, &result);
+  };
+  ASSIGN_OR_RETURN(const double seconds,
+                   TimeKernel(rpc->metrics(), *device,
+                              post_training != nullptr ? "linear_post_training"
+                                                       : "linear_cross_entropy",
+                              kernel));
   // Nobody would receive the new handles: they go, and the hidden states
   // keep their values.
   if (!adds_to_given && stopped()) {
@@ -520,7 +630,11 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
                                        static_cast<size_t>(hidden.bytes())));
   }
   RETURN_IF_ERROR(CommitLinear(spec, tensors, &call, response));
-  SetResult(result, seconds, outputs, response->mutable_result());
+  if (post_training != nullptr) {
+    post_training->Fill(seconds, response->mutable_result());
+  } else {
+    SetResult(result, seconds, outputs, response->mutable_result());
+  }
   return absl::OkStatus();
 }
 

@@ -359,6 +359,7 @@ absl::Status EvaluationLane::EvaluatePostTraining(
     metrics_->ObserveKernel(device->name(), "post_training", seconds);
   }
   block_.loss = result.base.loss;
+  block_.z_loss = result.base.z_loss;
   block_.rows = rows;
   block_.valid_tokens = result.base.valid_tokens;
   block_.correct_tokens = result.base.correct_tokens;

@@ -31,16 +31,6 @@ namespace pb = ::lossd::v1;
 constexpr DType kFloat32Only[] = {DType::kFloat32};
 constexpr DType kInt32Only[] = {DType::kInt32};
 
-// A small input ([rows] or [rows, k]) of a handle or inline bytes, read onto
-// the host: the server checks its values there before any write, whatever
-// the device.
-struct HostInput {
-  DType dtype = DType::kInvalid;
-  std::vector<char> bytes;
-  Staged staged;  // the bytes on the device for the kernel
-  const void* host() const { return bytes.data(); }
-};
-
 // One handle-or-inline field of the request.
 struct InputField {
   const char* name;      // "policy.advantages", for messages
@@ -78,7 +68,8 @@ absl::Status CheckField(const InputField& field,
 // into `*out`: a [rows, width] tensor, or a [rows] one when width is 0.
 absl::Status ReadInput(TensorStore* store, const std::string& tenant,
                        const InputField& field, int64_t rows, int64_t width,
-                       absl::Span<const DType> allowed, HostInput* out) {
+                       absl::Span<const DType> allowed,
+                       PostTrainingHostInput* out) {
   const bool vector = width == 0;
   if (vector) width = 1;
   const std::string shape = vector ? absl::StrCat("[", rows, "]")
@@ -205,9 +196,10 @@ Fields FieldsOf(const pb::ForwardRequest& request) {
   return fields;
 }
 
-// Request-only checks and the enum values, before any lookup.
-absl::Status CheckRequest(const pb::ForwardRequest& request,
-                          const Fields& fields) {
+}  // namespace
+
+absl::Status CheckPostTrainingRequest(const pb::ForwardRequest& request) {
+  const Fields fields = FieldsOf(request);
   if (request.has_distillation() && request.has_policy()) {
     return absl::InvalidArgumentError(
         "distillation and policy cannot be combined in one Forward");
@@ -277,8 +269,6 @@ absl::Status CheckRequest(const pb::ForwardRequest& request,
   return absl::OkStatus();
 }
 
-}  // namespace
-
 bool IsPostTrainingForward(const pb::ForwardRequest& request) {
   return request.has_distillation() || request.has_policy() ||
          request.has_segments();
@@ -286,25 +276,14 @@ bool IsPostTrainingForward(const pb::ForwardRequest& request) {
 
 namespace {
 
-// Everything a post-training Forward reads besides the logits: the small
-// inputs on the host (then staged), the teacher's lease, the kernel's
-// arguments pointing at them.
-struct Inputs {
-  HostInput targets, indices, logprobs, advantages, sampling, reference, ids;
-  ReadLease teacher;
-  DistillationArgs kd;
-  PolicyArgs policy;
-  SegmentArgs segments;
-  PostTrainingArgs args;
-};
-
 // The distillation's teacher (leased, or read to the host) into in->kd.
 absl::Status ReadDistillation(TensorStore* store, const std::string& tenant,
                               const pb::ForwardRequest& request,
-                              const Fields& fields, const Tensor& logits,
-                              Inputs* in) {
-  const int64_t rows = logits.shape()[0];
-  const int64_t vocab = logits.shape()[1];
+                              const Fields& fields,
+                              const std::vector<int64_t>& shape,
+                              PostTrainingInputs* in) {
+  const int64_t rows = shape[0];
+  const int64_t vocab = shape[1];
   const pb::Distillation& message = request.distillation();
   in->kd.temperature = message.has_temperature() ? message.temperature() : 1.0f;
   in->kd.alpha = message.alpha();
@@ -319,13 +298,12 @@ absl::Status ReadDistillation(TensorStore* store, const std::string& tenant,
     }
     ASSIGN_OR_RETURN(std::shared_ptr<Tensor> teacher,
                      store->Get(tenant, message.teacher_logits()));
-    if (!IsLogitsDType(teacher->dtype()) ||
-        teacher->shape() != logits.shape()) {
+    if (!IsLogitsDType(teacher->dtype()) || teacher->shape() != shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           "distillation.teacher_logits must be a float tensor of the "
           "logits' shape ",
-          ShapeString(logits.shape()), ", got ", DTypeName(teacher->dtype()),
-          " ", ShapeString(teacher->shape())));
+          ShapeString(shape), ", got ", DTypeName(teacher->dtype()), " ",
+          ShapeString(teacher->shape())));
     }
     if (teacher->state() != TensorState::kLogits) {
       return absl::FailedPreconditionError(
@@ -363,7 +341,7 @@ absl::Status ReadDistillation(TensorStore* store, const std::string& tenant,
 // The policy's inputs, read to the host, into in->policy.
 absl::Status ReadPolicy(TensorStore* store, const std::string& tenant,
                         const pb::ForwardRequest& request, const Fields& fields,
-                        int64_t rows, Inputs* in) {
+                        int64_t rows, PostTrainingInputs* in) {
   const pb::PolicyGradient& message = request.policy();
   in->policy.loss = static_cast<PolicyLossKind>(message.loss());
   RETURN_IF_ERROR(ReadInput(store, tenant, fields.advantages, rows, 0,
@@ -396,7 +374,8 @@ absl::Status ReadPolicy(TensorStore* store, const std::string& tenant,
 // The segment ids, read to the host, into in->segments.
 absl::Status ReadSegments(TensorStore* store, const std::string& tenant,
                           const pb::ForwardRequest& request,
-                          const Fields& fields, int64_t rows, Inputs* in) {
+                          const Fields& fields, int64_t rows,
+                          PostTrainingInputs* in) {
   RETURN_IF_ERROR(ReadInput(store, tenant, fields.segment_ids, rows, 0,
                             kInt32Only, &in->ids));
   in->segments.ids = reinterpret_cast<const int32_t*>(in->ids.host());
@@ -413,10 +392,11 @@ absl::Status ReadSegments(TensorStore* store, const std::string& tenant,
   return absl::OkStatus();
 }
 
-// The checked small inputs onto the device (no copy on a host-accessible
-// one); the arguments then point there.
-absl::Status StageInputs(Device* device, Inputs* in) {
-  auto stage = [device](HostInput* input) -> absl::StatusOr<const void*> {
+}  // namespace
+
+absl::Status StagePostTrainingInputs(Device* device, PostTrainingInputs* in) {
+  auto stage =
+      [device](PostTrainingHostInput* input) -> absl::StatusOr<const void*> {
     RETURN_IF_ERROR(
         input->staged.Stage(device, input->bytes.data(), input->bytes.size()));
     return input->staged.get();
@@ -446,12 +426,13 @@ absl::Status StageInputs(Device* device, Inputs* in) {
   return absl::OkStatus();
 }
 
-// Reads and checks every input of `request` on `logits` into *in: nothing is
-// leased for writing yet, so an error changes nothing.
-absl::Status ReadInputs(TensorStore* store, const std::string& tenant,
-                        const pb::ForwardRequest& request, const Fields& fields,
-                        const Tensor& logits, Inputs* in) {
-  const int64_t rows = logits.shape()[0];
+absl::Status ReadPostTrainingInputs(TensorStore* store,
+                                    const std::string& tenant,
+                                    const pb::ForwardRequest& request,
+                                    const std::vector<int64_t>& shape,
+                                    PostTrainingInputs* in) {
+  const Fields fields = FieldsOf(request);
+  const int64_t rows = shape[0];
   const InputField targets_field = Field(
       "targets", request.targets_case() == pb::ForwardRequest::kTargetsHandle,
       request.targets_handle(),
@@ -466,7 +447,7 @@ absl::Status ReadInputs(TensorStore* store, const std::string& tenant,
   }
   if (request.has_distillation()) {
     RETURN_IF_ERROR(
-        ReadDistillation(store, tenant, request, fields, logits, in));
+        ReadDistillation(store, tenant, request, fields, shape, in));
   }
   if (request.has_policy()) {
     RETURN_IF_ERROR(ReadPolicy(store, tenant, request, fields, rows, in));
@@ -482,15 +463,37 @@ absl::Status ReadInputs(TensorStore* store, const std::string& tenant,
   return CheckPostTrainingData(checked);
 }
 
-// The response's fields from the result and the per-token outputs.
-void FillResponse(const PostTrainingResult& result, bool policy, double elapsed,
-                  const std::vector<float>& token_loss,
-                  const std::vector<float>& token_lse,
-                  const std::vector<int32_t>& token_argmax,
-                  const std::vector<float>& token_logprob,
-                  const std::vector<float>& token_entropy,
-                  pb::ForwardResponse* response) {
+PostTrainingTokens::PostTrainingTokens(const pb::Outputs& asked, int64_t rows) {
+  const auto size = [rows](bool wanted) {
+    return static_cast<size_t>(wanted ? rows : 0);
+  };
+  loss.resize(size(asked.token_loss()));
+  lse.resize(size(asked.token_lse()));
+  argmax.resize(size(asked.token_argmax()));
+  logprob.resize(size(asked.token_logprob()));
+  entropy.resize(size(asked.token_entropy()));
+  ratio.resize(size(asked.token_ratio()));
+  clipped.resize(size(asked.token_clipped()));
+}
+
+void PostTrainingTokens::Point(PostTrainingArgs* args) {
+  const auto data = [](auto& values) {
+    return values.empty() ? nullptr : values.data();
+  };
+  args->base.token_loss = data(loss);
+  args->base.token_lse = data(lse);
+  args->base.token_argmax = data(argmax);
+  args->token_logprob = data(logprob);
+  args->token_entropy = data(entropy);
+  args->token_ratio = data(ratio);
+  args->token_clipped = data(clipped);
+}
+
+void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
+                              double elapsed, const PostTrainingTokens& tokens,
+                              pb::ForwardResponse* response) {
   response->set_loss(result.base.loss);
+  response->set_z_loss(result.base.z_loss);
   response->set_valid_tokens(result.base.valid_tokens);
   response->set_correct_tokens(result.base.correct_tokens);
   response->set_nonfinite_rows(result.base.nonfinite_rows);
@@ -510,17 +513,20 @@ void FillResponse(const PostTrainingResult& result, bool policy, double elapsed,
                                         result.segment_loss.end());
   response->mutable_segment_tokens()->Add(result.segment_tokens.begin(),
                                           result.segment_tokens.end());
-  response->mutable_token_loss()->Add(token_loss.begin(), token_loss.end());
-  response->mutable_token_lse()->Add(token_lse.begin(), token_lse.end());
-  response->mutable_token_argmax()->Add(token_argmax.begin(),
-                                        token_argmax.end());
-  response->mutable_token_logprob()->Add(token_logprob.begin(),
-                                         token_logprob.end());
-  response->mutable_token_entropy()->Add(token_entropy.begin(),
-                                         token_entropy.end());
+  response->mutable_token_loss()->Add(tokens.loss.begin(), tokens.loss.end());
+  response->mutable_token_lse()->Add(tokens.lse.begin(), tokens.lse.end());
+  response->mutable_token_argmax()->Add(tokens.argmax.begin(),
+                                        tokens.argmax.end());
+  response->mutable_token_logprob()->Add(tokens.logprob.begin(),
+                                         tokens.logprob.end());
+  response->mutable_token_entropy()->Add(tokens.entropy.begin(),
+                                         tokens.entropy.end());
+  response->mutable_token_ratio()->Add(tokens.ratio.begin(),
+                                       tokens.ratio.end());
+  for (uint8_t clipped : tokens.clipped) {
+    response->add_token_clipped(clipped != 0);
+  }
 }
-
-}  // namespace
 
 absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                                     const pb::ForwardRequest& request,
@@ -534,13 +540,12 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                    ParseLossOptions(request.options()));
   ASSIGN_OR_RETURN(const GradientMode mode, ParseMode(request.mode()));
   RETURN_IF_ERROR(CheckLabel(request.gradient_label(), "gradient_label"));
-  const Fields fields = FieldsOf(request);
-  RETURN_IF_ERROR(CheckRequest(request, fields));
+  RETURN_IF_ERROR(CheckPostTrainingRequest(request));
 
   ASSIGN_OR_RETURN(std::shared_ptr<Tensor> logits,
                    LookupLogits(store, tenant, request.logits()));
   const int64_t rows = logits->shape()[0];
-  Inputs in;
+  PostTrainingInputs in;
   PostTrainingArgs& args = in.args;
   args.base.rows = rows;
   args.base.vocab = logits->shape()[1];
@@ -549,8 +554,9 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
   args.base.logits = logits->data();
   args.base.options = options;
   args.base.mode = mode;
-  RETURN_IF_ERROR(ReadInputs(store, tenant, request, fields, *logits, &in));
-  RETURN_IF_ERROR(StageInputs(device, &in));
+  RETURN_IF_ERROR(
+      ReadPostTrainingInputs(store, tenant, request, logits->shape(), &in));
+  RETURN_IF_ERROR(StagePostTrainingInputs(device, &in));
 
   ASSIGN_OR_RETURN(ForwardLease lease,
                    store->BeginForward(logits, mode == GradientMode::kInPlace));
@@ -562,19 +568,11 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
                       request.gradient_label(), TensorState::kGradient));
   }
   const pb::Outputs& outputs = request.outputs();
-  std::vector<float> token_loss(outputs.token_loss() ? rows : 0);
-  std::vector<float> token_lse(outputs.token_lse() ? rows : 0);
-  std::vector<int32_t> token_argmax(outputs.token_argmax() ? rows : 0);
-  std::vector<float> token_logprob(outputs.token_logprob() ? rows : 0);
-  std::vector<float> token_entropy(outputs.token_entropy() ? rows : 0);
+  PostTrainingTokens tokens(outputs, rows);
+  tokens.Point(&args);
   args.base.gradient = mode == GradientMode::kInPlace      ? logits->data()
                        : mode == GradientMode::kOutOfPlace ? gradient->data()
                                                            : nullptr;
-  args.base.token_loss = token_loss.empty() ? nullptr : token_loss.data();
-  args.base.token_lse = token_lse.empty() ? nullptr : token_lse.data();
-  args.base.token_argmax = token_argmax.empty() ? nullptr : token_argmax.data();
-  args.token_logprob = token_logprob.empty() ? nullptr : token_logprob.data();
-  args.token_entropy = token_entropy.empty() ? nullptr : token_entropy.data();
 
   if (cancelled()) return absl::CancelledError("Forward cancelled");
   PostTrainingResult result;
@@ -606,8 +604,8 @@ absl::Status RunPostTrainingForward(RpcSupport* rpc, const std::string& tenant,
     case GradientMode::kNone:
       break;
   }
-  FillResponse(result, args.policy != nullptr, elapsed.count(), token_loss,
-               token_lse, token_argmax, token_logprob, token_entropy, response);
+  FillPostTrainingResponse(result, args.policy != nullptr, elapsed.count(),
+                           tokens, response);
   return absl::OkStatus();
 }
 

@@ -97,7 +97,7 @@ InvalidArgument for another dtype or shape, FailedPrecondition while the
 tensor is in use).)doc";
 
 constexpr char kLinearForwardDoc[] =
-    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="", precision="exact") -> LinearForwardResult
+    R"doc(linear_forward(hidden, weight, target, *, bias="", weight_grad="", bias_grad="", accumulate=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, grad_scale=1.0, mode="in_place", token_loss=False, token_lse=False, token_argmax=False, token_grad_output=None, gradient_label="", weight_grad_label="", bias_grad_label="", precision="exact", **post_training) -> LinearForwardResult
 
 The LM head and the cross-entropy in one call: hidden states [N, H] (a
 handle, or a buffer uploaded for the call) times the stored weight [V, H]
@@ -116,6 +116,12 @@ precision: "exact" (dW within ~3e-5 of fp32) or "fast" (on a CUDA server with
 bf16/fp16 inputs, the three products in 16 bits as the peers compute them:
 a ~1.1x faster kernel, dW 2e-4 to 2e-3 relative error on mild logits, 2e-2 on
 peaked ones); fp32 and the CPU compute the same.
+post_training: forward()'s post-training keywords (teacher, temperature,
+alpha, divergence, beta, top_k_tail, policy_loss, advantages, old_logprobs,
+ref_logprobs, epsilon_low, epsilon_high, kl_coef, kl_estimator, segments,
+num_segments, segment_reduction, token_logprob, token_entropy, token_ratio)
+put that loss on the logits instead of cross entropy (target may be None for
+a distillation with alpha 0); result.forward carries its fields.
 
 Raises NotFound, InvalidArgument (shapes, dtypes, options, one tensor in two
 roles, a precision other than "exact" or "fast"), FailedPrecondition (hidden holds a gradient, a tensor in use),
@@ -170,7 +176,8 @@ constexpr char kForwardDoc[] =
         policy_loss=None, advantages=None, old_logprobs=None, ref_logprobs=None,
         epsilon_low=0.2, epsilon_high=None, kl_coef=0.0, kl_estimator="k3",
         segments=None, num_segments=0, segment_reduction=None,
-        token_logprob=False, token_entropy=False) -> ForwardResult
+        token_logprob=False, token_entropy=False, token_ratio=False)
+        -> ForwardResult
 
 Cross entropy of stored logits [N, V], with the semantics of
 torch.nn.functional.cross_entropy (and lossd's z-loss, softcap, normalizer
@@ -199,7 +206,9 @@ below max_message_bytes: upload larger ones and pass their handles):
   (0 = max id + 1), segment_reduction (None, "seq_mean_token_mean",
   "seq_mean_token_sum").
 Results: .distillation_loss, .policy_stats, .segment_loss and
-.segment_tokens, and with token_logprob / token_entropy those per row.
+.segment_tokens, and with token_logprob / token_entropy those per row;
+token_ratio=True adds the policy's .token_ratio (r) and .token_clipped
+(bool) per row (0 / False for ignored rows).
 
 A mean over zero valid rows is 0 here (torch: NaN). Raises NotFound,
 InvalidArgument (shapes, a target outside [0, V), options),
@@ -373,6 +382,20 @@ PYBIND11_MODULE(_lossd, m) {
                                           ? py::none()
                                           : NumpyCopy(r.token_entropy, "<f4");
                              })
+      .def_property_readonly("token_ratio",
+                             [](const ForwardResult& r) -> py::object {
+                               return r.token_ratio.empty()
+                                          ? py::none()
+                                          : NumpyCopy(r.token_ratio, "<f4");
+                             })
+      .def_property_readonly("token_clipped",
+                             [](const ForwardResult& r) -> py::object {
+                               if (r.token_clipped.empty()) return py::none();
+                               const std::vector<uint8_t> flags(
+                                   r.token_clipped.begin(),
+                                   r.token_clipped.end());
+                               return NumpyCopy(flags, "|b1");
+                             })
       .def("__repr__", [](const ForwardResult& r) {
         return "ForwardResult(loss=" + std::to_string(r.loss) +
                ", valid_tokens=" + std::to_string(r.valid_tokens) +
@@ -427,6 +450,10 @@ PYBIND11_MODULE(_lossd, m) {
       .def_property_readonly(
           "denominator",
           [](const LinearForwardResult& r) { return r.forward.denominator; })
+      .def_property_readonly(
+          "forward", [](const LinearForwardResult& r) { return r.forward; },
+          "the loss's ForwardResult (with a post-training loss, its fields "
+          "too)")
       .def_readonly("weight_grad", &LinearForwardResult::weight_grad,
                     "the fp32 [V, H] weight-gradient accumulator's handle")
       .def_readonly("bias_grad", &LinearForwardResult::bias_grad,
@@ -571,7 +598,7 @@ PYBIND11_MODULE(_lossd, m) {
              py::object epsilon_high, double kl_coef,
              const std::string& kl_estimator, py::object segments,
              int64_t num_segments, py::object segment_reduction,
-             bool token_logprob, bool token_entropy) {
+             bool token_logprob, bool token_entropy, bool token_ratio) {
             PostTrainingKwargs post_training;
             post_training.teacher = std::move(teacher);
             post_training.temperature = temperature;
@@ -592,6 +619,7 @@ PYBIND11_MODULE(_lossd, m) {
             post_training.segment_reduction = std::move(segment_reduction);
             post_training.token_logprob = token_logprob;
             post_training.token_entropy = token_entropy;
+            post_training.token_ratio = token_ratio;
             return Forward(self, logits, target, weight, ignore_index,
                            label_smoothing, reduction, z_loss_scale, softcap,
                            normalizer, grad_scale, mode, token_loss, token_lse,
@@ -616,7 +644,8 @@ PYBIND11_MODULE(_lossd, m) {
           py::arg("kl_estimator") = "k3", py::arg("segments") = py::none(),
           py::arg("num_segments") = 0,
           py::arg("segment_reduction") = py::none(),
-          py::arg("token_logprob") = false, py::arg("token_entropy") = false)
+          py::arg("token_logprob") = false, py::arg("token_entropy") = false,
+          py::arg("token_ratio") = false)
       .def("linear_forward", &LinearForward, kLinearForwardDoc,
            py::arg("hidden"), py::arg("weight"), py::arg("target"),
            py::kw_only(), py::arg("bias") = "", py::arg("weight_grad") = "",

@@ -571,6 +571,8 @@ ForwardResult Forward(PyClient& self, py::handle logits, py::handle target,
                     token_loss, token_lse, token_argmax, gradient_label);
   options.token_logprob = post_training.token_logprob;
   options.token_entropy = post_training.token_entropy;
+  options.token_ratio = post_training.token_ratio;
+  options.token_clipped = post_training.token_ratio;
   KeptInputs kept;
   SetPostTraining(post_training, &kept, &options.distillation, &options.policy,
                   &options.segments, /*in_blocks=*/false);
@@ -597,6 +599,61 @@ LinearAccumulate ParseAccumulate(py::handle accumulate) {
       name + "\"");
 }
 
+// linear_forward's post-training keywords (forward's names and defaults,
+// PostTrainingKwargs); any other keyword is a TypeError, as Python's own.
+PostTrainingKwargs PostTrainingFromKwargs(const py::kwargs& kwargs) {
+  PostTrainingKwargs out;
+  for (const auto& item : kwargs) {
+    const std::string key = item.first.cast<std::string>();
+    const py::object value = py::reinterpret_borrow<py::object>(item.second);
+    if (key == "teacher") {
+      out.teacher = value;
+    } else if (key == "temperature") {
+      out.temperature = value.cast<double>();
+    } else if (key == "alpha") {
+      out.alpha = value.cast<double>();
+    } else if (key == "divergence") {
+      out.divergence = value.cast<std::string>();
+    } else if (key == "beta") {
+      out.beta = value.cast<double>();
+    } else if (key == "top_k_tail") {
+      out.top_k_tail = value.cast<std::string>();
+    } else if (key == "policy_loss") {
+      out.policy_loss = value;
+    } else if (key == "advantages") {
+      out.advantages = value;
+    } else if (key == "old_logprobs") {
+      out.old_logprobs = value;
+    } else if (key == "ref_logprobs") {
+      out.ref_logprobs = value;
+    } else if (key == "epsilon_low") {
+      out.epsilon_low = value.cast<double>();
+    } else if (key == "epsilon_high") {
+      out.epsilon_high = value;
+    } else if (key == "kl_coef") {
+      out.kl_coef = value.cast<double>();
+    } else if (key == "kl_estimator") {
+      out.kl_estimator = value.cast<std::string>();
+    } else if (key == "segments") {
+      out.segments = value;
+    } else if (key == "num_segments") {
+      out.num_segments = value.cast<int64_t>();
+    } else if (key == "segment_reduction") {
+      out.segment_reduction = value;
+    } else if (key == "token_logprob") {
+      out.token_logprob = value.cast<bool>();
+    } else if (key == "token_entropy") {
+      out.token_entropy = value.cast<bool>();
+    } else if (key == "token_ratio") {
+      out.token_ratio = value.cast<bool>();
+    } else {
+      throw py::type_error(
+          "linear_forward() got an unexpected keyword argument '" + key + "'");
+    }
+  }
+  return out;
+}
+
 LinearForwardPrecision ParsePrecision(const std::string& precision) {
   if (precision == "exact") return LinearForwardPrecision::kExact;
   if (precision == "fast") return LinearForwardPrecision::kFast;
@@ -616,7 +673,7 @@ LinearForwardResult LinearForward(
     bool token_loss, bool token_lse, bool token_argmax,
     py::handle token_grad_output, const std::string& gradient_label,
     const std::string& weight_grad_label, const std::string& bias_grad_label,
-    const std::string& precision) {
+    const std::string& precision, const py::kwargs& post_training_kwargs) {
   LinearForwardOptions options;
   SetForwardOptions(&options, ignore_index, label_smoothing, reduction,
                     z_loss_scale, softcap, normalizer, grad_scale, mode,
@@ -640,6 +697,15 @@ LinearForwardResult LinearForward(
         values, values + tensor.buffer->bytes() / sizeof(float));
   }
 
+  const PostTrainingKwargs post_training =
+      PostTrainingFromKwargs(post_training_kwargs);
+  options.token_logprob = post_training.token_logprob;
+  options.token_entropy = post_training.token_entropy;
+  options.token_ratio = post_training.token_ratio;
+  options.token_clipped = post_training.token_ratio;
+  KeptInputs kept;
+  SetPostTraining(post_training, &kept, &options.distillation, &options.policy,
+                  &options.segments, /*in_blocks=*/false);
   return CallOnInputs<LinearForwardResult>(
       self, hidden, "hidden", options.mode, target, class_weights,
       [&](Client& client, const std::string& hidden_handle,

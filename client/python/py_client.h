@@ -125,6 +125,7 @@ struct PostTrainingKwargs {
   py::object segment_reduction = py::none();
   bool token_logprob = false;
   bool token_entropy = false;
+  bool token_ratio = false;  // and token_clipped
 };
 
 // The methods of lossd.Client (their docstrings are in bindings.cc).
@@ -159,7 +160,7 @@ LinearForwardResult LinearForward(
     bool token_loss, bool token_lse, bool token_argmax,
     py::handle token_grad_output, const std::string& gradient_label,
     const std::string& weight_grad_label, const std::string& bias_grad_label,
-    const std::string& precision);
+    const std::string& precision, const py::kwargs& post_training);
 BackwardResult Backward(PyClient& self, const std::string& handle,
                         py::handle grad_output, bool materialize);
 EvaluateResult Evaluate(PyClient& self, py::handle logits, py::handle target,

@@ -1,12 +1,13 @@
 // Linear cross-entropy on the CPU: OpenBLAS sgemm around the existing CPU
-// cross-entropy, chunked over rows so that only one chunk of fp32 logits is
-// ever held; and the validation both backends share.
+// cross-entropy (or the post-training losses' rows), chunked over rows so
+// that only one chunk of fp32 logits is ever held.
 #include "kernels/cpu/linear_cross_entropy_cpu.h"
 
 #include <cblas.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <new>
@@ -14,8 +15,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/cross_entropy_cpu.h"
 #include "kernels/cpu/cross_entropy_internal.h"
+#include "kernels/cpu/post_training_cpu.h"
 
 namespace lossd {
 namespace {
@@ -225,6 +228,48 @@ int64_t LinearCrossEntropyCpuWorkspaceBytes(
   return floats * static_cast<int64_t>(sizeof(float));
 }
 
+namespace {
+
+// Computes the loss of rows [row0, row0 + count) on their fp32 logits, the
+// gradient G replacing them when the call wants one.
+using ChunkLoss =
+    std::function<absl::Status(int64_t row0, int64_t count, float* logits)>;
+
+// Every chunk of rows in order: Z, `chunk_loss` on it, then dbias, dW and dX
+// from G. The accumulators are cleared first for kOverwrite.
+absl::Status RunLinearChunks(const LinearCrossEntropyArgs& args,
+                             const ChunkLoss& chunk_loss) {
+  const int64_t rows = args.rows;
+  const int64_t chunk_rows = ChunkRows(args);
+  ChunkBuffers buffers;
+  RETURN_IF_ERROR(AllocateChunkBuffers(args, chunk_rows, &buffers));
+  if (args.accumulate == AccumulateMode::kOverwrite) {
+    std::memset(args.grad_weight, 0,
+                static_cast<size_t>(args.vocab * args.hidden) * sizeof(float));
+    if (args.grad_bias != nullptr)
+      std::memset(args.grad_bias, 0,
+                  static_cast<size_t>(args.vocab) * sizeof(float));
+  }
+  for (int64_t row0 = 0; row0 < rows; row0 += chunk_rows) {
+    if (args.cancelled && args.cancelled()) {
+      return absl::CancelledError(
+          absl::StrCat("linear_cross_entropy: cancelled after ", row0, " of ",
+                       rows, " rows"));
+    }
+    const int64_t count = std::min(chunk_rows, rows - row0);
+    const float* x = RowsAsFloat(args.x, args.dtype, args.hidden, row0, count,
+                                 &buffers.x_scratch);
+    ChunkLogits(args, x, count, &buffers);
+    RETURN_IF_ERROR(chunk_loss(row0, count, buffers.logits.data()));
+    if (LinearCrossEntropyWantsGradient(args)) {
+      ChunkGradients(args, row0, count, x, &buffers);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
                                    CrossEntropyResult* result) {
   if (result == nullptr) return Invalid("result is nullptr");
@@ -239,40 +284,15 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
   const double target_weight_sum = TargetWeightSum(args);
   const CrossEntropyOptions chunk_options =
       LinearChunkOptions(args.options, target_weight_sum);
-  const int64_t rows = args.rows;
-  const int64_t chunk_rows = ChunkRows(args);
-  ChunkBuffers buffers;
-  status = AllocateChunkBuffers(args, chunk_rows, &buffers);
-  if (!status.ok()) return status;
-  if (args.accumulate == AccumulateMode::kOverwrite) {
-    std::memset(args.grad_weight, 0,
-                static_cast<size_t>(args.vocab * args.hidden) * sizeof(float));
-    if (args.grad_bias != nullptr)
-      std::memset(args.grad_bias, 0,
-                  static_cast<size_t>(args.vocab) * sizeof(float));
-  }
-
   CrossEntropyResult total;
-  for (int64_t row0 = 0; row0 < rows; row0 += chunk_rows) {
-    if (args.cancelled && args.cancelled()) {
-      return absl::CancelledError(
-          absl::StrCat("linear_cross_entropy: cancelled after ", row0, " of ",
-                       rows, " rows"));
-    }
-    const int64_t count = std::min(chunk_rows, rows - row0);
-    const float* x = RowsAsFloat(args.x, args.dtype, args.hidden, row0, count,
-                                 &buffers.x_scratch);
-    ChunkLogits(args, x, count, &buffers);
-    CrossEntropyResult chunk;
-    status = CrossEntropyCpu(
-        ChunkLossArgs(args, chunk_options, row0, count, buffers.logits.data()),
-        &chunk);
-    if (!status.ok()) return status;
-    AddChunkResult(chunk, &total);
-    if (LinearCrossEntropyWantsGradient(args)) {
-      ChunkGradients(args, row0, count, x, &buffers);
-    }
-  }
+  RETURN_IF_ERROR(
+      RunLinearChunks(args, [&](int64_t row0, int64_t count, float* logits) {
+        CrossEntropyResult chunk;
+        RETURN_IF_ERROR(CrossEntropyCpu(
+            ChunkLossArgs(args, chunk_options, row0, count, logits), &chunk));
+        AddChunkResult(chunk, &total);
+        return absl::OkStatus();
+      }));
   if (args.options.reduction == Reduction::kMean &&
       (total.valid_tokens > 0 || args.options.normalizer > 0.0) &&
       total.denominator == 0.0) {
@@ -280,6 +300,43 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
                                                       : target_weight_sum;
   }
   *result = total;
+  return absl::OkStatus();
+}
+
+absl::Status LinearPostTrainingCpu(const LinearPostTrainingArgs& args,
+                                   PostTrainingResult* result,
+                                   int num_threads) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  const LinearCrossEntropyArgs& linear = args.linear;
+  // Without targets (a distillation with alpha 0) the linear checks see a
+  // stand-in; the post-training checks decide whether that is allowed.
+  LinearCrossEntropyArgs checked = linear;
+  if (checked.targets == nullptr) {
+    checked.targets = linear.x;
+    checked.targets_dtype = DType::kInt32;
+  }
+  RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(checked));
+  const PostTrainingArgs whole = WholePostTrainingView(args);
+  RETURN_IF_ERROR(ValidatePostTrainingArgs(whole));
+  RETURN_IF_ERROR(CheckPostTrainingData(whole));
+  // The reduction's factors are the whole call's (a mean over every chunk's
+  // rows, segments that span chunks), known before any chunk runs.
+  const PostTrainingPlan plan = PlanPostTraining(whole);
+  std::vector<double> row_scale = plan.row_scale;
+  for (double& scale : row_scale) scale *= linear.options.grad_scale;
+  std::vector<PostTrainingRowTotals> totals(
+      static_cast<size_t>(std::max<int64_t>(linear.rows, 0)));
+  const bool gradient = LinearCrossEntropyWantsGradient(linear);
+  RETURN_IF_ERROR(
+      RunLinearChunks(linear, [&](int64_t row0, int64_t count, float* logits) {
+        PostTrainingChunk chunk;
+        SlicePostTrainingRows(whole, row0, count, logits, DType::kFloat32,
+                              gradient, &chunk);
+        PostTrainingCpuRows(chunk.args, row_scale.data() + row0,
+                            totals.data() + row0, num_threads);
+        return absl::OkStatus();
+      }));
+  *result = ReducePostTrainingRows(whole, plan, totals);
   return absl::OkStatus();
 }
 

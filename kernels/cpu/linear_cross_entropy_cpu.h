@@ -11,6 +11,8 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/linear_cross_entropy.h"
 #include "kernels/linear_cross_entropy_validate.h"
+#include "kernels/linear_post_training.h"
+#include "kernels/post_training.h"
 
 namespace lossd {
 
@@ -36,6 +38,24 @@ absl::Status LinearCrossEntropyCpu(const LinearCrossEntropyArgs& args,
 // converted to fp32, the bias and its column sums), so that a caller can
 // charge it to a budget before the call. Pure.
 int64_t LinearCrossEntropyCpuWorkspaceBytes(const LinearCrossEntropyArgs& args);
+
+// LinearForward with a post-training loss (kernels/linear_post_training.h):
+// the same chunks, products and precision as LinearCrossEntropyCpu (Z, G and
+// the products in fp32), the loss of each chunk's rows by the fp64 rows of
+// PostTrainingCpuRows on the fp32 Z, G rounded once to fp32. The plan (row
+// factors, segment counts) and the reduction are the whole call's, so the
+// result is the same as a Forward's on Z. The scratch is LinearCrossEntropy-
+// CpuWorkspaceBytes(args.linear) plus one PostTrainingRowTotals a row.
+//
+// Returns OK; INVALID_ARGUMENT as ValidateLinearCrossEntropyArgs (targets may
+// be nullptr for a distillation with alpha 0), ValidatePostTrainingArgs or
+// CheckPostTrainingData (checked before anything is written), or result ==
+// nullptr; RESOURCE_EXHAUSTED and CANCELLED as LinearCrossEntropyCpu.
+// `num_threads` as PostTrainingCpu's. Borrows every buffer for the call.
+// Thread safety: reentrant for distinct outputs.
+absl::Status LinearPostTrainingCpu(const LinearPostTrainingArgs& args,
+                                   PostTrainingResult* result,
+                                   int num_threads = 0);
 
 }  // namespace lossd
 

@@ -93,8 +93,8 @@ double BucketDivergence(const DistillationArgs& kd,
 // Everything the rows share.
 struct Plan {
   const PostTrainingArgs* args;
-  void* gradient;                 // nullptr for kNone
-  std::vector<double> row_scale;  // ds/dl_i for each row (0 for ignored rows)
+  void* gradient;           // nullptr for kNone
+  const double* row_scale;  // ds/dl_i for each row (0 for ignored rows)
 };
 
 bool RowIsValid(const PostTrainingArgs& args, int64_t row) {
@@ -163,6 +163,25 @@ Row LoadRow(const PostTrainingArgs& args, int64_t index, Scratch* scratch,
     totals->correct = argmax == row.y;
   }
   return row;
+}
+
+// The (label-smoothed) cross entropy of a valid row against its target,
+// times `weight`; weight * dCE/dz added into scratch->grad. With smoothing
+// eps: (1 - eps)(lse - z_y) + eps (lse - mean_c z_c), gradient
+// p_c - (1 - eps)[c == y] - eps / V.
+double CrossEntropyRow(const Row& row, double smoothing, double weight) {
+  std::vector<double>& grad = row.scratch->grad;
+  const std::vector<double>& z = row.scratch->z;
+  const double vocab = static_cast<double>(z.size());
+  double z_sum = 0.0;
+  for (size_t c = 0; c < z.size(); ++c) {
+    grad[c] += weight * (std::exp(z[c] - row.lse) - smoothing / vocab);
+    if (smoothing > 0.0) z_sum += z[c];
+  }
+  grad[row.y] -= weight * (1.0 - smoothing);
+  double loss = (1.0 - smoothing) * -row.logp;
+  if (smoothing > 0.0) loss += smoothing * (row.lse - z_sum / vocab);
+  return weight * loss;
 }
 
 // The policy loss of a valid row; its gradient into scratch->grad.
@@ -332,20 +351,14 @@ double TopKDivergence(const DistillationArgs& kd, const Row& row,
 
 // The distillation loss of a valid row; its gradient into scratch->grad.
 double DistillationRow(const DistillationArgs& kd, const Row& row,
-                       PostTrainingRowTotals* totals) {
+                       double smoothing, PostTrainingRowTotals* totals) {
   Scratch& scratch = *row.scratch;
   const std::vector<double>& z = scratch.z;
   const int64_t vocab = static_cast<int64_t>(z.size());
   const double tau = kd.temperature;
   const double alpha = kd.alpha;
   double loss = 0.0;
-  if (alpha > 0.0) {
-    loss += alpha * -row.logp;
-    for (int64_t c = 0; c < vocab; ++c) {
-      scratch.grad[c] = alpha * std::exp(z[c] - row.lse);
-    }
-    scratch.grad[row.y] -= alpha;
-  }
+  if (alpha > 0.0) loss += CrossEntropyRow(row, smoothing, alpha);
   // The student at the temperature: log softmax(z / tau).
   double max_u = -kInf;
   for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
@@ -394,6 +407,8 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
     totals = PostTrainingRowTotals();
     if (base.token_loss != nullptr) base.token_loss[index] = 0.0f;
     if (args.token_logprob != nullptr) args.token_logprob[index] = 0.0f;
+    if (args.token_ratio != nullptr) args.token_ratio[index] = 0.0f;
+    if (args.token_clipped != nullptr) args.token_clipped[index] = 0;
     if (plan.gradient != nullptr) {
       const int64_t offset = index * base.row_stride;
       for (int64_t c = 0; c < base.vocab; ++c) {
@@ -414,17 +429,29 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
   } else {
     // Only the policy sums the entropy over the tokens.
     totals.entropy = 0.0;
+    const double smoothing = base.options.label_smoothing;
     if (args.distillation != nullptr) {
-      loss = DistillationRow(*args.distillation, row, &totals);
+      loss = DistillationRow(*args.distillation, row, smoothing, &totals);
     } else {
-      loss = -row.logp;
-      for (size_t c = 0; c < scratch->z.size(); ++c) {
-        scratch->grad[c] = std::exp(scratch->z[c] - row.lse);
-      }
-      scratch->grad[row.y] -= 1.0;
+      loss = CrossEntropyRow(row, smoothing, 1.0);
+    }
+  }
+  const double z_loss_scale = base.options.z_loss_scale;
+  if (z_loss_scale > 0.0) {
+    // PaLM's z-loss on every valid row: z_loss_scale lse^2, gradient
+    // 2 z_loss_scale lse p_c.
+    totals.z_loss = z_loss_scale * row.lse * row.lse;
+    loss += totals.z_loss;
+    for (size_t c = 0; c < scratch->z.size(); ++c) {
+      scratch->grad[c] +=
+          2.0 * z_loss_scale * row.lse * std::exp(scratch->z[c] - row.lse);
     }
   }
   totals.loss = loss;
+  if (args.token_ratio != nullptr) {
+    args.token_ratio[index] = static_cast<float>(totals.ratio);
+  }
+  if (args.token_clipped != nullptr) args.token_clipped[index] = totals.clipped;
   if (base.token_loss != nullptr) {
     base.token_loss[index] = static_cast<float>(loss);
   }
@@ -563,11 +590,16 @@ absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
   absl::Status status = ValidateCrossEntropyArgs(checked);
   if (!status.ok()) return status;
   const CrossEntropyOptions& options = base.options;
-  if (options.label_smoothing != 0.0f || options.z_loss_scale != 0.0f ||
-      base.class_weights != nullptr) {
+  // A class weight would weigh a row by its target's class, which the
+  // divergence and the policy terms do not have; label smoothing changes the
+  // target distribution, which a policy loss does not have (docs/api.md).
+  if (base.class_weights != nullptr) {
     return Invalid(
-        "label_smoothing, z_loss_scale and class_weights do not compose "
-        "with distillation, policy losses or segments");
+        "class_weights do not compose with distillation, policy losses or "
+        "segments");
+  }
+  if (options.label_smoothing != 0.0f && pg != nullptr) {
+    return Invalid("label_smoothing does not compose with policy losses");
   }
   if (kd != nullptr && pg != nullptr) {
     return Invalid("distillation and policy cannot be combined");
@@ -726,6 +758,7 @@ PostTrainingResult ReducePostTrainingRows(
     out.policy.approx_kl_sum += t.approx_kl;
     out.policy.kl_sum += t.kl;
     out.policy.entropy_sum += t.entropy;
+    out.base.z_loss += plan.row_scale[row] * t.z_loss;
     if (segments != nullptr) {
       out.segment_loss[segments->ids[row]] += t.loss;
       out.segment_distillation[segments->ids[row]] += t.distillation;
@@ -762,30 +795,14 @@ PostTrainingResult ReducePostTrainingRows(
   return out;
 }
 
-absl::Status PostTrainingCpu(const PostTrainingArgs& args,
-                             PostTrainingResult* result, int num_threads) {
-  if (result == nullptr) return Invalid("result is nullptr");
-  absl::Status status = ValidatePostTrainingArgs(args);
-  if (!status.ok()) return status;
-  status = CheckPostTrainingData(args);
-  if (!status.ok()) return status;
-
+void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
+                         PostTrainingRowTotals* totals, int num_threads) {
   const CrossEntropyArgs& base = args.base;
   const int64_t rows = base.rows;
-  // The reduction's factors depend on the targets and segment ids only, so
-  // they are known before any row is computed. The gradient scale is folded
-  // into the gradient's factors only.
-  const PostTrainingPlan plan = PlanPostTraining(args);
-  Plan gradient_plan;
-  gradient_plan.args = &args;
-  gradient_plan.gradient =
-      base.mode == GradientMode::kNone ? nullptr : base.gradient;
-  gradient_plan.row_scale = plan.row_scale;
-  for (double& scale : gradient_plan.row_scale) {
-    scale *= base.options.grad_scale;
-  }
-
-  std::vector<PostTrainingRowTotals> totals(rows);
+  Plan plan;
+  plan.args = &args;
+  plan.gradient = base.mode == GradientMode::kNone ? nullptr : base.gradient;
+  plan.row_scale = row_scale;
   unsigned threads = num_threads > 0 ? static_cast<unsigned>(num_threads)
                                      : std::thread::hardware_concurrency();
   threads = std::max(
@@ -800,13 +817,87 @@ absl::Status PostTrainingCpu(const PostTrainingArgs& args,
     const int64_t begin = rows * thread / threads;
     const int64_t end = rows * (thread + 1) / threads;
     for (int64_t row = begin; row < end; ++row) {
-      totals[row] = ComputeRow(gradient_plan, row, &scratch);
+      totals[row] = ComputeRow(plan, row, &scratch);
     }
   };
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
   work(0);
   for (std::thread& thread : pool) thread.join();
+}
+
+void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
+                           int64_t count, void* logits, DType logits_dtype,
+                           bool gradient, PostTrainingChunk* holder) {
+  const auto offset = [row0](const void* pointer, size_t row_bytes) {
+    return pointer == nullptr ? nullptr
+                              : static_cast<const char*>(pointer) +
+                                    row0 * static_cast<int64_t>(row_bytes);
+  };
+  const auto shift = [row0](auto* pointer) {
+    return pointer == nullptr ? nullptr : pointer + row0;
+  };
+  PostTrainingArgs& args = holder->args;
+  args = whole;
+  CrossEntropyArgs& base = args.base;
+  base.rows = count;
+  base.row_stride = whole.base.vocab;
+  base.logits = logits;
+  base.logits_dtype = logits_dtype;
+  base.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
+  base.gradient = gradient ? logits : nullptr;
+  base.targets =
+      offset(whole.base.targets, DTypeSize(whole.base.targets_dtype));
+  base.token_loss = shift(whole.base.token_loss);
+  base.token_lse = shift(whole.base.token_lse);
+  base.token_argmax = shift(whole.base.token_argmax);
+  args.token_logprob = shift(whole.token_logprob);
+  args.token_entropy = shift(whole.token_entropy);
+  args.token_ratio = shift(whole.token_ratio);
+  args.token_clipped = shift(whole.token_clipped);
+  if (whole.distillation != nullptr) {
+    DistillationArgs& kd = holder->distillation;
+    kd = *whole.distillation;
+    kd.teacher_logits = offset(
+        kd.teacher_logits, kd.teacher_row_stride * DTypeSize(kd.teacher_dtype));
+    kd.top_k_indices =
+        offset(kd.top_k_indices, kd.top_k * DTypeSize(kd.top_k_indices_dtype));
+    kd.top_k_logprobs = kd.top_k_logprobs == nullptr
+                            ? nullptr
+                            : kd.top_k_logprobs + row0 * kd.top_k;
+    args.distillation = &kd;
+  }
+  if (whole.policy != nullptr) {
+    PolicyArgs& pg = holder->policy;
+    pg = *whole.policy;
+    pg.advantages = shift(pg.advantages);
+    pg.sampling_logprobs = shift(pg.sampling_logprobs);
+    pg.reference_logprobs = shift(pg.reference_logprobs);
+    args.policy = &pg;
+  }
+  if (whole.segments != nullptr) {
+    holder->segments = *whole.segments;
+    holder->segments.ids = shift(holder->segments.ids);
+    args.segments = &holder->segments;
+  }
+}
+
+absl::Status PostTrainingCpu(const PostTrainingArgs& args,
+                             PostTrainingResult* result, int num_threads) {
+  if (result == nullptr) return Invalid("result is nullptr");
+  absl::Status status = ValidatePostTrainingArgs(args);
+  if (!status.ok()) return status;
+  status = CheckPostTrainingData(args);
+  if (!status.ok()) return status;
+
+  // The reduction's factors depend on the targets and segment ids only, so
+  // they are known before any row is computed. The gradient scale is folded
+  // into the gradient's factors only.
+  const PostTrainingPlan plan = PlanPostTraining(args);
+  std::vector<double> row_scale = plan.row_scale;
+  for (double& scale : row_scale) scale *= args.base.options.grad_scale;
+  std::vector<PostTrainingRowTotals> totals(args.base.rows);
+  PostTrainingCpuRows(args, row_scale.data(), totals.data(), num_threads);
   *result = ReducePostTrainingRows(args, plan, totals);
   return absl::OkStatus();
 }

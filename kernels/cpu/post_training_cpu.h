@@ -13,8 +13,8 @@ namespace lossd {
 
 // Checks everything about `args` that needs no tensor data: the base
 // arguments as ValidateCrossEntropyArgs (targets may be nullptr only for a
-// distillation with alpha 0); label_smoothing, class_weights and z_loss_scale
-// off; at most one of distillation and policy; the fields of each (ranges,
+// distillation with alpha 0); class_weights off, label_smoothing off with a
+// policy; at most one of distillation and policy; the fields of each (ranges,
 // enum values, exactly one teacher, top_k in [1, min(vocab, 512)], non-null
 // pointers); segments' count in [1, 2^31) and a segment reduction only with
 // Reduction::kMean.
@@ -43,6 +43,7 @@ struct PostTrainingRowTotals {
   double approx_kl = 0.0;
   double kl = 0.0;
   double entropy = 0.0;
+  double z_loss = 0.0;  // z_loss_scale * lse^2, included in `loss`
 };
 
 // The reduction of a problem, known from its targets and segment ids alone:
@@ -81,6 +82,32 @@ PostTrainingResult ReducePostTrainingRows(
 // every buffer for the call. Thread safety: reentrant.
 absl::Status PostTrainingCpu(const PostTrainingArgs& args,
                              PostTrainingResult* result, int num_threads = 0);
+
+// The rows of `args` alone, for a caller that plans and reduces a larger
+// problem itself (LinearForward's chunks of rows): row r's gradient is scaled
+// by row_scale[r] (the plan's factor times grad_scale) and its totals go to
+// totals[r]; the per-token outputs are written. `args` must have passed the
+// checks above (on the whole problem); its inputs are host pointers. Threads
+// as PostTrainingCpu; writes nothing but the gradient, the per-token outputs
+// and `totals`.
+void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
+                         PostTrainingRowTotals* totals, int num_threads = 0);
+
+// The rows [row0, row0 + count) of `whole` as a problem of their own, their
+// logits at `logits` ([count, vocab] of `logits_dtype`, the gradient written
+// over them when `gradient` is true): every row-indexed input and per-token
+// output offset by row0. `segments` keeps its ids (offset) for the caller's
+// bookkeeping. The sliced arguments are holder->args, pointing into
+// `holder`, which must outlive them.
+struct PostTrainingChunk {
+  DistillationArgs distillation;
+  PolicyArgs policy;
+  SegmentArgs segments;
+  PostTrainingArgs args;
+};
+void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
+                           int64_t count, void* logits, DType logits_dtype,
+                           bool gradient, PostTrainingChunk* holder);
 
 }  // namespace lossd
 

@@ -24,8 +24,11 @@
 #include "kernels/cuda/gemm_sm90_policy.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
+#include "kernels/cuda/post_training_cuda.h"
+#include "kernels/cuda/post_training_cuda_host.h"
 #include "kernels/cuda/sparse_residual.h"
 #include "kernels/linear_cross_entropy_validate.h"
+#include "kernels/linear_post_training.h"
 
 namespace lossd {
 namespace {
@@ -452,6 +455,12 @@ struct LinearCudaCall {
   const void* bias_z = nullptr;     // the bias in Z's dtype, or null
   // Set when the call may be cancelled: each chunk waits for the one before.
   cudaEvent_t chunk_done = nullptr;
+  // A post-training loss instead of cross entropy (LinearPostTrainingCuda):
+  // the whole call's arguments, each row's factor (times 2^exponent) and
+  // where the row kernel writes each row's totals, all on the device.
+  const PostTrainingArgs* post_training = nullptr;
+  const float* row_scale = nullptr;
+  PostTrainingCudaRow* rows_out = nullptr;
 };
 
 // The products of the call's chunk sizes, planned (or found planned) before
@@ -623,6 +632,16 @@ absl::StatusOr<CrossEntropyArgs> RunChunkLoss(const LinearCudaCall& call,
   RETURN_IF_ERROR(g.logits.Run(1.0f, args.weight, x, 0.0f, logits,
                                call.block + call.parts.lt, call.stream,
                                call.bias_z));
+  if (call.post_training != nullptr) {
+    PostTrainingChunk slice;
+    SlicePostTrainingRows(*call.post_training, row0, count, logits,
+                          call.z_dtype, want_grad, &slice);
+    RETURN_IF_ERROR(
+        CudaStatus(PostTrainingCudaLaunch(slice.args, call.row_scale + row0,
+                                          call.rows_out + row0, call.stream),
+                   "linear_post_training: rows"));
+    return slice.args.base;
+  }
   CrossEntropyArgs ce = ChunkLossArgs(call, row0, count);
   ce.logits_dtype = call.z_dtype;
   ce.logits = logits;
@@ -889,6 +908,108 @@ absl::Status LinearCrossEntropyCuda(
     cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
   return LinearCrossEntropyCudaLab(device_args, result, stream,
                                    LabConfig(config));
+}
+
+namespace {
+
+// The rows' factors of a post-training call (the plan's times grad_scale),
+// and the scaling of G for its 16-bit copies from the largest of them.
+std::vector<float> ScalePostTrainingRows(const PostTrainingPlan& plan,
+                                         double grad_scale,
+                                         LinearCudaCall* call) {
+  double largest = 0.0;
+  for (double scale : plan.row_scale) {
+    largest = std::max(largest, std::fabs(scale * grad_scale));
+  }
+  call->s = static_cast<float>(largest);
+  const bool g16 = call->l.split || !call->l.logits_fp32;
+  call->exponent = g16 ? GradientExponent(call->s) : 0;
+  call->alpha = std::ldexp(1.0f, -call->exponent);
+  std::vector<float> row_scale(plan.row_scale.size());
+  for (size_t row = 0; row < row_scale.size(); ++row) {
+    row_scale[row] = static_cast<float>(
+        std::ldexp(plan.row_scale[row] * grad_scale, call->exponent));
+  }
+  return row_scale;
+}
+
+}  // namespace
+
+absl::Status LinearPostTrainingCuda(
+    const LinearPostTrainingArgs& device_args, PostTrainingResult* result,
+    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
+  if (result == nullptr) {
+    return absl::InvalidArgumentError(
+        "linear_post_training: result is nullptr");
+  }
+  const LinearCrossEntropyArgs& args = device_args.linear;
+  LinearCrossEntropyArgs checked = args;
+  if (checked.targets == nullptr) {  // alpha-0 distillation: see below
+    checked.targets = args.x;
+    checked.targets_dtype = DType::kInt32;
+  }
+  RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(checked));
+  const PostTrainingArgs whole = WholePostTrainingView(device_args);
+  RETURN_IF_ERROR(ValidatePostTrainingArgs(whole));
+  RETURN_IF_ERROR(CheckPostTrainingCudaVocab(whole));
+  PostTrainingHostView host;
+  RETURN_IF_ERROR(CopyPostTrainingPlanInputs(whole, stream, &host));
+  const PostTrainingPlan plan = PlanPostTraining(host.args);
+
+  const LinearCrossEntropyLabConfig lab = LabConfig(config);
+  const Layout l = MakeLayout(args, lab);
+  const int64_t chunk_rows =
+      PlanLinearCrossEntropyCudaLab(args, lab).chunk_rows;
+  const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
+  const Parts parts = MakeParts(args, l, chunk_rows, chunks);
+  ASSIGN_OR_RETURN(cublasLtHandle_t handle, ThreadHandle());
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
+  const size_t rows_offset = AlignUp(rows * sizeof(float));
+  char* block = nullptr;
+  char* per_row = nullptr;
+  RETURN_IF_ERROR(CudaStatus(
+      cudaMallocAsync(reinterpret_cast<void**>(&block), parts.total, stream),
+      "linear_post_training: workspace allocation"));
+  absl::Status status = CudaStatus(
+      cudaMallocAsync(reinterpret_cast<void**>(&per_row),
+                      rows_offset + rows * sizeof(PostTrainingCudaRow) + 1,
+                      stream),
+      "linear_post_training: row allocation");
+  LinearCudaCall call{args, l, parts, block, stream, chunk_rows, chunks};
+  call.post_training = &whole;
+  call.row_scale = reinterpret_cast<const float*>(per_row);
+  call.rows_out = reinterpret_cast<PostTrainingCudaRow*>(per_row + rows_offset);
+  const std::vector<float> row_scale =
+      ScalePostTrainingRows(plan, args.options.grad_scale, &call);
+  if (status.ok() && rows > 0) {
+    status = CudaStatus(
+        cudaMemcpyAsync(per_row, row_scale.data(), rows * sizeof(float),
+                        cudaMemcpyHostToDevice, stream),
+        "linear_post_training: row factors");
+  }
+  if (status.ok()) status = PlanChunkGemms(handle, &call);
+  if (status.ok()) status = PrepareChunks(&call);
+  if (status.ok()) status = RunChunks(call);
+  std::vector<PostTrainingCudaRow> out(rows);
+  if (status.ok() && rows > 0) {
+    status = CudaStatus(cudaMemcpyAsync(out.data(), call.rows_out,
+                                        rows * sizeof(PostTrainingCudaRow),
+                                        cudaMemcpyDeviceToHost, stream),
+                        "linear_post_training: row copy");
+  }
+  const absl::Status freed =
+      CudaStatus(cudaFreeAsync(block, stream), "linear_post_training: free");
+  if (per_row != nullptr) cudaFreeAsync(per_row, stream);
+  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
+                                         "linear_post_training: synchronize");
+  if (call.chunk_done != nullptr) cudaEventDestroy(call.chunk_done);
+  RETURN_IF_ERROR(status);
+  RETURN_IF_ERROR(freed);
+  RETURN_IF_ERROR(synced);
+  std::vector<PostTrainingRowTotals> totals(rows);
+  CollectPostTrainingCudaRows(whole, out.data(), totals.data());
+  *result = ReducePostTrainingRows(host.args, plan, totals);
+  return absl::OkStatus();
 }
 
 }  // namespace lossd

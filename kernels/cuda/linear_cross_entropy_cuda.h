@@ -12,6 +12,8 @@
 #include "absl/status/status.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/linear_cross_entropy.h"
+#include "kernels/linear_post_training.h"
+#include "kernels/post_training.h"
 
 namespace lossd {
 
@@ -86,6 +88,26 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
 // device).
 absl::Status LinearCrossEntropyCuda(
     const LinearCrossEntropyArgs& device_args, CrossEntropyResult* result,
+    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config = nullptr);
+
+// LinearForward with a post-training loss (kernels/linear_post_training.h)
+// on `stream`: the chunks, products and precision of LinearCrossEntropyCuda,
+// each chunk's Z through the post-training row kernel (PostTrainingCudaLaunch,
+// fp32 row math) instead of the cross-entropy; the plan (row factors, segment
+// counts, from the targets and segment ids copied to the host first) and the
+// reduction are the whole call's, and the per-token outputs are HOST
+// pointers. The small inputs' values must have been checked already
+// (CheckPostTrainingData on host copies). Beyond PlanLinearCrossEntropyCuda's
+// workspace it allocates 4 + sizeof(PostTrainingCudaRow) bytes a row.
+//
+// Returns OK; INVALID_ARGUMENT as ValidateLinearCrossEntropyArgs (targets may
+// be nullptr for a distillation with alpha 0) and ValidatePostTrainingArgs;
+// UNIMPLEMENTED for a top-k teacher over more than
+// kPostTrainingCudaMaxTopKVocab classes; RESOURCE_EXHAUSTED, CANCELLED and
+// INTERNAL as LinearCrossEntropyCuda. Synchronizes `stream`. Thread safety as
+// LinearCrossEntropyCuda.
+absl::Status LinearPostTrainingCuda(
+    const LinearPostTrainingArgs& device_args, PostTrainingResult* result,
     cudaStream_t stream, const LinearCrossEntropyCudaConfig* config = nullptr);
 
 }  // namespace lossd

@@ -23,6 +23,9 @@ struct PostTrainingCudaRow {
   float logprob;
   int argmax;
   int flags;  // kPostTrainingRow*
+  // Last, so that a kernel's positional initializer of the fields above
+  // leaves it 0.
+  double z_loss;  // z_loss_scale lse^2, included in loss
 };
 constexpr int kPostTrainingRowValid = 1;
 constexpr int kPostTrainingRowCorrect = 2;

@@ -70,6 +70,8 @@ absl::Status ChooseFast(const PostTrainingArgs& args,
   }
   shape.policy = args.policy != nullptr;
   shape.targets = base.targets != nullptr;
+  shape.row_options =
+      base.options.label_smoothing > 0.0f || base.options.z_loss_scale != 0.0f;
   cuda_ce::DeviceLimits limits;
   RETURN_IF_ERROR(CudaStatus(cuda_ce::CurrentDeviceLimits(&limits),
                              "post_training device limits"));
@@ -222,37 +224,19 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
   return absl::OkStatus();
 }
 
-// The host's view of a call: the targets and segment ids copied back, and the
-// plan made from them.
+// The host's view of a call: the targets and segment ids copied back
+// (CopyPostTrainingPlanInputs), and the plan made from them.
 struct HostView {
-  PostTrainingArgs args;
-  std::vector<char> targets;
-  std::vector<int32_t> ids;
-  SegmentArgs segments;
+  PostTrainingHostView host;
   PostTrainingPlan plan;
+  const PostTrainingArgs& args() const { return host.args; }
 };
 
 // Copies the targets and segment ids of `device_args` back and plans.
 absl::Status PlanOnHost(const PostTrainingArgs& device_args, HostView* view,
                         cudaStream_t stream) {
-  const int64_t rows = device_args.base.rows;
-  view->args = device_args;
-  if (device_args.base.targets != nullptr) {
-    view->targets.resize(static_cast<size_t>(rows) *
-                         DTypeSize(device_args.base.targets_dtype));
-    RETURN_IF_ERROR(CopyToHost(view->targets.data(), device_args.base.targets,
-                               view->targets.size(), stream));
-    view->args.base.targets = view->targets.data();
-  }
-  if (device_args.segments != nullptr) {
-    view->segments = *device_args.segments;
-    view->ids.resize(static_cast<size_t>(rows));
-    RETURN_IF_ERROR(CopyToHost(view->ids.data(), view->segments.ids,
-                               view->ids.size() * sizeof(int32_t), stream));
-    view->segments.ids = view->ids.data();
-    view->args.segments = &view->segments;
-  }
-  view->plan = PlanPostTraining(view->args);
+  RETURN_IF_ERROR(CopyPostTrainingPlanInputs(device_args, stream, &view->host));
+  view->plan = PlanPostTraining(view->host.args);
   return absl::OkStatus();
 }
 
@@ -320,9 +304,9 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
                              "post_training copy to host"));
   RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied.get()),
                              "post_training copy targets"));
-  view->args = args;
-  view->args.base.targets = targets;
-  view->plan = PlanPostTraining(view->args);
+  view->host.args = args;
+  view->host.args.base.targets = targets;
+  view->plan = PlanPostTraining(view->host.args);
   RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize"));
   *ran = true;
@@ -330,6 +314,81 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
 }
 
 }  // namespace
+
+absl::Status CheckPostTrainingCudaVocab(const PostTrainingArgs& args) {
+  if (args.distillation != nullptr &&
+      args.distillation->teacher_logits == nullptr &&
+      args.base.vocab > kPostTrainingCudaMaxTopKVocab) {
+    return absl::UnimplementedError(
+        absl::StrCat("a top-k teacher over V = ", args.base.vocab,
+                     " classes is not offered on the GPU yet (at most ",
+                     kPostTrainingCudaMaxTopKVocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyPostTrainingPlanInputs(const PostTrainingArgs& device_args,
+                                        cudaStream_t stream,
+                                        PostTrainingHostView* host) {
+  const CrossEntropyArgs& base = device_args.base;
+  const int64_t rows = base.rows;
+  host->args = device_args;
+  if (base.targets != nullptr) {
+    host->targets.resize(static_cast<size_t>(rows) *
+                         DTypeSize(base.targets_dtype));
+    RETURN_IF_ERROR(CopyToHost(host->targets.data(), base.targets,
+                               host->targets.size(), stream));
+    host->args.base.targets = host->targets.data();
+  }
+  if (device_args.segments != nullptr) {
+    host->segments = *device_args.segments;
+    host->ids.resize(static_cast<size_t>(rows));
+    RETURN_IF_ERROR(CopyToHost(host->ids.data(), host->segments.ids,
+                               host->ids.size() * sizeof(int32_t), stream));
+    host->segments.ids = host->ids.data();
+    host->args.segments = &host->segments;
+  }
+  return absl::OkStatus();
+}
+
+void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
+                                 const PostTrainingCudaRow* out,
+                                 PostTrainingRowTotals* totals) {
+  const CrossEntropyArgs& base = args.base;
+  const int64_t rows = base.rows;
+  for (int64_t row = 0; row < rows; ++row) {
+    const PostTrainingCudaRow& r = out[row];
+    PostTrainingRowTotals& t = totals[row];
+    t.valid = (r.flags & kPostTrainingRowValid) != 0;
+    t.correct = (r.flags & kPostTrainingRowCorrect) != 0;
+    t.clipped = (r.flags & kPostTrainingRowClipped) != 0;
+    t.loss = r.loss;
+    t.distillation = r.distillation;
+    t.ratio = r.ratio;
+    t.approx_kl = r.approx_kl;
+    t.kl = r.kl;
+    t.z_loss = r.z_loss;
+    t.entropy = args.policy != nullptr && t.valid ? r.entropy : 0.0;
+    if (base.token_loss != nullptr) {
+      base.token_loss[row] = static_cast<float>(r.loss);
+    }
+    if (base.token_lse != nullptr) base.token_lse[row] = r.lse;
+    if (base.token_argmax != nullptr) base.token_argmax[row] = r.argmax;
+    if (args.token_logprob != nullptr) {
+      args.token_logprob[row] = r.logprob;
+    }
+    if (args.token_entropy != nullptr) {
+      args.token_entropy[row] = static_cast<float>(r.entropy);
+    }
+    const bool policy_row = args.policy != nullptr && t.valid;
+    if (args.token_ratio != nullptr) {
+      args.token_ratio[row] = policy_row ? static_cast<float>(r.ratio) : 0.0f;
+    }
+    if (args.token_clipped != nullptr) {
+      args.token_clipped[row] = policy_row && t.clipped;
+    }
+  }
+}
 
 absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
                               PostTrainingResult* result, cudaStream_t stream,
@@ -340,14 +399,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   RETURN_IF_ERROR(ValidatePostTrainingArgs(device_args));
   const CrossEntropyArgs& base = device_args.base;
   const int64_t rows = base.rows;
-  if (device_args.distillation != nullptr &&
-      device_args.distillation->teacher_logits == nullptr &&
-      base.vocab > kPostTrainingCudaMaxTopKVocab) {
-    return absl::UnimplementedError(
-        absl::StrCat("a top-k teacher over V = ", base.vocab,
-                     " classes is not offered on the GPU yet (at most ",
-                     kPostTrainingCudaMaxTopKVocab, ")"));
-  }
+  RETURN_IF_ERROR(CheckPostTrainingCudaVocab(device_args));
 
   std::vector<PostTrainingCudaRow> pageable;
   PostTrainingCudaRow* out = nullptr;
@@ -383,31 +435,8 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   }
 
   std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
-  for (int64_t row = 0; row < rows; ++row) {
-    const PostTrainingCudaRow& r = out[row];
-    PostTrainingRowTotals& t = totals[row];
-    t.valid = (r.flags & kPostTrainingRowValid) != 0;
-    t.correct = (r.flags & kPostTrainingRowCorrect) != 0;
-    t.clipped = (r.flags & kPostTrainingRowClipped) != 0;
-    t.loss = r.loss;
-    t.distillation = r.distillation;
-    t.ratio = r.ratio;
-    t.approx_kl = r.approx_kl;
-    t.kl = r.kl;
-    t.entropy = device_args.policy != nullptr && t.valid ? r.entropy : 0.0;
-    if (base.token_loss != nullptr) {
-      base.token_loss[row] = static_cast<float>(r.loss);
-    }
-    if (base.token_lse != nullptr) base.token_lse[row] = r.lse;
-    if (base.token_argmax != nullptr) base.token_argmax[row] = r.argmax;
-    if (device_args.token_logprob != nullptr) {
-      device_args.token_logprob[row] = r.logprob;
-    }
-    if (device_args.token_entropy != nullptr) {
-      device_args.token_entropy[row] = static_cast<float>(r.entropy);
-    }
-  }
-  *result = ReducePostTrainingRows(view.args, view.plan, totals);
+  CollectPostTrainingCudaRows(device_args, out, totals.data());
+  *result = ReducePostTrainingRows(view.args(), view.plan, totals);
   return absl::OkStatus();
 }
 

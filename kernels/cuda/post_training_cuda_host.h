@@ -6,7 +6,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "absl/status/status.h"
+#include "kernels/cpu/post_training_cpu.h"
+#include "kernels/cuda/post_training_cuda.h"
 #include "kernels/post_training.h"
 
 namespace lossd {
@@ -30,6 +35,32 @@ absl::Status PostTrainingCuda(
     const PostTrainingArgs& device_args, PostTrainingResult* result,
     cudaStream_t stream,
     PostTrainingCudaPath path = PostTrainingCudaPath::kAuto);
+
+// UNIMPLEMENTED for a top-k teacher over more than
+// kPostTrainingCudaMaxTopKVocab classes (the row kernel's support bitmap),
+// else OK. Pure.
+absl::Status CheckPostTrainingCudaVocab(const PostTrainingArgs& args);
+
+// `device_args` with its targets and segment ids copied to the host (what
+// the plan and the reduction read; the rest still device pointers), in
+// `host`, which must stay where it is while host->args is used. Synchronizes
+// `stream`; INTERNAL on a CUDA error.
+struct PostTrainingHostView {
+  PostTrainingArgs args;
+  std::vector<char> targets;
+  std::vector<int32_t> ids;
+  SegmentArgs segments;
+};
+absl::Status CopyPostTrainingPlanInputs(const PostTrainingArgs& device_args,
+                                        cudaStream_t stream,
+                                        PostTrainingHostView* host);
+
+// The row kernel's `out` [args.base.rows] (host copies) as the rows' totals
+// (`totals`, as many) and, where args asks for them, the per-token outputs
+// (HOST pointers). Pure but for those writes.
+void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
+                                 const PostTrainingCudaRow* out,
+                                 PostTrainingRowTotals* totals);
 
 }  // namespace lossd
 

@@ -15,8 +15,8 @@ std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
       (shape.dense_teacher || shape.temperature != 1.0f)) {
     return std::nullopt;
   }
-  if (!shape.targets || s.forward_only || !s.whole_vectors || s.rows <= 0 ||
-      s.rows > INT_MAX) {
+  if (!shape.targets || shape.row_options || s.forward_only ||
+      !s.whole_vectors || s.rows <= 0 || s.rows > INT_MAX) {
     return std::nullopt;
   }
   const ScheduleChoice c = ChooseSchedule(s, device, policy);

@@ -20,6 +20,8 @@ struct PostTrainingShape {
   float temperature = 1.0f;    // ... and its temperature
   bool policy = false;         // a policy loss
   bool targets = false;        // base.targets given
+  // Label smoothing or z-loss beside the loss: the row kernel's alone.
+  bool row_options = false;
 };
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
@@ -28,7 +30,8 @@ struct PostTrainingShape {
 // of whole 16-byte vectors where cross entropy itself would take smem row
 // pieces (ChooseSchedule): the gradient is then a per-row combination of
 // p - onehot(y) on that schedule's passes (RowTerms), plus the support's
-// entries. A dense teacher, another temperature, forward only, rows with
+// entries. A dense teacher, another temperature, label smoothing or z-loss,
+// forward only, rows with
 // unaligned edges and rows the pieces do not fit stay on the row kernel. Pure
 // and thread-safe.
 std::optional<ScheduleChoice> ChoosePostTrainingSchedule(

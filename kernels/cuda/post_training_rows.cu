@@ -132,6 +132,8 @@ struct Params {
   bool targets64;
   int64_t ignore_index;
   float softcap;
+  float label_smoothing;  // the cross-entropy terms' (not with a policy)
+  float z_loss_scale;
   const float* row_scale;
   // Distillation (kd), dense teacher or top-k.
   bool kd;
@@ -200,6 +202,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ Stats shared_stats[3];
   __shared__ ArgMax shared_arg;
   __shared__ Sum2 shared_sum[2];
+  __shared__ float shared_z_sum;
   __shared__ int top_index[kMaxTopK];
   __shared__ float top_log_p[kMaxTopK];
   __shared__ float top_h[kMaxTopK];
@@ -225,9 +228,12 @@ __global__ void __launch_bounds__(kThreads)
   Stats z_stats = EmptyStats(), u_stats = EmptyStats(), t_stats = EmptyStats();
   ArgMax arg = {-INFINITY, 0};
   const bool kd = prm.kd;
+  const float eps = prm.label_smoothing;
+  float z_sum = 0.0f;  // for label smoothing's mean of z
   ForRow(x, t, V, tid, [&](int64_t c, float xc, float tc) {
     const float z = z_of(xc);
     Update(&z_stats, z);
+    z_sum += z;
     if (z > arg.value) arg = {z, static_cast<int>(c)};
     if (kd) {
       Update(&u_stats, z * inv_tau);
@@ -250,6 +256,12 @@ __global__ void __launch_bounds__(kThreads)
     const ArgMax a = ArgReduce(temp.arg).Reduce(arg, MergeArgMax());
     if (tid == 0) shared_arg = a;
     __syncthreads();
+    if (eps > 0.0f) {
+      const Sum2 zs =
+          SumReduce(temp.sum).Reduce(Sum2{z_sum, 0.0f}, MergeSum2());
+      if (tid == 0) shared_z_sum = zs.a;
+      __syncthreads();
+    }
   }
   const Stats zs = shared_stats[0];
   const float lse = Lse(zs);
@@ -265,11 +277,17 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t c = tid; c < V; c += kThreads) StoreF(g, c, 0.0f);
     }
     if (tid == 0) {
-      prm.out[row] = {0.0, 0.0, 0.0, 0.0, 0.0, entropy, lse, 0.0f, argmax, 0};
+      prm.out[row] = {0.0, 0.0,  0.0,    0.0, 0.0, entropy,
+                      lse, 0.0f, argmax, 0,   0.0};
     }
     return;
   }
   const float logp = has_target ? z_of(LoadF(x, y)) - lse : 0.0f;
+  // The (label-smoothed) cross entropy against the target.
+  const double ce = eps > 0.0f
+                        ? (1.0 - eps) * static_cast<double>(-logp) +
+                              eps * static_cast<double>(lse - shared_z_sum / V)
+                        : static_cast<double>(-logp);
   double loss = 0.0, distill = 0.0, ratio_out = 0.0, approx_kl = 0.0,
          kl_out = 0.0;
   bool clipped = false;
@@ -404,12 +422,15 @@ __global__ void __launch_bounds__(kThreads)
     gbar = shared_sum[0].b;
     loss += (1.0 - prm.alpha) * distill;
   } else {
-    loss = -static_cast<double>(logp);
+    loss = ce;
   }
   if (prm.kd && prm.alpha > 0.0f) {
     // The cross-entropy part, written plainly.
-    loss = prm.alpha * static_cast<double>(-logp) + (1.0 - prm.alpha) * distill;
+    loss = prm.alpha * ce + (1.0 - prm.alpha) * distill;
   }
+  const float zls = prm.z_loss_scale;
+  const double z_loss = static_cast<double>(zls) * lse * lse;
+  loss += z_loss;
 
   if (g != nullptr) {
     // Every thread has read what it needs of the row (the target's logit
@@ -421,16 +442,21 @@ __global__ void __launch_bounds__(kThreads)
       const float z = z_of(xc);
       // p_c - [c == y]; at the target as expm1, which keeps the digits of
       // 1 - p_y when p_y is close to 1.
-      const float residual = c == y ? expm1f(z - lse) : expf(z - lse);
+      const float p = expf(z - lse);
+      const float residual = c == y ? expm1f(z - lse) : p;
+      // The smoothed cross entropy's p_c - (1 - eps)[c == y] - eps / V.
+      const float ce_grad =
+          eps > 0.0f ? p - (c == y ? 1.0f - eps : 0.0f) - eps / V : residual;
       float grad = 0.0f;
       if (prm.policy) {
         grad = -dlogp * residual;
       } else if (prm.kd) {
-        if (prm.alpha > 0.0f) grad = prm.alpha * residual;
+        if (prm.alpha > 0.0f) grad = prm.alpha * ce_grad;
         grad += extra;
       } else {
-        grad = residual;
+        grad = ce_grad;
       }
+      if (zls > 0.0f) grad += 2.0f * zls * lse * p;
       grad *= s;
       if (cap > 0.0f) {
         const float th = z / cap;
@@ -465,7 +491,7 @@ __global__ void __launch_bounds__(kThreads)
     prm.out[row] = {loss,      distill, ratio_out,
                     approx_kl, kl_out,  static_cast<double>(entropy),
                     lse,       logp,    argmax,
-                    flags};
+                    flags,     z_loss};
   }
 }
 
@@ -510,6 +536,8 @@ cudaError_t PostTrainingCudaLaunch(const PostTrainingArgs& args,
   p.targets64 = base.targets_dtype == DType::kInt64;
   p.ignore_index = base.options.ignore_index;
   p.softcap = base.options.softcap;
+  p.label_smoothing = base.options.label_smoothing;
+  p.z_loss_scale = base.options.z_loss_scale;
   p.row_scale = row_scale;
   p.out = rows_out;
   size_t smem = 0;

@@ -624,11 +624,13 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
       Lossctl({"forward", handle, targets_path_, "--mode=none",
                "--policy_loss=ppo", "--advantages=" + advantages_path,
                "--old_logprobs=" + old_handle->handle, "--epsilon_high=0.3",
-               "--token_logprob"});
+               "--token_logprob", "--token_ratio"});
   ASSERT_EQ(ppo.exit_code, 0) << ppo.err;
   ForwardOptions policy_options;
   policy_options.mode = GradientMode::kNone;
   policy_options.token_logprob = true;
+  policy_options.token_ratio = true;
+  policy_options.token_clipped = true;
   PolicyGradientOptions policy;
   policy.loss = PolicyLossKind::kPpoClip;
   policy.advantages = LossInput::Inline(advantages);
@@ -645,6 +647,43 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   EXPECT_EQ(Field(stats, "ratio_sum"), want->policy_stats.ratio_sum);
   EXPECT_FLOAT_EQ(Field(LineOf(ppo.out, "row 7 logprob"), "logprob"),
                   want->token_logprob[7]);
+  ASSERT_EQ(want->token_ratio.size(), static_cast<std::size_t>(kRows));
+  ASSERT_EQ(want->token_clipped.size(), static_cast<std::size_t>(kRows));
+  int64_t clipped = 0;
+  for (int r = 0; r < kRows; ++r) {
+    const std::string line = LineOf(ppo.out, absl::StrCat("row ", r, " ratio"));
+    EXPECT_FLOAT_EQ(Field(line, "ratio"), want->token_ratio[r]) << r;
+    EXPECT_EQ(Field(line, "clipped"), want->token_clipped[r] ? 1 : 0) << r;
+    clipped += want->token_clipped[r];
+  }
+  EXPECT_EQ(clipped, want->policy_stats.clipped_tokens);
+
+  // The same PPO loss through `lossctl linear` on X = I and W = the logits'
+  // transpose (Z is then the logits exactly).
+  std::vector<float> identity(kRows * kRows, 0.0f), weight(kVocab * kRows);
+  for (int64_t r = 0; r < kRows; ++r) {
+    identity[r * kRows + r] = 1.0f;
+    for (int64_t v = 0; v < kVocab; ++v) {
+      weight[v * kRows + r] = logits_[r * kVocab + v];
+    }
+  }
+  absl::StatusOr<TensorInfo> hidden = client_->Upload(
+      DType::kFloat32, {kRows, kRows}, identity.data(), identity.size() * 4);
+  absl::StatusOr<TensorInfo> head = client_->Upload(
+      DType::kFloat32, {kVocab, kRows}, weight.data(), weight.size() * 4);
+  ASSERT_TRUE(hidden.ok() && head.ok());
+  CommandResult linear =
+      Lossctl({"linear", hidden->handle, head->handle, targets_path_,
+               "--mode=none", "--accumulate=none", "--policy_loss=ppo",
+               "--advantages=" + advantages_path,
+               "--old_logprobs=" + old_handle->handle, "--epsilon_high=0.3",
+               "--token_ratio"});
+  ASSERT_EQ(linear.exit_code, 0) << linear.err;
+  EXPECT_EQ(Field(linear.out, "loss"), want->loss);
+  EXPECT_EQ(Field(LineOf(linear.out, "clipped_tokens"), "clipped_tokens"),
+            want->policy_stats.clipped_tokens);
+  EXPECT_FLOAT_EQ(Field(LineOf(linear.out, "row 5 ratio"), "ratio"),
+                  want->token_ratio[5]);
 
   CommandResult bad = Lossctl({"forward", handle, targets_path_,
                                "--policy_loss=grpo", "--advantages=x"});

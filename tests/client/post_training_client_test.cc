@@ -381,6 +381,71 @@ TEST_F(PostTrainingClientTest,
 
 // Arguments rejected before any RPC, and the server's INVALID_ARGUMENT for a
 // bad post-training request, which leaves the logits as they were.
+// LinearForward with a policy loss and segments on X = I: Z = W^T exactly,
+// so its results are Forward's on the logits W^T.
+TEST_F(PostTrainingClientTest, LinearForwardPolicyEqualsForwardOnTheLogits) {
+  const int64_t rows = 6, vocab = 9;
+  std::vector<float> identity(rows * rows, 0.0f), weight = Normal(vocab * rows);
+  std::vector<float> logits(rows * vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    identity[r * rows + r] = 1.0f;
+    for (int64_t v = 0; v < vocab; ++v) {
+      logits[r * vocab + v] = weight[v * rows + r];
+    }
+  }
+  std::vector<int32_t> targets = {1, 4, -100, 8, 0, 2};
+  std::vector<float> sampling(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t y = targets[r] < 0 ? 0 : targets[r];
+    sampling[r] = static_cast<float>(
+        LogSoftmax(&logits[r * vocab], vocab, 1.0)[y] + 0.3 * (r % 3 - 1));
+  }
+  // Inline inputs are not copied: these outlive the calls.
+  const std::vector<float> advantages = Normal(rows, 1.0f);
+  const std::vector<int32_t> ids = {0, 0, 0, 1, 1, 1};
+  PolicyGradientOptions policy;
+  policy.loss = PolicyLossKind::kPpoClip;
+  policy.advantages = LossInput::Inline(advantages);
+  policy.sampling_logprobs = LossInput::Inline(sampling);
+  SegmentOptions segments;
+  segments.ids = LossInput::Inline(ids);
+  segments.count = 2;
+  segments.reduction = SegmentReduction::kSeqMeanTokenSum;
+  const Targets inline_targets =
+      Targets::Inline(DType::kInt32, targets.data(), rows * 4);
+
+  ForwardOptions forward_options;
+  forward_options.mode = GradientMode::kNone;
+  forward_options.policy = policy;
+  forward_options.segments = segments;
+  forward_options.token_ratio = forward_options.token_clipped = true;
+  absl::StatusOr<ForwardResult> forward = client_->Forward(
+      UploadFloats(logits, {rows, vocab}), inline_targets, forward_options);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+
+  LinearForwardOptions linear_options;
+  linear_options.mode = GradientMode::kOutOfPlace;
+  linear_options.policy = policy;
+  linear_options.segments = segments;
+  linear_options.token_ratio = linear_options.token_clipped = true;
+  absl::StatusOr<LinearForwardResult> linear = client_->LinearForward(
+      UploadFloats(identity, {rows, rows}), UploadFloats(weight, {vocab, rows}),
+      inline_targets, linear_options);
+  ASSERT_TRUE(linear.ok()) << linear.status();
+  const ForwardResult& got = linear->forward;
+  EXPECT_DOUBLE_EQ(got.loss, forward->loss);
+  EXPECT_EQ(got.denominator, forward->denominator);
+  EXPECT_EQ(got.policy_stats.clipped_tokens,
+            forward->policy_stats.clipped_tokens);
+  EXPECT_DOUBLE_EQ(got.policy_stats.ratio_sum, forward->policy_stats.ratio_sum);
+  EXPECT_EQ(got.segment_loss, forward->segment_loss);
+  EXPECT_EQ(got.segment_tokens, forward->segment_tokens);
+  EXPECT_EQ(got.token_ratio, forward->token_ratio);
+  EXPECT_EQ(got.token_clipped, forward->token_clipped);
+  EXPECT_FALSE(got.gradient.empty());
+  EXPECT_FALSE(linear->weight_grad.empty());
+}
+
 TEST_F(PostTrainingClientTest, BadInputIsInvalidArgumentAndChangesNothing) {
   const int64_t rows = 4, vocab = 6;
   std::vector<float> student = Normal(rows * vocab);

@@ -21,8 +21,10 @@ pb::InlineTensor Inline(pb::DType dtype, std::string data) {
   return tensor;
 }
 
-// A top-k teacher of k = 2 over the fixture's kRows x kVocab logits.
-void TopK(pb::ForwardRequest* request, std::vector<int32_t> indices,
+// A top-k teacher of k = 2 over the fixture's kRows x kVocab logits (of a
+// ForwardRequest or a LinearForwardRequest).
+template <typename Request>
+void TopK(Request* request, std::vector<int32_t> indices,
           std::vector<float> logprobs, int32_t k = 2) {
   pb::TopKTeacher* top_k =
       request->mutable_distillation()->mutable_teacher_top_k();
@@ -38,7 +40,8 @@ std::vector<float> GoodLogprobs() {
 }
 
 // A PPO policy over the fixture's rows with `advantages`.
-void Policy(pb::ForwardRequest* request, std::vector<float> advantages,
+template <typename Request>
+void Policy(Request* request, std::vector<float> advantages,
             std::vector<float> sampling = std::vector<float>(kRows, -1.0f)) {
   pb::PolicyGradient* policy = request->mutable_policy();
   policy->set_loss(pb::POLICY_LOSS_PPO_CLIP);
@@ -48,8 +51,8 @@ void Policy(pb::ForwardRequest* request, std::vector<float> advantages,
       Inline(pb::DTYPE_FLOAT32, Bytes(sampling));
 }
 
-void Segments(pb::ForwardRequest* request, std::vector<int32_t> ids,
-              int32_t count) {
+template <typename Request>
+void Segments(Request* request, std::vector<int32_t> ids, int32_t count) {
   request->mutable_segments()->set_count(count);
   *request->mutable_segments()->mutable_ids_inline() =
       Inline(pb::DTYPE_INT32, Bytes(ids));
@@ -174,10 +177,10 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         TopK(r, GoodIndices(), GoodLogprobs());
         r->mutable_distillation()->set_alpha(0.5f);
       }));
-  add("distillation: with label smoothing", Code::INVALID_ARGUMENT,
-      "do not compose", ForwardWith([](auto* r) {
+  add("distillation: label smoothing out of range", Code::INVALID_ARGUMENT,
+      "label_smoothing", ForwardWith([](auto* r) {
         TopK(r, GoodIndices(), GoodLogprobs());
-        r->mutable_options()->set_label_smoothing(0.1f);
+        r->mutable_options()->set_label_smoothing(1.5f);
       }));
   add("distillation: with class weights", Code::INVALID_ARGUMENT,
       "does not compose", ForwardWith([this](auto* r) {
@@ -245,10 +248,16 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         r->clear_targets_handle();
         Policy(r, good_advantages);
       }));
-  add("policy: z-loss", Code::INVALID_ARGUMENT, "do not compose",
+  add("policy: label smoothing", Code::INVALID_ARGUMENT,
+      "label_smoothing does not compose with policy losses",
       ForwardWith([good_advantages](auto* r) {
         Policy(r, good_advantages);
-        r->mutable_options()->set_z_loss_scale(1e-4f);
+        r->mutable_options()->set_label_smoothing(0.1f);
+      }));
+  add("policy: class weights", Code::INVALID_ARGUMENT, "does not compose",
+      ForwardWith([this, good_advantages](auto* r) {
+        Policy(r, good_advantages);
+        r->mutable_options()->set_class_weights(weights_);
       }));
 
   // ----------------------------------------------------------- Segments
@@ -287,6 +296,41 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
       }));
   add("segments: no ids", Code::INVALID_ARGUMENT, "segments needs ids",
       ForwardWith([](auto* r) { r->mutable_segments()->set_count(1); }));
+
+  // ------------------------------------------ LinearForward (in place, dW)
+  add("linear policy: NaN advantage", Code::INVALID_ARGUMENT,
+      "policy advantages[2] = nan is not finite",
+      LinearForwardWith([kNaN](auto* r) {
+        Policy(r, {1.0f, 1.0f, kNaN, 1.0f});
+      }));
+  add("linear distillation: top-k index out of range", Code::INVALID_ARGUMENT,
+      "top-k index [1, 1] = 5 is outside [0, 5)",
+      LinearForwardWith([](auto* r) {
+        std::vector<int32_t> indices = GoodIndices();
+        indices[3] = kVocab;
+        TopK(r, indices, GoodLogprobs());
+      }));
+  add("linear distillation: dense teacher of another shape",
+      Code::INVALID_ARGUMENT,
+      "must be a float tensor of the logits' shape [4, 5], got float32 [256, "
+      "640]",
+      LinearForwardWith([this](auto* r) {
+        r->mutable_distillation()->set_teacher_logits(big_);
+      }));
+  add("linear policy: class weights", Code::INVALID_ARGUMENT,
+      "does not compose", LinearForwardWith([this, good_advantages](auto* r) {
+        Policy(r, good_advantages);
+        r->mutable_options()->set_class_weights(weights_);
+      }));
+  add("linear policy: without targets", Code::INVALID_ARGUMENT,
+      "targets are required", LinearForwardWith([good_advantages](auto* r) {
+        r->clear_targets_handle();
+        Policy(r, good_advantages);
+      }));
+  add("linear segments: id out of range", Code::INVALID_ARGUMENT,
+      "segment id [3] = 2 is outside [0, 2)", LinearForwardWith([](auto* r) {
+        Segments(r, {0, 0, 1, 2}, 2);
+      }));
 
   // ----------------------------------------------------------- Evaluate
   // A distillation header with a top-k teacher of k = 2 in the blocks.

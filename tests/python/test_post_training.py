@@ -3,6 +3,7 @@ evaluate's post-training keyword arguments on a real lossd (CPU device): the los
 gradient loss.backward() gives against a float64 torch implementation written here from
 docs/api.md's formulas ("Post-training losses"), on the same (rounded) logits."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,6 +298,31 @@ def test_client_forward_policy_outputs_and_async(client):
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.from_numpy(result.token_entropy).double(), entropy,
                                rtol=1e-5, atol=1e-5)
+    assert result.token_ratio is None and result.token_clipped is None
+
+
+def test_client_forward_token_ratio_and_clipped(client):
+    """PPO's per-token ratio and clip flag: ratios of e^0.5, 1 and e^-0.5 against epsilon 0.2,
+    with advantages that clip the first (A > 0 past 1 + eps) and the last (A < 0 below 1 - eps)."""
+    rows, vocab = 4, 7
+    logits = make_logits(torch.float32, rows, vocab, seed=21)
+    target = make_target(rows, vocab, seed=21, ignored=False)
+    target[2] = -100
+    logp = torch.log_softmax(logits.double(), -1).gather(
+        1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+    shift = torch.tensor([0.5, 0.0, 0.0, -0.5], dtype=torch.float64)
+    old = (logp - shift).float()
+    ratio = torch.exp(logp - old.double())
+    result = client.forward(
+        logits.numpy(), target.numpy(), mode="none", policy_loss="ppo",
+        advantages=np.array([1.0, 1.0, 1.0, -1.0], np.float32), old_logprobs=old.numpy(),
+        token_ratio=True)
+    assert result.token_clipped.dtype == np.bool_
+    assert result.token_clipped.tolist() == [True, False, False, True]
+    expected = torch.where(target >= 0, ratio, torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(torch.from_numpy(result.token_ratio).double(), expected,
+                               rtol=1e-5, atol=1e-6)
+    assert result.policy_stats.clipped_tokens == 2
 
 
 def test_bad_arguments_raise_invalid_argument(client):
@@ -383,3 +409,34 @@ def test_large_top_k_teacher_goes_by_handle(client, monkeypatch):
         grads.append(x.grad)
     assert losses[0] == losses[1]
     assert torch.equal(grads[0], grads[1])
+
+
+def test_linear_forward_takes_the_post_training_keywords(client):
+    """A top-k distillation and a PPO loss through linear_forward on X = I (Z = W^T exactly)
+    equal forward() on the logits W^T; an unknown keyword is a TypeError."""
+    rows, vocab = 5, 11
+    weight = make_logits(torch.float32, vocab, rows, seed=31)
+    logits = weight.t().contiguous()
+    identity = torch.eye(rows, dtype=torch.float32)
+    target = make_target(rows, vocab, seed=31, ignored=False)
+    weight_handle = client.upload(weight.numpy()).handle
+    indices = torch.topk(logits, 3, dim=-1).indices.to(torch.int32)
+    logprobs = torch.log_softmax(logits.double() * 0.5, -1).gather(1, indices.long()).float()
+    old = torch.log_softmax(logits.double(), -1).gather(1, target.unsqueeze(1)).squeeze(1)
+    cases = [dict(teacher=(indices.numpy(), logprobs.numpy()), top_k_tail="bucket", alpha=0.2,
+                  temperature=2.0, divergence="jsd"),
+             dict(policy_loss="ppo", advantages=np.linspace(-1, 1, rows, dtype=np.float32),
+                  old_logprobs=(old + 0.3).float().numpy(), token_ratio=True)]
+    for kwargs in cases:
+        want = client.forward(logits.numpy(), target.numpy(), mode="none", **kwargs)
+        got = client.linear_forward(identity.numpy(), weight_handle, target.numpy(),
+                                    mode="none", **kwargs).forward
+        assert got.loss == pytest.approx(want.loss, rel=1e-12)
+        assert got.distillation_loss == pytest.approx(want.distillation_loss, rel=1e-12)
+        assert got.policy_stats.clipped_tokens == want.policy_stats.clipped_tokens
+        if want.token_ratio is not None:
+            np.testing.assert_array_equal(got.token_ratio, want.token_ratio)
+            np.testing.assert_array_equal(got.token_clipped, want.token_clipped)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'teachr'"):
+        client.linear_forward(identity.numpy(), weight_handle, target.numpy(), teachr=None)
+    client.release(weight_handle)

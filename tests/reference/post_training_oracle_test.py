@@ -84,6 +84,10 @@ def reference(x, case):
     y = (torch.zeros(rows, dtype=torch.long) if targets is None
          else torch.as_tensor(np.where(valid.numpy(), targets, 0)))
     logp = log_softmax.gather(1, y[:, None])[:, 0]
+    lse = torch.logsumexp(z, dim=-1)
+    eps = case.get("label_smoothing", 0.0)
+    # torch's label smoothing: (1 - eps) NLL + eps mean_c(-log p_c).
+    ce = -(1 - eps) * logp + (eps * (lse - z.mean(-1)) if eps > 0 else 0.0)
     extras = {}
     family = case["family"]
     if family == "policy":
@@ -113,7 +117,9 @@ def reference(x, case):
                       ratio_sum=float(ratio.detach().numpy()[v].sum()),
                       approx_kl_sum=float((old - logp).detach().numpy()[v].sum()),
                       kl_sum=float(kl.detach().numpy()[v].sum()),
-                      entropy_sum=float(entropy.detach().numpy()[v].sum()))
+                      entropy_sum=float(entropy.detach().numpy()[v].sum()),
+                      ratio_rows=np.where(v, ratio.detach().numpy(), 0.0),
+                      clipped_rows=v & clipped.numpy())
         distill = torch.zeros(rows, dtype=torch.float64)
     elif family == "distillation":
         kd = case["kd"]
@@ -143,10 +149,13 @@ def reference(x, case):
             distill = divergence(bucket_p, bucket_q, kd["divergence"], kd["beta"])
         loss = (1 - kd["alpha"]) * distill
         if kd["alpha"] > 0:
-            loss = loss + kd["alpha"] * (-logp)
+            loss = loss + kd["alpha"] * ce
     else:
-        loss = -logp
+        loss = ce
         distill = torch.zeros(rows, dtype=torch.float64)
+    z_loss = case.get("z_loss_scale", 0.0) * lse * lse
+    loss = loss + z_loss
+    extras["z_loss"] = z_loss.detach()
     has_target = valid if targets is not None else torch.zeros(rows, dtype=torch.bool)
     extras["logp"] = torch.where(has_target, logp, torch.zeros((), dtype=torch.float64)).detach()
     p = log_softmax.exp()
@@ -185,8 +194,9 @@ def reduce(values, valid, case):
 
 
 class Oracle:
-    def __init__(self, pb2, grpc, stub, gpu_tolerance):
+    def __init__(self, pb2, grpc, stub, gpu_tolerance, linear_fraction):
         self.pb2 = pb2
+        self.linear_fraction = linear_fraction
         self.grpc = grpc
         self.stub = stub
         self.gpu_tolerance = gpu_tolerance
@@ -251,20 +261,49 @@ class Oracle:
                       grad_scale=grad_scale, ignore_fraction=ignore_fraction)
         self.config = config
 
-        raw = (nprng.standard_normal((rows, vocab)) * scale).astype(np.float32)
-        logits_bytes, x_values = lt.encode_float(raw, dtype)
+        head = None
+        if rng.random() < self.linear_fraction:
+            # LinearForward: Z = X W^T of the same size as the logits, X and W in the dtype.
+            width = rng.choice([1, 4, 16])
+            x_bytes, x_rows = lt.encode_float(nprng.standard_normal((rows, width)), dtype)
+            w_bytes, w_rows = lt.encode_float(
+                nprng.standard_normal((vocab, width)) * scale / math.sqrt(width), dtype)
+            head = dict(width=width, x=x_rows, w=w_rows,
+                        hidden=self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, width), x_bytes),
+                        weight=self.upload(lt.FLOAT_DTYPES[dtype][0], (vocab, width), w_bytes))
+            x_values = x_rows @ w_rows.T
+            logits_bytes = None
+            logits_handle = head["hidden"]
+            config["linear_width"] = width
+            self.coverage.update(["linear"])
+        else:
+            raw = (nprng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+            logits_bytes, x_values = lt.encode_float(raw, dtype)
         targets = nprng.integers(0, vocab, size=rows)
         targets[nprng.random(rows) < ignore_fraction] = -100
-        logits_handle = self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, vocab), logits_bytes)
+        if head is None:
+            logits_handle = self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, vocab), logits_bytes)
         request = pb2.ForwardRequest(logits=logits_handle, mode=pb2.GradientMode.Value(mode))
         request.options.reduction = pb2.Reduction.Value("REDUCTION_" + reduction)
         request.options.softcap = softcap
         request.options.normalizer = normalizer
+        # Label smoothing (not with a policy) and z-loss compose with the losses.
+        label_smoothing = 0.0 if family == "policy" else rng.choice([0.0, 0.0, 0.1])
+        z_loss_scale = rng.choice([0.0, 0.0, 0.01])
+        request.options.label_smoothing = label_smoothing
+        request.options.z_loss_scale = z_loss_scale
+        case.update(label_smoothing=float(np.float32(label_smoothing)),
+                    z_loss_scale=float(np.float32(z_loss_scale)))
+        config.update(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale)
+        self.coverage.update(["label_smoothing"] * (label_smoothing > 0) +
+                             ["z_loss"] * (z_loss_scale > 0))
         if grad_scale is not None:
             request.options.grad_scale = grad_scale
         request.outputs.token_loss = True
         request.outputs.token_logprob = True
         request.outputs.token_entropy = True
+        request.outputs.token_ratio = rng.random() < 0.5
+        request.outputs.token_clipped = request.outputs.token_ratio
 
         send_targets = True
         if family == "distillation":
@@ -381,9 +420,12 @@ class Oracle:
         config["targets"] = send_targets
         self.coverage.update([dtype, family, mode])
 
-        response = self.stub.Forward(request)
-
-        x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
+        if head is None:
+            response = self.stub.Forward(request)
+            x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
+        else:
+            response = self.linear_forward(request, head, rows, reduction, mode).result
+            x = torch.tensor(x_values, dtype=torch.float64, requires_grad=True)
         per_row, distill, valid, extras = reference(x, case)
         loss, denominator, seg_loss, seg_tokens = reduce(per_row, valid, case)
         distill_loss, _, _, _ = reduce(distill.detach(), valid, case)
@@ -392,6 +434,8 @@ class Oracle:
         if family == "distillation":
             check_close("distillation_loss", response.distillation_loss, float(distill_loss),
                         self.loss_atol, self.loss_rtol)
+        z_loss_ref = float(reduce(extras["z_loss"], valid, case)[0])
+        check_close("z_loss", response.z_loss, z_loss_ref, self.loss_atol, self.loss_rtol)
         check(response.valid_tokens == int(valid.sum()),
               "valid_tokens %d != %d" % (response.valid_tokens, int(valid.sum())))
         check_close("denominator", response.denominator, denominator, 1e-9, 1e-9)
@@ -406,6 +450,13 @@ class Oracle:
                   "segment_tokens %s != %s" % (list(response.segment_tokens), seg_tokens.tolist()))
             check_close("segment_loss", response.segment_loss, seg_loss.detach().numpy(),
                         self.loss_rtol, self.loss_rtol)
+        if request.outputs.token_ratio:
+            ratio_ref = extras.get("ratio_rows", np.zeros(rows))
+            clipped_ref = extras.get("clipped_rows", np.zeros(rows, dtype=bool))
+            check_close("token_ratio", response.token_ratio, ratio_ref, self.loss_rtol,
+                        self.loss_rtol)
+            check(list(response.token_clipped) == clipped_ref.tolist(),
+                  "token_clipped %s != %s" % (list(response.token_clipped), clipped_ref.tolist()))
         if family == "policy":
             stats = response.policy_stats
             check(stats.clipped_tokens == extras["clipped"],
@@ -413,7 +464,7 @@ class Oracle:
             for name in ("ratio_sum", "approx_kl_sum", "kl_sum", "entropy_sum"):
                 check_close(name, getattr(stats, name), extras[name], self.loss_rtol, self.loss_rtol)
 
-        if family != "policy" and case["reduction"] != "NONE":
+        if family != "policy" and case["reduction"] != "NONE" and head is None:
             self.evaluate_case(rng, case, request, rows, vocab, dtype, logits_bytes, targets,
                                send_targets, float(loss.detach()), float(distill_loss),
                                denominator, seg_loss, seg_tokens, int(valid.sum()))
@@ -425,6 +476,18 @@ class Oracle:
                                              retain_graph=True)[0].abs().numpy()[:, None]
             (loss * scale_factor).backward()
             ref = x.grad.numpy()
+            if head is not None:
+                def grad_at(z_values):
+                    z = torch.tensor(z_values, dtype=torch.float64, requires_grad=True)
+                    values, _, rows_valid, _ = reference(z, case)
+                    (reduce(values, rows_valid, case)[0] * scale_factor).backward()
+                    return z.grad.numpy()
+                # A device with fp32 rows: its allowance on each element of G (as below).
+                g_allowance = (self.gpu_tolerance * np.abs(ref).max(axis=1, keepdims=True) +
+                               2.0 ** -18 * row_factor if self.gpu_tolerance > 0 else 0.0)
+                self.check_linear_gradients(response, head, ref, grad_at, nprng, rows, vocab,
+                                            dtype, g_allowance)
+                return
             check(response.gradient, "no gradient handle")
             got = lt.decode_float(self.download(response.gradient), dtype, (rows, vocab))
             row_max = np.abs(ref).max(axis=1, keepdims=True)
@@ -434,8 +497,58 @@ class Oracle:
                 # fp32 row math: a few ulps of lse move every p_c (docs/api.md).
                 tolerance = tolerance + 2.0 ** -18 * row_factor
             check_close("gradient", got, ref, tolerance)
-        for handle in [logits_handle]:
+        for handle in [logits_handle] + ([] if head is None else [head["weight"]]):
             self.stub.Release(pb2.ReleaseRequest(handle=handle))
+
+    def linear_forward(self, forward, head, rows, reduction, mode):
+        """The Forward request's loss as a LinearForward of the head (a new fp32 dW accumulator
+        with a gradient; reduction NONE with a gradient takes token_grad_output of ones)."""
+        pb2 = self.pb2
+        request = pb2.LinearForwardRequest(hidden=head["hidden"], weight=head["weight"],
+                                           mode=forward.mode)
+        for field in ("options", "outputs", "distillation", "policy", "segments"):
+            if forward.HasField(field):
+                getattr(request, field).CopyFrom(getattr(forward, field))
+        if forward.WhichOneof("targets") == "targets_handle":
+            request.targets_handle = forward.targets_handle
+        elif forward.WhichOneof("targets") == "targets_inline":
+            request.targets_inline.CopyFrom(forward.targets_inline)
+        if reduction == "NONE" and mode != "GRADIENT_MODE_NONE":
+            request.token_grad_output.extend([1.0] * rows)
+        response = self.stub.LinearForward(request)
+        head["weight_grad"] = response.weight_grad
+        return response
+
+    def check_linear_gradients(self, response, head, g, grad_at, nprng, rows, vocab, dtype,
+                               g_allowance):
+        """dX and dW against G W and G^T X, G the reference gradient over Z = X W^T. The server's
+        Z, G and products are fp32: the allowance is 1e-5 of the terms' magnitude (|G| |W|,
+        |G|^T |X|) plus 8x how far G moves when Z moves by 4 fp32 roundings of its terms (the
+        most of three such moves: the loss's own sensitivity, large where a KL penalty's
+        d = log p_ref - log p is small) and `g_allowance` (a GPU's fp32 rows; its dX also takes
+        G rounded to dX's dtype), plus one rounding of dX's dtype."""
+        x_rows, w_rows = head["x"], head["w"]
+        width = head["width"]
+        terms = np.abs(x_rows) @ np.abs(w_rows).T
+        moved = np.zeros_like(g)
+        for signs in (nprng.choice([-1.0, 1.0], size=terms.shape),
+                      nprng.choice([-1.0, 1.0], size=terms.shape), np.ones_like(terms)):
+            shifted = grad_at(x_rows @ w_rows.T + 2.0 ** -22 * terms * signs)
+            moved = np.maximum(moved, np.abs(shifted - g))
+        check(response.gradient, "no dX handle")
+        got_dx = lt.decode_float(self.download(response.gradient), dtype, (rows, width))
+        ref_dx = g @ w_rows
+        g_error = 1e-5 * np.abs(g) + 8 * moved + g_allowance
+        # A GPU's dX is G rounded to 16 bits times W (docs/api.md, LinearForward's precision).
+        dx_g_error = g_error + (lt.ulp(g, dtype) if self.gpu_tolerance > 0 else 0.0)
+        check_close("dX", got_dx, ref_dx, lt.ulp(ref_dx, dtype) + dx_g_error @ np.abs(w_rows))
+        check(head["weight_grad"], "no dW handle")
+        got_dw = np.frombuffer(self.download(head["weight_grad"]), "<f4").astype(
+            np.float64).reshape(vocab, width)
+        ref_dw = g.T @ x_rows
+        check_close("dW", got_dw, ref_dw, g_error.T @ np.abs(x_rows) + 1e-30)
+        for handle in {head["hidden"], head["weight"], head["weight_grad"], response.gradient}:
+            self.stub.Release(self.pb2.ReleaseRequest(handle=handle))
 
     def evaluate_case(self, rng, case, forward, rows, vocab, dtype, logits_bytes, targets,
                       send_targets, loss_ref, distill_ref, denominator, seg_loss, seg_tokens,
@@ -534,6 +647,8 @@ def main():
     parser.add_argument("--gpu_tolerance", type=float, default=0.0,
                         help="gradient allowance relative to the row's largest element "
                              "(0: the CPU device's 2e-6)")
+    parser.add_argument("--linear_fraction", type=float, default=0.25,
+                        help="share of the cases run as a LinearForward of a random head")
     args = parser.parse_args()
     if args.device == "cuda" and not lt.gpu_visible():
         print("post-training oracle: no GPU visible; skipping the CUDA run")
@@ -551,7 +666,7 @@ def main():
     started = time.monotonic()
     with lt.LossdServer(args.lossd, args.device) as server:
         channel, stub = lt.connect(grpc, pb2_grpc, server.address)
-        oracle = Oracle(pb2, grpc, stub, args.gpu_tolerance)
+        oracle = Oracle(pb2, grpc, stub, args.gpu_tolerance, args.linear_fraction)
         try:
             oracle.boundary_case()
         except (CheckFailure, grpc.RpcError) as error:

@@ -1,6 +1,7 @@
 // The CPU post-training losses: gradients against finite differences for every
 // divergence, tail, policy loss and segment reduction; properties; k = V as the
-// dense teacher; clipping exactly at epsilon; segments; validation.
+// dense teacher; clipping exactly at epsilon; segments; validation; and the
+// same losses after a linear head (LinearPostTrainingCpu) against them on Z.
 #include "kernels/cpu/post_training_cpu.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/linear_cross_entropy_cpu.h"
 
 namespace lossd {
 namespace {
@@ -44,29 +46,22 @@ struct Outcome {
   std::vector<float> token_loss, token_logprob;
 };
 
-Outcome RunLoss(const Problem& problem, const std::vector<float>& logits,
-                GradientMode mode = GradientMode::kOutOfPlace) {
-  Outcome outcome;
-  outcome.gradient.assign(logits.size(), -7.0f);
-  outcome.token_loss.assign(problem.rows, -7.0f);
-  outcome.token_logprob.assign(problem.rows, -7.0f);
-  PostTrainingArgs args;
-  args.base.rows = problem.rows;
-  args.base.vocab = problem.vocab;
-  args.base.row_stride = problem.vocab;
-  args.base.logits_dtype = DType::kFloat32;
-  args.base.logits = logits.data();
-  args.base.targets_dtype = DType::kInt64;
-  args.base.targets =
+// The problem's loss inputs (targets, options, teacher, policy, segments)
+// pointed at from `args`, `held` keeping the pointed-to structs.
+struct HeldInputs {
+  DistillationArgs kd;
+  PolicyArgs pg;
+  SegmentArgs segments;
+};
+void PointInputs(const Problem& problem, HeldInputs* held,
+                 PostTrainingArgs* args) {
+  args->base.targets_dtype = DType::kInt64;
+  args->base.targets =
       problem.targets.empty() ? nullptr : problem.targets.data();
-  args.base.options = problem.options;
-  args.base.mode = mode;
-  args.base.gradient =
-      mode == GradientMode::kNone ? nullptr : outcome.gradient.data();
-  args.base.token_loss = outcome.token_loss.data();
-  args.token_logprob = outcome.token_logprob.data();
-  DistillationArgs kd = problem.kd;
+  args->base.options = problem.options;
+  held->kd = problem.kd;
   if (problem.distill) {
+    DistillationArgs& kd = held->kd;
     if (!problem.teacher.empty()) {
       kd.teacher_logits = problem.teacher.data();
       kd.teacher_dtype = DType::kFloat32;
@@ -76,21 +71,43 @@ Outcome RunLoss(const Problem& problem, const std::vector<float>& logits,
       kd.top_k_indices_dtype = DType::kInt32;
       kd.top_k_logprobs = problem.logprobs.data();
     }
-    args.distillation = &kd;
+    args->distillation = &kd;
   }
-  PolicyArgs pg = problem.pg;
+  held->pg = problem.pg;
   if (problem.policy) {
+    PolicyArgs& pg = held->pg;
     pg.advantages = problem.advantages.data();
     pg.sampling_logprobs = problem.sampling.data();
     pg.reference_logprobs =
         problem.reference.empty() ? nullptr : problem.reference.data();
-    args.policy = &pg;
+    args->policy = &pg;
   }
-  SegmentArgs segments = problem.segment_args;
+  held->segments = problem.segment_args;
   if (problem.segmented) {
-    segments.ids = problem.segment_ids.data();
-    args.segments = &segments;
+    held->segments.ids = problem.segment_ids.data();
+    args->segments = &held->segments;
   }
+}
+
+Outcome RunLoss(const Problem& problem, const std::vector<float>& logits,
+                GradientMode mode = GradientMode::kOutOfPlace) {
+  Outcome outcome;
+  outcome.gradient.assign(logits.size(), -7.0f);
+  outcome.token_loss.assign(problem.rows, -7.0f);
+  outcome.token_logprob.assign(problem.rows, -7.0f);
+  PostTrainingArgs args;
+  HeldInputs held;
+  PointInputs(problem, &held, &args);
+  args.base.rows = problem.rows;
+  args.base.vocab = problem.vocab;
+  args.base.row_stride = problem.vocab;
+  args.base.logits_dtype = DType::kFloat32;
+  args.base.logits = logits.data();
+  args.base.mode = mode;
+  args.base.gradient =
+      mode == GradientMode::kNone ? nullptr : outcome.gradient.data();
+  args.base.token_loss = outcome.token_loss.data();
+  args.token_logprob = outcome.token_logprob.data();
   outcome.status = PostTrainingCpu(args, &outcome.result, 3);
   return outcome;
 }
@@ -295,6 +312,67 @@ TEST(PostTrainingCpuTest, SegmentReductionsGradientMatchesDifferences) {
   }
 }
 
+TEST(PostTrainingCpuTest, ZLossAndLabelSmoothingGradientsMatchDifferences) {
+  {
+    Problem problem = Random(3, 7, 61);
+    AddTopKTeacher(&problem, 3, TopKTail::kBucket, 62);
+    problem.kd.alpha = 0.4f;
+    problem.kd.temperature = 1.5f;
+    problem.options.label_smoothing = 0.2f;
+    problem.options.z_loss_scale = 0.05f;
+    problem.targets[1] = kIgnore;
+    ExpectGradientMatchesDifferences(problem,
+                                     "distillation, smoothing, z-loss");
+  }
+  {
+    Problem problem = Random(3, 7, 63);
+    AddPolicy(&problem, PolicyLossKind::kImportanceSampling, 64);
+    problem.options.z_loss_scale = 0.1f;
+    problem.options.reduction = Reduction::kSum;
+    ExpectGradientMatchesDifferences(problem, "importance sampling, z-loss");
+  }
+  {
+    Problem problem = Random(4, 6, 65);
+    problem.segmented = true;
+    problem.segment_ids = {0, 0, 1, 1};
+    problem.segment_args.count = 2;
+    problem.segment_args.reduction = SegmentReduction::kSeqMeanTokenMean;
+    problem.options.label_smoothing = 0.3f;
+    problem.options.z_loss_scale = 0.02f;
+    ExpectGradientMatchesDifferences(problem, "segments, smoothing, z-loss");
+  }
+}
+
+TEST(PostTrainingCpuTest, ZLossIsReportedAloneAndLabelSmoothingIsTorchs) {
+  // Plain cross entropy over segments with smoothing equals the smoothed
+  // formula; z_loss is the mean of z_loss_scale lse^2.
+  Problem problem = Random(3, 5, 71);
+  problem.segmented = true;
+  problem.segment_ids = {0, 1, 1};
+  problem.segment_args.count = 2;
+  problem.options.label_smoothing = 0.25f;
+  problem.options.z_loss_scale = 0.1f;
+  const Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+  double loss = 0.0, z_loss = 0.0;
+  for (int64_t row = 0; row < 3; ++row) {
+    const float* z = problem.logits.data() + row * 5;
+    double max_z = *std::max_element(z, z + 5), sum = 0.0, z_sum = 0.0;
+    for (int c = 0; c < 5; ++c) {
+      sum += std::exp(z[c] - max_z);
+      z_sum += z[c];
+    }
+    const double lse = max_z + std::log(sum);
+    const double ce =
+        0.75 * (lse - z[problem.targets[row]]) + 0.25 * (lse - z_sum / 5.0);
+    const double zl = static_cast<double>(0.1f) * lse * lse;
+    loss += ce + zl;
+    z_loss += zl;
+  }
+  EXPECT_NEAR(outcome.result.base.loss, loss / 3.0, 1e-6);
+  EXPECT_NEAR(outcome.result.base.z_loss, z_loss / 3.0, 1e-9);
+}
+
 TEST(PostTrainingCpuTest, SegmentSumsAndMeans) {
   Problem problem = Random(6, 5, 61);
   problem.segmented = true;
@@ -435,12 +513,12 @@ TEST(PostTrainingCpuTest, RefusesBadInputAndWritesNothing) {
   p.kd.alpha = 0.5f;
   p.targets.clear();
   expect_invalid(p, "alpha without targets");
-  p = base;
-  p.options.label_smoothing = 0.1f;
-  expect_invalid(p, "label smoothing");
   Problem q = Random(2, 5, 93);
   AddPolicy(&q, PolicyLossKind::kPpoClip, 94);
   Problem r = q;
+  r.options.label_smoothing = 0.1f;
+  expect_invalid(r, "label smoothing with a policy");
+  r = q;
   r.advantages[1] = NAN;
   expect_invalid(r, "NaN advantage");
   r = q;
@@ -464,6 +542,193 @@ TEST(PostTrainingCpuTest, RefusesBadInputAndWritesNothing) {
   r = q;
   r.targets.clear();
   expect_invalid(r, "policy without targets");
+}
+
+// Hidden states and a head whose logits Z = X W^T replace the problem's
+// (rounded to fp32, as the CPU backend's sgemm leaves them).
+struct Head {
+  int64_t hidden = 0;
+  std::vector<float> x, weight;
+};
+Head RandomHead(Problem* problem, int64_t hidden, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Head head;
+  head.hidden = hidden;
+  head.x.resize(problem->rows * hidden);
+  head.weight.resize(problem->vocab * hidden);
+  for (float& v : head.x) v = normal(rng);
+  for (float& v : head.weight) v = normal(rng) * 0.7f;
+  for (int64_t n = 0; n < problem->rows; ++n) {
+    for (int64_t v = 0; v < problem->vocab; ++v) {
+      double z = 0.0;
+      for (int64_t h = 0; h < hidden; ++h) {
+        z += static_cast<double>(head.x[n * hidden + h]) *
+             head.weight[v * hidden + h];
+      }
+      problem->logits[n * problem->vocab + v] = static_cast<float>(z);
+    }
+  }
+  return head;
+}
+
+// LinearPostTrainingCpu against PostTrainingCpu on Z and the products of its
+// gradient: loss, segment sums, per-token outputs, dX = G W and dW = G^T X.
+void ExpectLinearMatchesLogits(const Problem& problem, const Head& head,
+                               const std::string& what) {
+  const Outcome on_z = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(on_z.status.ok()) << what << ": " << on_z.status;
+  const int64_t rows = problem.rows, vocab = problem.vocab,
+                hidden = head.hidden;
+  std::vector<float> dx(rows * hidden, -7.0f), dw(vocab * hidden, -7.0f);
+  std::vector<float> token_loss(rows, -7.0f), token_logprob(rows, -7.0f);
+  LinearPostTrainingArgs args;
+  PostTrainingArgs inputs;
+  HeldInputs held;
+  PointInputs(problem, &held, &inputs);
+  LinearCrossEntropyArgs& linear = args.linear;
+  linear.rows = rows;
+  linear.hidden = hidden;
+  linear.vocab = vocab;
+  linear.dtype = DType::kFloat32;
+  linear.x = head.x.data();
+  linear.weight = head.weight.data();
+  linear.targets_dtype = inputs.base.targets_dtype;
+  linear.targets = inputs.base.targets;
+  linear.options = inputs.base.options;
+  linear.dx_mode = GradientMode::kOutOfPlace;
+  linear.dx = dx.data();
+  linear.accumulate = AccumulateMode::kOverwrite;
+  linear.grad_weight = dw.data();
+  linear.token_loss = token_loss.data();
+  args.distillation = inputs.distillation;
+  args.policy = inputs.policy;
+  args.segments = inputs.segments;
+  args.token_logprob = token_logprob.data();
+  PostTrainingResult result;
+  const absl::Status status = LinearPostTrainingCpu(args, &result, 2);
+  ASSERT_TRUE(status.ok()) << what << ": " << status;
+  const double loss = on_z.result.base.loss;
+  EXPECT_NEAR(result.base.loss, loss, 1e-5 * std::fabs(loss) + 1e-6) << what;
+  EXPECT_EQ(result.base.valid_tokens, on_z.result.base.valid_tokens) << what;
+  EXPECT_EQ(result.base.denominator, on_z.result.base.denominator) << what;
+  EXPECT_EQ(result.policy.clipped_tokens, on_z.result.policy.clipped_tokens);
+  EXPECT_EQ(result.segment_tokens, on_z.result.segment_tokens) << what;
+  ASSERT_EQ(result.segment_loss.size(), on_z.result.segment_loss.size());
+  for (size_t s = 0; s < result.segment_loss.size(); ++s) {
+    EXPECT_NEAR(result.segment_loss[s], on_z.result.segment_loss[s],
+                1e-4 * std::fabs(on_z.result.segment_loss[s]) + 1e-5);
+  }
+  for (int64_t n = 0; n < rows; ++n) {
+    EXPECT_NEAR(token_loss[n], on_z.token_loss[n],
+                1e-4 * std::fabs(on_z.token_loss[n]) + 1e-5)
+        << what << " row " << n;
+    EXPECT_NEAR(token_logprob[n], on_z.token_logprob[n],
+                1e-4 * std::fabs(on_z.token_logprob[n]) + 1e-5);
+  }
+  // The products of the gradient on Z, in fp64.
+  const std::vector<float>& g = on_z.gradient;
+  std::vector<double> ref_dx(rows * hidden, 0.0), ref_dw(vocab * hidden, 0.0);
+  for (int64_t n = 0; n < rows; ++n) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double gv = g[n * vocab + v];
+      if (gv == 0.0) continue;
+      for (int64_t h = 0; h < hidden; ++h) {
+        ref_dx[n * hidden + h] += gv * head.weight[v * hidden + h];
+        ref_dw[v * hidden + h] += gv * head.x[n * hidden + h];
+      }
+    }
+  }
+  auto expect_close = [&](const std::vector<float>& got,
+                          const std::vector<double>& ref, const char* name) {
+    double scale = 0.0;
+    for (double r : ref) scale = std::max(scale, std::fabs(r));
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], ref[i], 1e-4 * scale + 1e-9)
+          << what << " " << name << "[" << i << "]";
+    }
+  };
+  expect_close(dx, ref_dx, "dX");
+  expect_close(dw, ref_dw, "dW");
+}
+
+TEST(PostTrainingCpuTest, LinearMatchesTheLossOnTheLogits) {
+  {
+    // Two chunks of rows (one chunk holds 32 MiB of fp32 logits), segments
+    // spanning them: the mean over segments is the whole call's.
+    Problem problem = Random(230, 40000, 101);
+    const Head head = RandomHead(&problem, 6, 102);
+    AddPolicy(&problem, PolicyLossKind::kPpoClip, 103);
+    problem.targets[3] = kIgnore;
+    problem.segmented = true;
+    problem.segment_args.count = 3;
+    problem.segment_args.reduction = SegmentReduction::kSeqMeanTokenMean;
+    for (int64_t n = 0; n < problem.rows; ++n) {
+      problem.segment_ids.push_back(n < 100 ? 0 : n < 220 ? 2 : 1);
+    }
+    problem.options.grad_scale = 3.0f;
+    ExpectLinearMatchesLogits(problem, head, "ppo, segments over two chunks");
+  }
+  {
+    Problem problem = Random(9, 37, 111);
+    const Head head = RandomHead(&problem, 5, 112);
+    AddTopKTeacher(&problem, 4, TopKTail::kBucket, 113);
+    problem.kd.alpha = 0.3f;
+    problem.kd.temperature = 2.0f;
+    problem.kd.divergence = Divergence::kJsd;
+    problem.targets[2] = kIgnore;
+    ExpectLinearMatchesLogits(problem, head, "top-k bucket, alpha 0.3");
+  }
+  {
+    Problem problem = Random(7, 29, 121);
+    const Head head = RandomHead(&problem, 4, 122);
+    AddDenseTeacher(&problem, 123);
+    problem.kd.divergence = Divergence::kReverseKl;
+    problem.targets.clear();
+    problem.options.reduction = Reduction::kSum;
+    problem.options.softcap = 5.0f;
+    ExpectLinearMatchesLogits(problem, head, "dense teacher, no targets");
+  }
+  {
+    Problem problem = Random(6, 11, 131);
+    const Head head = RandomHead(&problem, 3, 132);
+    AddPolicy(&problem, PolicyLossKind::kCispo, 133);
+    ExpectLinearMatchesLogits(problem, head, "cispo");
+  }
+}
+
+TEST(PostTrainingCpuTest, LinearRefusesBadInputAndWritesNothing) {
+  Problem problem = Random(4, 9, 141);
+  const Head head = RandomHead(&problem, 3, 142);
+  AddPolicy(&problem, PolicyLossKind::kPpoClip, 143);
+  problem.advantages[2] = NAN;
+  std::vector<float> dx(4 * 3, -7.0f), dw(9 * 3, -7.0f);
+  LinearPostTrainingArgs args;
+  PostTrainingArgs inputs;
+  HeldInputs held;
+  PointInputs(problem, &held, &inputs);
+  args.linear.rows = 4;
+  args.linear.hidden = 3;
+  args.linear.vocab = 9;
+  args.linear.dtype = DType::kFloat32;
+  args.linear.x = head.x.data();
+  args.linear.weight = head.weight.data();
+  args.linear.targets_dtype = DType::kInt64;
+  args.linear.targets = problem.targets.data();
+  args.linear.dx_mode = GradientMode::kOutOfPlace;
+  args.linear.dx = dx.data();
+  args.linear.accumulate = AccumulateMode::kOverwrite;
+  args.linear.grad_weight = dw.data();
+  args.policy = inputs.policy;
+  PostTrainingResult result;
+  EXPECT_EQ(LinearPostTrainingCpu(args, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  args.policy = nullptr;
+  args.linear.class_weights = head.weight.data();
+  EXPECT_EQ(LinearPostTrainingCpu(args, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  for (float v : dx) ASSERT_EQ(v, -7.0f);
+  for (float v : dw) ASSERT_EQ(v, -7.0f);
 }
 
 }  // namespace

@@ -86,6 +86,11 @@ TEST(PostTrainingPolicyTest,
   s.logits.in_place = false;
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
+  // Label smoothing or z-loss beside the loss: the row kernel computes them.
+  s = Policy(8192, 128256, 2);
+  s.row_options = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+
   // An odd vocab: rows with edges.
   s = Policy(8192, 128257, 2);
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
