@@ -951,7 +951,7 @@ absl::Status LinearPostTrainingCuda(
   RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(checked));
   const PostTrainingArgs whole = WholePostTrainingView(device_args);
   RETURN_IF_ERROR(ValidatePostTrainingArgs(whole));
-  RETURN_IF_ERROR(CheckPostTrainingCudaVocab(whole));
+  RETURN_IF_ERROR(CheckPostTrainingCudaSupport(whole));
   PostTrainingHostView host;
   RETURN_IF_ERROR(CopyPostTrainingPlanInputs(whole, stream, &host));
   const PostTrainingPlan plan = PlanPostTraining(host.args);

@@ -38,8 +38,10 @@ absl::Status PostTrainingCuda(
 
 // UNIMPLEMENTED for a top-k teacher over more than
 // kPostTrainingCudaMaxTopKVocab classes (the row kernel's support bitmap),
-// else OK. Pure.
-absl::Status CheckPostTrainingCudaVocab(const PostTrainingArgs& args);
+// and for label smoothing or z-loss beside the loss (the row kernel computes
+// them, but that has not yet run on a GPU: the CPU device serves them), else
+// OK. Pure.
+absl::Status CheckPostTrainingCudaSupport(const PostTrainingArgs& args);
 
 // `device_args` with its targets and segment ids copied to the host (what
 // the plan and the reduction read; the rest still device pointers), in

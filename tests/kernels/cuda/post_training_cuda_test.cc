@@ -388,6 +388,33 @@ TEST_F(PostTrainingCudaTest, PolicyLossesMatchTheCpu) {
   }
 }
 
+// What the GPU path refuses before touching anything (a pure check: no GPU
+// needed): label smoothing or z-loss beside the loss, and a top-k teacher past
+// the support bitmap.
+TEST(PostTrainingCudaSupportTest, RefusesWhatTheGpuDoesNotOffer) {
+  PolicyArgs policy;
+  PostTrainingArgs args;
+  args.base.vocab = 1000;
+  args.policy = &policy;
+  EXPECT_TRUE(CheckPostTrainingCudaSupport(args).ok());
+  args.base.options.z_loss_scale = 1e-4f;
+  EXPECT_EQ(CheckPostTrainingCudaSupport(args).code(),
+            absl::StatusCode::kUnimplemented);
+  args.base.options.z_loss_scale = 0.0f;
+  args.base.options.label_smoothing = 0.1f;
+  EXPECT_EQ(CheckPostTrainingCudaSupport(args).code(),
+            absl::StatusCode::kUnimplemented);
+  args.base.options.label_smoothing = 0.0f;
+  DistillationArgs top_k;
+  args.policy = nullptr;
+  args.distillation = &top_k;
+  args.base.vocab = kPostTrainingCudaMaxTopKVocab;
+  EXPECT_TRUE(CheckPostTrainingCudaSupport(args).ok());
+  args.base.vocab = kPostTrainingCudaMaxTopKVocab + 1;
+  EXPECT_EQ(CheckPostTrainingCudaSupport(args).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
 TEST_F(PostTrainingCudaTest, LargeVocabularyMatchesTheCpu) {
   Config dense{Family::kDense, DType::kBFloat16, 3, 128256};
   dense.divergence = Divergence::kJsd;
