@@ -24,6 +24,7 @@
 #include "kernels/cuda/gemm_sm90_policy.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
+#include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/post_training_cuda.h"
 #include "kernels/cuda/post_training_cuda_host.h"
 #include "kernels/cuda/sparse_residual.h"
@@ -33,7 +34,6 @@
 namespace lossd {
 namespace {
 
-constexpr std::size_t kLtWorkspaceBytes = std::size_t{32} << 20;
 // Device memory a chunk may take (logits, split gradient, stacked X): large
 // enough that the per-chunk dW read-modify-write and the launch tails stay
 // small against the products (measured: bench/RESULTS.md).
@@ -44,157 +44,6 @@ constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
 // logits of std 2 (bench/RESULTS.md): dW 2.7e-5 from fp32 at V = 128256,
 // 4.1e-5 at 50257, 4.7e-5 at 32000; below this vocabulary the dense split.
 constexpr int64_t kSparseResidualMinVocab = 50000;
-
-absl::Status LtStatus(cublasStatus_t status, absl::string_view what) {
-  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  if (status == CUBLAS_STATUS_ALLOC_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("linear_cross_entropy: ", what, ": cuBLASLt alloc"));
-  }
-  return absl::InternalError(absl::StrCat("linear_cross_entropy: ", what,
-                                          ": cuBLASLt status ",
-                                          static_cast<int>(status)));
-}
-
-cudaDataType_t CudaType(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return CUDA_R_16BF;
-    case DType::kFloat16:
-      return CUDA_R_16F;
-    default:
-      return CUDA_R_32F;
-  }
-}
-
-// One cuBLASLt handle per thread and device, made on first use and kept.
-absl::StatusOr<cublasLtHandle_t> ThreadHandle() {
-  thread_local std::map<int, cublasLtHandle_t> handles;
-  int device = 0;
-  RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "linear: device"));
-  auto it = handles.find(device);
-  if (it != handles.end()) return it->second;
-  cublasLtHandle_t handle = nullptr;
-  RETURN_IF_ERROR(LtStatus(cublasLtCreate(&handle), "create handle"));
-  handles[device] = handle;
-  return handle;
-}
-
-// D [m, n] (column-major, ld ldd) = alpha op(A) op(B) + beta C, C = D; the
-// algorithm is chosen once, when the product is built, and kept.
-class LtGemm {
- public:
-  LtGemm() = default;
-  LtGemm(const LtGemm&) = delete;
-  LtGemm& operator=(const LtGemm&) = delete;
-  ~LtGemm() {
-    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
-    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
-    if (d_ != nullptr) cublasLtMatrixLayoutDestroy(d_);
-    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
-  }
-
-  // bias: D += bias[i] on D's row i (length m, D's type) in the epilogue,
-  // the pointer given to each Run.
-  absl::Status Init(cublasLtHandle_t handle, bool trans_a, bool trans_b,
-                    int64_t m, int64_t n, int64_t k, cudaDataType_t ab_type,
-                    int64_t lda, int64_t ldb, cudaDataType_t d_type,
-                    int64_t ldd, const char* what, bool bias = false) {
-    what_ = what;
-    handle_ = handle;
-    bias_ = bias;
-    RETURN_IF_ERROR(LtStatus(
-        cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), what));
-    if (bias) {
-      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-      RETURN_IF_ERROR(LtStatus(
-          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_EPILOGUE,
-                                         &epilogue, sizeof(epilogue)),
-          what));
-      // The heuristic reads only the pointer's alignment: Run passes
-      // workspace addresses, 256-byte aligned.
-      const void* aligned = reinterpret_cast<const void*>(uintptr_t{256});
-      RETURN_IF_ERROR(LtStatus(
-          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                         &aligned, sizeof(aligned)),
-          what));
-    }
-    const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatmulDescSetAttribute(
-                     op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
-                 what));
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatmulDescSetAttribute(
-                     op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
-                 what));
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatrixLayoutCreate(&a_, ab_type, trans_a ? k : m,
-                                            trans_a ? m : k, lda),
-                 what));
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatrixLayoutCreate(&b_, ab_type, trans_b ? n : k,
-                                            trans_b ? k : n, ldb),
-                 what));
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatrixLayoutCreate(&d_, d_type, m, n, ldd), what));
-    cublasLtMatmulPreference_t preference = nullptr;
-    RETURN_IF_ERROR(
-        LtStatus(cublasLtMatmulPreferenceCreate(&preference), what));
-    const std::size_t workspace = kLtWorkspaceBytes;
-    // Split-K only where its partial sums are reduced by a separate pass in a
-    // fixed order; in-place (atomic) reductions would change bits run to run.
-    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE |
-                             CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
-                             CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
-    cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-        sizeof(workspace));
-    if (status == CUBLAS_STATUS_SUCCESS) {
-      status = cublasLtMatmulPreferenceSetAttribute(
-          preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
-          sizeof(schemes));
-    }
-    int found = 0;
-    if (status == CUBLAS_STATUS_SUCCESS) {
-      status = cublasLtMatmulAlgoGetHeuristic(
-          handle, op_, a_, b_, d_, d_, preference, 1, &heuristic_, &found);
-    }
-    cublasLtMatmulPreferenceDestroy(preference);
-    RETURN_IF_ERROR(LtStatus(status, what));
-    if (found == 0) {
-      return absl::InternalError(absl::StrCat(
-          "linear_cross_entropy: no cuBLASLt algorithm for ", what));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Run(float alpha, const void* a, const void* b, float beta,
-                   void* d, void* workspace, cudaStream_t stream,
-                   const void* bias = nullptr) const {
-    if (bias_) {
-      // The descriptor is read when the product is enqueued, and a thread's
-      // products are its own (CachedGemms), so setting it here is safe.
-      RETURN_IF_ERROR(LtStatus(
-          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                         &bias, sizeof(bias)),
-          what_));
-    }
-    return LtStatus(
-        cublasLtMatmul(handle_, op_, &alpha, a, a_, b, b_, &beta, d, d_, d, d_,
-                       &heuristic_.algo, workspace, kLtWorkspaceBytes, stream),
-        what_);
-  }
-
- private:
-  const char* what_ = "";
-  bool bias_ = false;
-  cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulDesc_t op_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
-  cublasLtMatmulHeuristicResult_t heuristic_ = {};
-};
 
 // The products of one chunk size.
 struct ChunkGemms {
@@ -312,7 +161,7 @@ absl::Status BuildGemms(cublasLtHandle_t handle,
                         const LinearCrossEntropyArgs& args, const Layout& l,
                         int64_t rows, ChunkGemms* g) {
   const int64_t h = args.hidden, v = args.vocab;
-  const cudaDataType_t in = CudaType(args.dtype);
+  const cudaDataType_t in = LtDataType(args.dtype);
   const cudaDataType_t z_type = l.logits_fp32 ? CUDA_R_32F : in;
   // Column-major views of the row-major tensors: W is [H, V] (ld H), a chunk
   // of X is [H, rows] (ld H), Z and G are [V, rows] (ld V).
@@ -851,7 +700,7 @@ absl::Status LinearCrossEntropyCudaLab(
   const int64_t chunk_rows = plan.chunk_rows;
   const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
   const Parts parts = MakeParts(args, l, chunk_rows, chunks);
-  ASSIGN_OR_RETURN(cublasLtHandle_t handle, ThreadHandle());
+  ASSIGN_OR_RETURN(cublasLtHandle_t handle, LtThreadHandle());
 
   char* block = nullptr;
   RETURN_IF_ERROR(CudaStatus(
@@ -962,7 +811,7 @@ absl::Status LinearPostTrainingCuda(
       PlanLinearCrossEntropyCudaLab(args, lab).chunk_rows;
   const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
   const Parts parts = MakeParts(args, l, chunk_rows, chunks);
-  ASSIGN_OR_RETURN(cublasLtHandle_t handle, ThreadHandle());
+  ASSIGN_OR_RETURN(cublasLtHandle_t handle, LtThreadHandle());
   const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
   const size_t rows_offset = AlignUp(rows * sizeof(float));
   char* block = nullptr;
