@@ -155,15 +155,30 @@ class LinearCancelTest : public ::testing::Test {
     return absl::ToDoubleSeconds(absl::Now() - start);
   }
 
+  void ExpectStopsAndChangesNothing(bool policy);
+
   std::unique_ptr<LossdServer> server_;
   std::unique_ptr<pb::Lossd::Stub> stub_;
 };
 
+// A PPO loss on the rows of `request` (inline advantages and sampling
+// logprobs, fp32 [rows]): LinearForward's post-training path.
+void AddPolicyLoss(int64_t rows, pb::LinearForwardRequest* request) {
+  const std::vector<float> advantages(rows, 0.5f);
+  const std::vector<float> sampling(rows, -9.0f);
+  pb::PolicyGradient* policy = request->mutable_policy();
+  policy->set_loss(pb::POLICY_LOSS_PPO_CLIP);
+  policy->mutable_advantages_inline()->set_dtype(pb::DTYPE_FLOAT32);
+  policy->mutable_advantages_inline()->set_data(Bytes(advantages));
+  policy->mutable_sampling_logprobs_inline()->set_dtype(pb::DTYPE_FLOAT32);
+  policy->mutable_sampling_logprobs_inline()->set_data(Bytes(sampling));
+}
+
 // The call: in place with a new accumulator, long enough to outlast
 // its deadline (or cancelled by the client). The server lets go within about
 // a chunk, the hidden states keep their bytes and state, no accumulator is
-// kept.
-TEST_F(LinearCancelTest, PassedDeadlineStopsTheCallAndChangesNothing) {
+// kept. `policy`: the same call with a post-training loss.
+void LinearCancelTest::ExpectStopsAndChangesNothing(bool policy) {
   // 512 rows a chunk on the CPU (32 MiB of fp32 logits at V = 16384): 8
   // chunks, each three products of 512 x 256 x 16384.
   const Stored s = Store(4096, 256, 16384);
@@ -174,6 +189,7 @@ TEST_F(LinearCancelTest, PassedDeadlineStopsTheCallAndChangesNothing) {
   pb::LinearForwardResponse chunk_response;
   pb::LinearForwardRequest chunk_request = Request(one_chunk);
   chunk_request.set_mode(pb::GRADIENT_MODE_OUT_OF_PLACE);
+  if (policy) AddPolicyLoss(kChunkRows, &chunk_request);
   ASSERT_TRUE(
       LinearForward(chunk_request, absl::Seconds(120), &chunk_response).ok());
   const double chunk_seconds = chunk_response.result().kernel_seconds();
@@ -185,6 +201,7 @@ TEST_F(LinearCancelTest, PassedDeadlineStopsTheCallAndChangesNothing) {
       absl::Seconds(std::max(0.2, 1.5 * chunk_seconds));
   pb::LinearForwardRequest request = Request(s);
   request.set_bias(s.bias);
+  if (policy) AddPolicyLoss(s.rows, &request);
   // By the deadline, then by the client's TryCancel at the same moment.
   for (bool by_deadline : {true, false}) {
     SCOPED_TRACE(by_deadline ? "deadline" : "cancelled");
@@ -228,6 +245,14 @@ TEST_F(LinearCancelTest, PassedDeadlineStopsTheCallAndChangesNothing) {
   const pb::TensorInfo hidden = Describe(s.hidden);
   EXPECT_EQ(hidden.state(), pb::TENSOR_STATE_LOGITS);
   EXPECT_EQ(Download(s.hidden), s.hidden_bytes);
+}
+
+TEST_F(LinearCancelTest, PassedDeadlineStopsTheCallAndChangesNothing) {
+  ExpectStopsAndChangesNothing(/*policy=*/false);
+}
+
+TEST_F(LinearCancelTest, PassedDeadlineStopsAPostTrainingLoss) {
+  ExpectStopsAndChangesNothing(/*policy=*/true);
 }
 
 // 100 calls of every kind, each cancelled by its deadline or by the client
