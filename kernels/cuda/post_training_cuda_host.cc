@@ -316,12 +316,6 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
 }  // namespace
 
 absl::Status CheckPostTrainingCudaSupport(const PostTrainingArgs& args) {
-  const CrossEntropyOptions& o = args.base.options;
-  if (o.label_smoothing > 0.0f || o.z_loss_scale != 0.0f) {
-    return absl::UnimplementedError(
-        "label smoothing and z-loss beside a post-training loss run on the "
-        "CPU device; the GPU kernel's composition is not offered yet");
-  }
   if (args.distillation != nullptr &&
       args.distillation->teacher_logits == nullptr &&
       args.base.vocab > kPostTrainingCudaMaxTopKVocab) {

@@ -287,13 +287,9 @@ class Oracle:
         request.options.reduction = pb2.Reduction.Value("REDUCTION_" + reduction)
         request.options.softcap = softcap
         request.options.normalizer = normalizer
-        # Label smoothing (not with a policy) and z-loss compose with the losses
-        # (on the CPU device: the CUDA device refuses them until its kernel's
-        # composition has been checked on a GPU).
+        # Label smoothing (not with a policy) and z-loss compose with the losses.
         label_smoothing = 0.0 if family == "policy" else rng.choice([0.0, 0.0, 0.1])
         z_loss_scale = rng.choice([0.0, 0.0, 0.01])
-        if self.gpu_tolerance != 0:
-            label_smoothing = z_loss_scale = 0.0
         request.options.label_smoothing = label_smoothing
         request.options.z_loss_scale = z_loss_scale
         case.update(label_smoothing=float(np.float32(label_smoothing)),
