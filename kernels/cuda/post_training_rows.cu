@@ -13,6 +13,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "kernels/cuda/post_training_cuda.h"
+#include "kernels/cuda/post_training_terms.cuh"
 
 namespace lossd {
 namespace {
@@ -97,31 +98,29 @@ struct MergeSum2 {
   }
 };
 
-// D's term and h = P dD/dP of one bucket (post_training_cpu.cc's
-// BucketDivergence, in fp32).
-__device__ __forceinline__ void Bucket(int divergence, float beta, float log_p,
-                                       float log_q, float* d, float* h) {
-  const float p = expf(log_p);
-  const float q = expf(log_q);
-  if (divergence == static_cast<int>(Divergence::kForwardKl)) {
-    *d = q > 0.0f ? q * (log_q - log_p) : 0.0f;
-    *h = -q;
-  } else if (divergence == static_cast<int>(Divergence::kReverseKl)) {
-    *d = p > 0.0f ? p * (log_p - log_q) : 0.0f;
-    // dD/dP_b is log P_b - log Q_b + 1; the 1 drops out of g_b - gbar (the
-    // P_b sum to 1) and, kept in fp32, would cancel away the digits of the
-    // small differences.
-    *h = *d;
-  } else {
-    const float a = logf(beta) + log_q;
-    const float b = log1pf(-beta) + log_p;
-    const float mx = fmaxf(a, b);
-    const float log_m =
-        mx == -INFINITY ? -INFINITY : mx + logf(expf(a - mx) + expf(b - mx));
-    *d = beta * (q > 0.0f ? q * (log_q - log_m) : 0.0f) +
-         (1.0f - beta) * (p > 0.0f ? p * (log_p - log_m) : 0.0f);
-    *h = (1.0f - beta) * (p > 0.0f ? p * (log_p - log_m) : 0.0f);
+// The divergence's sums of a row: D, sum_b h_b and sum_b P_b, in fp64 (gbar
+// is sum h / sum P: the P as computed, so that fp32's lse, which moves every
+// P_b by the same factor, moves gbar with them instead of by gbar times it).
+struct Sum3 {
+  double d;
+  double h;
+  double p;
+};
+struct MergeSum3 {
+  __device__ __forceinline__ Sum3 operator()(const Sum3& x,
+                                             const Sum3& y) const {
+    return {x.d + y.d, x.h + y.h, x.p + y.p};
   }
+};
+
+// Reverse KL's log P_c - log Q_c - k = u - v - k with k a row constant: u
+// the student's logit over tau, v the teacher's (dense) or its logprob
+// (top-k), k the gap of their normalisers, plus gbar for the gradient. In
+// fp64: each log alone carries an fp32 rounding of its normaliser's size,
+// and the gradient P_c (log P_c - log Q_c - gbar) of a row nearly sure of one
+// class cancels them (two terms ~10, ~1e-3 apart).
+__device__ __forceinline__ double LogRatio(float u, float v, double k) {
+  return static_cast<double>(u) - static_cast<double>(v) - k;
 }
 
 struct Params {
@@ -195,15 +194,18 @@ __global__ void __launch_bounds__(kThreads)
   using ArgReduce = cub::BlockReduce<ArgMax, kThreads>;
   using SumReduce = cub::BlockReduce<Sum2, kThreads>;
   using MassReduce = cub::BlockReduce<double, kThreads>;
+  using Sum3Reduce = cub::BlockReduce<Sum3, kThreads>;
   __shared__ union {
     typename StatsReduce::TempStorage stats;
     typename ArgReduce::TempStorage arg;
     typename SumReduce::TempStorage sum;
     typename MassReduce::TempStorage mass;
+    typename Sum3Reduce::TempStorage sum3;
   } temp;
   __shared__ Stats shared_stats[3];
   __shared__ ArgMax shared_arg;
   __shared__ Sum2 shared_sum[2];
+  __shared__ Sum3 shared_sum3;
   __shared__ float shared_z_sum;
   __shared__ int top_index[kMaxTopK];
   __shared__ float top_log_p[kMaxTopK];
@@ -224,6 +226,8 @@ __global__ void __launch_bounds__(kThreads)
   auto z_of = [cap](float v) { return cap > 0.0f ? cap * tanhf(v / cap) : v; };
   const float inv_tau = prm.kd ? 1.0f / prm.tau : 1.0f;
   const bool sparse = prm.kd && prm.top_k > 0;
+  const bool reverse_kl =
+      prm.kd && prm.divergence == static_cast<int>(Divergence::kReverseKl);
   const int k = prm.top_k;
 
   // Pass 1: statistics.
@@ -293,63 +297,51 @@ __global__ void __launch_bounds__(kThreads)
   double loss = 0.0, distill = 0.0, ratio_out = 0.0, approx_kl = 0.0,
          kl_out = 0.0;
   bool clipped = false;
-  float dlogp = 0.0f;   // policy: dl/dlogp
-  float gbar = 0.0f;    // distillation: sum_b h_b
+  float dlogp = 0.0f;  // policy: dl/dlogp
+  float gbar = 0.0f;   // distillation: sum_b h_b / sum_b P_b
+  // Reverse KL: log P_c - log Q_c - gbar = LogRatio(u_c, log q_c, k_ratio).
+  double k_ratio = 0.0;
   float tail_g = 0.0f;  // top-k bucket: h_tail / P_tail
   float lse_u = 0.0f, lse_t = 0.0f, lse_s = 0.0f;
 
   if (prm.policy) {
-    const float advantage = prm.advantages[row];
-    const float ratio = expf(logp - prm.sampling[row]);
-    const float clipped_ratio =
-        fminf(fmaxf(ratio, 1.0f - prm.eps_low), 1.0f + prm.eps_high);
-    if (prm.loss == static_cast<int>(PolicyLossKind::kImportanceSampling)) {
-      loss = -ratio * advantage;
-      dlogp = -ratio * advantage;
-    } else if (prm.loss == static_cast<int>(PolicyLossKind::kPpoClip)) {
-      const float unclipped = -ratio * advantage;
-      const float clip = -clipped_ratio * advantage;
-      clipped = clip > unclipped;
-      loss = fmaxf(unclipped, clip);
-      dlogp = clipped ? 0.0f : -ratio * advantage;
-    } else {
-      clipped = clipped_ratio != ratio;
-      loss = -static_cast<double>(clipped_ratio) * advantage * logp;
-      dlogp = -clipped_ratio * advantage;
-    }
-    if (prm.reference != nullptr) {
-      const float d = prm.reference[row] - logp;
-      float kl, dkl;
-      if (prm.estimator == static_cast<int>(KlEstimator::kK1)) {
-        kl = -d;
-        dkl = 1.0f;
-      } else if (prm.estimator == static_cast<int>(KlEstimator::kK2)) {
-        kl = 0.5f * d * d;
-        dkl = -d;
-      } else {
-        kl = expm1f(d) - d;
-        dkl = -expm1f(d);
-      }
-      kl_out = kl;
-      if (prm.kl_coef > 0.0f) {
-        loss += static_cast<double>(prm.kl_coef) * kl;
-        dlogp += prm.kl_coef * dkl;
-      }
-    }
-    ratio_out = ratio;
+    const cuda_pt::PolicyInputs inputs = {
+        prm.loss,     prm.estimator, prm.eps_low,
+        prm.eps_high, prm.kl_coef,   prm.reference != nullptr};
+    const cuda_pt::PolicyRow pr = cuda_pt::MakePolicyRow(
+        inputs, prm.advantages[row], prm.sampling[row],
+        prm.reference != nullptr ? prm.reference[row] : 0.0f, logp);
+    loss = pr.loss;
+    dlogp = pr.dlogp;
+    clipped = pr.clipped;
+    kl_out = pr.kl;
+    ratio_out = pr.ratio;
     approx_kl = prm.sampling[row] - logp;
   } else if (prm.kd) {
     lse_u = Lse(shared_stats[1]);
-    float d_sum = 0.0f, h_sum = 0.0f;
+    double d_sum = 0.0, h_sum = 0.0, p_sum = 0.0;
     if (!sparse) {
       lse_t = Lse(shared_stats[2]);
+      const double lse_gap = static_cast<double>(lse_u) - lse_t;
       ForRow(x, t, V, tid, [&](int64_t, float xc, float tc) {
-        float d, h;
-        Bucket(prm.divergence, prm.beta, z_of(xc) * inv_tau - lse_u,
-               tc * inv_tau - lse_t, &d, &h);
-        d_sum += d;
-        h_sum += h;
+        const float u = z_of(xc) * inv_tau;
+        const float log_p = u - lse_u;
+        const float p = expf(log_p);
+        if (reverse_kl) {
+          const double h =
+              p > 0.0f ? p * LogRatio(u, tc * inv_tau, lse_gap) : 0.0;
+          d_sum += h;
+          h_sum += h;
+        } else {
+          float d, h;
+          cuda_pt::DivergenceTerm(prm.divergence, prm.beta, log_p,
+                                  tc * inv_tau - lse_t, &d, &h);
+          d_sum += d;
+          h_sum += h;
+        }
+        p_sum += p;
       });
+      k_ratio = lse_gap;
     } else {
       // The support: its student values, marked in the bitmap.
       float zu = -INFINITY, lq = -INFINITY;
@@ -362,6 +354,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
       float log_p = 0.0f, log_q = lq;
+      double lse_gap = lse_u;  // log P_j - log Q_j = zu - lq - lse_gap
       if (prm.renormalize) {
         Stats s1 = EmptyStats(), s2 = EmptyStats();
         if (tid < k) {
@@ -375,19 +368,28 @@ __global__ void __launch_bounds__(kThreads)
         if (tid == 0) shared_stats[2] = r;
         __syncthreads();
         lse_s = Lse(shared_stats[1]);
+        const float lse_q = Lse(shared_stats[2]);
         log_p = zu - lse_s;
-        log_q = lq - Lse(shared_stats[2]);
+        log_q = lq - lse_q;
+        lse_gap = static_cast<double>(lse_s) - lse_q;
       } else {
         log_p = zu - lse_u;
       }
       if (tid < k) {
         float d, h;
-        Bucket(prm.divergence, prm.beta, log_p, log_q, &d, &h);
+        cuda_pt::DivergenceTerm(prm.divergence, prm.beta, log_p, log_q, &d, &h);
+        const float p = expf(log_p);
         d_sum = d;
         h_sum = h;
+        if (reverse_kl) {
+          h_sum = p > 0.0f ? p * LogRatio(zu, lq, lse_gap) : 0.0;
+          d_sum = h_sum;
+        }
+        p_sum = p;
         top_log_p[tid] = log_p;
         top_h[tid] = h;
       }
+      k_ratio = lse_gap;
       if (!prm.renormalize && k < V) {
         // The tail bucket: the student's mass outside the support, and the
         // teacher's 1 - sum exp(logprobs), summed in fp64 (in fp32 the
@@ -407,10 +409,11 @@ __global__ void __launch_bounds__(kThreads)
           const float p_tail = r.a;
           const double q_tail = fmax(0.0, 1.0 - teacher_mass);
           float d, h;
-          Bucket(prm.divergence, prm.beta, logf(p_tail),
-                 static_cast<float>(log(q_tail)), &d, &h);
+          cuda_pt::DivergenceTerm(prm.divergence, prm.beta, logf(p_tail),
+                                  static_cast<float>(log(q_tail)), &d, &h);
           d_sum += d;
           h_sum += h;
+          p_sum += p_tail;
           shared_sum[1] = Sum2{h, p_tail};
         }
         __syncthreads();
@@ -418,11 +421,15 @@ __global__ void __launch_bounds__(kThreads)
             shared_sum[1].b > 0.0f ? shared_sum[1].a / shared_sum[1].b : 0.0f;
       }
     }
-    const Sum2 r = SumReduce(temp.sum).Reduce(Sum2{d_sum, h_sum}, MergeSum2());
-    if (tid == 0) shared_sum[0] = r;
+    const Sum3 r =
+        Sum3Reduce(temp.sum3).Reduce(Sum3{d_sum, h_sum, p_sum}, MergeSum3());
+    if (tid == 0) shared_sum3 = r;
     __syncthreads();
-    distill = shared_sum[0].a;
-    gbar = shared_sum[0].b;
+    distill = shared_sum3.d;
+    const double gbar64 =
+        shared_sum3.p > 0.0 ? shared_sum3.h / shared_sum3.p : 0.0;
+    gbar = static_cast<float>(gbar64);
+    k_ratio += gbar64;
     loss += (1.0 - prm.alpha) * distill;
   } else {
     loss = ce;
@@ -471,10 +478,22 @@ __global__ void __launch_bounds__(kThreads)
       if (sparse && ((support[c / 32] >> (c % 32)) & 1u)) return;
       float extra = 0.0f;
       if (prm.kd && !sparse) {
-        const float log_p = z_of(xc) * inv_tau - lse_u;
-        float d, h;
-        Bucket(prm.divergence, prm.beta, log_p, tc * inv_tau - lse_t, &d, &h);
-        extra = kd_scale * (h - expf(log_p) * gbar);
+        const float u = z_of(xc) * inv_tau;
+        const float log_p = u - lse_u;
+        const float p = expf(log_p);
+        if (reverse_kl) {
+          // P_c (log P_c - log Q_c - gbar), its cancellation in fp64.
+          extra =
+              p > 0.0f
+                  ? kd_scale * p *
+                        static_cast<float>(LogRatio(u, tc * inv_tau, k_ratio))
+                  : 0.0f;
+        } else {
+          float d, h;
+          cuda_pt::DivergenceTerm(prm.divergence, prm.beta, log_p,
+                                  tc * inv_tau - lse_t, &d, &h);
+          extra = kd_scale * (h - p * gbar);
+        }
       } else if (sparse && !prm.renormalize) {
         extra = kd_scale * expf(z_of(xc) * inv_tau - lse_u) * (tail_g - gbar);
       }
@@ -483,8 +502,17 @@ __global__ void __launch_bounds__(kThreads)
     if (sparse && tid < k) {
       // The support's own elements, skipped above (so still logits here).
       const int64_t c = top_index[tid];
-      const float extra = kd_scale * (top_h[tid] - expf(top_log_p[tid]) * gbar);
-      StoreF(g, c, gradient_of(c, LoadF(x, c), extra));
+      const float xc = LoadF(x, c);
+      const float p = expf(top_log_p[tid]);
+      float extra = kd_scale * (top_h[tid] - p * gbar);
+      if (reverse_kl) {
+        const float lq = prm.logprobs[row * k + tid];
+        extra = p > 0.0f ? kd_scale * p *
+                               static_cast<float>(
+                                   LogRatio(z_of(xc) * inv_tau, lq, k_ratio))
+                         : 0.0f;
+      }
+      StoreF(g, c, gradient_of(c, xc, extra));
     }
   }
   if (tid == 0) {
@@ -498,8 +526,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The dynamic shared memory a launch takes without opting in (48 KiB less
+// the static shared memory, ~7 KiB).
+constexpr size_t kDefaultDynamicSmem = 48 * 1024 - 8 * 1024;
+
 template <typename T, typename TT>
 cudaError_t Launch(const Params& params, size_t smem, cudaStream_t stream) {
+  if (smem > kDefaultDynamicSmem) {
+    // A top-k teacher's support bitmap over a large vocabulary.
+    const cudaError_t e = cudaFuncSetAttribute(
+        PostTrainingRowKernel<T, TT>,
+        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
   PostTrainingRowKernel<T, TT>
       <<<static_cast<unsigned>(params.rows), kThreads, smem, stream>>>(params);
   return cudaGetLastError();

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/cuda/element_traits.cuh"
+#include "kernels/cuda/post_training_terms.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/row_math.cuh"
 #include "kernels/cuda/row_terms.h"
@@ -50,86 +51,19 @@ __device__ __forceinline__ void AwaitRowInputs() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// A policy row's values from its logp (the row kernel's formulas,
-// post_training_rows.cu, in fp32: the loss and the clip decision come from
-// the same logp as the gradient).
-struct PolicyRow {
-  double loss;
-  double kl;
-  float dlogp;
-  float ratio;
-  bool clipped;
-};
+// A policy row's values from its logp (post_training_terms.cuh).
+using cuda_pt::PolicyRow;
 __device__ __forceinline__ PolicyRow MakePolicyRow(const RowTerms& terms,
                                                    const float* in,
                                                    float logp) {
-  PolicyRow r = {0.0, 0.0, 0.0f, 0.0f, false};
-  const float advantage = in[kInAdvantage];
-  r.ratio = expf(logp - in[kInSampling]);
-  const float held =
-      fminf(fmaxf(r.ratio, 1.0f - terms.eps_low), 1.0f + terms.eps_high);
-  if (terms.loss == static_cast<int>(PolicyLossKind::kImportanceSampling)) {
-    r.loss = -r.ratio * advantage;
-    r.dlogp = -r.ratio * advantage;
-  } else if (terms.loss == static_cast<int>(PolicyLossKind::kPpoClip)) {
-    // At the clip's edge both branches are equal and the gradient flows.
-    r.clipped = -held * advantage > -r.ratio * advantage;
-    r.loss = fmaxf(-r.ratio * advantage, -held * advantage);
-    r.dlogp = r.clipped ? 0.0f : -r.ratio * advantage;
-  } else {
-    r.clipped = held != r.ratio;
-    r.loss = -static_cast<double>(held) * advantage * logp;
-    r.dlogp = -held * advantage;
-  }
-  if (terms.reference != nullptr) {
-    const float d = in[kInReference] - logp;
-    float kl, dkl;
-    if (terms.estimator == static_cast<int>(KlEstimator::kK1)) {
-      kl = -d;
-      dkl = 1.0f;
-    } else if (terms.estimator == static_cast<int>(KlEstimator::kK2)) {
-      kl = 0.5f * d * d;
-      dkl = -d;
-    } else {
-      kl = expm1f(d) - d;
-      dkl = -expm1f(d);
-    }
-    r.kl = kl;
-    if (terms.kl_coef > 0.0f) {
-      r.loss += static_cast<double>(terms.kl_coef) * kl;
-      r.dlogp += terms.kl_coef * dkl;
-    }
-  }
-  return r;
+  const cuda_pt::PolicyInputs inputs = {
+      terms.loss,     terms.estimator, terms.eps_low,
+      terms.eps_high, terms.kl_coef,   terms.reference != nullptr};
+  return cuda_pt::MakePolicyRow(
+      inputs, in[kInAdvantage], in[kInSampling],
+      terms.reference != nullptr ? in[kInReference] : 0.0f, logp);
 }
-
-// A bucket's divergence term d and h = P dD/dP from log P and log Q, as the
-// row kernel and the CPU backend define them (kernels/post_training.h).
-__device__ __forceinline__ void DivergenceTerm(int divergence, float beta,
-                                               float log_p, float log_q,
-                                               float* d, float* h) {
-  const float p = expf(log_p);
-  const float q = expf(log_q);
-  const float p_log = p > 0.0f ? p * (log_p - log_q) : 0.0f;
-  if (divergence == static_cast<int>(Divergence::kForwardKl)) {
-    *d = q > 0.0f ? q * (log_q - log_p) : 0.0f;
-    *h = -q;
-  } else if (divergence == static_cast<int>(Divergence::kReverseKl)) {
-    // dD/dP is log P - log Q + 1; the 1 drops out of g - gbar (the P sum to
-    // 1) and in fp32 would cancel the digits of small differences.
-    *d = p_log;
-    *h = p_log;
-  } else {
-    const float a = logf(beta) + log_q;
-    const float b = log1pf(-beta) + log_p;
-    const float mx = fmaxf(a, b);
-    const float log_m =
-        mx == -INFINITY ? -INFINITY : mx + logf(expf(a - mx) + expf(b - mx));
-    const float pm = p > 0.0f ? p * (log_p - log_m) : 0.0f;
-    *d = beta * (q > 0.0f ? q * (log_q - log_m) : 0.0f) + (1.0f - beta) * pm;
-    *h = (1.0f - beta) * pm;
-  }
-}
+using cuda_pt::DivergenceTerm;
 
 template <typename F>
 __device__ __forceinline__ F WarpSum(F v) {

@@ -99,6 +99,8 @@ struct Config {
   KlEstimator estimator = KlEstimator::kK3;
   bool reference = false;
   float softcap = 0.0f;
+  float logit_scale = 1.0f;  // the student's logits: N(0, 2) times this,
+  float teacher_mix = 0.0f;  // plus this times the teacher's
   bool segments = false;
   uint32_t seed = 1;
   PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
@@ -124,8 +126,7 @@ void Compare(const Config& c) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
   const int64_t n = c.rows * c.vocab;
   std::vector<float> raw(n), logits;
-  for (float& v : raw) v = normal(rng);
-  const std::vector<uint8_t> logit_bytes = Encode(raw, c.dtype, &logits);
+  for (float& v : raw) v = normal(rng) * c.logit_scale;
   std::vector<int64_t> targets(c.rows);
   for (int64_t& y : targets) y = rng() % c.vocab;
   targets[0] = -100;
@@ -133,6 +134,8 @@ void Compare(const Config& c) {
   for (float& v : teacher_raw) v = normal(rng);
   const std::vector<uint8_t> teacher_bytes =
       Encode(teacher_raw, DType::kBFloat16, &teacher);
+  for (int64_t i = 0; i < n; ++i) raw[i] += c.teacher_mix * teacher[i];
+  const std::vector<uint8_t> logit_bytes = Encode(raw, c.dtype, &logits);
   std::vector<int32_t> indices;
   std::vector<float> logprobs;
   if (c.family == Family::kTopK) {
@@ -347,6 +350,41 @@ TEST_F(PostTrainingCudaTest, DenseDistillationMatchesTheCpu) {
   }
 }
 
+// A student nearly sure of one class against a teacher that is not: its
+// reverse-KL gradient P_c (log P_c - log Q_c - gbar) is a difference of two
+// terms ~10 that are ~1e-3 apart, and each log carries fp32's rounding of
+// its lse (the oracle's seed 21, case 197).
+TEST_F(PostTrainingCudaTest, DenseReverseKlOfASharpStudentMatchesTheCpu) {
+  uint32_t seed = 40;
+  for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
+    for (float tau : {0.5f, 1.0f}) {
+      Config c{Family::kDense, dtype, 24, 31};
+      c.divergence = Divergence::kReverseKl;
+      c.tau = tau;
+      c.logit_scale = 3.0f;
+      c.in_place = true;
+      c.seed = seed++;
+      Compare(c);
+    }
+  }
+  // A top-k teacher whose support holds the student's favourite class, on
+  // both schedules.
+  for (PostTrainingCudaPath path :
+       {PostTrainingCudaPath::kAuto, PostTrainingCudaPath::kRowKernel}) {
+    for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+      Config c{Family::kTopK, DType::kBFloat16, 6, 32768};
+      c.k = 64;
+      c.tail = tail;
+      c.divergence = Divergence::kReverseKl;
+      c.logit_scale = 0.5f;
+      c.teacher_mix = 3.0f;
+      c.path = path;
+      c.seed = seed++;
+      Compare(c);
+    }
+  }
+}
+
 TEST_F(PostTrainingCudaTest, TopKDistillationMatchesTheCpu) {
   uint32_t seed = 100;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
@@ -421,6 +459,19 @@ TEST_F(PostTrainingCudaTest, LargeVocabularyMatchesTheCpu) {
   Compare(top_k);
   Config policy{Family::kPolicy, DType::kBFloat16, 3, 128256};
   Compare(policy);
+  // A top-k teacher past the default shared memory's bitmap (V 327680), up
+  // to the largest offered, on the row kernel (tau 2).
+  for (int64_t vocab : {int64_t{327681}, kPostTrainingCudaMaxTopKVocab}) {
+    for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+      Config c{Family::kTopK, DType::kBFloat16, 2, vocab};
+      c.k = 64;
+      c.tail = tail;
+      c.tau = 2.0f;
+      c.divergence = Divergence::kReverseKl;
+      c.seed = static_cast<uint32_t>(vocab) + static_cast<uint32_t>(tail);
+      Compare(c);
+    }
+  }
 }
 
 // Rows of whole 16-byte vectors long enough for the smem row pieces schedule
