@@ -87,6 +87,16 @@ TensorInfo FromProto(const v1::TensorInfo& proto) {
   return info;
 }
 
+PolicyStats PolicyStatsFromProto(const v1::PolicyStats& proto) {
+  PolicyStats stats;
+  stats.clipped_tokens = proto.clipped_tokens();
+  stats.ratio_sum = proto.ratio_sum();
+  stats.approx_kl_sum = proto.approx_kl_sum();
+  stats.kl_sum = proto.kl_sum();
+  stats.entropy_sum = proto.entropy_sum();
+  return stats;
+}
+
 EvaluateResult FromProto(const v1::EvaluateResponse& proto) {
   EvaluateResult result;
   result.loss = proto.loss();
@@ -97,6 +107,7 @@ EvaluateResult FromProto(const v1::EvaluateResponse& proto) {
   result.nonfinite_rows = proto.nonfinite_rows();
   result.denominator = proto.denominator();
   result.distillation_loss = proto.distillation_loss();
+  result.policy_stats = PolicyStatsFromProto(proto.policy_stats());
   result.segment_loss.assign(proto.segment_loss().begin(),
                              proto.segment_loss().end());
   result.segment_tokens.assign(proto.segment_tokens().begin(),
@@ -221,8 +232,9 @@ absl::Status ToProto(const DistillationOptions& options,
   return absl::OkStatus();
 }
 
-absl::Status ToProto(const PolicyGradientOptions& options,
-                     v1::PolicyGradient* proto) {
+// The fields of a PolicyGradient other than its per-token inputs.
+void SetPolicyScalars(const PolicyGradientOptions& options,
+                      v1::PolicyGradient* proto) {
   proto->set_loss(static_cast<v1::PolicyLoss>(options.loss));
   proto->set_epsilon_low(options.epsilon_low);
   if (options.epsilon_high.has_value()) {
@@ -230,6 +242,11 @@ absl::Status ToProto(const PolicyGradientOptions& options,
   }
   proto->set_kl_coef(options.kl_coef);
   proto->set_kl_estimator(static_cast<v1::KlEstimator>(options.kl_estimator));
+}
+
+absl::Status ToProto(const PolicyGradientOptions& options,
+                     v1::PolicyGradient* proto) {
+  SetPolicyScalars(options, proto);
   std::string handle;
   RETURN_IF_ERROR(SetInput("advantages", options.advantages, &handle, [proto] {
     return proto->mutable_advantages_inline();
@@ -283,6 +300,11 @@ v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
           static_cast<v1::TopKTail>(distillation.tail));
     }
   }
+  if (options.policy.has_value()) {
+    SetPolicyScalars(*options.policy, header.mutable_policy());
+    header.set_policy_reference_logprobs(
+        options.policy->evaluate_reference_logprobs);
+  }
   if (options.segments.has_value()) {
     header.mutable_segments()->set_count(options.segments->count);
     header.mutable_segments()->set_reduction(
@@ -334,12 +356,8 @@ ForwardResult ForwardFromProto(const v1::ForwardResponse& response) {
   result.kernel_seconds = response.kernel_seconds();
   result.denominator = response.denominator();
   result.distillation_loss = response.distillation_loss();
-  const v1::PolicyStats& stats = response.policy_stats();
-  result.policy_stats.clipped_tokens = stats.clipped_tokens();
-  result.policy_stats.ratio_sum = stats.ratio_sum();
-  result.policy_stats.approx_kl_sum = stats.approx_kl_sum();
-  result.policy_stats.kl_sum = stats.kl_sum();
-  result.policy_stats.entropy_sum = stats.entropy_sum();
+  result.policy_stats =
+      client_internal::PolicyStatsFromProto(response.policy_stats());
   result.segment_loss.assign(response.segment_loss().begin(),
                              response.segment_loss().end());
   result.segment_tokens.assign(response.segment_tokens().begin(),
@@ -674,8 +692,9 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
                              static_cast<int64_t>(DTypeSize(logits_dtype)) >=
                          static_cast<int64_t>(options_.stripe_min_bytes);
   // The post-training inputs in the blocks go over the stream only.
-  const bool post_training =
-      options.distillation.has_value() || options.segments.has_value();
+  const bool post_training = options.distillation.has_value() ||
+                             options.policy.has_value() ||
+                             options.segments.has_value();
   if (options_.data_connection && large && !post_training) {
     std::optional<absl::StatusOr<EvaluateResult>> over_data =
         EvaluateOverDataConnections(vocab, logits_dtype, targets_dtype, options,
@@ -728,6 +747,9 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
     proto->set_teacher_indices(std::move(block.teacher_indices));
     proto->set_teacher_logprobs(std::move(block.teacher_logprobs));
     proto->set_segment_ids(std::move(block.segment_ids));
+    proto->set_advantages(std::move(block.advantages));
+    proto->set_sampling_logprobs(std::move(block.sampling_logprobs));
+    proto->set_reference_logprobs(std::move(block.reference_logprobs));
     sending = writer->Write(request);
     if (sending) {
       rows_sent += rows;

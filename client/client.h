@@ -201,6 +201,9 @@ struct PolicyGradientOptions {
   LossInput reference_logprobs;       // unset = no KL term
   float kl_coef = 0.0f;               // >= 0; > 0 needs reference_logprobs
   KlEstimator kl_estimator = KlEstimator::kK3;
+  // Evaluate only (the inputs come in the row blocks, the LossInputs unset):
+  // whether every block carries reference_logprobs.
+  bool evaluate_reference_logprobs = false;
 };
 
 // Packed sequences (lossd.v1.Segments; docs/api.md, "Segments"): ids [N]
@@ -366,9 +369,12 @@ struct EvaluateOptions {
   int64_t total_rows = -1;
   // A distillation whose teacher comes in the blocks (teacher_logits and
   // top_k_indices / top_k_logprobs unset; evaluate_teacher_dtype or top_k
-  // set), and segments whose ids come in the blocks (ids unset; global over
-  // the stream). Either sends the blocks over the gRPC stream.
+  // set), a policy loss whose per-token inputs come in the blocks (its
+  // LossInputs unset; evaluate_reference_logprobs says whether reference
+  // logprobs come), and segments whose ids come in the blocks (ids unset;
+  // global over the stream). Each sends the blocks over the gRPC stream.
   std::optional<DistillationOptions> distillation;
+  std::optional<PolicyGradientOptions> policy;
   std::optional<SegmentOptions> segments;
 };
 
@@ -388,6 +394,11 @@ struct RowBlock {
   std::string teacher_indices;
   std::string teacher_logprobs;
   std::string segment_ids;
+  // With EvaluateOptions::policy: fp32 [R] advantages and sampling logprobs,
+  // and reference logprobs when the options say they come.
+  std::string advantages;
+  std::string sampling_logprobs;
+  std::string reference_logprobs;
   absl::string_view logits_view;
   absl::string_view targets_view;
 
@@ -409,6 +420,7 @@ struct EvaluateResult {
   int64_t nonfinite_rows = 0;
   double denominator = 0.0;
   double distillation_loss = 0.0;  // as ForwardResult's
+  PolicyStats policy_stats;        // as ForwardResult's, over the stream
   std::vector<double> segment_loss;
   std::vector<int64_t> segment_tokens;
 };

@@ -178,6 +178,7 @@ void PrepareContext(const ClientOptions& options, grpc::Channel* channel,
 
 // The wire messages as the client's plain structs.
 TensorInfo FromProto(const v1::TensorInfo& proto);
+PolicyStats PolicyStatsFromProto(const v1::PolicyStats& proto);
 EvaluateResult FromProto(const v1::EvaluateResponse& proto);
 ServerInfo FromProto(const v1::ServerInfo& proto);
 

@@ -2,9 +2,12 @@
 // segment options of forward and eval (lossctl_post_training.h).
 #include "client/lossctl_post_training.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <initializer_list>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/statusor.h"
@@ -119,6 +122,26 @@ absl::Status SegmentScalarsFromFlags(SegmentOptions* segments) {
   return absl::OkStatus();
 }
 
+// The policy's loss (`policy_loss`, the flag's value), epsilons, kl_coef and
+// estimator from the flags; its per-token inputs untouched.
+absl::Status PolicyScalarsFromFlags(const std::string& policy_loss,
+                                    PolicyGradientOptions* policy) {
+  ASSIGN_OR_RETURN(policy->loss, EnumFlag<PolicyLossKind>(
+                                     "policy_loss", policy_loss,
+                                     {"importance_sampling", "ppo", "cispo"}));
+  policy->epsilon_low = static_cast<float>(absl::GetFlag(FLAGS_epsilon_low));
+  if (absl::GetFlag(FLAGS_epsilon_high) >= 0) {
+    policy->epsilon_high =
+        static_cast<float>(absl::GetFlag(FLAGS_epsilon_high));
+  }
+  policy->kl_coef = static_cast<float>(absl::GetFlag(FLAGS_kl_coef));
+  ASSIGN_OR_RETURN(
+      policy->kl_estimator,
+      EnumFlag<KlEstimator>("kl_estimator", absl::GetFlag(FLAGS_kl_estimator),
+                            {"k1", "k2", "k3"}));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 template <typename Options>
@@ -144,25 +167,13 @@ absl::Status PostTrainingFlagsInto(
   const std::string policy_loss = absl::GetFlag(FLAGS_policy_loss);
   if (!policy_loss.empty()) {
     PolicyGradientOptions policy;
-    ASSIGN_OR_RETURN(policy.loss, EnumFlag<PolicyLossKind>(
-                                      "policy_loss", policy_loss,
-                                      {"importance_sampling", "ppo", "cispo"}));
+    RETURN_IF_ERROR(PolicyScalarsFromFlags(policy_loss, &policy));
     ASSIGN_OR_RETURN(policy.advantages,
                      LossInputFlag(absl::GetFlag(FLAGS_advantages), files));
     ASSIGN_OR_RETURN(policy.sampling_logprobs,
                      LossInputFlag(absl::GetFlag(FLAGS_old_logprobs), files));
     ASSIGN_OR_RETURN(policy.reference_logprobs,
                      LossInputFlag(absl::GetFlag(FLAGS_ref_logprobs), files));
-    policy.epsilon_low = static_cast<float>(absl::GetFlag(FLAGS_epsilon_low));
-    if (absl::GetFlag(FLAGS_epsilon_high) >= 0) {
-      policy.epsilon_high =
-          static_cast<float>(absl::GetFlag(FLAGS_epsilon_high));
-    }
-    policy.kl_coef = static_cast<float>(absl::GetFlag(FLAGS_kl_coef));
-    ASSIGN_OR_RETURN(
-        policy.kl_estimator,
-        EnumFlag<KlEstimator>("kl_estimator", absl::GetFlag(FLAGS_kl_estimator),
-                              {"k1", "k2", "k3"}));
     options->policy = policy;
   }
   const std::string segments = absl::GetFlag(FLAGS_segments);
@@ -182,25 +193,39 @@ absl::Status PostTrainingFlagsInto(
   return absl::OkStatus();
 }
 
-template <typename Options>
-void PrintPostTrainingResult(const Options& options,
-                             const ForwardResult& result) {
-  if (options.distillation.has_value()) {
-    std::printf("distillation_loss %.17g\n", result.distillation_loss);
+namespace {
+
+// The lines forward, linear and eval share: the divergence, the policy's
+// statistics (each when asked for) and one line a segment.
+void PrintPostTrainingSums(bool distillation, bool policy,
+                           double distillation_loss, const PolicyStats& stats,
+                           const std::vector<double>& segment_loss,
+                           const std::vector<int64_t>& segment_tokens) {
+  if (distillation) {
+    std::printf("distillation_loss %.17g\n", distillation_loss);
   }
-  if (options.policy.has_value()) {
-    const PolicyStats& stats = result.policy_stats;
+  if (policy) {
     std::printf(
         "clipped_tokens %lld ratio_sum %.17g approx_kl_sum %.17g kl_sum %.17g "
         "entropy_sum %.17g\n",
         static_cast<long long>(stats.clipped_tokens), stats.ratio_sum,
         stats.approx_kl_sum, stats.kl_sum, stats.entropy_sum);
   }
-  for (std::size_t s = 0; s < result.segment_loss.size(); ++s) {
-    std::printf("segment %zu loss %.17g tokens %lld\n", s,
-                result.segment_loss[s],
-                static_cast<long long>(result.segment_tokens[s]));
+  for (std::size_t s = 0; s < segment_loss.size(); ++s) {
+    std::printf("segment %zu loss %.17g tokens %lld\n", s, segment_loss[s],
+                static_cast<long long>(segment_tokens[s]));
   }
+}
+
+}  // namespace
+
+template <typename Options>
+void PrintPostTrainingResult(const Options& options,
+                             const ForwardResult& result) {
+  PrintPostTrainingSums(options.distillation.has_value(),
+                        options.policy.has_value(), result.distillation_loss,
+                        result.policy_stats, result.segment_loss,
+                        result.segment_tokens);
   for (std::size_t r = 0; r < result.token_logprob.size(); ++r) {
     std::printf("row %zu logprob %.9g\n", r, result.token_logprob[r]);
   }
@@ -235,8 +260,27 @@ absl::Status EvalPostTrainingFromFlags(int64_t rows, EvaluateOptions* options,
   const std::string teacher = absl::GetFlag(FLAGS_teacher);
   const std::string teacher_indices = absl::GetFlag(FLAGS_teacher_indices);
   const std::string segment_ids = absl::GetFlag(FLAGS_segments);
-  if (!absl::GetFlag(FLAGS_policy_loss).empty()) {
-    return UsageError("eval: the policy losses are forward only");
+  const std::string policy_loss = absl::GetFlag(FLAGS_policy_loss);
+  if (!policy_loss.empty()) {
+    PolicyGradientOptions policy;
+    RETURN_IF_ERROR(PolicyScalarsFromFlags(policy_loss, &policy));
+    RETURN_IF_ERROR(open_column(absl::GetFlag(FLAGS_advantages), "advantages",
+                                &RowBlock::advantages));
+    RETURN_IF_ERROR(open_column(absl::GetFlag(FLAGS_old_logprobs),
+                                "old_logprobs", &RowBlock::sampling_logprobs));
+    const std::string reference = absl::GetFlag(FLAGS_ref_logprobs);
+    if (!reference.empty()) {
+      RETURN_IF_ERROR(open_column(reference, "ref_logprobs",
+                                  &RowBlock::reference_logprobs));
+      policy.evaluate_reference_logprobs = true;
+    }
+    options->policy = policy;
+  } else if (!absl::GetFlag(FLAGS_advantages).empty() ||
+             !absl::GetFlag(FLAGS_old_logprobs).empty() ||
+             !absl::GetFlag(FLAGS_ref_logprobs).empty()) {
+    return UsageError(
+        "eval: --advantages, --old_logprobs and --ref_logprobs need "
+        "--policy_loss");
   }
   if (!teacher.empty() || !teacher_indices.empty()) {
     DistillationOptions distillation;
@@ -282,14 +326,10 @@ void CopyEvalColumns(const std::vector<EvalColumn>& columns, int64_t rows,
 
 void PrintEvalPostTrainingResult(const EvaluateOptions& options,
                                  const EvaluateResult& result) {
-  if (options.distillation.has_value()) {
-    std::printf("distillation_loss %.17g\n", result.distillation_loss);
-  }
-  for (std::size_t s = 0; s < result.segment_loss.size(); ++s) {
-    std::printf("segment %zu loss %.17g tokens %lld\n", s,
-                result.segment_loss[s],
-                static_cast<long long>(result.segment_tokens[s]));
-  }
+  PrintPostTrainingSums(options.distillation.has_value(),
+                        options.policy.has_value(), result.distillation_loss,
+                        result.policy_stats, result.segment_loss,
+                        result.segment_tokens);
 }
 
 template absl::Status PostTrainingFlagsInto(

@@ -37,10 +37,10 @@ struct EvalColumn {
   std::string RowBlock::*field;
 };
 
-// eval's distillation and segments, from the flags: their options into
-// `options` and their files (one entry a row, `rows` rows) into `columns`.
-// INVALID_ARGUMENT for a policy loss (forward only) or a file of another
-// row count.
+// eval's distillation, policy loss and segments, from the flags: their
+// options into `options` and their files (one entry a row, `rows` rows) into
+// `columns`. INVALID_ARGUMENT for a file of another row count, or policy
+// inputs without --policy_loss.
 absl::Status EvalPostTrainingFromFlags(int64_t rows, EvaluateOptions* options,
                                        std::vector<EvalColumn>* columns);
 

@@ -19,6 +19,7 @@
 #include "server/linear_head.h"
 #include "server/pipelined_read_reactor.h"
 #include "server/post_training_evaluation.h"
+#include "server/post_training_forward.h"
 #include "server/raw_bytes.h"
 #include "server/tensor_lookup.h"
 #include "server/unparsed_request.h"
@@ -142,7 +143,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
           return lanes_[0]->EvaluatePostTraining(
               {block.logits(), block.targets(), block.teacher_logits(),
                block.teacher_indices(), block.teacher_logprobs(),
-               block.segment_ids()});
+               block.segment_ids(), block.advantages(),
+               block.sampling_logprobs(), block.reference_logprobs()});
         }
         const std::string& logits_bytes = request.block().logits();
         const std::string& targets_bytes = request.block().targets();
@@ -283,6 +285,9 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
     response.set_kernel_seconds(total.kernel_seconds);
     if (config_.post_training) {
       response.set_distillation_loss(reduced.distillation);
+      if (config_.post.policy) {
+        FillPolicyStats(total.policy, response.mutable_policy_stats());
+      }
       if (config_.post.segmented) {
         const size_t count = static_cast<size_t>(config_.post.segment_count);
         std::vector<double> loss = total.segment_loss;

@@ -52,8 +52,9 @@ struct EvaluationConfig {
   // rows of a block over hidden states, whose kernel may run long. Empty:
   // never asked.
   std::function<bool()> cancelled;
-  // Set for a post-training evaluation (distillation or segments): the blocks
-  // carry the teacher's rows and segment ids (EvaluatePostTraining).
+  // Set for a post-training evaluation (distillation, policy or segments):
+  // the blocks carry the teacher's rows, the policy's inputs and segment ids
+  // (EvaluatePostTraining).
   bool post_training = false;
   PostTrainingEvaluation post;
 };
@@ -75,9 +76,15 @@ struct EvaluationSums {
   std::vector<double> segment_loss;
   std::vector<double> segment_distillation;
   std::vector<int64_t> segment_tokens;
+  PolicyStatsResult policy;  // a policy loss's sums over the valid tokens
 
   void Add(const EvaluationSums& other) {
     distillation += other.distillation;
+    policy.clipped_tokens += other.policy.clipped_tokens;
+    policy.ratio_sum += other.policy.ratio_sum;
+    policy.approx_kl_sum += other.policy.approx_kl_sum;
+    policy.kl_sum += other.policy.kl_sum;
+    policy.entropy_sum += other.policy.entropy_sum;
     AddVector(other.segment_loss, &segment_loss);
     AddVector(other.segment_distillation, &segment_distillation);
     AddVector(other.segment_tokens, &segment_tokens);
@@ -204,11 +211,14 @@ class EvaluationLane {
 
   // One block of a post-training evaluation (config->post_training): its
   // logits, targets (empty: none, for a distillation with alpha 0), the
-  // teacher's rows (dense logits, or top-k indices and logprobs) and segment
-  // ids, each one entry per row. Defined in post_training_evaluation.cc.
+  // teacher's rows (dense logits, or top-k indices and logprobs), segment
+  // ids, and a policy's advantages, sampling and reference logprobs (empty
+  // without one), each one entry per row. Defined in
+  // post_training_evaluation.cc.
   struct PostTrainingBlock {
     absl::string_view logits, targets, teacher_logits, teacher_indices,
-        teacher_logprobs, segment_ids;
+        teacher_logprobs, segment_ids, advantages, sampling_logprobs,
+        reference_logprobs;
   };
   absl::Status EvaluatePostTraining(const PostTrainingBlock& block);
 

@@ -14,6 +14,7 @@
 #include "kernels/cpu/post_training_cpu.h"
 #include "lossd/v1/lossd.pb.h"
 #include "server/evaluation.h"
+#include "server/post_training_forward.h"
 #include "server/staged.h"
 #include "server/validation.h"
 
@@ -22,21 +23,100 @@ namespace lossd {
 namespace pb = ::lossd::v1;
 
 bool IsPostTrainingEvaluation(const pb::EvaluateHeader& header) {
-  return header.has_distillation() || header.has_segments();
+  return header.has_distillation() || header.has_policy() ||
+         header.policy_reference_logprobs() || header.has_segments();
 }
+
+namespace {
+
+// The header's policy (its scalars; the per-token inputs come in the blocks)
+// into post->policy_args, checked as ValidatePostTrainingArgs checks `args`
+// (a stand-in problem of one row) with it. INVALID_ARGUMENT: no policy beside
+// policy_reference_logprobs, an input in the header, ParsePolicyScalars'.
+absl::Status ParseEvaluatePolicy(const pb::EvaluateHeader& header,
+                                 PostTrainingArgs args,
+                                 PostTrainingEvaluation* post) {
+  static const float stand_in[1] = {0.0f};
+  if (!header.has_policy()) {
+    return absl::InvalidArgumentError(
+        "header.policy_reference_logprobs is set without a header.policy");
+  }
+  const pb::PolicyGradient& policy = header.policy();
+  if (policy.advantages_case() != pb::PolicyGradient::ADVANTAGES_NOT_SET ||
+      policy.sampling_logprobs_case() !=
+          pb::PolicyGradient::SAMPLING_LOGPROBS_NOT_SET ||
+      policy.reference_logprobs_case() !=
+          pb::PolicyGradient::REFERENCE_LOGPROBS_NOT_SET) {
+    return absl::InvalidArgumentError(
+        "header.policy's advantages, sampling_logprobs and "
+        "reference_logprobs must be unset in Evaluate: they come in the "
+        "blocks (reference logprobs with header.policy_reference_logprobs)");
+  }
+  ASSIGN_OR_RETURN(post->policy_args, ParsePolicyScalars(policy));
+  post->policy = true;
+  post->policy_reference = header.policy_reference_logprobs();
+  // Stand-ins (finite) for the blocks' inputs: the header's numbers are
+  // checked now, the blocks' values as they come.
+  PolicyArgs checked = post->policy_args;
+  checked.advantages = stand_in;
+  checked.sampling_logprobs = stand_in;
+  if (post->policy_reference) checked.reference_logprobs = stand_in;
+  args.policy = &checked;
+  return ValidatePostTrainingArgs(args);
+}
+
+// The header's segments (count and reduction; the ids come in the blocks)
+// into *post. INVALID_ARGUMENT: ids in the header, an unknown reduction, a
+// count outside [1, kMaxEvaluateSegments], a segment reduction without MEAN.
+absl::Status ParseEvaluateSegments(const pb::Segments& segments,
+                                   const CrossEntropyOptions& options,
+                                   PostTrainingEvaluation* post) {
+  if (segments.ids_case() != pb::Segments::IDS_NOT_SET) {
+    return absl::InvalidArgumentError(
+        "header.segments.ids must be unset in Evaluate: the ids come in "
+        "the blocks");
+  }
+  if (!pb::SegmentReduction_IsValid(segments.reduction())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown segments.reduction ", segments.reduction()));
+  }
+  // Ids are global over the stream, so the count is not bounded by a
+  // block's rows; the response carries count entries.
+  if (segments.count() < 1 || segments.count() > kMaxEvaluateSegments) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.segments.count = ", segments.count(),
+                     " must be in [1, ", kMaxEvaluateSegments, "]"));
+  }
+  post->segmented = true;
+  post->segment_count = segments.count();
+  post->segment_reduction = static_cast<SegmentReduction>(segments.reduction());
+  if (post->segment_reduction != SegmentReduction::kNone &&
+      options.reduction != Reduction::kMean) {
+    return absl::InvalidArgumentError(
+        "a segment reduction needs the options' reduction to be MEAN");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
     const pb::EvaluateHeader& header, int64_t vocab,
     const CrossEntropyOptions& options) {
   if (!header.data_token().empty() || !header.weight().empty()) {
     return absl::InvalidArgumentError(
-        "distillation and segments in Evaluate are offered on the stream "
-        "over logits only: not over data connections or hidden states");
+        "distillation, policy losses and segments in Evaluate are offered "
+        "on the stream over logits only: not over data connections or "
+        "hidden states");
   }
   if (!header.options().class_weights().empty()) {
     return absl::InvalidArgumentError(
-        "options.class_weights does not compose with distillation or "
-        "segments");
+        "options.class_weights does not compose with distillation, policy "
+        "losses or segments");
+  }
+  if (header.has_distillation() && header.has_policy()) {
+    return absl::InvalidArgumentError(
+        "distillation and policy cannot be combined in one Evaluate");
   }
   PostTrainingEvaluation post;
   // A stand-in problem of one row, to run the kernels' argument checks on
@@ -109,35 +189,15 @@ absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
     RETURN_IF_ERROR(ValidatePostTrainingArgs(args));
     args.distillation = nullptr;
   }
-  if (header.has_segments()) {
-    const pb::Segments& segments = header.segments();
-    if (segments.ids_case() != pb::Segments::IDS_NOT_SET) {
-      return absl::InvalidArgumentError(
-          "header.segments.ids must be unset in Evaluate: the ids come in "
-          "the blocks");
-    }
-    if (!pb::SegmentReduction_IsValid(segments.reduction())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown segments.reduction ", segments.reduction()));
-    }
-    // Ids are global over the stream, so the count is not bounded by a
-    // block's rows; the response carries count entries.
-    if (segments.count() < 1 || segments.count() > kMaxEvaluateSegments) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("header.segments.count = ", segments.count(),
-                       " must be in [1, ", kMaxEvaluateSegments, "]"));
-    }
-    post.segmented = true;
-    post.segment_count = segments.count();
-    post.segment_reduction =
-        static_cast<SegmentReduction>(segments.reduction());
-    if (post.segment_reduction != SegmentReduction::kNone &&
-        options.reduction != Reduction::kMean) {
-      return absl::InvalidArgumentError(
-          "a segment reduction needs the options' reduction to be MEAN");
-    }
+  if (header.has_policy() || header.policy_reference_logprobs()) {
+    RETURN_IF_ERROR(ParseEvaluatePolicy(header, args, &post));
   }
-  if (!post.distill) RETURN_IF_ERROR(ValidatePostTrainingArgs(args));
+  if (header.has_segments()) {
+    RETURN_IF_ERROR(ParseEvaluateSegments(header.segments(), options, &post));
+  }
+  if (!post.distill && !post.policy) {
+    RETURN_IF_ERROR(ValidatePostTrainingArgs(args));
+  }
   return post;
 }
 
@@ -232,6 +292,18 @@ absl::StatusOr<int64_t> PostTrainingBlockRows(
     RETURN_IF_ERROR(
         expect(block.teacher_logprobs, k * 4, "teacher_logprobs", false));
   }
+  if (post.policy) {
+    RETURN_IF_ERROR(expect(block.advantages, 4, "advantages", false));
+    RETURN_IF_ERROR(
+        expect(block.sampling_logprobs, 4, "sampling_logprobs", false));
+    if (post.policy_reference) {
+      RETURN_IF_ERROR(
+          expect(block.reference_logprobs, 4, "reference_logprobs", false));
+    }
+  }
+  if (!post.policy_reference && !block.reference_logprobs.empty()) {
+    return bad("reference_logprobs without header.policy_reference_logprobs");
+  }
   if (post.segmented) {
     RETURN_IF_ERROR(expect(block.segment_ids, 4, "segment_ids", false));
   }
@@ -249,6 +321,105 @@ std::vector<T> AlignedCopy(absl::string_view bytes) {
   return values;
 }
 
+// A block's small per-row inputs: aligned host copies (the checks read them
+// there), their copies on the device, and the kernel's arguments for them.
+struct BlockInputs {
+  std::string targets, indices;
+  std::vector<float> logprobs, advantages, sampling, reference;
+  std::vector<int32_t> ids;
+  Staged staged_targets, staged_indices, staged_logprobs, staged_ids,
+      staged_advantages, staged_sampling, staged_reference;
+  DistillationArgs kd;
+  PolicyArgs pg;
+  SegmentArgs segments;
+};
+
+// Host copies of the inputs of `block` into `in`; `args` (its base already
+// set) points at them.
+void ReadBlockInputs(const PostTrainingEvaluation& post, int64_t vocab,
+                     const EvaluationLane::PostTrainingBlock& block,
+                     BlockInputs* in, PostTrainingArgs* args) {
+  in->targets.assign(block.targets.data(), block.targets.size());
+  in->indices.assign(block.teacher_indices.data(),
+                     block.teacher_indices.size());
+  in->logprobs = AlignedCopy<float>(block.teacher_logprobs);
+  in->ids = AlignedCopy<int32_t>(block.segment_ids);
+  in->advantages = AlignedCopy<float>(block.advantages);
+  in->sampling = AlignedCopy<float>(block.sampling_logprobs);
+  in->reference = AlignedCopy<float>(block.reference_logprobs);
+  args->base.targets = in->targets.empty() ? nullptr : in->targets.data();
+  in->kd = post.distillation;
+  if (post.distill) {
+    if (in->kd.top_k == 0) {
+      in->kd.teacher_dtype = post.teacher_dtype;
+      in->kd.teacher_row_stride = vocab;
+    } else {
+      in->kd.top_k_indices = in->indices.data();
+      in->kd.top_k_indices_dtype = post.teacher_indices_dtype;
+      in->kd.top_k_logprobs = in->logprobs.data();
+    }
+    args->distillation = &in->kd;
+  }
+  in->pg = post.policy_args;
+  if (post.policy) {
+    in->pg.advantages = in->advantages.data();
+    in->pg.sampling_logprobs = in->sampling.data();
+    if (post.policy_reference) in->pg.reference_logprobs = in->reference.data();
+    args->policy = &in->pg;
+  }
+  if (post.segmented) {
+    in->segments.ids = in->ids.data();
+    in->segments.count = post.segment_count;
+    in->segments.reduction = SegmentReduction::kNone;
+    args->segments = &in->segments;
+  }
+}
+
+// `bytes` at `data` onto `device` through `staged`; *into points there.
+template <typename T>
+absl::Status StageInto(Device* device, const void* data, size_t bytes,
+                       Staged* staged, const T** into) {
+  RETURN_IF_ERROR(staged->Stage(device, data, bytes));
+  *into = static_cast<const T*>(staged->get());
+  return absl::OkStatus();
+}
+
+// The host copies in `in` onto `device` (no copy on a host-accessible one);
+// `args` then points there.
+absl::Status StageBlockInputs(Device* device, BlockInputs* in,
+                              PostTrainingArgs* args) {
+  if (args->base.targets != nullptr) {
+    RETURN_IF_ERROR(StageInto(device, in->targets.data(), in->targets.size(),
+                              &in->staged_targets, &args->base.targets));
+  }
+  if (args->distillation != nullptr && in->kd.top_k > 0) {
+    RETURN_IF_ERROR(StageInto(device, in->indices.data(), in->indices.size(),
+                              &in->staged_indices, &in->kd.top_k_indices));
+    RETURN_IF_ERROR(StageInto(device, in->logprobs.data(),
+                              in->logprobs.size() * sizeof(float),
+                              &in->staged_logprobs, &in->kd.top_k_logprobs));
+  }
+  if (args->policy != nullptr) {
+    RETURN_IF_ERROR(StageInto(device, in->advantages.data(),
+                              in->advantages.size() * sizeof(float),
+                              &in->staged_advantages, &in->pg.advantages));
+    RETURN_IF_ERROR(StageInto(device, in->sampling.data(),
+                              in->sampling.size() * sizeof(float),
+                              &in->staged_sampling, &in->pg.sampling_logprobs));
+    if (in->pg.reference_logprobs != nullptr) {
+      RETURN_IF_ERROR(StageInto(
+          device, in->reference.data(), in->reference.size() * sizeof(float),
+          &in->staged_reference, &in->pg.reference_logprobs));
+    }
+  }
+  if (args->segments != nullptr) {
+    RETURN_IF_ERROR(StageInto(device, in->ids.data(),
+                              in->ids.size() * sizeof(int32_t), &in->staged_ids,
+                              &in->segments.ids));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status EvaluationLane::EvaluatePostTraining(
@@ -259,23 +430,18 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   ASSIGN_OR_RETURN(const int64_t rows,
                    PostTrainingBlockRows(*config_, block, number));
   if (rows == 0) return absl::OkStatus();
-  const int64_t k = post.distillation.top_k;
+  const bool dense_teacher = post.distill && post.distillation.top_k == 0;
   if (metrics_ != nullptr) {
     metrics_->AddTransferBytes(
         TransferDirection::kEvaluate,
         static_cast<int64_t>(
             block.logits.size() + block.targets.size() +
             block.teacher_logits.size() + block.teacher_indices.size() +
-            block.teacher_logprobs.size() + block.segment_ids.size()),
+            block.teacher_logprobs.size() + block.segment_ids.size() +
+            block.advantages.size() + block.sampling_logprobs.size() +
+            block.reference_logprobs.size()),
         config_->tenant);
   }
-
-  // The small inputs stay on the host for the checks (aligned copies).
-  std::string targets(block.targets);
-  const std::vector<float> logprobs =
-      AlignedCopy<float>(block.teacher_logprobs);
-  std::string indices(block.teacher_indices);
-  const std::vector<int32_t> ids = AlignedCopy<int32_t>(block.segment_ids);
 
   PostTrainingArgs args;
   args.base.rows = rows;
@@ -283,37 +449,20 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   args.base.row_stride = config_->vocab;
   args.base.logits_dtype = config_->logits_dtype;
   args.base.targets_dtype = config_->targets_dtype;
-  args.base.targets = targets.empty() ? nullptr : targets.data();
   args.base.options = config_->options;
   // Each block's sums; the reactor reduces them.
   args.base.options.reduction = Reduction::kSum;
   args.base.mode = GradientMode::kNone;
-  DistillationArgs kd = post.distillation;
-  if (post.distill) {
-    if (k == 0) {
-      kd.teacher_dtype = post.teacher_dtype;
-      kd.teacher_row_stride = config_->vocab;
-    } else {
-      kd.top_k_indices = indices.data();
-      kd.top_k_indices_dtype = post.teacher_indices_dtype;
-      kd.top_k_logprobs = logprobs.data();
-    }
-    args.distillation = &kd;
-  }
-  SegmentArgs segments;
-  if (post.segmented) {
-    segments.ids = ids.data();
-    segments.count = post.segment_count;
-    segments.reduction = SegmentReduction::kNone;
-    args.segments = &segments;
-  }
+  // The small inputs stay on the host for the checks.
+  BlockInputs in;
+  ReadBlockInputs(post, config_->vocab, block, &in, &args);
   {
     PostTrainingArgs checked = args;
     checked.base.logits = block.logits.data();
-    if (post.distill && k == 0) kd.teacher_logits = block.teacher_logits.data();
+    if (dense_teacher) in.kd.teacher_logits = block.teacher_logits.data();
     RETURN_IF_ERROR(ValidatePostTrainingArgs(checked));
     RETURN_IF_ERROR(CheckPostTrainingData(checked));
-    kd.teacher_logits = nullptr;
+    in.kd.teacher_logits = nullptr;
   }
 
   Device* device = store_->device();
@@ -322,32 +471,14 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   RETURN_IF_ERROR(device->CopyFromHost(
       logits_buffer_.data(), 0, block.logits.data(), block.logits.size()));
   args.base.logits = logits_buffer_.data();
-  if (post.distill && k == 0) {
+  if (dense_teacher) {
     RETURN_IF_ERROR(Reserve(&teacher_buffer_, block.teacher_logits.size()));
     RETURN_IF_ERROR(device->CopyFromHost(teacher_buffer_.data(), 0,
                                          block.teacher_logits.data(),
                                          block.teacher_logits.size()));
-    kd.teacher_logits = teacher_buffer_.data();
+    in.kd.teacher_logits = teacher_buffer_.data();
   }
-  Staged staged_targets, staged_indices, staged_logprobs, staged_ids;
-  if (args.base.targets != nullptr) {
-    RETURN_IF_ERROR(
-        staged_targets.Stage(device, targets.data(), targets.size()));
-    args.base.targets = staged_targets.get();
-  }
-  if (post.distill && k > 0) {
-    RETURN_IF_ERROR(
-        staged_indices.Stage(device, indices.data(), indices.size()));
-    RETURN_IF_ERROR(staged_logprobs.Stage(device, logprobs.data(),
-                                          logprobs.size() * sizeof(float)));
-    kd.top_k_indices = staged_indices.get();
-    kd.top_k_logprobs = static_cast<const float*>(staged_logprobs.get());
-  }
-  if (post.segmented) {
-    RETURN_IF_ERROR(
-        staged_ids.Stage(device, ids.data(), ids.size() * sizeof(int32_t)));
-    segments.ids = static_cast<const int32_t*>(staged_ids.get());
-  }
+  RETURN_IF_ERROR(StageBlockInputs(device, &in, &args));
   block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
 
   PostTrainingResult result;
@@ -369,6 +500,7 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   block_.segment_loss = result.segment_loss;
   block_.segment_distillation = result.segment_distillation;
   block_.segment_tokens = result.segment_tokens;
+  block_.policy = result.policy;
   return order_->Add(index_, frames_++, block_);
 }
 

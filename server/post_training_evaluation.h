@@ -17,12 +17,16 @@ class EvaluateHeader;
 }  // namespace v1
 
 // What the header says about every block: the distillation (its pointers
-// unset) and the teacher's form, and the segments (ids unset).
+// unset) and the teacher's form, the policy loss (its inputs unset) and
+// whether reference logprobs come, and the segments (ids unset).
 struct PostTrainingEvaluation {
   bool distill = false;
   DistillationArgs distillation;  // teacher pointers null; top_k, tail set
   DType teacher_dtype = DType::kInvalid;          // dense teacher rows
   DType teacher_indices_dtype = DType::kInvalid;  // top-k teacher rows
+  bool policy = false;
+  PolicyArgs policy_args;         // input pointers null
+  bool policy_reference = false;  // the blocks carry reference logprobs
   bool segmented = false;
   int64_t segment_count = 0;
   SegmentReduction segment_reduction = SegmentReduction::kNone;
@@ -36,12 +40,14 @@ inline constexpr int64_t kMaxEvaluateSegments = int64_t{1} << 20;
 bool IsPostTrainingEvaluation(const lossd::v1::EvaluateHeader& header);
 
 // The header's post-training part, checked against `vocab` and `options`
-// (ValidateEvaluateHeader's). INVALID_ARGUMENT: a teacher or ids in the
-// header itself; a distillation without exactly one of teacher_logits_dtype
-// (a float dtype) and teacher_top_k (with teacher_indices_dtype int32/int64);
-// data connections, hidden states or class_weights with it; anything
-// ValidatePostTrainingArgs refuses (the options, the distillation's numbers,
-// k, segments' count and reduction). Thread-safe.
+// (ValidateEvaluateHeader's). INVALID_ARGUMENT: a teacher, policy input or
+// ids in the header itself; a distillation without exactly one of
+// teacher_logits_dtype (a float dtype) and teacher_top_k (with
+// teacher_indices_dtype int32/int64); distillation and policy together;
+// policy_reference_logprobs without a policy; data connections, hidden
+// states or class_weights with any of them; anything ValidatePostTrainingArgs
+// refuses (the options, the distillation's and the policy's numbers, k,
+// segments' count and reduction). Thread-safe.
 absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
     const lossd::v1::EvaluateHeader& header, int64_t vocab,
     const CrossEntropyOptions& options);

@@ -198,6 +198,30 @@ Fields FieldsOf(const pb::ForwardRequest& request) {
 
 }  // namespace
 
+absl::StatusOr<PolicyArgs> ParsePolicyScalars(
+    const pb::PolicyGradient& policy) {
+  if (!pb::PolicyLoss_IsValid(policy.loss()) ||
+      policy.loss() == pb::POLICY_LOSS_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.loss must be IMPORTANCE_SAMPLING, PPO_CLIP or CISPO, got ",
+        policy.loss()));
+  }
+  if (!pb::KlEstimator_IsValid(policy.kl_estimator())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown policy.kl_estimator ", policy.kl_estimator()));
+  }
+  PolicyArgs pg;
+  pg.loss = static_cast<PolicyLossKind>(policy.loss());
+  pg.epsilon_low = policy.has_epsilon_low() ? policy.epsilon_low() : 0.2f;
+  pg.epsilon_high =
+      policy.has_epsilon_high() ? policy.epsilon_high() : pg.epsilon_low;
+  pg.kl_coef = policy.kl_coef();
+  pg.kl_estimator = policy.kl_estimator() == pb::KL_ESTIMATOR_UNSPECIFIED
+                        ? KlEstimator::kK3
+                        : static_cast<KlEstimator>(policy.kl_estimator());
+  return pg;
+}
+
 absl::Status CheckPostTrainingRequest(const pb::ForwardRequest& request) {
   const Fields fields = FieldsOf(request);
   if (request.has_distillation() && request.has_policy()) {
@@ -237,17 +261,7 @@ absl::Status CheckPostTrainingRequest(const pb::ForwardRequest& request) {
     }
   }
   if (request.has_policy()) {
-    const pb::PolicyGradient& policy = request.policy();
-    if (!pb::PolicyLoss_IsValid(policy.loss()) ||
-        policy.loss() == pb::POLICY_LOSS_UNSPECIFIED) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy.loss must be IMPORTANCE_SAMPLING, PPO_CLIP or CISPO, got ",
-          policy.loss()));
-    }
-    if (!pb::KlEstimator_IsValid(policy.kl_estimator())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown policy.kl_estimator ", policy.kl_estimator()));
-    }
+    RETURN_IF_ERROR(ParsePolicyScalars(request.policy()).status());
     if (!fields.advantages.set || !fields.sampling.set) {
       return absl::InvalidArgumentError(
           "policy needs advantages and sampling_logprobs");
@@ -342,8 +356,7 @@ absl::Status ReadDistillation(TensorStore* store, const std::string& tenant,
 absl::Status ReadPolicy(TensorStore* store, const std::string& tenant,
                         const pb::ForwardRequest& request, const Fields& fields,
                         int64_t rows, PostTrainingInputs* in) {
-  const pb::PolicyGradient& message = request.policy();
-  in->policy.loss = static_cast<PolicyLossKind>(message.loss());
+  ASSIGN_OR_RETURN(in->policy, ParsePolicyScalars(request.policy()));
   RETURN_IF_ERROR(ReadInput(store, tenant, fields.advantages, rows, 0,
                             kFloat32Only, &in->advantages));
   RETURN_IF_ERROR(ReadInput(store, tenant, fields.sampling, rows, 0,
@@ -357,16 +370,6 @@ absl::Status ReadPolicy(TensorStore* store, const std::string& tenant,
     in->policy.reference_logprobs =
         reinterpret_cast<const float*>(in->reference.host());
   }
-  in->policy.epsilon_low =
-      message.has_epsilon_low() ? message.epsilon_low() : 0.2f;
-  in->policy.epsilon_high = message.has_epsilon_high() ? message.epsilon_high()
-                                                       : in->policy.epsilon_low;
-  in->policy.kl_coef = message.kl_coef();
-  in->policy.kl_estimator =
-      message.kl_estimator() == pb::KL_ESTIMATOR_UNSPECIFIED
-          ? KlEstimator::kK3
-          : static_cast<KlEstimator>(message.kl_estimator());
-
   in->args.policy = &in->policy;
   return absl::OkStatus();
 }
@@ -489,6 +492,14 @@ void PostTrainingTokens::Point(PostTrainingArgs* args) {
   args->token_clipped = data(clipped);
 }
 
+void FillPolicyStats(const PolicyStatsResult& sums, pb::PolicyStats* stats) {
+  stats->set_clipped_tokens(sums.clipped_tokens);
+  stats->set_ratio_sum(sums.ratio_sum);
+  stats->set_approx_kl_sum(sums.approx_kl_sum);
+  stats->set_kl_sum(sums.kl_sum);
+  stats->set_entropy_sum(sums.entropy_sum);
+}
+
 void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
                               double elapsed, const PostTrainingTokens& tokens,
                               pb::ForwardResponse* response) {
@@ -502,12 +513,7 @@ void FillPostTrainingResponse(const PostTrainingResult& result, bool policy,
       result.base.kernel_seconds > 0 ? result.base.kernel_seconds : elapsed);
   response->set_distillation_loss(result.distillation_loss);
   if (policy) {
-    pb::PolicyStats* stats = response->mutable_policy_stats();
-    stats->set_clipped_tokens(result.policy.clipped_tokens);
-    stats->set_ratio_sum(result.policy.ratio_sum);
-    stats->set_approx_kl_sum(result.policy.approx_kl_sum);
-    stats->set_kl_sum(result.policy.kl_sum);
-    stats->set_entropy_sum(result.policy.entropy_sum);
+    FillPolicyStats(result.policy, response->mutable_policy_stats());
   }
   response->mutable_segment_loss()->Add(result.segment_loss.begin(),
                                         result.segment_loss.end());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "kernels/post_training.h"
 #include "lossd/v1/lossd.pb.h"
@@ -60,6 +61,12 @@ struct PostTrainingInputs {
   PostTrainingArgs args;
 };
 
+// A policy's loss, epsilons, kl_coef and estimator (defaults applied), its
+// input pointers null. INVALID_ARGUMENT: an unspecified or unknown loss, an
+// unknown estimator. Pure; shared with Evaluate, whose inputs come in blocks.
+absl::StatusOr<PolicyArgs> ParsePolicyScalars(
+    const lossd::v1::PolicyGradient& policy);
+
 // Request-only checks of the distillation, policy and segments of `request`
 // (and that class weights are absent), before any lookup: INVALID_ARGUMENT
 // naming the field.
@@ -92,6 +99,10 @@ struct PostTrainingTokens {
   std::vector<int32_t> argmax;
   std::vector<uint8_t> clipped;
 };
+
+// A policy's statistics into their message (Forward's and Evaluate's).
+void FillPolicyStats(const PolicyStatsResult& sums,
+                     lossd::v1::PolicyStats* stats);
 
 // The response's loss, counts, statistics, segment sums and per-token
 // outputs.

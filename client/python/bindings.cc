@@ -229,16 +229,21 @@ constexpr char kEvaluateDoc[] =
          label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0,
          normalizer=0.0, block_rows=0, teacher=None, temperature=1.0, alpha=0.0,
          divergence="forward_kl", beta=0.5, top_k_tail="renormalize",
-         segments=None, num_segments=0, segment_reduction=None) -> EvaluateResult
+         segments=None, num_segments=0, segment_reduction=None,
+         policy_loss=None, advantages=None, old_logprobs=None,
+         ref_logprobs=None, epsilon_low=0.2, epsilon_high=None, kl_coef=0.0,
+         kl_estimator="k3") -> EvaluateResult
 
 Loss only of logits [N, V] and target [N] in host memory, streamed through
 the server in row blocks (over data connections when large); nothing is
 stored. dtype as for upload() (bf16 from uint16 needs dtype="bf16").
 reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).
-Distillation metrics and per-segment sums as forward() takes them, the
-teacher (logits [N, V], or a pair (indices, logprobs) [N, k]) and segment
-ids in host memory: they go in the blocks beside the rows, over the gRPC
-stream. Results add .distillation_loss, .segment_loss, .segment_tokens.)doc";
+Distillation metrics, policy-loss metrics and per-segment sums as forward()
+takes them, the teacher (logits [N, V], or a pair (indices, logprobs)
+[N, k]), the policy's advantages, old_logprobs and ref_logprobs (float32
+[N]) and segment ids in host memory: they go in the blocks beside the rows,
+over the gRPC stream. Results add .distillation_loss, .policy_stats,
+.segment_loss, .segment_tokens.)doc";
 
 constexpr char kLinearEvaluateDoc[] =
     R"doc(linear_evaluate(hidden, weight, target, *, bias="", dtype=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, block_rows=0) -> EvaluateResult
@@ -481,6 +486,7 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("nonfinite_rows", &EvaluateResult::nonfinite_rows)
       .def_readonly("denominator", &EvaluateResult::denominator)
       .def_readonly("distillation_loss", &EvaluateResult::distillation_loss)
+      .def_readonly("policy_stats", &EvaluateResult::policy_stats)
       .def_property_readonly("segment_loss",
                              [](const EvaluateResult& r) -> py::object {
                                return r.segment_loss.empty()
@@ -672,8 +678,20 @@ PYBIND11_MODULE(_lossd, m) {
              int64_t block_rows, py::object teacher, double temperature,
              double alpha, const std::string& divergence, double beta,
              const std::string& top_k_tail, py::object segments,
-             int64_t num_segments, py::object segment_reduction) {
+             int64_t num_segments, py::object segment_reduction,
+             py::object policy_loss, py::object advantages,
+             py::object old_logprobs, py::object ref_logprobs,
+             double epsilon_low, py::object epsilon_high, double kl_coef,
+             const std::string& kl_estimator) {
             PostTrainingKwargs post_training;
+            post_training.policy_loss = std::move(policy_loss);
+            post_training.advantages = std::move(advantages);
+            post_training.old_logprobs = std::move(old_logprobs);
+            post_training.ref_logprobs = std::move(ref_logprobs);
+            post_training.epsilon_low = epsilon_low;
+            post_training.epsilon_high = std::move(epsilon_high);
+            post_training.kl_coef = kl_coef;
+            post_training.kl_estimator = kl_estimator;
             post_training.teacher = std::move(teacher);
             post_training.temperature = temperature;
             post_training.alpha = alpha;
@@ -697,7 +715,13 @@ PYBIND11_MODULE(_lossd, m) {
           py::arg("divergence") = "forward_kl", py::arg("beta") = 0.5,
           py::arg("top_k_tail") = "renormalize",
           py::arg("segments") = py::none(), py::arg("num_segments") = 0,
-          py::arg("segment_reduction") = py::none())
+          py::arg("segment_reduction") = py::none(),
+          py::arg("policy_loss") = py::none(),
+          py::arg("advantages") = py::none(),
+          py::arg("old_logprobs") = py::none(),
+          py::arg("ref_logprobs") = py::none(), py::arg("epsilon_low") = 0.2,
+          py::arg("epsilon_high") = py::none(), py::arg("kl_coef") = 0.0,
+          py::arg("kl_estimator") = "k3")
       .def("linear_evaluate", &LinearEvaluate, kLinearEvaluateDoc,
            py::arg("hidden"), py::arg("weight"), py::arg("target"),
            py::kw_only(), py::arg("bias") = "", py::arg("dtype") = py::none(),

@@ -400,8 +400,9 @@ LossInput ParseSegmentIds(py::handle value, int64_t* count, KeptInputs* kept) {
 }
 
 // The distillation, policy and segment options of a forward's keyword
-// arguments. `in_blocks` (evaluate): the teacher and ids stay out of the
-// options; the caller sends them in the row blocks.
+// arguments. `in_blocks` (evaluate): the teacher, the policy's per-token
+// inputs and the ids stay out of the options; the caller sends them in the
+// row blocks.
 void SetPostTraining(const PostTrainingKwargs& kwargs, KeptInputs* kept,
                      std::optional<DistillationOptions>* distillation,
                      std::optional<PolicyGradientOptions>* policy,
@@ -473,12 +474,17 @@ void SetPostTraining(const PostTrainingKwargs& kwargs, KeptInputs* kept,
     if (kwargs.advantages.is_none() || kwargs.old_logprobs.is_none()) {
       ThrowInvalid("policy_loss needs advantages and old_logprobs");
     }
-    options.advantages = ParseLossInput(kwargs.advantages, "advantages", kept);
-    options.sampling_logprobs =
-        ParseLossInput(kwargs.old_logprobs, "old_logprobs", kept);
-    if (!kwargs.ref_logprobs.is_none()) {
-      options.reference_logprobs =
-          ParseLossInput(kwargs.ref_logprobs, "ref_logprobs", kept);
+    if (in_blocks) {
+      options.evaluate_reference_logprobs = !kwargs.ref_logprobs.is_none();
+    } else {
+      options.advantages =
+          ParseLossInput(kwargs.advantages, "advantages", kept);
+      options.sampling_logprobs =
+          ParseLossInput(kwargs.old_logprobs, "old_logprobs", kept);
+      if (!kwargs.ref_logprobs.is_none()) {
+        options.reference_logprobs =
+            ParseLossInput(kwargs.ref_logprobs, "ref_logprobs", kept);
+      }
     }
     options.epsilon_low = static_cast<float>(kwargs.epsilon_low);
     if (!kwargs.epsilon_high.is_none()) {
@@ -767,6 +773,36 @@ BlockColumn Column(const Tensor& tensor, int64_t rows, const char* what,
       field};
 }
 
+// A policy's advantages, old_logprobs and ref_logprobs (float32 [n] host
+// arrays; ref_logprobs optional) as evaluate's block columns, held in `kept`.
+void AddPolicyColumns(const PostTrainingKwargs& kwargs, int64_t n,
+                      KeptInputs* kept, std::vector<BlockColumn>* columns) {
+  const struct {
+    py::handle value;
+    const char* name;
+    std::string RowBlock::*field;
+  } inputs[] = {
+      {kwargs.advantages, "advantages", &RowBlock::advantages},
+      {kwargs.old_logprobs, "old_logprobs", &RowBlock::sampling_logprobs},
+      {kwargs.ref_logprobs, "ref_logprobs", &RowBlock::reference_logprobs}};
+  for (const auto& input : inputs) {
+    if (input.value.is_none()) continue;
+    if (py::isinstance<py::str>(input.value)) {
+      ThrowInvalid(absl::StrCat("evaluate: ", input.name,
+                                " must be an array in host memory, not a "
+                                "handle"));
+    }
+    kept->tensors.push_back(
+        TensorFromObject(input.value, py::none(), py::none(), input.name));
+    const Tensor& tensor = kept->tensors.back();
+    if (tensor.dtype != DType::kFloat32 || tensor.shape.size() != 1) {
+      ThrowInvalid(
+          absl::StrCat("evaluate: ", input.name, " must be float32 [N]"));
+    }
+    columns->push_back(Column(tensor, n, input.name, input.field));
+  }
+}
+
 EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
                             py::handle dtype, py::handle class_weights,
                             EvaluateOptions options, int64_t block_rows,
@@ -783,15 +819,12 @@ EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
   const int64_t n = rows_tensor.shape[0];
   KeptInputs kept;
   if (post_training != nullptr) {
-    std::optional<PolicyGradientOptions> policy;
-    SetPostTraining(*post_training, &kept, &options.distillation, &policy,
-                    &options.segments, /*in_blocks=*/true);
-    if (policy.has_value()) {
-      ThrowInvalid("evaluate: the policy losses are Forward only");
-    }
+    SetPostTraining(*post_training, &kept, &options.distillation,
+                    &options.policy, &options.segments, /*in_blocks=*/true);
   }
-  const bool in_blocks =
-      options.distillation.has_value() || options.segments.has_value();
+  const bool in_blocks = options.distillation.has_value() ||
+                         options.policy.has_value() ||
+                         options.segments.has_value();
   Tensor targets_tensor;
   if (!target.is_none() || !in_blocks) {
     targets_tensor = TensorFromObject(target, py::none(), py::none(), "target");
@@ -845,6 +878,9 @@ EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
       columns.push_back(Column(teacher[1], n, "teacher logprobs",
                                &RowBlock::teacher_logprobs));
     }
+  }
+  if (options.policy.has_value()) {
+    AddPolicyColumns(*post_training, n, &kept, &columns);
   }
   if (options.segments.has_value()) {
     int64_t count = options.segments->count;

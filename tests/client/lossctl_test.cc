@@ -658,6 +658,25 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   }
   EXPECT_EQ(clipped, want->policy_stats.clipped_tokens);
 
+  // eval streams the policy's inputs from files beside the logits: the same
+  // loss and statistics over blocks.
+  const std::string old_path = dir_.File("old_logprobs.npy");
+  ASSERT_TRUE(WriteNpy(old_path, DType::kFloat32, {kRows}, old_logprobs.data(),
+                       kRows * 4)
+                  .ok());
+  CommandResult ppo_eval =
+      Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
+               "--policy_loss=ppo", "--advantages=" + advantages_path,
+               "--old_logprobs=" + old_path, "--epsilon_high=0.3"});
+  ASSERT_EQ(ppo_eval.exit_code, 0) << ppo_eval.err;
+  EXPECT_NEAR(Field(ppo_eval.out, "loss"), want->loss,
+              1e-10 * std::abs(want->loss));
+  const std::string eval_stats = LineOf(ppo_eval.out, "clipped_tokens");
+  EXPECT_EQ(Field(eval_stats, "clipped_tokens"),
+            want->policy_stats.clipped_tokens);
+  EXPECT_NEAR(Field(eval_stats, "ratio_sum"), want->policy_stats.ratio_sum,
+              1e-10 * want->policy_stats.ratio_sum);
+
   // The same PPO loss through `lossctl linear` on X = I and W = the logits'
   // transpose (Z is then the logits exactly).
   std::vector<float> identity(kRows * kRows, 0.0f), weight(kVocab * kRows);

@@ -379,6 +379,78 @@ TEST_F(PostTrainingClientTest,
   }
 }
 
+// Evaluate with a CISPO loss whose advantages, sampling and reference
+// logprobs come in the blocks gives Forward's loss and policy statistics in
+// mode NONE over all rows, whatever the block size.
+TEST_F(PostTrainingClientTest, EvaluateWithPolicyEqualsForward) {
+  const int64_t rows = 17, vocab = 13;
+  std::vector<float> student = Normal(rows * vocab, 1.0f);
+  std::vector<int32_t> targets(rows);
+  std::vector<float> advantages = Normal(rows, 1.0f), sampling(rows),
+                     reference(rows);
+  std::normal_distribution<float> jitter(0.0f, 0.3f);
+  for (int64_t r = 0; r < rows; ++r) {
+    targets[r] = r % 4 == 1 ? -100 : static_cast<int32_t>((r * 7) % vocab);
+    const std::vector<double> lp = LogSoftmax(&student[r * vocab], vocab, 1.0);
+    const double logp = targets[r] < 0 ? 0.0 : lp[targets[r]];
+    sampling[r] = static_cast<float>(logp + jitter(rng_));
+    reference[r] = static_cast<float>(logp + jitter(rng_));
+  }
+  const std::string logits = UploadFloats(student, {rows, vocab});
+  PolicyGradientOptions policy;
+  policy.loss = PolicyLossKind::kCispo;
+  policy.epsilon_high = 0.28f;
+  policy.kl_coef = 0.05f;
+  policy.kl_estimator = KlEstimator::kK2;
+
+  ForwardOptions forward_options;
+  forward_options.mode = GradientMode::kNone;
+  forward_options.loss.reduction = Reduction::kSum;
+  PolicyGradientOptions inline_policy = policy;
+  inline_policy.advantages = LossInput::Inline(advantages);
+  inline_policy.sampling_logprobs = LossInput::Inline(sampling);
+  inline_policy.reference_logprobs = LossInput::Inline(reference);
+  forward_options.policy = inline_policy;
+  absl::StatusOr<ForwardResult> fwd = client_->Forward(
+      logits, Targets::Inline(DType::kInt32, targets.data(), rows * 4),
+      forward_options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+
+  EvaluateOptions eval_options;
+  eval_options.loss.reduction = Reduction::kSum;
+  policy.evaluate_reference_logprobs = true;
+  eval_options.policy = policy;
+  for (int64_t block_rows : {int64_t{1}, int64_t{6}, rows}) {
+    int64_t next = 0;
+    absl::StatusOr<EvaluateResult> eval = client_->Evaluate(
+        vocab, DType::kFloat32, DType::kInt32, eval_options,
+        [&](RowBlock* block) -> absl::StatusOr<bool> {
+          if (next >= rows) return false;
+          const int64_t n = std::min(block_rows, rows - next);
+          auto bytes = [](const void* data, std::size_t size) {
+            return std::string(static_cast<const char*>(data), size);
+          };
+          block->logits = bytes(&student[next * vocab], n * vocab * 4);
+          block->targets = bytes(&targets[next], n * 4);
+          block->advantages = bytes(&advantages[next], n * 4);
+          block->sampling_logprobs = bytes(&sampling[next], n * 4);
+          block->reference_logprobs = bytes(&reference[next], n * 4);
+          next += n;
+          return true;
+        });
+    ASSERT_TRUE(eval.ok()) << eval.status();
+    EXPECT_EQ(eval->valid_tokens, fwd->valid_tokens);
+    EXPECT_NEAR(eval->loss, fwd->loss, 1e-9 * (1 + std::abs(fwd->loss)));
+    const PolicyStats& got = eval->policy_stats;
+    const PolicyStats& want = fwd->policy_stats;
+    EXPECT_EQ(got.clipped_tokens, want.clipped_tokens);
+    EXPECT_NEAR(got.ratio_sum, want.ratio_sum, 1e-9 * (1 + want.ratio_sum));
+    EXPECT_NEAR(got.approx_kl_sum, want.approx_kl_sum, 1e-9);
+    EXPECT_NEAR(got.kl_sum, want.kl_sum, 1e-9);
+    EXPECT_NEAR(got.entropy_sum, want.entropy_sum, 1e-9 * want.entropy_sum);
+  }
+}
+
 // Arguments rejected before any RPC, and the server's INVALID_ARGUMENT for a
 // bad post-training request, which leaves the logits as they were.
 // LinearForward with a policy loss and segments on X = I: Z = W^T exactly,

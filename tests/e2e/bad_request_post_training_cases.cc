@@ -391,6 +391,100 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
             Bytes(std::vector<int32_t>{0}));
         return Evaluate({kd_header(), block});
       });
+  // A PPO header whose advantages and sampling logprobs come in the blocks.
+  auto policy_header = [] {
+    pb::EvaluateRequest request =
+        EvalHeader(kVocab, pb::DTYPE_FLOAT32, pb::DTYPE_INT32);
+    request.mutable_header()->mutable_policy()->set_loss(
+        pb::POLICY_LOSS_PPO_CLIP);
+    return request;
+  };
+  // One block of one row (target 0) with `advantage` and sampling logprob -1.
+  auto policy_block = [](float advantage) {
+    pb::EvaluateRequest request =
+        EvalBlock(std::string(kVocab * 4, '\0'), std::string(4, '\0'));
+    request.mutable_block()->set_advantages(
+        Bytes(std::vector<float>{advantage}));
+    request.mutable_block()->set_sampling_logprobs(
+        Bytes(std::vector<float>{-1.0f}));
+    return request;
+  };
+  add("evaluate policy: advantages in the header", Code::INVALID_ARGUMENT,
+      "advantages, sampling_logprobs and reference_logprobs must be unset",
+      [this, policy_header] {
+        pb::EvaluateRequest header = policy_header();
+        header.mutable_header()->mutable_policy()->set_advantages_handle(
+            logits_);
+        return Evaluate({header});
+      });
+  add("evaluate policy: with a distillation", Code::INVALID_ARGUMENT,
+      "distillation and policy cannot be combined", [this, policy_header] {
+        pb::EvaluateRequest header = policy_header();
+        header.mutable_header()->mutable_distillation()->set_alpha(0.0f);
+        header.mutable_header()->set_teacher_top_k(2);
+        header.mutable_header()->set_teacher_indices_dtype(pb::DTYPE_INT32);
+        return Evaluate({header});
+      });
+  add("evaluate policy: unspecified loss", Code::INVALID_ARGUMENT,
+      "policy.loss must be IMPORTANCE_SAMPLING, PPO_CLIP or CISPO",
+      [this, policy_header] {
+        pb::EvaluateRequest header = policy_header();
+        header.mutable_header()->mutable_policy()->set_loss(
+            pb::POLICY_LOSS_UNSPECIFIED);
+        return Evaluate({header});
+      });
+  add("evaluate policy: kl_coef without reference logprobs",
+      Code::INVALID_ARGUMENT, "policy.kl_coef > 0 needs reference logprobs",
+      [this, policy_header] {
+        pb::EvaluateRequest header = policy_header();
+        header.mutable_header()->mutable_policy()->set_kl_coef(0.1f);
+        return Evaluate({header});
+      });
+  add("evaluate policy: reference logprobs without a policy",
+      Code::INVALID_ARGUMENT, "policy_reference_logprobs is set without",
+      [this] {
+        pb::EvaluateRequest header =
+            EvalHeader(kVocab, pb::DTYPE_FLOAT32, pb::DTYPE_INT32);
+        header.mutable_header()->set_policy_reference_logprobs(true);
+        return Evaluate({header});
+      });
+  add("evaluate policy: label smoothing", Code::INVALID_ARGUMENT,
+      "label_smoothing does not compose with policy losses",
+      [this, policy_header] {
+        pb::EvaluateRequest header = policy_header();
+        header.mutable_header()->mutable_options()->set_label_smoothing(0.1f);
+        return Evaluate({header});
+      });
+  add("evaluate policy: a NaN advantage", Code::INVALID_ARGUMENT,
+      "policy advantages[0] = nan is not finite",
+      [this, policy_header, policy_block] {
+        return Evaluate(
+            {policy_header(),
+             policy_block(std::numeric_limits<float>::quiet_NaN())});
+      });
+  add("evaluate policy: a block without advantages", Code::INVALID_ARGUMENT,
+      "block 0: advantages has 0 bytes; 1 rows need 4",
+      [this, policy_header, policy_block] {
+        pb::EvaluateRequest block = policy_block(1.0f);
+        block.mutable_block()->clear_advantages();
+        return Evaluate({policy_header(), block});
+      });
+  add("evaluate policy: a block without targets", Code::INVALID_ARGUMENT,
+      "block 0: targets has 0 bytes; 1 rows need 4",
+      [this, policy_header, policy_block] {
+        pb::EvaluateRequest block = policy_block(1.0f);
+        block.mutable_block()->clear_targets();
+        return Evaluate({policy_header(), block});
+      });
+  add("evaluate policy: reference logprobs the header does not name",
+      Code::INVALID_ARGUMENT,
+      "block 0: reference_logprobs without header.policy_reference_logprobs",
+      [this, policy_header, policy_block] {
+        pb::EvaluateRequest block = policy_block(1.0f);
+        block.mutable_block()->set_reference_logprobs(
+            Bytes(std::vector<float>{-1.0f}));
+        return Evaluate({policy_header(), block});
+      });
   add("evaluate segments: an id past the count", Code::INVALID_ARGUMENT,
       "segment id [0] = 3 is outside [0, 3)", [this] {
         pb::EvaluateRequest header =

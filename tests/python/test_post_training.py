@@ -279,6 +279,42 @@ def test_client_evaluate_with_teacher_and_segments_equals_forward(client):
         assert evaluated.segment_loss == pytest.approx(forward.segment_loss, rel=1e-9)
 
 
+def test_client_evaluate_with_policy_equals_forward(client):
+    """Evaluate's policy metrics (loss, statistics, segments) over blocks of any size are
+    Forward's in mode none over the same rows; advantages without a policy_loss are refused."""
+    rows, vocab = 19, 17
+    logits = make_logits(torch.float32, rows, vocab, seed=40)
+    target = make_target(rows, vocab, seed=40)
+    generator = torch.Generator().manual_seed(41)
+    logp = torch.log_softmax(logits.double(), -1).gather(
+        1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+    old = (logp + 0.3 * torch.randn(rows, generator=generator, dtype=torch.float64)).float()
+    ref = (logp + 0.2 * torch.randn(rows, generator=generator, dtype=torch.float64)).float()
+    advantages = torch.randn(rows, generator=generator).numpy()
+    segments = (torch.arange(rows) // 4).numpy()
+    kwargs = dict(policy_loss="ppo", advantages=advantages, old_logprobs=old.numpy(),
+                  ref_logprobs=ref.numpy(), kl_coef=0.05, epsilon_high=0.28,
+                  segments=segments, segment_reduction="seq_mean_token_mean")
+    forward = client.forward(logits.numpy(), target.numpy(), mode="none", **kwargs)
+    for block_rows in (1, 5, 0):
+        evaluated = client.evaluate(logits.numpy(), target.numpy(), block_rows=block_rows,
+                                    **kwargs)
+        assert evaluated.rows == rows
+        assert evaluated.loss == pytest.approx(forward.loss, rel=1e-9)
+        assert evaluated.valid_tokens == forward.valid_tokens
+        got, want = evaluated.policy_stats, forward.policy_stats
+        assert got.clipped_tokens == want.clipped_tokens
+        for name in ("ratio_sum", "approx_kl_sum", "kl_sum", "entropy_sum"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-9)
+        assert evaluated.segment_loss == pytest.approx(forward.segment_loss, rel=1e-9)
+    with pytest.raises(lossd.InvalidArgument, match="need a policy_loss"):
+        client.evaluate(logits.numpy(), target.numpy(), advantages=advantages)
+    with pytest.raises(lossd.InvalidArgument, match="not finite"):
+        client.evaluate(logits.numpy(), target.numpy(), policy_loss="cispo",
+                        advantages=np.full(rows, np.nan, np.float32),
+                        old_logprobs=old.numpy())
+
+
 def test_client_forward_policy_outputs_and_async(client):
     rows, vocab = 8, 19
     logits = make_logits(torch.float32, rows, vocab, seed=12)

@@ -148,6 +148,8 @@ class EvaluateResult:
     @property
     def distillation_loss(self) -> float: ...
     @property
+    def policy_stats(self) -> PolicyStats: ...
+    @property
     def segment_loss(self) -> Optional[np.ndarray]: ...
     @property
     def segment_tokens(self) -> Optional[np.ndarray]: ...
@@ -234,7 +236,14 @@ class Client:
                  divergence: str = "forward_kl", beta: float = 0.5,
                  top_k_tail: str = "renormalize", segments: Optional[BufferLike] = None,
                  num_segments: int = 0,
-                 segment_reduction: Optional[str] = None) -> EvaluateResult: ...
+                 segment_reduction: Optional[str] = None,
+                 # A policy loss's metrics: float32 [N] arrays in host memory.
+                 policy_loss: Optional[str] = None,
+                 advantages: Optional[BufferLike] = None,
+                 old_logprobs: Optional[BufferLike] = None,
+                 ref_logprobs: Optional[BufferLike] = None, epsilon_low: float = 0.2,
+                 epsilon_high: Optional[float] = None, kl_coef: float = 0.0,
+                 kl_estimator: str = "k3") -> EvaluateResult: ...
     def linear_evaluate(self, hidden: BufferLike, weight: str, target: BufferLike, *,
                         bias: str = "", dtype: DTypeLike = None,
                         class_weights: Union[None, str, BufferLike] = None,

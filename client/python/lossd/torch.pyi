@@ -39,7 +39,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_handle: str, target: torch
                          label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
                          softcap: float = 0.0, normalizer: float = 0.0,
                          grad_scale: float = 1.0, label: str = "hidden",
-                         precision: str = "exact") -> torch.Tensor: ...
+                         precision: str = "exact",
+                         segments: Union[None, str, torch.Tensor] = None,
+                         num_segments: int = 0,
+                         segment_reduction: Optional[str] = None) -> torch.Tensor: ...
 
 class LossdCrossEntropyLoss(torch.nn.Module):
     client: Client
@@ -91,3 +94,42 @@ def jsd_async(input: torch.Tensor, teacher: Teacher, target: Optional[torch.Tens
 def policy_loss_async(input: torch.Tensor, target: torch.Tensor,
                       advantages: Union[str, torch.Tensor],
                       old_logprobs: Union[str, torch.Tensor], **kwargs: Any) -> PendingLoss: ...
+
+# The post-training losses over the LM head on the server (linear_cross_entropy's head
+# arguments; the teacher, target and policy arguments as kl_div's, jsd's and policy_loss's).
+def linear_kl_div(hidden: torch.Tensor, weight_handle: str, teacher: Teacher,
+                  target: Optional[torch.Tensor] = None, *, client: Client,
+                  reverse: bool = False, temperature: float = 1.0, alpha: float = 0.0,
+                  top_k_tail: str = "renormalize", bias_handle: Optional[str] = None,
+                  weight_grad_handle: Optional[str] = None,
+                  bias_grad_handle: Optional[str] = None, accumulate: str = "add",
+                  ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0,
+                  normalizer: float = 0.0, grad_scale: float = 1.0,
+                  segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                  segment_reduction: Optional[str] = None, label: str = "hidden",
+                  precision: str = "exact") -> torch.Tensor: ...
+def linear_jsd(hidden: torch.Tensor, weight_handle: str, teacher: Teacher,
+               target: Optional[torch.Tensor] = None, *, client: Client, beta: float = 0.5,
+               temperature: float = 1.0, alpha: float = 0.0, top_k_tail: str = "renormalize",
+               bias_handle: Optional[str] = None, weight_grad_handle: Optional[str] = None,
+               bias_grad_handle: Optional[str] = None, accumulate: str = "add",
+               ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0,
+               normalizer: float = 0.0, grad_scale: float = 1.0,
+               segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+               segment_reduction: Optional[str] = None, label: str = "hidden",
+               precision: str = "exact") -> torch.Tensor: ...
+def linear_policy_loss(hidden: torch.Tensor, weight_handle: str, target: torch.Tensor,
+                       advantages: Union[str, torch.Tensor],
+                       old_logprobs: Union[str, torch.Tensor], *, client: Client,
+                       loss_type: str = "ppo",
+                       ref_logprobs: Union[None, str, torch.Tensor] = None,
+                       epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
+                       kl_coef: float = 0.0, kl_estimator: str = "k3",
+                       bias_handle: Optional[str] = None,
+                       weight_grad_handle: Optional[str] = None,
+                       bias_grad_handle: Optional[str] = None, accumulate: str = "add",
+                       ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0,
+                       normalizer: float = 0.0, grad_scale: float = 1.0,
+                       segments: Union[None, str, torch.Tensor] = None, num_segments: int = 0,
+                       segment_reduction: Optional[str] = None, label: str = "hidden",
+                       precision: str = "exact") -> torch.Tensor: ...
