@@ -3,7 +3,8 @@
 // reading a mapped file, and writing an output file with pwrite or through a
 // mapping. Run on the machine whose figures matter (tmpfs paths for /dev/shm).
 //
-//   build/bench/convert_bench [--mib=1024] [--dir=/dev/shm]
+//   build/bench/convert_bench [--mib=1024] [--dir=/dev/shm] [--downloads_only]
+//                             [--download_ways=pwrite,fault,ahead,slice,fallocate]
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -17,11 +18,15 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "client/convert.h"
 
 ABSL_FLAG(int, mib, 1024, "MiB of fp32 input per measurement");
 ABSL_FLAG(std::string, dir, "/dev/shm", "where the file measurements write");
 ABSL_FLAG(int, repeats, 3, "runs per measurement (the best is printed)");
+ABSL_FLAG(std::string, download_ways, "pwrite,fault,ahead,slice,fallocate",
+          "the download-file ways to measure: pwrite, and the mapped file's "
+          "ways of giving its pages their storage (see Populate)");
 ABSL_FLAG(bool, downloads_only, false,
           "only the download-file measurements (bf16 -> fp32 file)");
 
@@ -62,10 +67,17 @@ struct MappedPhases {
 // bf16 [count] at `b16` into a new fp32 file at `path` through a shared
 // mapping, as lossctl's download writes it (slices of 256 KiB of output over
 // `pool`); see the caller for the variants.
+// How a mapped download's pages get their storage: faulted by the converting
+// stores, populated (MADV_POPULATE_WRITE) over the pool ahead of the data, per
+// slice just before its stores, or fallocated whole by one call first and
+// then populated per slice.
+enum class Populate { kFault, kAhead, kSlice, kFallocate };
+
 MappedPhases MappedDownload(const std::string& path, const uint16_t* b16,
-                            std::size_t count, bool populate_ahead,
-                            bool populate_slices, bool parallel_unmap,
-                            ConvertPool& pool) {
+                            std::size_t count, Populate populate,
+                            bool parallel_unmap, ConvertPool& pool) {
+  const bool populate_slices =
+      populate == Populate::kSlice || populate == Populate::kFallocate;
   MappedPhases phases;
   constexpr std::size_t kSlice = 64 << 10;  // elements per task
   constexpr std::size_t kChunk = 64 << 20;  // bytes per populate/unmap task
@@ -77,10 +89,14 @@ MappedPhases MappedDownload(const std::string& path, const uint16_t* b16,
   if (ftruncate(fd, bytes) != 0) std::perror("ftruncate");
   char* map = static_cast<char*>(
       mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-  close(fd);
   phases.create = Seconds(start);
   start = std::chrono::steady_clock::now();
-  if (populate_ahead) {
+  if (populate == Populate::kFallocate &&
+      fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
+    std::perror("fallocate");
+  }
+  close(fd);
+  if (populate == Populate::kAhead) {
     (void)pool.ParallelFor(chunks, [&](int64_t c) {
       const std::size_t begin = c * kChunk;
       madvise(map + begin, std::min(kChunk, bytes - begin),
@@ -229,6 +245,9 @@ int Main() {
   constexpr std::size_t kSlice = 256 << 10;  // elements per task
   const std::size_t tasks = (count + kSlice - 1) / kSlice;
   for (bool parallel : {false, true}) {
+    if (!absl::StrContains(absl::GetFlag(FLAGS_download_ways), "pwrite")) {
+      break;
+    }
     Report(parallel ? "bf16 -> fp32 file, pwrite, pool"
                     : "bf16 -> fp32 file, pwrite, one core",
            count * 2.0, count * 4.0, Best([&] {
@@ -254,27 +273,31 @@ int Main() {
              close(fd);
            }));
   }
-  // The same into a shared mapping of the output file, phase by phase: how
-  // the pages get their storage (faulted by the converting stores, populated
-  // ahead of the data over the pool, or populated slice by slice just before
-  // each slice's stores) and how the mapping goes (one munmap, or its
-  // page-table entries dropped over the pool first).
-  enum class Populate { kFault, kAhead, kSlice };
-  for (Populate populate :
-       {Populate::kFault, Populate::kAhead, Populate::kSlice}) {
+  // The same into a shared mapping of the output file, phase by phase, for
+  // each way of giving the pages their storage (see Populate) and of
+  // unmapping (one munmap, or the page-table entries dropped over the pool
+  // first).
+  const std::vector<std::pair<std::string, Populate>> ways = {
+      {"fault", Populate::kFault},
+      {"ahead", Populate::kAhead},
+      {"slice", Populate::kSlice},
+      {"fallocate", Populate::kFallocate}};
+  for (const auto& [name, populate] : ways) {
+    if (!absl::StrContains(absl::GetFlag(FLAGS_download_ways), name)) continue;
     for (bool parallel_unmap : {false, true}) {
       const char* how = populate == Populate::kFault   ? "faulted by stores"
                         : populate == Populate::kAhead ? "populated ahead"
-                                                       : "populated per slice";
+                        : populate == Populate::kSlice
+                            ? "populated per slice"
+                            : "fallocated, per slice";
       MappedPhases best;
       for (int i = 0; i < absl::GetFlag(FLAGS_repeats); ++i) {
-        const MappedPhases run =
-            MappedDownload(out, b16.data(), count, populate == Populate::kAhead,
-                           populate == Populate::kSlice, parallel_unmap, pool);
+        const MappedPhases run = MappedDownload(out, b16.data(), count,
+                                                populate, parallel_unmap, pool);
         if (i == 0 || run.Total() < best.Total()) best = run;
       }
       std::printf(
-          "bf16 -> fp32 file, mapped, pool, %-19s %-8s %7.3f s  (create "
+          "bf16 -> fp32 file, mapped, pool, %-21s %-8s %7.3f s  (create "
           "%.3f, populate %.3f, convert %.3f, unmap %.3f; unlink %.3f)  out "
           "%6.2f GB/s\n",
           how, parallel_unmap ? "unmap//" : "munmap", best.Total(), best.create,
