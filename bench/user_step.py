@@ -8,7 +8,10 @@ place, backward, the gradient back where the user wants it. The ways:
      the gradient received into host memory; skipped with --device=cpu, where
      way 1 is this);
   3. the Python client (lossd.Client) from numpy, gradient into numpy;
-  4. lossctl with .npy files (fp32 file sent as bf16, gradient written back);
+  4. lossctl with .npy files (fp32 file sent as bf16, gradient written back
+     into a new float32 .npy file), or .safetensors files (the gradient as sent,
+     bf16) with --lossctl_formats; with --lossctl=old=PATH,new=PATH, once with
+     each of several lossctl builds;
   5. lossd::Client (bench/user_step_bench);
   6. the overlapped step: 4 micro-batches of rows / 4, each a "compute" (a
      timed matmul on --device standing in for the model) and its loss through
@@ -26,13 +29,17 @@ on the steady step.
   python3 bench/user_step.py --build build-gpu --out $OUT/USER_STEP.md
 (on the GPU machine after a scripts/gpu-python install; here, a smoke run of
 every way in about a minute:
-  python3 bench/user_step.py --build build-gpu --device=cpu --shapes=512x4096 --steps=2)
+  python3 bench/user_step.py --build build-gpu --device=cpu --shapes=512x4096 --steps=2;
+--ways=4,5,7 runs only lossctl, lossd::Client and the Python server, which need no Python
+package)
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -61,18 +68,28 @@ def summary(steps):
     return seconds[0], statistics.median(later)
 
 
-def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
-    """The README's lossctl step on .npy files in `folder`, timed per step."""
+def write_logits(folder, rows, vocab, fmt, rng):
+    """An fp32 [rows, vocab] logits file in `folder` (.npy, or .safetensors with the tensor
+    "logits"), written in row blocks of one random block repeated: never a second full-size array
+    in this process, and no minutes spent drawing billions of normals. Returns lossctl's argument
+    for it."""
     import numpy as np
 
-    logits_path = os.path.join(folder, "logits.npy")
-    targets_path = os.path.join(folder, "targets.npy")
-    gradient_path = os.path.join(folder, "gradient.npy")
-    rng = np.random.default_rng(0)
-    # Written in row blocks: never a second full-size array in this process.
-    # Written in row blocks of one random block repeated: never a second full-size array in this
-    # process, and no minutes spent drawing billions of normals.
-    out = np.lib.format.open_memmap(logits_path, mode="w+", dtype=np.float32, shape=(rows, vocab))
+    if fmt == "npy":
+        path = os.path.join(folder, "logits.npy")
+        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, vocab))
+        argument = path
+    else:
+        path = os.path.join(folder, "logits.safetensors")
+        header = json.dumps({"logits": {"dtype": "F32", "shape": [rows, vocab],
+                                        "data_offsets": [0, rows * vocab * 4]}}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            f.truncate(8 + len(header) + rows * vocab * 4)
+        out = np.memmap(path, dtype=np.float32, mode="r+", offset=8 + len(header),
+                        shape=(rows, vocab))
+        argument = path + ":logits"
     block = max(1, (256 << 20) // (4 * vocab))
     values = rng.standard_normal((min(block, rows), vocab), dtype=np.float32) * 3
     for first in range(0, rows, block):
@@ -80,6 +97,19 @@ def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
         out[first:first + count] = values[:count]
     out.flush()
     del out
+    return argument
+
+
+def lossctl_steps(lossctl, target, rows, vocab, steps, folder, fmt="npy"):
+    """The README's lossctl step on files in `folder` (fp32 logits in a .npy or .safetensors
+    file, the gradient back into a new file of the same format: float32 .npy, or bf16 as sent in
+    .safetensors), timed per step."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    logits_path = write_logits(folder, rows, vocab, fmt, rng)
+    targets_path = os.path.join(folder, "targets.npy")
+    gradient_path = os.path.join(folder, "gradient." + fmt)
     np.save(targets_path, rng.integers(0, vocab, rows))
     base = [lossctl, f"--server={target}"]
 
@@ -105,10 +135,9 @@ def lossctl_steps(lossctl, target, rows, vocab, steps, folder):
         call("rm", logits, targets)
         results.append({"step": step, "seconds": end - start, "upload": uploaded - start,
                         "download": end - computed})
-    print("lossctl", results, flush=True)
-    for path in (logits_path, targets_path, gradient_path):
-        if os.path.exists(path):
-            os.unlink(path)
+    print("lossctl", fmt, results, flush=True)
+    for name in os.listdir(folder):
+        os.unlink(os.path.join(folder, name))
     return results
 
 
@@ -152,7 +181,8 @@ def target_lines(ways, python_steady):
             # Way 1's target is for CUDA tensors (with --device=cpu it is the CPU tensors' way).
             if name.startswith(prefix) and (prefix != "1." or "cuda" in name):
                 ratio = python_steady / summary(steps)[1]
-                checks.append(f"{name.split(' (')[0]} {ratio:.1f}x (>= {least}x: "
+                label = re.sub(r" \((fp32|GPU)[^)]*\).*", "", name)
+                checks.append(f"{label} {ratio:.1f}x (>= {least}x: "
                               f"{'met' if ratio >= least else 'MISSED'})")
     return ["Targets, steady step vs the Python server: " + "; ".join(checks) + ".", ""]
 
@@ -168,9 +198,18 @@ def main():
     parser.add_argument("--python_server_steps", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="append the markdown table here")
+    parser.add_argument("--ways", default="1,2,3,4,5,6,7",
+                        help="the ways to run, by number (the ratios need 5 and 7)")
+    parser.add_argument("--lossctl", default="",
+                        help="way 4 with each of these lossctl binaries, comma-separated, each PATH "
+                        "or NAME=PATH (default: BUILD/client/lossctl)")
+    parser.add_argument("--lossctl_formats", default="npy",
+                        help="way 4's file formats, comma-separated: npy, safetensors")
     args = parser.parse_args()
 
     build = os.path.abspath(args.build)
+    lossctl_binaries = [tuple(b.split("=", 1)) if "=" in b else ("", b)
+                        for b in args.lossctl.split(",") if b] or [("", os.path.join(build, "client", "lossctl"))]
     env = dict(os.environ)
     if args.python_package != "installed":
         package = os.path.abspath(args.python_package or os.path.join(build, "client", "python"))
@@ -197,40 +236,53 @@ def main():
             python_step = [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"),
                            f"--target={target}", f"--steps={args.steps}"] + sizes
             ways = {}
-            ways[f"1. lossd.torch from a {args.device} tensor"] = run_json(
-                python_step + ["--mode=torch", f"--device={args.device}"], env=env)
-            if args.device != "cpu":
+            wanted = set(args.ways.split(","))
+            if "1" in wanted:
+                ways[f"1. lossd.torch from a {args.device} tensor"] = run_json(
+                    python_step + ["--mode=torch", f"--device={args.device}"], env=env)
+            if "2" in wanted and args.device != "cpu":
                 ways["2. lossd.torch from CPU tensors (GPU-less client)"] = run_json(
                     python_step + ["--mode=torch", "--device=cpu"], env=env)
-            ways["3. Python client from numpy"] = run_json(python_step + ["--mode=numpy"], env=env)
-            folder = scratch_folder(rows * vocab * 8)
-            try:
-                ways["4. lossctl, .npy files (fp32 sent as bf16) in " + os.path.dirname(folder)] = lossctl_steps(
-                    os.path.join(build, "client", "lossctl"), target, rows, vocab, args.steps, folder)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            ways["5. lossd::Client"] = run_json([bench, f"--target={target}", f"--steps={args.steps}"] + sizes)
-            serial = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=0"],
-                              env=env)
-            calibration = next(s for s in serial if "calibration" in s)
-            serial = [s for s in serial if "calibration" not in s]
-            overlapped = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=1",
-                                                 f"--matmuls={calibration['matmuls']}"], env=env)
-            ways["6a. 4 micro-batches + compute, one after the other"] = serial
-            ways["6b. 4 micro-batches + compute, overlapped"] = overlapped
-            python_port = tempfile.mktemp(prefix="user_step_python_")
-            python, python_target = start_server(
-                [sys.executable, os.path.join(ROOT, "bench", "python_server.py"),
-                 f"--stubs={os.path.join(build, 'tests', 'reference', 'py')}", f"--port_file={python_port}",
-                 f"--device={args.device}"], python_port)
-            try:
-                ways["7. Python server (grpcio + torch)"] = run_json(
-                    [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
-                     "--single_stream"] + sizes)
-            finally:
-                stop(python)
-            python_first, python_steady = summary(ways["7. Python server (grpcio + torch)"])
-            client_steady = summary(ways["5. lossd::Client"])[1]
+            if "3" in wanted:
+                ways["3. Python client from numpy"] = run_json(python_step + ["--mode=numpy"], env=env)
+            if "4" in wanted:
+                folder = scratch_folder(rows * vocab * 8)
+                try:
+                    for fmt in args.lossctl_formats.split(","):
+                        for name, lossctl in lossctl_binaries:
+                            label = f" ({name})" if name else ""
+                            ways[f"4. lossctl{label}, .{fmt} files (fp32 sent as bf16) in "
+                                 f"{os.path.dirname(folder)}"] = lossctl_steps(
+                                     lossctl, target, rows, vocab, args.steps, folder, fmt)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+            if "5" in wanted:
+                ways["5. lossd::Client"] = run_json([bench, f"--target={target}", f"--steps={args.steps}"] + sizes)
+            serial = overlapped = None
+            if "6" in wanted:
+                serial = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=0"],
+                                  env=env)
+                calibration = next(s for s in serial if "calibration" in s)
+                serial = [s for s in serial if "calibration" not in s]
+                overlapped = run_json(python_step + ["--mode=overlap", f"--device={args.device}", "--overlap=1",
+                                                     f"--matmuls={calibration['matmuls']}"], env=env)
+                ways["6a. 4 micro-batches + compute, one after the other"] = serial
+                ways["6b. 4 micro-batches + compute, overlapped"] = overlapped
+            if "7" in wanted:
+                python_port = tempfile.mktemp(prefix="user_step_python_")
+                python, python_target = start_server(
+                    [sys.executable, os.path.join(ROOT, "bench", "python_server.py"),
+                     f"--stubs={os.path.join(build, 'tests', 'reference', 'py')}", f"--port_file={python_port}",
+                     f"--device={args.device}"], python_port)
+                try:
+                    ways["7. Python server (grpcio + torch)"] = run_json(
+                        [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
+                         "--single_stream"] + sizes)
+                finally:
+                    stop(python)
+            nan = float("nan")
+            python_first, python_steady = summary(ways.get("7. Python server (grpcio + torch)", [{"seconds": nan}]))
+            client_steady = summary(ways.get("5. lossd::Client", [{"seconds": nan}]))[1]
             lines.append(f"### {rows} x {vocab} bf16 ({gb:.2f} GB each way)")
             lines.append("")
             lines.append(f"Raw TCP over loopback, the same bytes once: 1 connection {tcp[1]:.3f} s "
@@ -252,7 +304,8 @@ def main():
                              f"{python_steady / steady:.1f}x | {steady / client_steady:.2f} | "
                              f"{steady / (2 * tcp[4]):.2f} | {up:.3f} / {down:.3f} s{parts} |")
             lines.append("")
-            lines += overlap_lines(serial, overlapped, calibration)
+            if serial is not None:
+                lines += overlap_lines(serial, overlapped, calibration)
             lines += target_lines(ways, python_steady)
             print("\n".join(lines[-len(ways) - 14:]), flush=True)
             if args.out:  # each shape as it is done: a run cut short keeps the shapes it did

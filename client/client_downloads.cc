@@ -142,14 +142,16 @@ absl::Status StreamDownload(
 // connection fds[i] of `connections`: straight into `base`, or (base null)
 // piece by piece through `*sink`, connection i using scratch(2i) and
 // scratch(2i + 1) (`piece` bytes each) so that receiving piece k + 1
-// overlaps the sink's work on piece k. The sink's error, else the first
-// connection's; a sink error stops every connection at once.
+// overlaps the sink's work on piece k. The sink's error (then
+// *sink_failed is set), else the first connection's; a sink error stops
+// every connection at once.
 absl::Status ReceiveStripes(const std::vector<int>& fds, int connections,
                             int64_t elements, int64_t element_bytes,
                             int64_t piece, uint8_t* base,
                             const DownloadSink* sink,
                             const std::function<char*(int)>& scratch,
-                            int64_t total, const ProgressCallback& progress) {
+                            int64_t total, const ProgressCallback& progress,
+                            bool* sink_failed) {
   absl::Mutex mu;
   int64_t done = 0;
   absl::Status sink_error;  // guarded by mu
@@ -200,6 +202,7 @@ absl::Status ReceiveStripes(const std::vector<int>& fds, int connections,
   for (std::thread& receiver : receivers) receiver.join();
   absl::MutexLock lock(&mu);
   absl::Status failed = sink_error;
+  *sink_failed = !sink_error.ok();
   for (const absl::Status& result : results) {
     if (!result.ok() && failed.ok()) failed = result;
   }
@@ -327,7 +330,10 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
   ConnectionCloser closer(&fds);
   absl::Status failed;
   bool received = false;
-  bool mismatch = false;     // the client's own finding, not the server's
+  // The client's own finding, not the server's: a header that is not what
+  // was asked for, or the caller's refusal of it or of a piece (the server
+  // then reports the connections the client closed).
+  bool mismatch = false;
   bool unreachable = false;  // no data connection: ranges over gRPC instead
   if (reader->Read(&header) && header.has_header()) {
     if (header.header().bytes() != total) {
@@ -358,7 +364,8 @@ std::optional<absl::StatusOr<TensorInfo>> Client::DownloadOverDataConnections(
       failed = ReceiveStripes(
           fds, connections, total / element_bytes, element_bytes,
           PieceBytes(options_, element_bytes), base, destination.sink,
-          [&scratch](int i) { return (*scratch)[i]; }, total, progress);
+          [&scratch](int i) { return (*scratch)[i]; }, total, progress,
+          &mismatch);
       received = true;
     }
   }

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace lossd {
 namespace {
@@ -43,53 +44,64 @@ absl::Status WriteAt(int fd, const void* data, std::size_t bytes,
   return absl::OkStatus();
 }
 
-// Gives every page of the shared file mapping [mapping, mapping + bytes) its
-// storage and a writable page-table entry, a 64 MiB chunk per task of
-// `pool`, before the download's stores reach it: in one thread (fallocate,
-// then MAP_POPULATE) this costs about a second a GiB of /dev/shm on the build
-// machine, ahead of the first byte, and faults taken by the converting
-// threads slow the transfer where cores are few. MADV_POPULATE_WRITE reports
-// a full file system as EFAULT, where a store would raise SIGBUS; a kernel
-// without it (before 5.14) gets the storage from posix_fallocate, then one
-// store a page.
-absl::Status PopulateMapping(uint8_t* mapping, uint64_t bytes, int fd,
-                             ConvertPool* pool, const std::string& path) {
-  constexpr uint64_t kChunk = uint64_t{64} << 20;
-  constexpr uint64_t kPage = 4096;
-  const auto chunks = static_cast<int64_t>((bytes + kChunk - 1) / kChunk);
-  std::atomic<bool> unsupported{false};
-  absl::Status status =
-      pool->ParallelFor(chunks, [&](int64_t chunk) -> absl::Status {
-        const uint64_t begin = static_cast<uint64_t>(chunk) * kChunk;
-        const uint64_t length = std::min(kChunk, bytes - begin);
+// Page-aligned bounds of [begin, begin + bytes) within a mapping.
+struct PageSpan {
+  uint8_t* begin;
+  std::size_t bytes;
+};
+PageSpan PagesOf(uint8_t* begin, uint64_t bytes) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~(page - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(begin) + bytes + page - 1) & ~(page - 1);
+  return {reinterpret_cast<uint8_t*>(first), end - first};
+}
+
+// Gives the pages under [begin, begin + bytes) of a shared file mapping
+// their storage and a writable page-table entry, so that stores into them
+// cannot fault. A full file system is RESOURCE_EXHAUSTED here (the kernel
+// reports it as EFAULT), where a store would raise SIGBUS. UNIMPLEMENTED: a
+// kernel without MADV_POPULATE_WRITE (before 5.14).
+absl::Status PopulatePages(uint8_t* begin, uint64_t bytes,
+                           const std::string& path) {
 #ifdef MADV_POPULATE_WRITE
-        if (madvise(mapping + begin, length, MADV_POPULATE_WRITE) == 0) {
-          return absl::OkStatus();
-        }
-        if (errno == EFAULT) {
-          return absl::ResourceExhaustedError(
-              absl::StrCat("no space for the ", bytes, " bytes of ", path));
-        }
-        if (errno != EINVAL) {
-          return ErrnoError(errno, "cannot allocate the pages of", path);
-        }
-#endif
-        unsupported = true;
-        return absl::OkStatus();
-      });
-  if (!status.ok() || !unsupported) return status;
-  const int allocated = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  if (allocated != 0 && allocated != EOPNOTSUPP && allocated != EINVAL) {
-    return ErrnoError(allocated, "cannot allocate", path);
-  }
-  return pool->ParallelFor(chunks, [&](int64_t chunk) -> absl::Status {
-    const uint64_t begin = static_cast<uint64_t>(chunk) * kChunk;
-    const uint64_t end = std::min(begin + kChunk, bytes);
-    for (uint64_t at = begin; at < end; at += kPage) {
-      reinterpret_cast<volatile uint8_t*>(mapping)[at] = 0;
-    }
+  const PageSpan span = PagesOf(begin, bytes);
+  if (madvise(span.begin, span.bytes, MADV_POPULATE_WRITE) == 0) {
     return absl::OkStatus();
-  });
+  }
+  if (errno == EFAULT) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no space left for the data of ", path));
+  }
+  if (errno != EINVAL) {
+    return ErrnoError(errno, "cannot allocate the pages of", path);
+  }
+#endif
+  return absl::UnimplementedError("no MADV_POPULATE_WRITE");
+}
+
+// Unmaps the shared file mapping [mapping, mapping + bytes), its page-table
+// entries dropped (MADV_DONTNEED: for a shared mapping the data stays in the
+// file) a 64 MiB chunk per task of `pool` first.
+absl::Status UnmapInParallel(uint8_t* mapping, uint64_t bytes,
+                             ConvertPool* pool) {
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  const auto chunks = static_cast<int64_t>((bytes + kChunk - 1) / kChunk);
+  if (chunks > 1) {
+    pool->ParallelFor(chunks,
+                      [&](int64_t chunk) {
+                        const uint64_t begin =
+                            static_cast<uint64_t>(chunk) * kChunk;
+                        madvise(mapping + begin,
+                                std::min(kChunk, bytes - begin), MADV_DONTNEED);
+                        return absl::OkStatus();
+                      })
+        .IgnoreError();
+  }
+  if (munmap(mapping, bytes) != 0) {
+    return absl::ErrnoToStatus(errno, "cannot unmap the download file");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -232,8 +244,24 @@ absl::StatusOr<std::unique_ptr<OutputTensorFile>> OutputTensorFile::Create(
     }
     out->mapping_ = static_cast<uint8_t*>(mapping);
     out->mapping_bytes_ = file_bytes;
-    absl::Status populated = PopulateMapping(out->mapping_, file_bytes,
-                                             out->fd_, pool, out->temp_path_);
+    // The data's pages are populated by the threads that convert into them,
+    // slice by slice while later pieces are in flight (see Write), not all
+    // ahead of the first byte.
+    absl::Status populated =
+        PopulatePages(out->mapping_, header.size(), out->temp_path_);
+    if (absl::IsUnimplemented(populated)) {
+      // Without MADV_POPULATE_WRITE the storage comes from fallocate, in one
+      // call ahead of the data, so that no store can meet a full file system
+      // (a file system without fallocate is written as it is).
+      const int allocated =
+          posix_fallocate(out->fd_, 0, static_cast<off_t>(file_bytes));
+      if (allocated != 0 && allocated != EOPNOTSUPP && allocated != EINVAL) {
+        return ErrnoError(allocated, "cannot allocate", out->temp_path_);
+      }
+      populated = absl::OkStatus();
+    } else {
+      out->populate_slices_ = true;
+    }
     if (!populated.ok()) return populated;
     std::memcpy(out->mapping_, header.data(), header.size());
     return out;
@@ -275,6 +303,12 @@ absl::Status OutputTensorFile::Write(int64_t offset, const void* data,
         const uint64_t n = std::min(kSliceElements, count - begin);
         const uint64_t at = data_offset_ + (first + begin) * file_size;
         if (mapping_ != nullptr) {
+          // Populated just before the stores, the fresh (zeroed) pages are
+          // still in this core's cache when the conversion overwrites them.
+          if (populate_slices_) {
+            RETURN_IF_ERROR(
+                PopulatePages(mapping_ + at, n * file_size, temp_path_));
+          }
           return ConvertElements(in + begin * sent_size, sent_dtype_,
                                  mapping_ + at, file_dtype_, n);
         }
@@ -304,7 +338,11 @@ absl::Status OutputTensorFile::Commit() {
   }
   if (mapping_ != nullptr) {
     // As with pwrite, the kernel writes the pages back to a disk file later.
-    munmap(std::exchange(mapping_, nullptr), mapping_bytes_);
+    // The page-table entries go on the pool's threads at once: one thread
+    // unmapping a 4.3 GB file took 0.1-0.3 s on the 16-core H100 machine
+    // (bench/convert_bench --downloads_only).
+    uint8_t* const mapping = std::exchange(mapping_, nullptr);
+    RETURN_IF_ERROR(UnmapInParallel(mapping, mapping_bytes_, pool_));
   }
   const int fd = std::exchange(fd_, -1);
   if (close(fd) != 0) return ErrnoError(errno, "cannot write", temp_path_);

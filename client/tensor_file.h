@@ -96,10 +96,14 @@ class OutputTensorFile {
   //
   // How the data reaches the file: kPwrite converts each slice into a small
   // buffer and pwrite()s it; kMapped sizes the file first and converts
-  // straight into a shared mapping of it. tmpfs serializes the writes to one
-  // file on its inode lock while stores into a mapping proceed on every
-  // thread, so on many cores the mapping wins (lossctl's default; measured in
-  // bench/SERVICE_RESULTS.md), while on two cores pwrite can be faster.
+  // straight into a shared mapping of it, each slice's pages given their
+  // storage (MADV_POPULATE_WRITE) by the converting thread just before its
+  // stores, while later pieces are in flight; Commit drops the page-table
+  // entries over the pool. tmpfs serializes the writes to one file on its
+  // inode lock while stores into a mapping proceed on every thread, so on
+  // many cores the mapping wins (lossctl's default; measured in
+  // bench/SERVICE_RESULTS.md), while on two cores pwrite can be faster. A
+  // full file system is RESOURCE_EXHAUSTED in both modes, never SIGBUS.
   enum class WriteMode { kPwrite, kMapped };
   static absl::StatusOr<std::unique_ptr<OutputTensorFile>> Create(
       const std::string& arg, DType sent_dtype, absl::Span<const int64_t> shape,
@@ -136,6 +140,9 @@ class OutputTensorFile {
   // The whole file, shared, in WriteMode::kMapped; else nullptr.
   uint8_t* mapping_ = nullptr;
   uint64_t mapping_bytes_ = 0;
+  // Write populates each slice's pages before its stores (MADV_POPULATE_WRITE
+  // works); else the file was fallocated whole.
+  bool populate_slices_ = false;
   bool committed_ = false;
   DType sent_dtype_ = DType::kInvalid;
   DType file_dtype_ = DType::kInvalid;

@@ -880,5 +880,31 @@ TEST_F(ClientTest, PieceWiseTransferErrorsComeBackAndLeaveNothing) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A sink's error on a download larger than the data connections' socket
+// buffers: the server is still sending when the client closes them, and its
+// report of the closed connections must not replace the sink's error (a full
+// file system is RESOURCE_EXHAUSTED, not UNAVAILABLE).
+TEST_F(ClientTest, SinkErrorWinsOverTheServersReportOfClosedConnections) {
+  ClientOptions options;
+  options.stripe_min_bytes = 1;
+  std::unique_ptr<Client> client = Connect(options);
+  ASSERT_NE(client, nullptr);
+  std::vector<float> values(std::size_t{16} << 20, 1.0f);  // 64 MiB
+  absl::StatusOr<TensorInfo> up =
+      client->Upload(DType::kFloat32, {4096, 4096}, values.data(),
+                     values.size() * sizeof(float));
+  ASSERT_TRUE(up.ok()) << up.status();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    absl::StatusOr<TensorInfo> sunk = client->DownloadTo(
+        up->handle, DType::kInvalid, nullptr,
+        [](int64_t, const void*, std::size_t) {
+          return absl::ResourceExhaustedError("the file system is full");
+        });
+    EXPECT_EQ(sunk.status().code(), absl::StatusCode::kResourceExhausted)
+        << sunk.status();
+  }
+  ASSERT_TRUE(client->Release(up->handle).ok());
+}
+
 }  // namespace
 }  // namespace lossd

@@ -110,6 +110,37 @@ def torch_gradient(logits, targets, scale):
     return float(loss), x.grad.numpy()
 
 
+def check_full_file_system(ctl, path, check):
+    """A download into a full file system fails with RESOURCE_EXHAUSTED and leaves no file, in
+    every transport and write mode (a store into a mapping of a full tmpfs would raise SIGBUS).
+    The file system is a 1 MiB tmpfs in a user and mount namespace of lossctl's own (unshare -rm);
+    skipped, and said so, where the machine allows no such namespace."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        print("lossctl files: full file system SKIPPED (unshare -rm: %s)" % probe.stderr.strip())
+        return
+    mount_point = path("full")
+    os.mkdir(mount_point)
+    # 64 MiB: more than the connections' socket buffers hold, so that the server is still
+    # sending when the client gives up (its report of the closed connections must not win).
+    np.save(path("big.npy"), np.ones((4096, 4096), dtype=np.float32))
+    out, _ = ctl.run("upload", path("big.npy"))
+    handle = out.strip()
+    os.unlink(path("big.npy"))
+    script = 'mount -t tmpfs -o size=1m none "$0" && "$@"; code=$?; ls -A "$0"; exit $code'
+    for transport, flags in TRANSPORTS.items():
+        for name in ("full.npy", "full.safetensors"):
+            command = ["unshare", "-rm", "sh", "-c", script, mount_point, ctl.binary,
+                       "--server=" + ctl.address, "download", handle,
+                       os.path.join(mount_point, name)] + flags
+            result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+            what = "download into a full file system, %s [%s]" % (name, transport)
+            check(result.returncode == 1 and "RESOURCE_EXHAUSTED" in result.stderr,
+                  "%s: exit %d, stderr %s" % (what, result.returncode, result.stderr.strip()))
+            check(result.stdout.strip() == "", "%s left files: %s" % (what, result.stdout.split()))
+    ctl.run("rm", handle)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lossd", required=True)
@@ -253,6 +284,7 @@ def main():
               "int64 file as bf16: " + err)
         _, err = ctl.run("download", "0-x", path("x.npy"), "--write_mode=bogus", expect=2)
         check("--write_mode=bogus: expected pwrite or mmap" in err, "bad --write_mode: " + err)
+        check_full_file_system(ctl, path, check)
         out, _ = ctl.run("ls")
         check(out.count("\n") == 1, "tensors left after refused uploads:\n" + out)
         # A failed download leaves no file behind.
