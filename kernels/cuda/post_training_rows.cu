@@ -113,6 +113,40 @@ struct MergeSum3 {
   }
 };
 
+// A running max m, sum of exp(x - m) and sum of exp(x - m) (x - y) in fp64:
+// with x the weights' side, the forward or reverse KL of a dense teacher in
+// the statistics pass, sum_c q_c (v_c - u_c) or sum_c p_c (u_c - v_c) as w / s
+// (u, v the student's and the teacher's logits over tau).
+struct WeightedStats {
+  float m;
+  double s;
+  double w;
+};
+__device__ __forceinline__ void Update(WeightedStats* a, float x, float y) {
+  if (x == -INFINITY) return;
+  if (x > a->m) {
+    const double scale = exp(static_cast<double>(a->m) - x);
+    a->s *= scale;
+    a->w *= scale;
+    a->m = x;
+  }
+  const double e = expf(x - a->m);
+  a->s += e;
+  a->w += e * (static_cast<double>(x) - y);
+}
+struct MergeWeightedStats {
+  __device__ __forceinline__ WeightedStats
+  operator()(const WeightedStats& a, const WeightedStats& b) const {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -INFINITY) return {-INFINITY, 0.0, 0.0};
+    const double sa =
+        a.m == -INFINITY ? 0.0 : exp(static_cast<double>(a.m) - m);
+    const double sb =
+        b.m == -INFINITY ? 0.0 : exp(static_cast<double>(b.m) - m);
+    return {m, a.s * sa + b.s * sb, a.w * sa + b.w * sb};
+  }
+};
+
 // Reverse KL's log P_c - log Q_c - k = u - v - k with k a row constant: u
 // the student's logit over tau, v the teacher's (dense) or its logprob
 // (top-k), k the gap of their normalisers, plus gbar for the gradient. In
@@ -195,17 +229,20 @@ __global__ void __launch_bounds__(kThreads)
   using SumReduce = cub::BlockReduce<Sum2, kThreads>;
   using MassReduce = cub::BlockReduce<double, kThreads>;
   using Sum3Reduce = cub::BlockReduce<Sum3, kThreads>;
+  using WeightedReduce = cub::BlockReduce<WeightedStats, kThreads>;
   __shared__ union {
     typename StatsReduce::TempStorage stats;
     typename ArgReduce::TempStorage arg;
     typename SumReduce::TempStorage sum;
     typename MassReduce::TempStorage mass;
     typename Sum3Reduce::TempStorage sum3;
+    typename WeightedReduce::TempStorage weighted;
   } temp;
   __shared__ Stats shared_stats[3];
   __shared__ ArgMax shared_arg;
   __shared__ Sum2 shared_sum[2];
   __shared__ Sum3 shared_sum3;
+  __shared__ WeightedStats shared_weighted;
   __shared__ float shared_z_sum;
   __shared__ int top_index[kMaxTopK];
   __shared__ float top_log_p[kMaxTopK];
@@ -229,9 +266,17 @@ __global__ void __launch_bounds__(kThreads)
   const bool reverse_kl =
       prm.kd && prm.divergence == static_cast<int>(Divergence::kReverseKl);
   const int k = prm.top_k;
+  // A dense teacher's forward or reverse KL: its sums in the statistics pass
+  // (JSD's log M needs both lse first: a pass of its own).
+  const bool forward_kl =
+      prm.kd && prm.divergence == static_cast<int>(Divergence::kForwardKl);
+  const bool one_pass = t != nullptr && (forward_kl || reverse_kl);
+  // At temperature 1 the student's u statistics are z's.
+  const bool u_is_z = inv_tau == 1.0f;
 
   // Pass 1: statistics.
   Stats z_stats = EmptyStats(), u_stats = EmptyStats(), t_stats = EmptyStats();
+  WeightedStats weighted = {-INFINITY, 0.0, 0.0};
   ArgMax arg = {-INFINITY, 0};
   const bool kd = prm.kd;
   const float eps = prm.label_smoothing;
@@ -242,8 +287,15 @@ __global__ void __launch_bounds__(kThreads)
     z_sum += z;
     if (z > arg.value) arg = {z, static_cast<int>(c)};
     if (kd) {
-      Update(&u_stats, z * inv_tau);
-      if (t != nullptr) Update(&t_stats, tc * inv_tau);
+      const float u = z * inv_tau;
+      if (!u_is_z) Update(&u_stats, u);
+      if (t != nullptr) {
+        const float v = tc * inv_tau;
+        Update(&t_stats, v);
+        if (one_pass) {
+          Update(&weighted, forward_kl ? v : u, forward_kl ? u : v);
+        }
+      }
     }
   });
   if (sparse) {
@@ -253,12 +305,22 @@ __global__ void __launch_bounds__(kThreads)
     Stats r = StatsReduce(temp.stats).Reduce(z_stats, MergeStats());
     if (tid == 0) shared_stats[0] = r;
     __syncthreads();
-    r = StatsReduce(temp.stats).Reduce(u_stats, MergeStats());
-    if (tid == 0) shared_stats[1] = r;
-    __syncthreads();
+    if (u_is_z) {
+      if (tid == 0) shared_stats[1] = shared_stats[0];
+    } else {
+      r = StatsReduce(temp.stats).Reduce(u_stats, MergeStats());
+      if (tid == 0) shared_stats[1] = r;
+      __syncthreads();
+    }
     r = StatsReduce(temp.stats).Reduce(t_stats, MergeStats());
     if (tid == 0) shared_stats[2] = r;
     __syncthreads();
+    if (one_pass) {
+      const WeightedStats w =
+          WeightedReduce(temp.weighted).Reduce(weighted, MergeWeightedStats());
+      if (tid == 0) shared_weighted = w;
+      __syncthreads();
+    }
     const ArgMax a = ArgReduce(temp.arg).Reduce(arg, MergeArgMax());
     if (tid == 0) shared_arg = a;
     __syncthreads();
@@ -320,7 +382,26 @@ __global__ void __launch_bounds__(kThreads)
   } else if (prm.kd) {
     lse_u = Lse(shared_stats[1]);
     double d_sum = 0.0, h_sum = 0.0, p_sum = 0.0;
-    if (!sparse) {
+    if (one_pass) {
+      lse_t = Lse(shared_stats[2]);
+      const double lse_gap = static_cast<double>(lse_u) - lse_t;
+      const WeightedStats w = shared_weighted;
+      const double mean = w.s > 0.0 ? w.w / w.s : 0.0;
+      if (reverse_kl) {
+        // mean = sum_c p_c (u_c - v_c) = k_ratio; D its part past the gap.
+        distill = mean - lse_gap;
+        k_ratio = mean;
+      } else {
+        // mean = sum_c q_c (v_c - u_c); gbar = -sum q / sum p over the p and
+        // q as the gradient computes them (the statistics' sums over exp(lse
+        // - m)).
+        distill = mean + lse_gap;
+        const Stats su = shared_stats[1], st = shared_stats[2];
+        const double sum_p = su.s * exp(static_cast<double>(su.m) - lse_u);
+        const double sum_q = st.s * exp(static_cast<double>(st.m) - lse_t);
+        gbar = static_cast<float>(sum_p > 0.0 ? -sum_q / sum_p : 0.0);
+      }
+    } else if (!sparse) {
       lse_t = Lse(shared_stats[2]);
       const double lse_gap = static_cast<double>(lse_u) - lse_t;
       ForRow(x, t, V, tid, [&](int64_t, float xc, float tc) {
@@ -421,15 +502,17 @@ __global__ void __launch_bounds__(kThreads)
             shared_sum[1].b > 0.0f ? shared_sum[1].a / shared_sum[1].b : 0.0f;
       }
     }
-    const Sum3 r =
-        Sum3Reduce(temp.sum3).Reduce(Sum3{d_sum, h_sum, p_sum}, MergeSum3());
-    if (tid == 0) shared_sum3 = r;
-    __syncthreads();
-    distill = shared_sum3.d;
-    const double gbar64 =
-        shared_sum3.p > 0.0 ? shared_sum3.h / shared_sum3.p : 0.0;
-    gbar = static_cast<float>(gbar64);
-    k_ratio += gbar64;
+    if (!one_pass) {
+      const Sum3 r =
+          Sum3Reduce(temp.sum3).Reduce(Sum3{d_sum, h_sum, p_sum}, MergeSum3());
+      if (tid == 0) shared_sum3 = r;
+      __syncthreads();
+      distill = shared_sum3.d;
+      const double gbar64 =
+          shared_sum3.p > 0.0 ? shared_sum3.h / shared_sum3.p : 0.0;
+      gbar = static_cast<float>(gbar64);
+      k_ratio += gbar64;
+    }
     loss += (1.0 - prm.alpha) * distill;
   } else {
     loss = ce;
