@@ -8,8 +8,10 @@ and dense teacher logits are timed two ways:
           student logits (uploaded once, as a training stack keeps them), mode OUT_OF_PLACE so
           that they stay for the next run (the gradient's traffic is the in-place one's: read the
           student and teacher once, write the gradient once), REDUCTION_MEAN over every row;
-          the median of the responses' kernel_seconds (the server's device time), and of the
-          RPC's wall time beside it.
+          the median of the responses' kernel_seconds, and of the RPC's wall time beside it.
+          For the post-training losses kernel_seconds is the server's host time around the
+          device call (its small copies and synchronizations beside the kernels), not CUDA
+          events as for plain cross entropy: an upper bound on the kernels' time.
   Liger   LigerJSDFunction (liger_kernel/ops/jsd.py; Liger's JSD and its beta-0 forward KL) forward
           and backward on the same tensors, CUDA events around it, median: "kernel" times it on
           the log-softmaxes it takes (computed before, untimed), "step" adds torch's
