@@ -766,6 +766,14 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   }
   if (sending) writer->WritesDone();
   RETURN_IF_ERROR(ToAbsl(writer->Finish()));
+  // A server from before Evaluate's policy losses skips the unknown header
+  // field and evaluates plain cross entropy; this server always answers a
+  // policy with its statistics.
+  if (options.policy.has_value() && !response.has_policy_stats()) {
+    return absl::UnimplementedError(
+        "the server does not serve policy losses in Evaluate (its response "
+        "has no policy_stats); use Forward with mode NONE");
+  }
   return FromProto(response);
 }
 

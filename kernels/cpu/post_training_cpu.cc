@@ -90,6 +90,42 @@ double BucketDivergence(const DistillationArgs& kd,
   return d;
 }
 
+// gbar = sum_b P_b g_b of a divergence's buckets (log P_b and h_b = P_b g_b),
+// taken against the heaviest bucket d: gbar = g_d - spread with spread =
+// sum_{b != d} (P_b g_d - h_b) = sum_{b != d} P_b (g_d - g_b). Bucket d's
+// gradient factor g_d - gbar is then `spread` itself: where d holds nearly
+// all the mass it is tiny, and sum_b h_b - P_d g_d would give it as the
+// difference of two numbers of the size of g_d, losing its digits (a top-k
+// tail of mass 1 - 1e-10: 1e-5 of the row's largest gradient element).
+struct CenteredMean {
+  double gbar = 0.0;
+  size_t heaviest = 0;
+  double spread = 0.0;  // g_heaviest - gbar
+};
+
+CenteredMean CenterOnHeaviest(const std::vector<double>& log_p,
+                              const std::vector<double>& h) {
+  CenteredMean mean;
+  for (size_t b = 1; b < log_p.size(); ++b) {
+    if (log_p[b] > log_p[mean.heaviest]) mean.heaviest = b;
+  }
+  const double p_d = std::exp(log_p[mean.heaviest]);
+  const double g_d = p_d > 0.0 ? h[mean.heaviest] / p_d : 0.0;
+  for (size_t b = 0; b < log_p.size(); ++b) {
+    if (b != mean.heaviest) mean.spread += std::exp(log_p[b]) * g_d - h[b];
+  }
+  mean.gbar = g_d - mean.spread;
+  return mean;
+}
+
+// w (g_b - gbar), the gradient factor of a class of weight w in bucket b with
+// h_b = w g_b (a class that is its bucket) or g_b given (`h_is_g`).
+double BucketFactor(const CenteredMean& mean, size_t bucket, double w,
+                    double h_or_g, bool h_is_g) {
+  if (bucket == mean.heaviest) return w * mean.spread;
+  return h_is_g ? w * (h_or_g - mean.gbar) : h_or_g - w * mean.gbar;
+}
+
 // Everything the rows share.
 struct Plan {
   const PostTrainingArgs* args;
@@ -270,11 +306,12 @@ double DenseDivergence(const DistillationArgs& kd, const Row& row,
   for (int64_t c = 0; c < vocab; ++c) log_q[c] -= lse_t;
   const double divergence =
       BucketDivergence(kd, scratch.log_p, log_q, &scratch.h);
-  double gbar = 0.0;
-  for (int64_t c = 0; c < vocab; ++c) gbar += scratch.h[c];
+  const CenteredMean mean = CenterOnHeaviest(scratch.log_p, scratch.h);
   for (int64_t c = 0; c < vocab; ++c) {
     scratch.grad[c] +=
-        kd_scale * (scratch.h[c] - std::exp(scratch.log_p[c]) * gbar);
+        kd_scale * BucketFactor(mean, static_cast<size_t>(c),
+                                std::exp(scratch.log_p[c]), scratch.h[c],
+                                /*h_is_g=*/false);
   }
   return divergence;
 }
@@ -332,19 +369,23 @@ double TopKDivergence(const DistillationArgs& kd, const Row& row,
     }
   }
   const double divergence = BucketDivergence(kd, log_p, log_q, &scratch.h);
-  double gbar = 0.0;
-  for (double h : scratch.h) gbar += h;
+  const CenteredMean mean = CenterOnHeaviest(log_p, scratch.h);
   if (tail) {
     // Every class off the support as p_c (g_tail - gbar).
     const double tail_g = tail_p > 0.0 ? scratch.h[k] / tail_p : 0.0;
     for (int64_t c = 0; c < vocab; ++c) {
       if (scratch.stamp[c] == row.index + 1) continue;
-      scratch.grad[c] += kd_scale * std::exp(full_log_p[c]) * (tail_g - gbar);
+      scratch.grad[c] +=
+          kd_scale * BucketFactor(mean, static_cast<size_t>(k),
+                                  std::exp(full_log_p[c]), tail_g,
+                                  /*h_is_g=*/true);
     }
   }
   for (int64_t j = 0; j < k; ++j) {
     scratch.grad[index[j]] +=
-        kd_scale * (scratch.h[j] - std::exp(log_p[j]) * gbar);
+        kd_scale * BucketFactor(mean, static_cast<size_t>(j),
+                                std::exp(log_p[j]), scratch.h[j],
+                                /*h_is_g=*/false);
   }
   return divergence;
 }

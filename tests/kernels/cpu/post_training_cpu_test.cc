@@ -425,6 +425,43 @@ TEST(PostTrainingCpuTest, DivergencesAreNonNegativeAndGradientRowsSumToZero) {
   }
 }
 
+// A student nearly sure of the tail (P_support ~ 1e-11 at tau 0.5): the tail
+// classes' factor g_tail - gbar = P_support (g_tail - g_support) is tiny
+// beside g, and each gradient element must still be one fp32 rounding of the
+// formula, written here in long double with the tail mass summed directly.
+TEST(PostTrainingCpuTest, AStudentSureOfTheTailKeepsTheGradientsDigits) {
+  Problem problem;
+  problem.rows = 1;
+  problem.vocab = 4;
+  problem.logits = {-6.0f, 6.0f, 6.5f, 5.5f};
+  problem.options.reduction = Reduction::kSum;
+  problem.distill = true;
+  problem.kd.top_k = 1;
+  problem.kd.tail = TopKTail::kBucket;
+  problem.kd.divergence = Divergence::kReverseKl;
+  problem.kd.temperature = 0.5f;
+  problem.indices = {0};
+  problem.logprobs = {-1.0f};
+  const Outcome outcome = RunLoss(problem, problem.logits);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status;
+
+  const long double tau = 0.5L;
+  std::vector<long double> p(4);
+  long double sum = 0.0L;
+  for (int c = 0; c < 4; ++c) sum += std::exp(problem.logits[c] / tau);
+  for (int c = 0; c < 4; ++c) p[c] = std::exp(problem.logits[c] / tau) / sum;
+  const long double tail = p[1] + p[2] + p[3];
+  const long double q = std::exp(-1.0L);
+  const long double g_support = std::log(p[0]) - std::log(q) + 1.0L;
+  const long double g_tail = std::log(tail) - std::log(1.0L - q) + 1.0L;
+  for (int c = 0; c < 4; ++c) {
+    const long double want = c == 0 ? p[0] * tail * (g_support - g_tail) / tau
+                                    : p[c] * p[0] * (g_tail - g_support) / tau;
+    const double bound = std::ldexp(std::abs(static_cast<double>(want)), -24);
+    EXPECT_NEAR(outcome.gradient[c], static_cast<double>(want), bound) << c;
+  }
+}
+
 TEST(PostTrainingCpuTest, TopKWithKEqualVIsTheDenseTeacher) {
   Problem sparse = Random(4, 6, 81);
   AddTopKTeacher(&sparse, 6, TopKTail::kBucket, 82);
