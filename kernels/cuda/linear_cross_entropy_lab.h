@@ -38,6 +38,10 @@ struct LinearCrossEntropyLabConfig : LinearCrossEntropyCudaConfig {
   float sparse_threshold = 0.0f;  // 0: 2^-6
   int sparse_slots = 0;           // 0: 128
   LinearFusedForward fused_forward = LinearFusedForward::kAuto;
+  // Where the gradient goes, with the same three choices: the fused gradient
+  // path (FusedLinearGradientLaunch, where FusedLinearGradientRefusal says
+  // nothing on the device), the cuBLASLt path, or the fused one required.
+  LinearFusedForward fused_gradient = LinearFusedForward::kAuto;
 };
 
 // PlanLinearCrossEntropyCuda and LinearCrossEntropyCuda with lab settings.
