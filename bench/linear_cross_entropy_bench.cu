@@ -6,6 +6,9 @@
 //        [--few]  (default chunking of each precision only)
 //        [--forward]  (forward-only: the fused forward against cuBLASLt and
 //                      the fused cross-entropy, and the Z product alone)
+//        [--gradient]  (the fused gradient path against the cuBLASLt path of
+//                       the same precision; with --few the issue's two
+//                       shapes only)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -14,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -169,6 +173,8 @@ struct Variant {
   float label_smoothing = 0.0f;
   float softcap = 0.0f;
   float z_loss_scale = 0.0f;
+  // The gradient's path: the policy's, cuBLASLt's, or the fused one.
+  LinearFusedForward fused_gradient = LinearFusedForward::kAuto;
   bool options() const {
     return label_smoothing > 0 || softcap > 0 || z_loss_scale > 0;
   }
@@ -189,8 +195,33 @@ LinearCrossEntropyArgs BenchArgs(const Shape& s, const void* x, const void* w,
   return a;
 }
 
-void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
-              std::string* md) {
+// --gradient's rows: the default precision by each path, and the options
+// (timed only).
+const Variant kGradientVariants[] = {
+    {"sparse residual, cuBLASLt Z + fused cross-entropy (before)",
+     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
+     LinearFusedForward::kOff},
+    {"sparse residual, fused gradient (Z and statistics from the epilogue)",
+     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
+     LinearFusedForward::kRequire},
+    {"sparse residual, the policy's choice (fused where it takes the call)",
+     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
+     LinearFusedForward::kAuto},
+    {"before, label smoothing 0.1 (time only)",
+     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.1f, 0.0f, 0.0f,
+     LinearFusedForward::kOff},
+    {"fused, label smoothing 0.1 (time only)", LinearPrecision::kSparseResidual,
+     0, 0.0f, 0, false, 0.1f, 0.0f, 0.0f, LinearFusedForward::kRequire},
+    {"fused, z-loss 1e-4 (time only)", LinearPrecision::kSparseResidual, 0,
+     0.0f, 0, false, 0.0f, 0.0f, 1e-4f, LinearFusedForward::kRequire},
+    {"before, 4096-row chunks", LinearPrecision::kSparseResidual, 4096, 0.0f, 0,
+     false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kOff},
+    {"fused, 4096-row chunks", LinearPrecision::kSparseResidual, 4096, 0.0f, 0,
+     false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire},
+};
+
+void RunShape(const Shape& s, int reps, bool few, bool gradient,
+              cublasHandle_t blas, std::string* md) {
   const int64_t N = s.n, H = s.h, V = s.v;
   const double flops = 6.0 * N * H * V;  // three products
   auto* x = static_cast<__nv_bfloat16*>(Alloc(N * H * 2));
@@ -330,9 +361,13 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
   auto* bias = static_cast<__nv_bfloat16*>(Alloc(V * 2));
   auto* dbias = static_cast<float*>(Alloc(V * 4));
   FillBf16<<<64, 256>>>(bias, V, 0.5f, 4);
-  for (const Variant& variant : variants) {
+  std::vector<Variant> chosen(std::begin(variants), std::end(variants));
+  if (gradient) {
+    chosen.assign(std::begin(kGradientVariants), std::end(kGradientVariants));
+  }
+  for (const Variant& variant : chosen) {
     // --few: the default, the fp32-logits middle and the fast path only.
-    if (few &&
+    if (few && !gradient &&
         (variant.chunk_rows != 0 || variant.precision == kLinearSplitBoth))
       continue;
     LinearCrossEntropyLabConfig config;
@@ -340,6 +375,7 @@ void RunShape(const Shape& s, int reps, bool few, cublasHandle_t blas,
     config.chunk_rows = variant.chunk_rows;
     config.sparse_threshold = variant.sparse_threshold;
     config.sparse_slots = variant.sparse_slots;
+    config.fused_gradient = variant.fused_gradient;
     LinearCrossEntropyArgs a = BenchArgs(s, x, w, targets);
     a.dx_mode = GradientMode::kOutOfPlace;
     a.dx = dx_out;
@@ -515,6 +551,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   bool few = false;
   bool forward = false;
+  bool gradient = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--out=", 0) == 0) out = arg.substr(6);
@@ -522,6 +559,7 @@ int main(int argc, char** argv) {
     if (arg == "--quick") quick = true;
     if (arg == "--few") few = true;
     if (arg == "--forward") forward = true;
+    if (arg == "--gradient") gradient = true;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -534,6 +572,13 @@ int main(int argc, char** argv) {
       {8192, 4096, 128256, 8.0f},   {8192, 4096, 128256, 2.0f, 7},
       {8192, 4096, 50257, 2.0f, 7}, {8192, 4096, 32000, 2.0f, 7}};
   if (quick) shapes = {{2048, 1024, 32000, 2.0f}};
+  if (gradient) {
+    shapes = {{16384, 4096, 131072, 2.0f},
+              {8192, 4096, 128256, 2.0f},
+              {8192, 4096, 128256, 8.0f},
+              {8192, 4096, 128256, 2.0f, 7}};
+    if (few) shapes.resize(2);  // the issue's two shapes
+  }
   if (forward) {
     for (const lossd::Shape& s : {lossd::Shape{16384, 4096, 131072, 2.0f},
                                   lossd::Shape{8192, 4096, 128256, 2.0f}}) {
@@ -541,7 +586,7 @@ int main(int argc, char** argv) {
     }
   } else {
     for (const lossd::Shape& s : shapes) {
-      lossd::RunShape(s, reps, few, blas, &md);
+      lossd::RunShape(s, reps, few, gradient, blas, &md);
     }
   }
   if (!out.empty()) {

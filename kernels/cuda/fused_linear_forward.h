@@ -1,8 +1,9 @@
-// The linear cross-entropy's forward with the loss in the GEMM's epilogue:
-// Z = X W^T (+ b) on lossd's Hopper GEMM, each tile's per-row softmax
-// statistics taken from the fp32 accumulator, Z never stored. CUDA headers
-// only; the caller (linear_cross_entropy_cuda.cc) falls back to cuBLASLt and
-// the fused cross-entropy where this returns cudaErrorNotSupported.
+// The linear cross-entropy with the loss in the GEMM's epilogue: Z = X W^T
+// (+ b) on lossd's Hopper GEMM, each tile's per-row softmax statistics taken
+// from the fp32 accumulator; the forward never stores Z, the gradient path
+// stores it once for the 16-bit split of G. CUDA headers only; the caller
+// (linear_cross_entropy_cuda.cc) falls back to cuBLASLt and the fused
+// cross-entropy where these return cudaErrorNotSupported.
 #ifndef LOSSD_KERNELS_CUDA_FUSED_LINEAR_FORWARD_H_
 #define LOSSD_KERNELS_CUDA_FUSED_LINEAR_FORWARD_H_
 
@@ -48,6 +49,38 @@ cudaError_t FusedLinearForwardLaunch(const FusedLinearForwardArgs& args,
                                      void* workspace,
                                      std::size_t workspace_bytes,
                                      cudaStream_t stream);
+
+struct SparseResidualSlots;  // kernels/cuda/sparse_residual.h
+
+struct FusedLinearGradientArgs {
+  // X, W, bias and the cross-entropy as for the forward (options without a
+  // softcap; grad_scale the gradient's, with its power of two).
+  FusedLinearForwardArgs forward;
+  float* z = nullptr;  // fp32 [rows, vocab], 16-byte aligned: Z, then read
+  const float* row_scale = nullptr;  // fp32 [rows] (grad_output), or null
+  void* hi = nullptr;                // bf16 [rows, vocab], 8-byte aligned
+  const SparseResidualSlots* sparse = nullptr;  // large entries, or null
+};
+
+// FusedLinearForwardWorkspaceBytes and each row's RowMath. Pure.
+std::size_t FusedLinearGradientWorkspaceBytes(int64_t rows, int64_t vocab);
+
+// The gradient path's first half for a chunk: as FusedLinearForwardLaunch,
+// with the epilogue also storing z (fp32, bias added) to args.z by TMA, and
+// the merge keeping each row's RowMath; then one pass over z writes
+// hi = bf16(G * row_scale) with G the cross-entropy's gradient as its
+// kernels compute it (target, z-loss, label smoothing, class weights), and
+// records the large entries' exact residuals in *args.sparse: what
+// SplitGradientLaunch makes of the fused cross-entropy's fp32 G, without G
+// in memory. cudaErrorNotSupported (nothing enqueued) where the GEMM does
+// not take the product with a TMA store of fp32 Z, or for a softcap;
+// cudaErrorInvalidValue for a short workspace, a null result or z, or a
+// vocabulary not a multiple of 4; else the launches' error.
+cudaError_t FusedLinearGradientLaunch(const FusedLinearGradientArgs& args,
+                                      CrossEntropyCudaResult* device_result,
+                                      void* workspace,
+                                      std::size_t workspace_bytes,
+                                      cudaStream_t stream);
 
 }  // namespace lossd
 

@@ -61,5 +61,22 @@ bool FusedLinearForwardTakes(const GemmSm90Shape& shape, bool bf16,
          GemmSm90Eligibility(shape, major, minor) == GemmSm90Fit::kYes;
 }
 
+const char* FusedLinearGradientRefusal(const GemmSm90Shape& shape,
+                                       const FusedGradientCall& call, int major,
+                                       int minor) {
+  if (call.post_training) return "a post-training loss";
+  if (!call.bf16) return "operands other than bf16";
+  if (!call.sparse_residual)
+    return "a precision other than the sparse residual";
+  if (call.softcap) return "a softcap";
+  if (call.grad_bias) return "dbias";
+  const GemmSm90Fit fit = GemmSm90Eligibility(shape, major, minor);
+  if (fit != GemmSm90Fit::kYes) return GemmSm90FitName(fit);
+  if (shape.z_element_bytes != 4 || !ZByTensorStore(shape)) {
+    return "Z's rows not whole 16-byte pieces";
+  }
+  return nullptr;
+}
+
 }  // namespace cuda_gemm
 }  // namespace lossd

@@ -73,10 +73,41 @@ int GemmSm90Cluster(const GemmSm90Shape& shape);
 // GEMM's epilogue, Z never stored) rather than cuBLASLt and the fused
 // cross-entropy: forward-only work (no dX, no dW: `gradient` false) on bf16
 // X and W, where the GEMM takes the product (GemmSm90Eligibility, with Z's
-// fields as the statistics' epilogue stores none). The gradient still needs Z
-// (or G) in memory for its products, so it keeps cuBLASLt.
+// fields as the statistics' epilogue stores none). A gradient needs Z (or G)
+// in memory for its products: FusedLinearGradientRefusal decides that.
 bool FusedLinearForwardTakes(const GemmSm90Shape& shape, bool bf16,
                              bool gradient, int major, int minor);
+
+// What a linear cross-entropy call with a gradient asks of the fused
+// gradient path (FusedLinearGradientRefusal).
+struct FusedGradientCall {
+  bool bf16 = false;             // X and W bf16 (the kernel multiplies bf16)
+  bool sparse_residual = false;  // the precision is kSparseResidual
+  bool softcap = false;          // LossOptions::softcap > 0
+  bool grad_bias = false;        // dbias wanted
+  bool post_training = false;    // a post-training loss, not cross entropy
+};
+
+// Why a chunk's gradient does not take the fused gradient path
+// (fused_linear_forward.h: the statistics and Z's fp32 store in the Hopper
+// GEMM's epilogue, then the bf16 split of G straight from Z), or nullptr
+// where it does. `shape` is Z's as stored: fp32 (z_element_bytes 4) in the
+// chunk's workspace. Everything it refuses keeps cuBLASLt's Z and the fused
+// cross-entropy, with the same precision:
+// - a device other than sm_90, H not a multiple of 8, unaligned X or W
+//   (GemmSm90Eligibility), or Z's rows not whole 16-byte pieces (V not a
+//   multiple of 4: no TMA store, ZByTensorStore);
+// - operands other than bf16;
+// - a precision other than the sparse residual (the dense split's lo, fp32
+//   logits kept as G, fast's 16-bit Z are cuBLASLt's layouts);
+// - a softcap (its factor needs the raw logit, which the stored z is not);
+// - dbias (its column sums read G in fp32, which this path never forms);
+// - the post-training losses (their row kernel reads Z itself).
+// Class weights, label smoothing, z-loss, ignore_index, reductions,
+// normalizer, grad_scale and grad_output are all taken.
+const char* FusedLinearGradientRefusal(const GemmSm90Shape& shape,
+                                       const FusedGradientCall& call, int major,
+                                       int minor);
 
 struct TileCoord {
   int row_tile;

@@ -64,6 +64,11 @@ struct Layout {
   // the device (UseFusedForward); row_bytes is the cuBLASLt path's, which
   // takes more.
   bool fused = false;
+  // A gradient with the statistics and Z's fp32 store in the Hopper GEMM's
+  // epilogue and G split to bf16 straight from Z (FusedLinearGradientLaunch),
+  // then cuBLASLt's dX and dW: the sparse residual's layout without the
+  // cross-entropy's fp32 pass over Z. Decided per call (UseFusedGradient).
+  bool fused_gradient = false;
   std::size_t row_bytes;
 };
 
@@ -113,8 +118,13 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   p.results = at;
   at += AlignUp(sizeof(CrossEntropyCudaResult) * std::max<int64_t>(chunks, 1));
   p.ce = at;
-  at += AlignUp(l.fused ? FusedLinearForwardWorkspaceBytes(chunk_rows, v)
-                        : CrossEntropyCudaWorkspaceBytes(chunk_rows));
+  if (l.fused) {
+    at += AlignUp(FusedLinearForwardWorkspaceBytes(chunk_rows, v));
+  } else if (l.fused_gradient) {
+    at += AlignUp(FusedLinearGradientWorkspaceBytes(chunk_rows, v));
+  } else {
+    at += AlignUp(CrossEntropyCudaWorkspaceBytes(chunk_rows));
+  }
   // The bias in Z's dtype, for the product's epilogue.
   p.bias = at;
   if (args.bias != nullptr) {
@@ -211,22 +221,22 @@ absl::StatusOr<std::shared_ptr<const ChunkGemms>> CachedGemms(
   return std::shared_ptr<const ChunkGemms>(gemms);
 }
 
-// Whether the call's forward-only work takes the fused forward: the policy
-// (FusedLinearForwardTakes) on the current device, unless the lab config
-// says otherwise.
-absl::StatusOr<bool> UseFusedForward(
-    const LinearCrossEntropyArgs& args,
-    const LinearCrossEntropyLabConfig& config) {
-  if (config.fused_forward == LinearFusedForward::kOff) return false;
-  int device = 0, major = 0, minor = 0;
+// The current device's compute capability, for the Hopper GEMM's policy.
+absl::Status DeviceCapability(int* major, int* minor) {
+  int device = 0;
   RETURN_IF_ERROR(
       CudaStatus(cudaGetDevice(&device), "linear_cross_entropy: device"));
   RETURN_IF_ERROR(CudaStatus(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+      cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device),
       "linear_cross_entropy: device"));
-  RETURN_IF_ERROR(CudaStatus(
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-      "linear_cross_entropy: device"));
+  return CudaStatus(
+      cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device),
+      "linear_cross_entropy: device");
+}
+
+// Z of the call as the fused paths see it: fp32, in the workspace (256-byte
+// aligned) where the gradient path stores it.
+cuda_gemm::GemmSm90Shape FusedZShape(const LinearCrossEntropyArgs& args) {
   cuda_gemm::GemmSm90Shape shape;
   shape.rows = args.rows;
   shape.cols = args.vocab;
@@ -236,8 +246,56 @@ absl::StatusOr<bool> UseFusedForward(
   shape.operands_aligned = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(args.weight) % 16 == 0;
   shape.z_aligned = true;
+  shape.z_aligned16 = true;
+  return shape;
+}
+
+// What the call asks of the fused gradient path, as far as the host knows
+// it without the device.
+cuda_gemm::FusedGradientCall GradientCall(const LinearCrossEntropyArgs& args,
+                                          const Layout& l) {
+  cuda_gemm::FusedGradientCall call;
+  call.bf16 = args.dtype == DType::kBFloat16;
+  call.sparse_residual = l.sparse;
+  call.softcap = args.options.softcap > 0.0f;
+  call.grad_bias = args.grad_bias != nullptr;
+  return call;
+}
+
+// Whether the call's gradient takes the fused gradient path: the policy
+// (FusedLinearGradientRefusal) on the current device, unless the lab config
+// says otherwise.
+absl::StatusOr<bool> UseFusedGradient(
+    const LinearCrossEntropyArgs& args, const Layout& l,
+    const LinearCrossEntropyLabConfig& config) {
+  if (!LinearCrossEntropyWantsGradient(args) ||
+      config.fused_gradient == LinearFusedForward::kOff) {
+    return false;
+  }
+  int major = 0, minor = 0;
+  RETURN_IF_ERROR(DeviceCapability(&major, &minor));
+  const char* refusal = cuda_gemm::FusedLinearGradientRefusal(
+      FusedZShape(args), GradientCall(args, l), major, minor);
+  if (refusal != nullptr &&
+      config.fused_gradient == LinearFusedForward::kRequire) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_cross_entropy: the fused gradient does not take this call: ",
+        refusal));
+  }
+  return refusal == nullptr;
+}
+
+// Whether the call's forward-only work takes the fused forward: the policy
+// (FusedLinearForwardTakes) on the current device, unless the lab config
+// says otherwise.
+absl::StatusOr<bool> UseFusedForward(
+    const LinearCrossEntropyArgs& args,
+    const LinearCrossEntropyLabConfig& config) {
+  if (config.fused_forward == LinearFusedForward::kOff) return false;
+  int major = 0, minor = 0;
+  RETURN_IF_ERROR(DeviceCapability(&major, &minor));
   const bool takes = cuda_gemm::FusedLinearForwardTakes(
-      shape, args.dtype == DType::kBFloat16,
+      FusedZShape(args), args.dtype == DType::kBFloat16,
       LinearCrossEntropyWantsGradient(args), major, minor);
   if (!takes && config.fused_forward == LinearFusedForward::kRequire) {
     return absl::FailedPreconditionError(
@@ -253,7 +311,13 @@ absl::StatusOr<bool> UseFusedForward(
 LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCudaLab(
     const LinearCrossEntropyArgs& args,
     const LinearCrossEntropyLabConfig& config) {
-  const Layout l = MakeLayout(args, config);
+  Layout l = MakeLayout(args, config);
+  // Room for the fused gradient's workspace wherever it may take the call
+  // (the device decides at the call).
+  l.fused_gradient = LinearCrossEntropyWantsGradient(args) &&
+                     config.fused_gradient != LinearFusedForward::kOff &&
+                     GradientCall(args, l).bf16 && l.sparse &&
+                     args.options.softcap <= 0.0f && args.grad_bias == nullptr;
   int64_t chunk_rows = config.chunk_rows;
   if (chunk_rows <= 0) {
     // The largest power of two within the memory budget and at most half
@@ -447,16 +511,24 @@ CrossEntropyArgs ChunkLossArgs(const LinearCudaCall& call, int64_t row0,
   return ce;
 }
 
-// The chunk's loss with the statistics in the Hopper GEMM's epilogue
-// (Layout::fused): Z never reaches memory.
-absl::Status RunChunkFusedLoss(const LinearCudaCall& call, int64_t chunk,
-                               int64_t row0, int64_t count, const char* x) {
+// The fused paths' product and loss for the chunk of `count` rows from row0
+// (X's rows at `x`): the bias in fp32, added to the accumulator.
+FusedLinearForwardArgs FusedArgs(const LinearCudaCall& call, int64_t row0,
+                                 int64_t count, const char* x) {
   FusedLinearForwardArgs fused;
   fused.x = x;
   fused.weight = call.args.weight;
   fused.bias = static_cast<const float*>(call.bias_z);
   fused.hidden = call.args.hidden;
   fused.loss = ChunkLossArgs(call, row0, count);
+  return fused;
+}
+
+// The chunk's loss with the statistics in the Hopper GEMM's epilogue
+// (Layout::fused): Z never reaches memory.
+absl::Status RunChunkFusedLoss(const LinearCudaCall& call, int64_t chunk,
+                               int64_t row0, int64_t count, const char* x) {
+  const FusedLinearForwardArgs fused = FusedArgs(call, row0, count, x);
   auto* chunk_results = reinterpret_cast<CrossEntropyCudaResult*>(
       call.block + call.parts.results);
   return CudaStatus(
@@ -507,6 +579,50 @@ absl::StatusOr<CrossEntropyArgs> RunChunkLoss(const LinearCudaCall& call,
   return ce;
 }
 
+// The chunk's records of G's large entries (sparse), carved and reset, with
+// a threshold in G's scaled units (the row scale is applied in the split).
+absl::Status ResetChunkResiduals(const LinearCudaCall& call,
+                                 const void* chunk_targets, int64_t count,
+                                 SparseResidualSlots* sparse) {
+  const Layout& l = call.l;
+  *sparse = SparseResidualCarve(
+      call.block + call.parts.sparse, count, l.sparse_slots,
+      l.sparse_threshold * std::fabs(std::ldexp(call.s, call.exponent)));
+  sparse->targets = chunk_targets;
+  sparse->targets_dtype = call.args.targets_dtype;
+  sparse->class_weights = call.args.class_weights;
+  return CudaStatus(SparseResidualResetLaunch(*sparse, count, call.stream),
+                    "linear_cross_entropy: residual reset");
+}
+
+// The chunk's loss and its G's bf16 split, with the statistics and Z's fp32
+// store in the Hopper GEMM's epilogue (Layout::fused_gradient): hi (and the
+// large entries' residuals, for dW) ready for the products.
+absl::Status RunChunkFusedGradient(const LinearCudaCall& call, int64_t chunk,
+                                   int64_t row0, int64_t count, const char* x,
+                                   SparseResidualSlots* sparse) {
+  const LinearCrossEntropyArgs& args = call.args;
+  FusedLinearGradientArgs fused;
+  fused.forward = FusedArgs(call, row0, count, x);
+  fused.z = reinterpret_cast<float*>(call.block + call.parts.logits);
+  if (args.token_grad_output != nullptr) {
+    fused.row_scale = args.token_grad_output + row0;
+  }
+  fused.hi = call.block + call.parts.hi;
+  if (args.accumulate != AccumulateMode::kNone) {
+    RETURN_IF_ERROR(
+        ResetChunkResiduals(call, fused.forward.loss.targets, count, sparse));
+    fused.sparse = sparse;
+  }
+  auto* chunk_results = reinterpret_cast<CrossEntropyCudaResult*>(
+      call.block + call.parts.results);
+  return CudaStatus(
+      FusedLinearGradientLaunch(
+          fused, chunk_results + chunk, call.block + call.parts.ce,
+          FusedLinearGradientWorkspaceBytes(count, args.vocab), call.stream),
+      "linear_cross_entropy: fused gradient");
+}
+
 // The chunk's G made ready for the products: the large entries' residuals
 // reset (sparse), G split into 16-bit hi (and lo, with X stacked twice for
 // dW) or scaled by the rows' factors. `*grad` is G as the products read it.
@@ -526,19 +642,9 @@ absl::Status PrepareChunkGradient(const LinearCudaCall& call,
   char* lo = hi + count * args.vocab * 2;
   char* x2 = call.block + call.parts.x2;
   *grad = logits;
-  // The large entries' residuals, recorded against a threshold in G's
-  // scaled units (the row scale is applied in the split).
   const bool record = l.sparse && want_dw;
   if (record) {
-    *sparse = SparseResidualCarve(
-        call.block + call.parts.sparse, count, l.sparse_slots,
-        l.sparse_threshold * std::fabs(std::ldexp(call.s, call.exponent)));
-    sparse->targets = ce.targets;
-    sparse->targets_dtype = args.targets_dtype;
-    sparse->class_weights = args.class_weights;
-    RETURN_IF_ERROR(
-        CudaStatus(SparseResidualResetLaunch(*sparse, count, call.stream),
-                   "linear_cross_entropy: residual reset"));
+    RETURN_IF_ERROR(ResetChunkResiduals(call, ce.targets, count, sparse));
   }
   if (!l.split) {
     if (row_scale == nullptr) return absl::OkStatus();
@@ -640,6 +746,14 @@ absl::Status RunChunks(const LinearCudaCall& call) {
       continue;
     }
     const ChunkGemms& g = count == call.chunk_rows ? *call.full : *call.tail;
+    if (call.l.fused_gradient) {
+      SparseResidualSlots sparse;
+      RETURN_IF_ERROR(
+          RunChunkFusedGradient(call, chunk, row0, count, x, &sparse));
+      RETURN_IF_ERROR(ApplyChunkGradient(call, g, chunk, row0, count, x, sparse,
+                                         call.block + call.parts.hi));
+      continue;
+    }
     ASSIGN_OR_RETURN(const CrossEntropyArgs ce,
                      RunChunkLoss(call, g, chunk, row0, count, x));
     if (!LinearCrossEntropyWantsGradient(args)) continue;
@@ -694,6 +808,7 @@ absl::Status LinearCrossEntropyCudaLab(
   const LinearCrossEntropyCudaPlan plan =
       PlanLinearCrossEntropyCudaLab(args, config);
   ASSIGN_OR_RETURN(l.fused, UseFusedForward(args, config));
+  ASSIGN_OR_RETURN(l.fused_gradient, UseFusedGradient(args, l, config));
   // The statistics come from the fp32 accumulator, and the bias is added
   // to it in fp32.
   if (l.fused) l.logits_fp32 = true;

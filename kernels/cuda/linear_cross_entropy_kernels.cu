@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/sparse_residual.h"
+#include "kernels/cuda/sparse_residual_record.cuh"
 
 namespace lossd {
 namespace {
@@ -92,28 +93,6 @@ __global__ void __launch_bounds__(1024)
 
 // Four elements a thread (16-byte loads when vocab % 4 == 0, which the
 // caller's row alignment gives for the sizes that matter).
-// Records a large entry's exact residual e = t - hi(t) (sparse_residual.h);
-// entries hi holds exactly need none.
-__device__ __forceinline__ void Record(const SparseResidualSlots& s, int64_t i,
-                                       int64_t vocab, float t, float e,
-                                       float scale) {
-  if (s.slots == 0 || e == 0.0f) return;
-  const int64_t r = i / vocab;
-  if (s.class_weights != nullptr) {
-    const int64_t target = s.targets_dtype == DType::kInt32
-                               ? static_cast<const int32_t*>(s.targets)[r]
-                               : static_cast<const int64_t*>(s.targets)[r];
-    // An ignored row's G is 0 (e == 0 above), so the target is in range.
-    if (target >= 0 && target < vocab) scale *= s.class_weights[target];
-  }
-  if (fabsf(t) < s.threshold * fabsf(scale)) return;
-  const int k = atomicAdd(s.row_count + r, 1);
-  if (k < s.slots) {
-    s.column[r * s.slots + k] = static_cast<int>(i % vocab);
-    s.residual[r * s.slots + k] = e;
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ float Widen(T h) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
@@ -145,7 +124,7 @@ __global__ void SplitKernel(const float* g, const float* row_scale,
     const float e = t - Widen(h);
     hi[i] = h;
     if (lo != nullptr) lo[i] = Narrow<T>(e);
-    Record(sparse, i, vocab, t, e, scale);
+    RecordResidual(sparse, i, vocab, t, e, scale);
   }
 }
 
@@ -178,7 +157,7 @@ __global__ void SplitKernel4(const float4* g, const float* row_scale,
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      Record(sparse, 4 * i + k, vocab, in[k], e[k], scale[k]);
+      RecordResidual(sparse, 4 * i + k, vocab, in[k], e[k], scale[k]);
     reinterpret_cast<uint2*>(hi)[i] = *reinterpret_cast<const uint2*>(h);
     if (lo != nullptr) {
       reinterpret_cast<uint2*>(lo)[i] = *reinterpret_cast<const uint2*>(l);

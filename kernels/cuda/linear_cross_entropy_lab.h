@@ -38,6 +38,12 @@ struct LinearCrossEntropyLabConfig : LinearCrossEntropyCudaConfig {
   float sparse_threshold = 0.0f;  // 0: 2^-6
   int sparse_slots = 0;           // 0: 128
   LinearFusedForward fused_forward = LinearFusedForward::kAuto;
+  // Where the gradient goes, with the same three choices: the fused gradient
+  // path (FusedLinearGradientLaunch) where FusedLinearGradientRefusal says
+  // nothing on the device, the cuBLASLt path, or the fused one required.
+  // Off unless asked for: on the H100 it measured at parity with the
+  // cuBLASLt path (bench/NOTES.md, the fused gradient), not ahead of it.
+  LinearFusedForward fused_gradient = LinearFusedForward::kOff;
 };
 
 // PlanLinearCrossEntropyCuda and LinearCrossEntropyCuda with lab settings.

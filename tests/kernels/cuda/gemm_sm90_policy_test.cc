@@ -117,6 +117,73 @@ TEST(GemmSm90PolicyTest, FusedLinearForwardTakesForwardOnlyBf16OnSm90) {
   EXPECT_TRUE(FusedLinearForwardTakes(s, true, false, 9, 0));
 }
 
+// The fused gradient's Z: fp32 in a 256-byte aligned workspace.
+GemmSm90Shape GradientShape() {
+  GemmSm90Shape s = BenchShape();
+  s.z_element_bytes = 4;
+  s.z_aligned16 = true;
+  return s;
+}
+
+FusedGradientCall PlainCall() {
+  FusedGradientCall c;
+  c.bf16 = true;
+  c.sparse_residual = true;
+  return c;
+}
+
+TEST(GemmSm90PolicyTest, FusedGradientTakesBf16SparseResidualOnSm90) {
+  EXPECT_EQ(FusedLinearGradientRefusal(GradientShape(), PlainCall(), 9, 0),
+            nullptr);
+  // One row and a vocabulary not a multiple of the 256-column tile.
+  GemmSm90Shape s = GradientShape();
+  s.rows = 1;
+  s.cols = 1000;
+  s.z_stride = 1000;
+  EXPECT_EQ(FusedLinearGradientRefusal(s, PlainCall(), 9, 0), nullptr);
+}
+
+TEST(GemmSm90PolicyTest, FusedGradientRoutesTheRestToCublasLt) {
+  const GemmSm90Shape s = GradientShape();
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, PlainCall(), 8, 0), "not sm_90");
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, PlainCall(), 10, 0), "not sm_90");
+  FusedGradientCall c = PlainCall();
+  c.bf16 = false;
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, c, 9, 0),
+               "operands other than bf16");
+  c = PlainCall();
+  c.sparse_residual = false;
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, c, 9, 0),
+               "a precision other than the sparse residual");
+  c = PlainCall();
+  c.softcap = true;
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, c, 9, 0), "a softcap");
+  c = PlainCall();
+  c.grad_bias = true;
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, c, 9, 0), "dbias");
+  c = PlainCall();
+  c.post_training = true;
+  EXPECT_STREQ(FusedLinearGradientRefusal(s, c, 9, 0), "a post-training loss");
+  GemmSm90Shape t = GradientShape();
+  t.depth = 4100;  // H not a multiple of 8: no tensor map
+  EXPECT_STREQ(FusedLinearGradientRefusal(t, PlainCall(), 9, 0),
+               "depth alignment");
+  t = GradientShape();
+  t.operands_aligned = false;
+  EXPECT_STREQ(FusedLinearGradientRefusal(t, PlainCall(), 9, 0),
+               "pointer alignment");
+  // V = 1002: fp32 rows of 4008 bytes, not whole 16-byte pieces.
+  t = GradientShape();
+  t.cols = 1002;
+  t.z_stride = 1002;
+  EXPECT_STREQ(FusedLinearGradientRefusal(t, PlainCall(), 9, 0),
+               "Z's rows not whole 16-byte pieces");
+  t = GradientShape();
+  t.z_element_bytes = 2;
+  EXPECT_STREQ(FusedLinearGradientRefusal(t, PlainCall(), 9, 0),
+               "Z's rows not whole 16-byte pieces");
+}
+
 TEST(GemmSm90PolicyTest, TileOrderIsABijectionInBands) {
   for (int row_tiles : {1, 5, 16, 17, 40, 64}) {
     for (int col_tiles : {1, 3, 501}) {

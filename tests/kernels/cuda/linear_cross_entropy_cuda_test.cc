@@ -1,9 +1,10 @@
 // Checks the CUDA linear cross-entropy against the fp64 reference (the CPU
 // tests' harness) for each precision, over chunks, micro-batches, repeated
-// runs and bad inputs, and the fused forward (the loss in the Hopper GEMM's
-// epilogue) on sm_90; skipped without a GPU.
+// runs and bad inputs, and the fused forward and gradient (the loss in the
+// Hopper GEMM's epilogue) on sm_90; skipped without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -25,6 +26,18 @@ bool HaveGpu() {
 
 #define SKIP_WITHOUT_GPU() \
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA GPU visible"
+
+// The fused paths run on sm_90 devices only (gemm_sm90_policy.h).
+bool HaveSm90() {
+  if (!HaveGpu()) return false;
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  return major == 9 && minor == 0;
+}
+
+#define SKIP_WITHOUT_SM90() \
+  if (!HaveSm90()) GTEST_SKIP() << "the fused paths need an sm_90 GPU"
 
 // Device copies of the host buffers an args struct points at; Finish copies
 // every output back into them.
@@ -191,6 +204,9 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
   sparse.precision = LinearPrecision::kSparseResidual;
   sparse.chunk_rows = 128;
   sparse.sparse_threshold = 1e-3f;
+  // cuBLASLt's Z on both sides of the overflow's comparison below (the
+  // fused gradient's Z, accumulated in another order, has its own test).
+  sparse.fused_gradient = LinearFusedForward::kOff;
   Problem first(c);
   CrossEntropyResult first_result;
   ASSERT_TRUE(CudaRunner(sparse)(first.Args(), &first_result).ok());
@@ -216,6 +232,26 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
   EXPECT_NE(std::memcmp(first.grad_weight.data(), plain.grad_weight.data(),
                         first.grad_weight.size() * sizeof(float)),
             0);
+
+  // The fused gradient's records, the same way: repeated, and every row
+  // overflowing equals no record kept.
+  if (!HaveSm90()) return;
+  sparse.fused_gradient = LinearFusedForward::kRequire;
+  overflow.fused_gradient = LinearFusedForward::kRequire;
+  LinearCrossEntropyLabConfig none = sparse;
+  none.sparse_threshold = 1e30f;
+  Problem fused_first(c), fused_second(c), fused_dropped(c), fused_none(c);
+  CrossEntropyResult r1, r2, r3, r4;
+  ASSERT_TRUE(CudaRunner(sparse)(fused_first.Args(), &r1).ok());
+  ASSERT_TRUE(CudaRunner(sparse)(fused_second.Args(), &r2).ok());
+  linear_test::ExpectSameBits(fused_first, r1, fused_second, r2);
+  ASSERT_TRUE(CudaRunner(overflow)(fused_dropped.Args(), &r3).ok());
+  ASSERT_TRUE(CudaRunner(none)(fused_none.Args(), &r4).ok());
+  linear_test::ExpectSameBits(fused_dropped, r3, fused_none, r4);
+  EXPECT_NE(
+      std::memcmp(fused_first.grad_weight.data(), fused_none.grad_weight.data(),
+                  fused_first.grad_weight.size() * sizeof(float)),
+      0);
 }
 
 TEST(LinearCrossEntropyCudaTest, ManyChunksWithATail) {
@@ -301,21 +337,16 @@ TEST(LinearCrossEntropyCudaTest, BadTargetChangesNothing) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// The fused forward runs on sm_90 devices only (FusedLinearForwardTakes).
-bool HaveSm90() {
-  if (!HaveGpu()) return false;
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
-  return major == 9 && minor == 0;
-}
-
-#define SKIP_WITHOUT_SM90() \
-  if (!HaveSm90()) GTEST_SKIP() << "the fused forward needs an sm_90 GPU"
-
 LinearCrossEntropyLabConfig FusedConfig(LinearFusedForward fused) {
   LinearCrossEntropyLabConfig config;
   config.fused_forward = fused;
+  return config;
+}
+
+LinearCrossEntropyLabConfig FusedGradientConfig(LinearFusedForward fused) {
+  LinearCrossEntropyLabConfig config;
+  config.precision = LinearPrecision::kSparseResidual;
+  config.fused_gradient = fused;
   return config;
 }
 
@@ -388,27 +419,51 @@ TEST(LinearCrossEntropyCudaTest, FusedForwardOverChunksWithATail) {
 // would take minutes: against the cuBLASLt path (fp32 Z, the fused
 // cross-entropy), which the tests above hold to fp64; and the same bits on a
 // second run.
-TEST(LinearCrossEntropyCudaTest, FusedForwardEqualsCublasPathAndRepeats) {
-  SKIP_WITHOUT_SM90();
+// The large case of the EqualsCublasPathAndRepeats tests: 1000 x 512 x
+// vocab bf16 with a bias and z-loss.
+Case LargeCase(int64_t vocab) {
   Case c;
   c.rows = 1000;
   c.hidden = 512;
-  c.vocab = 50257;
+  c.vocab = vocab;
   c.dtype = DType::kBFloat16;
-  c.dx_mode = GradientMode::kNone;
-  c.accumulate = AccumulateMode::kNone;
   c.token_outputs = true;
   c.bias = true;
   c.options.z_loss_scale = 1e-4f;
+  return c;
+}
+
+// A case run twice by a fused path (required) and once by cuBLASLt's.
+struct ThreeRuns {
+  explicit ThreeRuns(const Case& c) : fused(c), again(c), cublas(c) {}
+  Problem fused, again, cublas;
+  CrossEntropyResult fused_result, again_result, cublas_result;
+};
+
+void RunThree(LinearCrossEntropyLabConfig (*config)(LinearFusedForward),
+              ThreeRuns* t) {
   const auto run = [&](LinearFusedForward mode, Problem* p,
                        CrossEntropyResult* r) {
-    ASSERT_TRUE(CudaRunner(FusedConfig(mode))(p->Args(), r).ok());
+    ASSERT_TRUE(CudaRunner(config(mode))(p->Args(), r).ok());
   };
-  Problem fused(c), again(c), cublas(c);
-  CrossEntropyResult fused_result, again_result, cublas_result;
-  run(LinearFusedForward::kRequire, &fused, &fused_result);
-  run(LinearFusedForward::kRequire, &again, &again_result);
-  run(LinearFusedForward::kOff, &cublas, &cublas_result);
+  run(LinearFusedForward::kRequire, &t->fused, &t->fused_result);
+  run(LinearFusedForward::kRequire, &t->again, &t->again_result);
+  run(LinearFusedForward::kOff, &t->cublas, &t->cublas_result);
+}
+
+TEST(LinearCrossEntropyCudaTest, FusedForwardEqualsCublasPathAndRepeats) {
+  SKIP_WITHOUT_SM90();
+  Case c = LargeCase(50257);
+  c.dx_mode = GradientMode::kNone;
+  c.accumulate = AccumulateMode::kNone;
+  ThreeRuns t(c);
+  RunThree(FusedConfig, &t);
+  const Problem& fused = t.fused;
+  const Problem& again = t.again;
+  const Problem& cublas = t.cublas;
+  const CrossEntropyResult& fused_result = t.fused_result;
+  const CrossEntropyResult& again_result = t.again_result;
+  const CrossEntropyResult& cublas_result = t.cublas_result;
   EXPECT_EQ(fused_result.loss, again_result.loss);
   EXPECT_EQ(fused.token_loss, again.token_loss);
   EXPECT_EQ(fused.token_lse, again.token_lse);
@@ -447,6 +502,132 @@ TEST(LinearCrossEntropyCudaTest, FusedForwardRefusesWhatItCannotTake) {
       CudaRunner(FusedConfig(LinearFusedForward::kRequire))(grad.Args(), &r)
           .code(),
       absl::StatusCode::kFailedPrecondition);
+}
+
+// Gradient problems the fused gradient takes (bf16, V a multiple of 4) over
+// ragged shapes: one row, a partial row tile, V not a multiple of the
+// 256-column tile, H not a multiple of the 64-deep block; about one row in
+// five ignored, dX out of place and in place, dW overwritten and added to,
+// grad_output a row, and every option set without a softcap (which the
+// policy sends to cuBLASLt).
+std::vector<Case> FusedGradientCases() {
+  std::vector<Case> cases;
+  const int kSets[] = {0, 1, 3, 5};
+  uint32_t seed = 900;
+  for (int64_t rows : {1, 7, 130}) {
+    for (int64_t hidden : {8, 72}) {
+      for (int64_t vocab : {4, 260, 1000}) {
+        Case c;
+        c.rows = rows;
+        c.hidden = hidden;
+        c.vocab = vocab;
+        c.dtype = DType::kBFloat16;
+        c.token_outputs = true;
+        c.seed = seed++;
+        const uint32_t k = c.seed;
+        c.bias = k % 2 == 0;
+        c.dx_mode =
+            k % 3 == 0 ? GradientMode::kInPlace : GradientMode::kOutOfPlace;
+        c.accumulate =
+            k % 2 == 1 ? AccumulateMode::kAdd : AccumulateMode::kOverwrite;
+        c.targets_dtype = k % 3 == 1 ? DType::kInt32 : DType::kInt64;
+        linear_test::ApplyOptionSet(kSets[k % 4], &c);
+        cases.push_back(c);
+      }
+    }
+  }
+  return cases;
+}
+
+TEST(LinearCrossEntropyCudaTest, FusedGradientMatchesReference) {
+  SKIP_WITHOUT_SM90();
+  const LinearCrossEntropyLabConfig fused =
+      FusedGradientConfig(LinearFusedForward::kRequire);
+  // The sparse residual's bound at these small vocabularies, as for the
+  // cuBLASLt path (SparseResidualMatchesReference).
+  linear_test::Tolerance tol;
+  tol.grad_weight = 2e-4;
+  for (const Case& c : FusedGradientCases())
+    CheckCase(c, CudaRunner(fused), tol);
+  // One row over a bench vocabulary: the 1-row bound on dW.
+  Case one;
+  one.rows = 1;
+  one.hidden = 256;
+  one.vocab = 131072;
+  one.dtype = DType::kBFloat16;
+  one.accumulate = AccumulateMode::kOverwrite;
+  linear_test::Tolerance one_row;
+  one_row.grad_weight = 5e-5;
+  CheckCase(one, CudaRunner(fused), one_row);
+  // Chunks of 64 rows with a tail of 2.
+  Case chunked;
+  chunked.rows = 130;
+  chunked.hidden = 64;
+  chunked.vocab = 2000;
+  chunked.dtype = DType::kBFloat16;
+  chunked.class_weights = true;
+  chunked.options.label_smoothing = 0.1f;
+  LinearCrossEntropyLabConfig small_chunks = fused;
+  small_chunks.chunk_rows = 64;
+  CheckCase(chunked, CudaRunner(small_chunks), tol);
+}
+
+// Many tiles a row and several waves, where the fp64 reference would take
+// minutes: the same bits on a second run, and within the products' rounding
+// of the cuBLASLt path of the same precision (held to fp64 above).
+TEST(LinearCrossEntropyCudaTest, FusedGradientEqualsCublasPathAndRepeats) {
+  SKIP_WITHOUT_SM90();
+  Case c = LargeCase(50256);
+  c.accumulate = AccumulateMode::kOverwrite;
+  ThreeRuns t(c);
+  RunThree(FusedGradientConfig, &t);
+  const Problem& fused = t.fused;
+  const Problem& cublas = t.cublas;
+  linear_test::ExpectSameBits(fused, t.fused_result, t.again, t.again_result);
+  EXPECT_NEAR(t.fused_result.loss, t.cublas_result.loss,
+              2e-6 * std::fabs(t.cublas_result.loss));
+  const std::vector<double> reference(cublas.grad_weight.begin(),
+                                      cublas.grad_weight.end());
+  EXPECT_LE(linear_test::RelativeError(fused.grad_weight, reference, 1e-6),
+            1e-5);
+  std::vector<float> dx(c.rows * c.hidden);
+  std::vector<double> dx_reference(c.rows * c.hidden);
+  for (int64_t i = 0; i < c.rows * c.hidden; ++i) {
+    dx[i] = linear_test::Decode(fused.dx, c.dtype, i);
+    dx_reference[i] = linear_test::Decode(cublas.dx, c.dtype, i);
+  }
+  EXPECT_LE(linear_test::RelativeError(dx, dx_reference, 1e-6), 1e-2);
+}
+
+// Gradient work the fused path does not take: refused when required, and
+// the policy's choice runs it on cuBLASLt.
+TEST(LinearCrossEntropyCudaTest, FusedGradientRefusesWhatItCannotTake) {
+  SKIP_WITHOUT_GPU();
+  Case c;
+  c.rows = 16;
+  c.hidden = 64;
+  c.vocab = 300;
+  c.dtype = DType::kBFloat16;
+  c.options.softcap = 5.0f;  // its factor needs the raw logit
+  const auto code = [](const Case& c) {
+    Problem p(c);
+    CrossEntropyResult r;
+    return CudaRunner(FusedGradientConfig(LinearFusedForward::kRequire))(
+               p.Args(), &r)
+        .code();
+  };
+  EXPECT_EQ(code(c), absl::StatusCode::kFailedPrecondition);
+  linear_test::Tolerance tol;
+  tol.grad_weight = 2e-4;
+  CheckCase(c, CudaRunner(FusedGradientConfig(LinearFusedForward::kAuto)), tol);
+  c.options.softcap = 0.0f;
+  c.vocab = 302;  // fp32 rows of 1208 bytes: no TMA store of Z
+  EXPECT_EQ(code(c), absl::StatusCode::kFailedPrecondition);
+  CheckCase(c, CudaRunner(FusedGradientConfig(LinearFusedForward::kAuto)), tol);
+  c.vocab = 300;
+  c.grad_bias = true;
+  c.bias = true;
+  EXPECT_EQ(code(c), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
