@@ -239,6 +239,21 @@ def reference_loss(student, teacher, beta):
     return float(rows.mean())
 
 
+def fp64_check(cells, loss, student, teacher, beta):
+    """Without Liger: (the float64 loss, "fp64", whether lossd's loss missed it); the Liger
+    cells filled with "-"."""
+    check = reference_loss(student.cpu(), teacher.cpu(), beta)
+    cells += ["-", "-", "-", "-"]
+    return check, "fp64", abs(loss - check) > 1e-3 * abs(check) + 1e-5
+
+
+def add_row(lines, cells, loss, check, check_name):
+    """The row's last cell (both losses) and the row, printed as it comes."""
+    cells.append("%.6g / %.6g (%s)" % (loss, check, check_name))
+    lines.append("| " + " | ".join(cells) + " |")
+    print(lines[-1], flush=True)
+
+
 def linear_rows(lossd, linear_function, args, tensor_device):
     """The LinearForward table's lines (printed as they come) and whether a loss missed its
     float64 check (without Liger)."""
@@ -271,15 +286,10 @@ def linear_rows(lossd, linear_function, args, tensor_device):
                               "%.2f" % ((liger_ms - gemm_ms) / kernel_ms)]
                     check_name = "Liger"
                 else:
-                    student = (x.double() @ w.double().t()).cpu()
-                    check = reference_loss(student, teacher.cpu(), beta)
-                    cells += ["-", "-", "-", "-"]
-                    check_name = "fp64"
-                    if abs(loss - check) > 1e-3 * abs(check) + 1e-5:
-                        failed = True
-                cells.append("%.6g / %.6g (%s)" % (loss, check, check_name))
-                lines.append("| " + " | ".join(cells) + " |")
-                print(lines[-1], flush=True)
+                    check, check_name, missed = fp64_check(
+                        cells, loss, (x.double() @ w.double().t()).cpu(), teacher, beta)
+                    failed = failed or missed
+                add_row(lines, cells, loss, check, check_name)
         for handle in handles:
             lossd.release(handle)
         del x, w, x_teacher, w_teacher, teacher
@@ -345,14 +355,9 @@ def main():
                               "%.2f" % (liger_step / kernel_ms)]
                     check_name = "Liger"
                 else:
-                    check = reference_loss(student.cpu(), teacher.cpu(), beta)
-                    cells += ["-", "-", "-", "-"]
-                    check_name = "fp64"
-                    if abs(loss - check) > 1e-3 * abs(check) + 1e-5:
-                        failed = True
-                cells.append("%.6g / %.6g (%s)" % (loss, check, check_name))
-                lines.append("| " + " | ".join(cells) + " |")
-                print(lines[-1], flush=True)
+                    check, check_name, missed = fp64_check(cells, loss, student, teacher, beta)
+                    failed = failed or missed
+                add_row(lines, cells, loss, check, check_name)
             lossd.release(student_handle)
             lossd.release(teacher_handle)
             del student, teacher
