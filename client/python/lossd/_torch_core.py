@@ -104,26 +104,36 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        stored = ctx.stored
-        if stored is None or not stored.alive:
-            raise RuntimeError("lossd.torch.cross_entropy: backward ran twice; the server's "
-                               "gradient was released after the first")
-        meta = ctx.logits_meta
-        client = stored.client
-        try:
+        def record(client, handle):
             if ctx.reduction == "none":
                 scale = grad_output.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-                client.backward(stored.handle, scale.numpy())
+                client.backward(handle, scale.numpy())
             else:
                 factor = float(grad_output)
                 # The server's factor is 1 until a Backward records another.
                 if factor != 1.0:
-                    client.backward(stored.handle, factor)
-            gradient = _download_gradient(client, stored.handle, meta, ctx.grad_out)
-        finally:
-            stored.release()
-            ctx.stored = None
+                    client.backward(handle, factor)
+
+        gradient = _take_gradient(ctx, record, ctx.logits_meta, ctx.grad_out,
+                                  "lossd.torch.cross_entropy: backward ran twice; the server's "
+                                  "gradient was released after the first")
         return gradient, None, None, None
+
+
+def _take_gradient(ctx, record, meta, out, twice):
+    """The backward of lossd.torch's autograd functions: record(client, handle) sends the
+    grad_output, then the server's gradient behind ctx.stored comes down into a tensor of
+    meta = (shape, dtype, device) (`out` or a new one) and is released, also on failure.
+    twice: the error of a second backward, whose gradient is gone."""
+    stored = ctx.stored
+    if stored is None or not stored.alive:
+        raise RuntimeError(twice)
+    try:
+        record(stored.client, stored.handle)
+        return _download_gradient(stored.client, stored.handle, meta, out)
+    finally:
+        stored.release()
+        ctx.stored = None
 
 
 def _host_targets(target):
@@ -185,28 +195,34 @@ def _forward(logits, target, client, options, need_gradient, stream=None):
     extra = dict(options.get("extra") or {})
 
     stored = _store(client, logits, options["label"], stream)
-    staged = []
-    try:
-        _stage_inputs(client, options, extra, staged, stream)
-        result = client.forward(
-            stored.handle, target, weight=weight, ignore_index=options["ignore_index"],
-            label_smoothing=options["label_smoothing"], reduction=reduction,
-            z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
-            normalizer=options["normalizer"], grad_scale=options["grad_scale"],
-            mode="in_place" if need_gradient else "none", token_loss=reduction == "none",
-            **extra)
-    except BaseException:
-        stored.release()
-        raise
-    finally:
-        for tensor in staged:
-            tensor.release()
+    result = _call_staged(client, stored, options, extra, lambda extra: client.forward(
+        stored.handle, target, weight=weight, ignore_index=options["ignore_index"],
+        label_smoothing=options["label_smoothing"], reduction=reduction,
+        z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
+        normalizer=options["normalizer"], grad_scale=options["grad_scale"],
+        mode="in_place" if need_gradient else "none", token_loss=reduction == "none",
+        **extra), stream)
     if not need_gradient:
         stored.release()
         stored = None
     options["result"] = result
 
     return _loss_tensor(result, reduction, options["normalizer"], logits), stored
+
+
+def _call_staged(client, stored, options, extra, call, stream=None):
+    """call(extra) with the call's inputs staged by _stage_inputs (released after it); the
+    uploaded `stored` released when it fails."""
+    staged = []
+    try:
+        _stage_inputs(client, options, extra, staged, stream)
+        return call(extra)
+    except BaseException:
+        stored.release()
+        raise
+    finally:
+        for tensor in staged:
+            tensor.release()
 
 
 def _stage_inputs(client, options, extra, staged, stream=None):

@@ -5,8 +5,8 @@ import warnings
 
 import torch
 
-from ._torch_core import (_DTYPE_NAMES, _attach_metrics, _download_gradient, _host_targets,
-                          _loss_tensor, _segment_kwargs, _stage_inputs, _store)
+from ._torch_core import (_DTYPE_NAMES, _attach_metrics, _call_staged, _host_targets,
+                          _loss_tensor, _segment_kwargs, _store, _take_gradient)
 from ._torch_post_training import _distillation_kwargs, _policy_kwargs
 
 
@@ -115,23 +115,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        stored = ctx.stored
-        if stored is None or not stored.alive:
-            raise RuntimeError("lossd.torch.linear_cross_entropy: backward ran twice; the "
-                               "server's dX was released after the first")
-        meta = ctx.hidden_meta
-        client = stored.client
-        try:
+        def record(client, handle):
             factor = float(grad_output)
             if factor != 1.0:
                 warnings.warn("lossd.torch.linear_cross_entropy: a grad_output of %g scales dX "
                               "but not the weight gradient accumulated at the forward; fold it "
-                              "into grad_scale" % factor, stacklevel=2)
-                client.backward(stored.handle, factor)
-            gradient = _download_gradient(client, stored.handle, meta)
-        finally:
-            stored.release()
-            ctx.stored = None
+                              "into grad_scale" % factor, stacklevel=4)
+                client.backward(handle, factor)
+
+        gradient = _take_gradient(ctx, record, ctx.hidden_meta, None,
+                                  "lossd.torch.linear_cross_entropy: backward ran twice; the "
+                                  "server's dX was released after the first")
         return gradient, None, None, None
 
 
@@ -145,26 +139,17 @@ def _linear_forward(hidden, target, client, options, need_gradient):
     reduction = options["reduction"]
     extra = dict(options.get("extra") or {})
     stored = _store(client, hidden, options["label"])
-    staged = []
-    try:
-        _stage_inputs(client, options, extra, staged)
-        result = client.linear_forward(
-            stored.handle, options["weight"], target, bias=options["bias"],
-            weight_grad=options["weight_grad"] if need_gradient else "",
-            bias_grad=options["bias_grad"] if need_gradient else "",
-            accumulate=options["accumulate"] if need_gradient else "none",
-            class_weights=options["class_weights"], ignore_index=options["ignore_index"],
-            label_smoothing=options["label_smoothing"], reduction=reduction,
-            z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
-            normalizer=options["normalizer"], grad_scale=options["grad_scale"],
-            mode="in_place" if need_gradient else "none", token_loss=reduction == "none",
-            precision=options["precision"], **extra)
-    except BaseException:
-        stored.release()
-        raise
-    finally:
-        for tensor in staged:
-            tensor.release()
+    result = _call_staged(client, stored, options, extra, lambda extra: client.linear_forward(
+        stored.handle, options["weight"], target, bias=options["bias"],
+        weight_grad=options["weight_grad"] if need_gradient else "",
+        bias_grad=options["bias_grad"] if need_gradient else "",
+        accumulate=options["accumulate"] if need_gradient else "none",
+        class_weights=options["class_weights"], ignore_index=options["ignore_index"],
+        label_smoothing=options["label_smoothing"], reduction=reduction,
+        z_loss_scale=options["z_loss_scale"], softcap=options["softcap"],
+        normalizer=options["normalizer"], grad_scale=options["grad_scale"],
+        mode="in_place" if need_gradient else "none", token_loss=reduction == "none",
+        precision=options["precision"], **extra))
     options["result"] = result.forward
     options["weight_grad_out"] = result.weight_grad
     options["bias_grad_out"] = result.bias_grad
