@@ -203,7 +203,7 @@ def liger_linear_time(function, x, w, x_teacher, w_teacher, beta, runs):
 
     liger_ms, loss = cuda_median_ms(step, runs)
     gemm_ms, _ = cuda_median_ms(lambda: x_teacher @ w_teacher.t(), runs)
-    return liger_ms, float(loss), gemm_ms
+    return liger_ms, float(loss.detach()), gemm_ms
 
 
 def liger_time(jsd_function, student, teacher, beta, runs, with_log_softmax):
@@ -223,7 +223,7 @@ def liger_time(jsd_function, student, teacher, beta, runs, with_log_softmax):
         return loss
 
     ms, loss = cuda_median_ms(step, runs)
-    return ms, float(loss)
+    return ms, float(loss.detach())
 
 
 def reference_loss(student, teacher, beta):
