@@ -175,12 +175,8 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
   absl::Status StartEvaluation(const pb::EvaluateHeader& header)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ASSIGN_OR_RETURN(config_.spec, ValidateEvaluateHeader(header));
-    if (IsPostTrainingEvaluation(header)) {
-      ASSIGN_OR_RETURN(config_.post,
-                       ParsePostTrainingEvaluation(header, config_.spec.vocab,
-                                                   config_.spec.options));
-      config_.post_training = true;
-    }
+    const bool post_training = IsPostTrainingEvaluation(header);
+    if (post_training) RETURN_IF_ERROR(CheckPostTrainingOnTheStream(header));
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the blocks on the stream"));
@@ -192,6 +188,13 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       if (head_.bias.tensor() != nullptr) {
         config_.bias = head_.bias.tensor()->data();
       }
+    }
+    // After the head: over hidden states, V is the weight's.
+    if (post_training) {
+      ASSIGN_OR_RETURN(config_.post,
+                       ParsePostTrainingEvaluation(header, config_.spec.vocab,
+                                                   config_.spec.options));
+      config_.post_training = true;
     }
     config_.options = config_.spec.options;
     config_.tenant = admission_.tenant();

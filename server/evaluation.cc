@@ -221,6 +221,13 @@ absl::Status EvaluationLane::RunLogits(int64_t rows, const void* targets,
 
 absl::Status EvaluationLane::RunLinear(int64_t rows, const void* targets,
                                        CrossEntropyResult* result) {
+  const LinearCrossEntropyArgs args = LinearArgs(rows, targets);
+  ASSIGN_OR_RETURN(const ScratchBuffer workspace, LinearWorkspace(args));
+  return store_->device()->LinearCrossEntropy(args, result);
+}
+
+LinearCrossEntropyArgs EvaluationLane::LinearArgs(int64_t rows,
+                                                  const void* targets) const {
   // LinearForward's device call with no gradient at all: the logits exist
   // only chunk by chunk inside it.
   LinearCrossEntropyArgs args;
@@ -243,11 +250,14 @@ absl::Status EvaluationLane::RunLinear(int64_t rows, const void* targets,
   args.weight_dtype = config_->logits_dtype;
   if (config_->bias != nullptr) args.bias_dtype = config_->logits_dtype;
   args.cancelled = config_->cancelled;
-  ASSIGN_OR_RETURN(const ScratchBuffer workspace,
-                   store_->ChargeWorkspace(
-                       store_->device()->LinearCrossEntropyWorkspaceBytes(args),
-                       "the evaluation's working memory over hidden states"));
-  return store_->device()->LinearCrossEntropy(args, result);
+  return args;
+}
+
+absl::StatusOr<ScratchBuffer> EvaluationLane::LinearWorkspace(
+    const LinearCrossEntropyArgs& args) const {
+  return store_->ChargeWorkspace(
+      store_->device()->LinearCrossEntropyWorkspaceBytes(args),
+      "the evaluation's working memory over hidden states");
 }
 
 absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {

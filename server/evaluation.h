@@ -24,6 +24,9 @@
 #include "common/dtype.h"
 #include "common/loss_options.h"
 #include "common/raw_messages.h"
+#include "kernels/linear_cross_entropy.h"
+#include "kernels/linear_post_training.h"
+#include "kernels/post_training.h"
 #include "server/data_plane.h"
 #include "server/evaluate_spec.h"
 #include "server/metrics.h"
@@ -238,6 +241,16 @@ class EvaluationLane {
                          CrossEntropyResult* result);
   absl::Status RunLinear(int64_t rows, const void* targets,
                          CrossEntropyResult* result);
+  // The arguments of the linear cross entropy of `rows` hidden states in the
+  // block buffer against the config's weight, without a gradient, summed.
+  LinearCrossEntropyArgs LinearArgs(int64_t rows, const void* targets) const;
+  // The working memory of a linear call with `args`, charged to the budget.
+  absl::StatusOr<ScratchBuffer> LinearWorkspace(
+      const LinearCrossEntropyArgs& args) const;
+  // The post-training loss of `args` (its logits the block buffer's hidden
+  // states, its inputs on the device) against the config's weight.
+  absl::Status RunLinearPostTraining(const PostTrainingArgs& args,
+                                     PostTrainingResult* result);
   // Grows the device buffer `*buffer` to hold `bytes`: the largest block so
   // far, charged to the memory budget.
   absl::Status Reserve(ScratchBuffer* buffer, size_t bytes);

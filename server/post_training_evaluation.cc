@@ -100,15 +100,18 @@ absl::Status ParseEvaluateSegments(const pb::Segments& segments,
 
 }  // namespace
 
+absl::Status CheckPostTrainingOnTheStream(const pb::EvaluateHeader& header) {
+  if (!header.data_token().empty()) {
+    return absl::InvalidArgumentError(
+        "distillation, policy losses and segments in Evaluate are offered "
+        "on the stream only: not over data connections");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
     const pb::EvaluateHeader& header, int64_t vocab,
     const CrossEntropyOptions& options) {
-  if (!header.data_token().empty() || !header.weight().empty()) {
-    return absl::InvalidArgumentError(
-        "distillation, policy losses and segments in Evaluate are offered "
-        "on the stream over logits only: not over data connections or "
-        "hidden states");
-  }
   if (!header.options().class_weights().empty()) {
     return absl::InvalidArgumentError(
         "options.class_weights does not compose with distillation, policy "
@@ -258,9 +261,10 @@ absl::StatusOr<int64_t> PostTrainingBlockRows(
   };
   const int64_t logits_bytes = static_cast<int64_t>(block.logits.size());
   if (logits_bytes % row_bytes != 0) {
-    return bad(absl::StrCat(logits_bytes,
-                            " logits bytes are not a whole number of rows of ",
-                            row_bytes, " bytes"));
+    return bad(absl::StrCat(
+        logits_bytes,
+        config.weight != nullptr ? " hidden-state bytes" : " logits bytes",
+        " are not a whole number of rows of ", row_bytes, " bytes"));
   }
   const int64_t rows = logits_bytes / row_bytes;
   if (rows == 0) return 0;
@@ -482,12 +486,16 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   block_.copy_seconds += absl::ToDoubleSeconds(absl::Now() - copy_start);
 
   PostTrainingResult result;
+  const bool hidden_states = config_->weight != nullptr;
   const absl::Time start = absl::Now();
-  RETURN_IF_ERROR(device->PostTraining(args, &result));
+  RETURN_IF_ERROR(hidden_states ? RunLinearPostTraining(args, &result)
+                                : device->PostTraining(args, &result));
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   block_.kernel_seconds += seconds;
   if (metrics_ != nullptr) {
-    metrics_->ObserveKernel(device->name(), "post_training", seconds);
+    metrics_->ObserveKernel(
+        device->name(),
+        hidden_states ? "linear_post_training" : "post_training", seconds);
   }
   block_.loss = result.base.loss;
   block_.z_loss = result.base.z_loss;
@@ -502,6 +510,21 @@ absl::Status EvaluationLane::EvaluatePostTraining(
   block_.segment_tokens = result.segment_tokens;
   block_.policy = result.policy;
   return order_->Add(index_, frames_++, block_);
+}
+
+absl::Status EvaluationLane::RunLinearPostTraining(const PostTrainingArgs& args,
+                                                   PostTrainingResult* result) {
+  LinearPostTrainingArgs linear;
+  linear.linear = LinearArgs(args.base.rows, args.base.targets);
+  // A distillation with alpha 0 may come without targets; the linear
+  // checks want a targets dtype all the same (as LinearForward gives).
+  if (args.base.targets == nullptr) linear.linear.targets_dtype = DType::kInt32;
+  linear.distillation = args.distillation;
+  linear.policy = args.policy;
+  linear.segments = args.segments;
+  ASSIGN_OR_RETURN(const ScratchBuffer workspace,
+                   LinearWorkspace(linear.linear));
+  return store_->device()->LinearPostTraining(linear, result);
 }
 
 }  // namespace lossd

@@ -39,13 +39,20 @@ inline constexpr int64_t kMaxEvaluateSegments = int64_t{1} << 20;
 // True when the header asks for a post-training evaluation.
 bool IsPostTrainingEvaluation(const lossd::v1::EvaluateHeader& header);
 
+// INVALID_ARGUMENT for a post-training header (IsPostTrainingEvaluation)
+// over data connections: the blocks' extra fields come on the stream only.
+// Checked before the data token is looked up. Thread-safe.
+absl::Status CheckPostTrainingOnTheStream(
+    const lossd::v1::EvaluateHeader& header);
+
 // The header's post-training part, checked against `vocab` and `options`
-// (ValidateEvaluateHeader's). INVALID_ARGUMENT: a teacher, policy input or
+// (ValidateEvaluateHeader's; over hidden states, V is the weight's, known
+// once the head is leased). INVALID_ARGUMENT: a teacher, policy input or
 // ids in the header itself; a distillation without exactly one of
 // teacher_logits_dtype (a float dtype) and teacher_top_k (with
 // teacher_indices_dtype int32/int64); distillation and policy together;
-// policy_reference_logprobs without a policy; data connections, hidden
-// states or class_weights with any of them; anything ValidatePostTrainingArgs
+// policy_reference_logprobs without a policy; class_weights with any of
+// them; anything ValidatePostTrainingArgs
 // refuses (the options, the distillation's and the policy's numbers, k,
 // segments' count and reduction). Thread-safe.
 absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(

@@ -377,6 +377,23 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         header.mutable_header()->set_data_token(std::string(16, 'x'));
         return Evaluate({header});
       });
+  add("evaluate distillation over hidden states: k > the weight's V",
+      Code::INVALID_ARGUMENT, "top-k k = 6 must be in [1, min(V, 512)]",
+      [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_vocab(0);  // the weight's
+        header.mutable_header()->set_weight(head_);
+        header.mutable_header()->set_teacher_top_k(6);
+        return Evaluate({header});
+      });
+  add("evaluate distillation over hidden states: a ragged block",
+      Code::INVALID_ARGUMENT,
+      "block 0: 5 hidden-state bytes are not a whole number of rows of 12",
+      [this, kd_header] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_weight(head_);
+        return Evaluate({header, EvalBlock(std::string(5, '\0'), "")});
+      });
   add("evaluate distillation: a block's index out of range",
       Code::INVALID_ARGUMENT, "top-k index [0, 1] = 5 is outside [0, 5)",
       [this, kd_header, kd_block] {

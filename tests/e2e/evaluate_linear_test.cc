@@ -3,7 +3,8 @@
 // and bf16, with every loss option; the same bits over the stream and 1 or 3
 // data connections; LinearForward's loss on the same rows; the budget; the
 // weight read for the RPC's life (an overwrite refused, a Release deferred);
-// another tenant's weight; and errors that change nothing.
+// another tenant's weight; the post-training losses against LinearForward's;
+// and errors that change nothing.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
@@ -353,6 +355,118 @@ TEST_F(EvaluateLinearTest, EqualsLinearForwardWithoutGradient) {
     EXPECT_EQ(streamed->valid_tokens, stored->forward.valid_tokens);
     EXPECT_EQ(streamed->correct_tokens, stored->forward.correct_tokens);
     EXPECT_EQ(streamed->nonfinite_rows, stored->forward.nonfinite_rows);
+  }
+}
+
+// Distillation (a top-k teacher, bucket tail, tau 2, alpha 0.3) and PPO, each
+// with segments, over hidden states in blocks of 8 rows (the teacher's,
+// policy's and segments' rows in the blocks) against LinearForward's loss of
+// the same rows without a gradient.
+TEST_F(EvaluateLinearTest, PostTrainingLossesEqualLinearForward) {
+  const Problem p = MakeProblem(29, 16, 53, DType::kFloat32, 9);
+  const Head head = Store(p);
+  const std::string x = Put(p.dtype, p.x, {p.rows, p.width});
+  constexpr int32_t kTopK = 3;
+  std::vector<int32_t> indices, ids;
+  std::vector<float> logprobs, advantages, sampling;
+  for (int64_t row = 0; row < p.rows; ++row) {
+    for (int32_t j = 0; j < kTopK; ++j) {
+      indices.push_back(static_cast<int32_t>((row * 7 + j * 11) % p.vocab));
+    }
+    logprobs.insert(logprobs.end(),
+                    {std::log(0.5f), std::log(0.2f), std::log(0.1f)});
+    ids.push_back(static_cast<int32_t>(row / 10));
+    advantages.push_back(static_cast<float>(row % 5) - 2.0f);
+    sampling.push_back(-3.0f - 0.1f * static_cast<float>(row % 4));
+  }
+  SegmentOptions segments;
+  segments.count = 3;
+  for (const bool distill : {true, false}) {
+    SCOPED_TRACE(distill ? "distillation" : "ppo");
+    LinearForwardOptions forward;
+    forward.mode = GradientMode::kNone;
+    forward.bias = head.bias;
+    forward.loss.ignore_index = kIgnored;
+    EvaluateOptions options;
+    options.loss = forward.loss;
+    options.weight = head.weight;
+    options.bias = head.bias;
+    options.segments = segments;
+    forward.segments = segments;
+    forward.segments->ids = LossInput::Inline(absl::MakeConstSpan(ids));
+    if (distill) {
+      DistillationOptions kd;
+      kd.top_k = kTopK;
+      kd.tail = TopKTail::kBucket;
+      kd.temperature = 2.0f;
+      kd.alpha = 0.3f;
+      options.distillation = kd;
+      kd.top_k_indices = LossInput::Inline(absl::MakeConstSpan(indices));
+      kd.top_k_logprobs = LossInput::Inline(absl::MakeConstSpan(logprobs));
+      forward.distillation = kd;
+    } else {
+      PolicyGradientOptions pg;
+      pg.loss = PolicyLossKind::kPpoClip;
+      options.policy = pg;
+      pg.advantages = LossInput::Inline(absl::MakeConstSpan(advantages));
+      pg.sampling_logprobs = LossInput::Inline(absl::MakeConstSpan(sampling));
+      forward.policy = pg;
+    }
+    const std::vector<int64_t> shape = {p.rows};
+    absl::StatusOr<TensorInfo> targets = client_->Upload(
+        DType::kInt64, shape, p.targets.data(), p.targets.size() * 8);
+    ASSERT_TRUE(targets.ok()) << targets.status();
+    absl::StatusOr<LinearForwardResult> stored = client_->LinearForward(
+        x, head.weight, Targets::Handle(targets->handle), forward);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+
+    const std::string rows = AsBytes(p.x, p.dtype);
+    const auto slice = [](const auto& values, int64_t per_row, int64_t start,
+                          int64_t count) {
+      return std::string(
+          reinterpret_cast<const char*>(values.data() + start * per_row),
+          count * per_row * sizeof(values[0]));
+    };
+    int64_t next = 0;
+    absl::StatusOr<EvaluateResult> streamed = client_->Evaluate(
+        p.width, p.dtype, DType::kInt64, options,
+        [&](RowBlock* block) -> absl::StatusOr<bool> {
+          if (next >= p.rows) return false;
+          const int64_t count = std::min<int64_t>(8, p.rows - next);
+          block->logits = rows.substr(next * p.width * 4, count * p.width * 4);
+          block->targets = slice(p.targets, 1, next, count);
+          block->segment_ids = slice(ids, 1, next, count);
+          if (distill) {
+            block->teacher_indices = slice(indices, kTopK, next, count);
+            block->teacher_logprobs = slice(logprobs, kTopK, next, count);
+          } else {
+            block->advantages = slice(advantages, 1, next, count);
+            block->sampling_logprobs = slice(sampling, 1, next, count);
+          }
+          next += count;
+          return true;
+        });
+    ASSERT_TRUE(streamed.ok()) << streamed.status();
+    const ForwardResult& want = stored->forward;
+    EXPECT_NEAR(streamed->loss, want.loss, 1e-6 * std::abs(want.loss));
+    EXPECT_NEAR(streamed->distillation_loss, want.distillation_loss,
+                1e-6 * std::abs(want.distillation_loss) + 1e-12);
+    EXPECT_EQ(streamed->valid_tokens, want.valid_tokens);
+    EXPECT_EQ(streamed->segment_tokens, want.segment_tokens);
+    ASSERT_EQ(streamed->segment_loss.size(), want.segment_loss.size());
+    for (size_t s = 0; s < want.segment_loss.size(); ++s) {
+      EXPECT_NEAR(streamed->segment_loss[s], want.segment_loss[s],
+                  1e-6 * std::abs(want.segment_loss[s]) + 1e-12);
+    }
+    EXPECT_EQ(streamed->policy_stats.clipped_tokens,
+              want.policy_stats.clipped_tokens);
+    EXPECT_NEAR(streamed->policy_stats.ratio_sum, want.policy_stats.ratio_sum,
+                1e-6 * std::abs(want.policy_stats.ratio_sum) + 1e-12);
+    EXPECT_NEAR(streamed->policy_stats.entropy_sum,
+                want.policy_stats.entropy_sum,
+                1e-6 * std::abs(want.policy_stats.entropy_sum) + 1e-12);
+    if (distill) EXPECT_GT(std::abs(want.distillation_loss), 0.0);
+    if (!distill) EXPECT_GT(want.policy_stats.ratio_sum, 0.0);
   }
 }
 

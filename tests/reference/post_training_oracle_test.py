@@ -270,7 +270,7 @@ class Oracle:
             x_bytes, x_rows = lt.encode_float(nprng.standard_normal((rows, width)), dtype)
             w_bytes, w_rows = lt.encode_float(
                 nprng.standard_normal((vocab, width)) * scale / math.sqrt(width), dtype)
-            head = dict(width=width, x=x_rows, w=w_rows,
+            head = dict(width=width, x=x_rows, w=w_rows, x_bytes=x_bytes,
                         hidden=self.upload(lt.FLOAT_DTYPES[dtype][0], (rows, width), x_bytes),
                         weight=self.upload(lt.FLOAT_DTYPES[dtype][0], (vocab, width), w_bytes))
             x_values = x_rows @ w_rows.T
@@ -467,8 +467,8 @@ class Oracle:
             for name in ("ratio_sum", "approx_kl_sum", "kl_sum", "entropy_sum"):
                 check_close(name, getattr(stats, name), extras[name], self.loss_rtol, self.loss_rtol)
 
-        if case["reduction"] != "NONE" and head is None:
-            self.evaluate_case(rng, case, request, rows, vocab, dtype, logits_bytes, targets,
+        if case["reduction"] != "NONE":
+            self.evaluate_case(rng, case, request, head, rows, vocab, dtype, logits_bytes, targets,
                                send_targets, float(loss.detach()), float(distill_loss),
                                denominator, seg_loss, seg_tokens, int(valid.sum()), extras)
 
@@ -553,15 +553,20 @@ class Oracle:
         for handle in {head["hidden"], head["weight"], head["weight_grad"], response.gradient}:
             self.stub.Release(self.pb2.ReleaseRequest(handle=handle))
 
-    def evaluate_case(self, rng, case, forward, rows, vocab, dtype, logits_bytes, targets,
+    def evaluate_case(self, rng, case, forward, head, rows, vocab, dtype, logits_bytes, targets,
                       send_targets, loss_ref, distill_ref, denominator, seg_loss, seg_tokens,
                       valid_tokens, extras):
         """The same rows through Evaluate in 1-3 blocks, the teacher, the policy's inputs and
-        the ids in the blocks."""
+        the ids in the blocks; over the hidden states against the head's weight for a linear
+        case."""
         pb2 = self.pb2
         header = pb2.EvaluateHeader(vocab=vocab,
                                     logits_dtype=pb2.DType.Value(lt.FLOAT_DTYPES[dtype][0]),
                                     targets_dtype=pb2.DTYPE_INT64)
+        if head is not None:
+            header.weight = head["weight"]
+            logits_bytes = head["x_bytes"]
+            self.coverage.update(["evaluate linear"])
         header.options.CopyFrom(forward.options)
         teacher_rows = None
         if case["family"] == "distillation":
