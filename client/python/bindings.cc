@@ -246,7 +246,7 @@ over the gRPC stream. Results add .distillation_loss, .policy_stats,
 .segment_loss, .segment_tokens.)doc";
 
 constexpr char kLinearEvaluateDoc[] =
-    R"doc(linear_evaluate(hidden, weight, target, *, bias="", dtype=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, block_rows=0) -> EvaluateResult
+    R"doc(linear_evaluate(hidden, weight, target, *, bias="", dtype=None, class_weights=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss_scale=0.0, softcap=0.0, normalizer=0.0, block_rows=0, **post_training) -> EvaluateResult
 
 evaluate() of hidden states: hidden [N, H] and target [N] in host memory
 stream through the server in row blocks against the stored LM head `weight`
@@ -255,6 +255,11 @@ the loss linear_forward(..., mode="none") gives, from a client without a
 GPU, sending H instead of V values a row; nothing is stored. hidden must
 have the weight's dtype (bf16 from uint16 needs dtype="bf16").
 class_weights: fp32 [V] (array or handle), as evaluate()'s `weight`.
+**post_training: evaluate()'s distillation, policy and segment keywords
+(teacher, temperature, alpha, divergence, beta, top_k_tail, policy_loss,
+advantages, old_logprobs, ref_logprobs, epsilon_low, epsilon_high, kl_coef,
+kl_estimator, segments, num_segments, segment_reduction), their rows in
+host memory, sent in the blocks beside the hidden states.
 Raises NotFound (weight, bias), InvalidArgument (shapes, dtypes, options),
 FailedPrecondition (the weight being overwritten).)doc";
 

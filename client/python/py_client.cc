@@ -605,13 +605,23 @@ LinearAccumulate ParseAccumulate(py::handle accumulate) {
       name + "\"");
 }
 
-// linear_forward's post-training keywords (forward's names and defaults,
-// PostTrainingKwargs); any other keyword is a TypeError, as Python's own.
-PostTrainingKwargs PostTrainingFromKwargs(const py::kwargs& kwargs) {
+// The post-training keywords of linear_forward and linear_evaluate
+// (forward's and evaluate's names and defaults, PostTrainingKwargs); the
+// per-token outputs' keywords only where `per_token` (an Evaluate has none).
+// Any other keyword is a TypeError naming `function`, as Python's own.
+PostTrainingKwargs PostTrainingFromKwargs(const py::kwargs& kwargs,
+                                          const char* function,
+                                          bool per_token) {
   PostTrainingKwargs out;
   for (const auto& item : kwargs) {
     const std::string key = item.first.cast<std::string>();
     const py::object value = py::reinterpret_borrow<py::object>(item.second);
+    const bool token_output = key == "token_logprob" ||
+                              key == "token_entropy" || key == "token_ratio";
+    if (token_output && !per_token) {
+      throw py::type_error(absl::StrCat(
+          function, "() got an unexpected keyword argument '", key, "'"));
+    }
     if (key == "teacher") {
       out.teacher = value;
     } else if (key == "temperature") {
@@ -653,8 +663,8 @@ PostTrainingKwargs PostTrainingFromKwargs(const py::kwargs& kwargs) {
     } else if (key == "token_ratio") {
       out.token_ratio = value.cast<bool>();
     } else {
-      throw py::type_error(
-          "linear_forward() got an unexpected keyword argument '" + key + "'");
+      throw py::type_error(absl::StrCat(
+          function, "() got an unexpected keyword argument '", key, "'"));
     }
   }
   return out;
@@ -704,7 +714,8 @@ LinearForwardResult LinearForward(
   }
 
   const PostTrainingKwargs post_training =
-      PostTrainingFromKwargs(post_training_kwargs);
+      PostTrainingFromKwargs(post_training_kwargs, "linear_forward",
+                             /*per_token=*/true);
   options.token_logprob = post_training.token_logprob;
   options.token_entropy = post_training.token_entropy;
   options.token_ratio = post_training.token_ratio;
@@ -944,17 +955,20 @@ EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
                               double label_smoothing,
                               const std::string& reduction, double z_loss_scale,
                               double softcap, double normalizer,
-                              int64_t block_rows) {
+                              int64_t block_rows,
+                              const py::kwargs& post_training_kwargs) {
   if (weight.empty()) {
     ThrowInvalid("linear_evaluate: weight must name a stored [V, H] tensor");
   }
+  const PostTrainingKwargs post_training = PostTrainingFromKwargs(
+      post_training_kwargs, "linear_evaluate", /*per_token=*/false);
   EvaluateOptions options;
   options.loss = LossOptions(ignore_index, label_smoothing, reduction,
                              z_loss_scale, softcap, normalizer, 1.0);
   options.weight = weight;
   options.bias = bias;
   return EvaluateRows(self, hidden, target, dtype, class_weights,
-                      std::move(options), block_rows, "[N, H]", nullptr);
+                      std::move(options), block_rows, "[N, H]", &post_training);
 }
 
 }  // namespace python

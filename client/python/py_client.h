@@ -176,7 +176,8 @@ EvaluateResult LinearEvaluate(PyClient& self, py::handle hidden,
                               double label_smoothing,
                               const std::string& reduction, double z_loss_scale,
                               double softcap, double normalizer,
-                              int64_t block_rows);
+                              int64_t block_rows,
+                              const py::kwargs& post_training_kwargs);
 
 }  // namespace python
 }  // namespace lossd

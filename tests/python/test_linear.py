@@ -283,6 +283,47 @@ def test_linear_evaluate_is_linear_forward_without_gradient(client):
         client.release(handle)
 
 
+def test_linear_evaluate_post_training_is_linear_forward_without_gradient(client):
+    """A top-k distillation with segments, and PPO, over hidden states: the rows' teacher, policy
+    inputs and segment ids go in the blocks; the numbers are LinearForward's without a gradient."""
+    hidden, weight, bias, target = make_case(torch.float32, rows=21, seed=32)
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    generator = torch.Generator().manual_seed(33)
+    indices = torch.stack([torch.randperm(vocab, generator=generator)[:4] for _ in range(rows)])
+    logprobs = torch.log_softmax(torch.randn(rows, 4, generator=generator), -1) - 0.2
+    segments = (torch.arange(rows) // 8).to(torch.int32)
+    advantages = torch.randn(rows, generator=generator)
+    old_logprobs = -2.0 - torch.rand(rows, generator=generator)
+    weight_handle, bias_handle, hidden_handle = (upload(client, t) for t in (weight, bias, hidden))
+    losses = [
+        dict(teacher=(indices.to(torch.int32).numpy(), logprobs.float().numpy()),
+             temperature=2.0, alpha=0.25, top_k_tail="bucket"),
+        dict(policy_loss="ppo", advantages=advantages.numpy(), old_logprobs=old_logprobs.numpy()),
+    ]
+    try:
+        for loss in losses:
+            common = dict(bias=bias_handle, segments=segments.numpy(), num_segments=3, **loss)
+            stored = client.linear_forward(hidden_handle, weight_handle, target.numpy(),
+                                           mode="none", **common)
+            streamed = client.linear_evaluate(hidden.numpy(), weight_handle, target.numpy(),
+                                              block_rows=5, **common)
+            want = stored.forward
+            assert streamed.loss == pytest.approx(want.loss, rel=1e-6)
+            assert streamed.distillation_loss == pytest.approx(want.distillation_loss,
+                                                               rel=1e-6, abs=1e-12)
+            assert list(streamed.segment_tokens) == list(want.segment_tokens)
+            assert list(streamed.segment_loss) == pytest.approx(list(want.segment_loss),
+                                                                rel=1e-6)
+            assert streamed.policy_stats.ratio_sum == pytest.approx(
+                want.policy_stats.ratio_sum, rel=1e-6)
+        with pytest.raises(TypeError, match="linear_evaluate.*token_logprob"):
+            client.linear_evaluate(hidden.numpy(), weight_handle, target.numpy(),
+                                   token_logprob=True)
+    finally:
+        for handle in (hidden_handle, bias_handle, weight_handle):
+            client.release(handle)
+
+
 def test_linear_evaluate_errors(client):
     hidden, weight, _, target = make_case(torch.bfloat16, seed=31)
     weight_handle = upload(client, weight)

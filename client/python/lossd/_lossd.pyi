@@ -250,7 +250,9 @@ class Client:
                         ignore_index: int = -100, label_smoothing: float = 0.0,
                         reduction: str = "mean", z_loss_scale: float = 0.0,
                         softcap: float = 0.0, normalizer: float = 0.0,
-                        block_rows: int = 0) -> EvaluateResult: ...
+                        block_rows: int = 0,
+                        # evaluate()'s distillation, policy and segment keywords.
+                        **post_training: Any) -> EvaluateResult: ...
     # Futures (lossd/_futures.py): the same arguments as the blocking calls, run on the client's
     # pool of threads; concurrent.futures.Future objects with gRPC's cancellation.
     def upload_async(self, data: BufferLike, **kwargs: Any) -> Future[TensorInfo]: ...
