@@ -17,7 +17,6 @@
 #include "kernels/cuda/dense_kd_pieces.h"
 #include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
-#include "kernels/cuda/post_training_terms.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/row_math.cuh"
 #include "kernels/cuda/slice_stats.cuh"
@@ -27,12 +26,15 @@ namespace lossd {
 namespace cuda_ce {
 namespace {
 
-constexpr int kBlock = 256;
+// 128 threads a block, four blocks a SM (the registers allow no more
+// threads): four pieces in flight a SM rather than two, so that one block's
+// wait for its row or its piece's bulk copies leaves three at work.
+constexpr int kBlock = 128;
 constexpr int kWarps = kBlock / 32;
-// Student vectors a batch (16 KiB of student): one chunk barrier each, at
-// most kMaxBatches a piece.
+// Student vectors a batch (8 KiB of student): one chunk barrier each, at
+// most kMaxBatches a piece (128 KiB of student, as the policy allows).
 constexpr int kBatchVectors = kU * kBlock;
-constexpr int kMaxBatches = 8;
+constexpr int kMaxBatches = 16;
 
 constexpr int kFkl = static_cast<int>(Divergence::kForwardKl);
 constexpr int kRkl = static_cast<int>(Divergence::kReverseKl);
@@ -42,8 +44,11 @@ constexpr int kRkl = static_cast<int>(Divergence::kReverseKl);
 // tau's sum su = sum exp(u - mz / tau) (its max is mz / tau: the product is
 // monotone); the teacher's v = t / tau, max mv and sv = sum exp(v - mv); and
 // the divergence's weighted sum in fp64, forward KL w = sum exp(v - mv) (v -
-// u), reverse KL w = sum exp(u - mu) (u - v) (so w / sv, w / su are the means
-// sum q (v - u), sum p (u - v): the row kernel's WeightedStats).
+// u), reverse KL w = sum exp(u - mu) (u - v), and ws the sum of those weights
+// in fp64 too (w / ws is the mean sum q (v - u) or sum p (u - v), the row
+// kernel's WeightedStats: with fp32's sv or su below it, their summation's
+// ~1e-6 times a mean of ~50 moved reverse KL's u - v - mean by more than a
+// sharp row's gradient allows).
 struct DenseStats {
   float mz;
   float sz;
@@ -53,9 +58,10 @@ struct DenseStats {
   float sv;
   float mv;
   double w;
+  double ws;
 };
 __device__ __forceinline__ DenseStats EmptyDense() {
-  return {-INFINITY, 0.0f, 0.0f, INT_MAX, 0.0f, 0.0f, -INFINITY, 0.0};
+  return {-INFINITY, 0.0f, 0.0f, INT_MAX, 0.0f, 0.0f, -INFINITY, 0.0, 0.0};
 }
 
 // A piece's published statistics (and the target's z where it holds it);
@@ -113,7 +119,9 @@ __device__ __forceinline__ DenseStats WarpMergeDense(const DenseStats& v,
   r.wz = v.wz * fz;
   r.su = v.su * fu;
   r.sv = v.sv * fv;
-  r.w = div == kFkl ? v.w * fv : div == kRkl ? v.w * fu : 0.0;
+  const double fw = div == kFkl ? fv : div == kRkl ? fu : 0.0;
+  r.w = v.w * fw;
+  r.ws = v.ws * fw;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     r.sz += __shfl_xor_sync(0xffffffffu, r.sz, o);
@@ -121,6 +129,7 @@ __device__ __forceinline__ DenseStats WarpMergeDense(const DenseStats& v,
     r.su += __shfl_xor_sync(0xffffffffu, r.su, o);
     r.sv += __shfl_xor_sync(0xffffffffu, r.sv, o);
     r.w += __shfl_xor_sync(0xffffffffu, r.w, o);
+    r.ws += __shfl_xor_sync(0xffffffffu, r.ws, o);
   }
   return r;
 }
@@ -206,6 +215,36 @@ __device__ __forceinline__ void WriteRecord(const DenseRow& r, float alpha,
           0.0};
 }
 
+// JSD's terms of one class from log P and log Q on the special-function
+// unit (DivergenceTerm's d and h, and P): log M = log max(P, Q) + log w, w =
+// M / max(P, Q) in [min(beta, 1 - beta), 1] from e^-|log Q - log P|, so that
+// log P - log M and log Q - log M carry lg2's ~2^-22 absolute error and no
+// rounding of either log's size (the accurate expf and logf of the row
+// kernel cost four times the instructions an element).
+struct JsdParts {
+  float p;
+  float d;
+  float h;
+};
+__device__ __forceinline__ JsdParts JsdTerm(float beta, float log_p,
+                                            float log_q) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float x = log_q - log_p;
+  const bool q_big = x > 0.0f;
+  const float e = Exp2(-fabsf(x) * kLog2e);
+  const float w =
+      q_big ? fmaf(1.0f - beta, e, beta) : fmaf(beta, e, 1.0f - beta);
+  float lw;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lw) : "f"(w));
+  lw *= kLn2;
+  const float p = Exp2(log_p * kLog2e);
+  const float q = Exp2(log_q * kLog2e);
+  // (a class of mass 0, log -inf: its term is 0, no 0 * inf)
+  const float pm = p > 0.0f ? p * (q_big ? -x - lw : -lw) : 0.0f;
+  const float qm = q > 0.0f ? q * (q_big ? -lw : x - lw) : 0.0f;
+  return {p, fmaf(beta, qm, (1.0f - beta) * pm), (1.0f - beta) * pm};
+}
+
 // The divergence's part of element c's gradient (before a_kd) from u_c, v_c:
 // forward KL p ratio - q, reverse KL p (u - v - k) with the difference in
 // fp64 (it cancels: bench/NOTES.md, post-training precision), JSD h - P gbar.
@@ -222,10 +261,8 @@ __device__ __forceinline__ float KdTerm(const DenseRow& r, int div, float beta,
                                              static_cast<double>(v) - r.k)
                     : 0.0f;
   }
-  const float log_p = (u - r.mu) - r.lu;
-  float d, h;
-  cuda_pt::DivergenceTerm(div, beta, log_p, (v - r.mv) - r.lv, &d, &h);
-  return h - expf(log_p) * r.gbar;
+  const JsdParts j = JsdTerm(beta, (u - r.mu) - r.lu, (v - r.mv) - r.lv);
+  return j.h - j.p * r.gbar;
 }
 
 struct KernelArgs {
@@ -237,7 +274,7 @@ struct KernelArgs {
 };
 
 template <typename T, typename TT>
-__global__ void __launch_bounds__(kBlock, 2)
+__global__ void __launch_bounds__(kBlock, 4)
     DenseKdKernel(const KernelArgs ka) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
@@ -367,7 +404,10 @@ __global__ void __launch_bounds__(kBlock, 2)
             st.sz *= fz;
             st.wz *= fz;
             st.su *= fu;
-            if (div == kRkl) st.w *= fu;
+            if (div == kRkl) {
+              st.w *= fu;
+              st.ws *= fu;
+            }
             int arg = INT_MAX;
 #pragma unroll
             for (int j = kVec - 1; j >= 0; --j) {
@@ -383,7 +423,10 @@ __global__ void __launch_bounds__(kBlock, 2)
             const float fv =
                 mt == -INFINITY ? 0.0f : Exp2((st.mv - nv) * kLog2e);
             st.sv *= fv;
-            if (div == kFkl) st.w *= fv;
+            if (div == kFkl) {
+              st.w *= fv;
+              st.ws *= fv;
+            }
             mt = vt;
             st.mv = nv;
             bv = nv;
@@ -403,9 +446,11 @@ __global__ void __launch_bounds__(kBlock, 2)
             if (div == kFkl && ev > 0.0f) {
               st.w = fma(static_cast<double>(ev),
                          static_cast<double>(v) - static_cast<double>(u), st.w);
+              st.ws += ev;
             } else if (div == kRkl && eu > 0.0f) {
               st.w = fma(static_cast<double>(eu),
                          static_cast<double>(u) - static_cast<double>(v), st.w);
+              st.ws += eu;
             }
           }
         }
@@ -454,6 +499,7 @@ __global__ void __launch_bounds__(kBlock, 2)
         rs.sv = f1.y;
         rs.mv = f1.z;
         rs.w = __ldcg(&s->st.w);
+        rs.ws = __ldcg(&s->st.ws);
         zy_lane = __ldcg(&s->zy);
       }
       rs = WarpMergeDense(rs, inv_tau, div);
@@ -489,13 +535,13 @@ __global__ void __launch_bounds__(kBlock, 2)
       r.k = 0.0;
       r.gbar = 0.0f;
       if (div == kFkl) {
-        distill = rs.sv > 0.0f ? rs.w / rs.sv + gap : 0.0;
+        distill = rs.ws > 0.0 ? rs.w / rs.ws + gap : 0.0;
         // sum q / sum p over the p and q as the gradient computes them
         const double sum_p = rs.su * exp2(-static_cast<double>(r.cu));
         const double sum_q = rs.sv * exp2(-static_cast<double>(r.cv));
         r.ratio = sum_p > 0.0 ? static_cast<float>(sum_q / sum_p) : 0.0f;
       } else if (div == kRkl) {
-        r.k = rs.su > 0.0f ? rs.w / rs.su : 0.0;
+        r.k = rs.ws > 0.0 ? rs.w / rs.ws : 0.0;
         distill = r.k - gap;
       }
       r.distill = distill;
@@ -516,13 +562,12 @@ __global__ void __launch_bounds__(kBlock, 2)
         TeacherValues<T, TT>(tkept, q, tv);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float log_p = (Tr::Get(zv, j) * inv_tau - r.mu) - r.lu;
-          float d, h;
-          cuda_pt::DivergenceTerm(div, a.kd.beta, log_p,
-                                  (tv[j] * inv_tau - r.mv) - r.lv, &d, &h);
-          dsum += d;
-          hsum += h;
-          psum += expf(log_p);
+          const JsdParts t =
+              JsdTerm(a.kd.beta, (Tr::Get(zv, j) * inv_tau - r.mu) - r.lu,
+                      (tv[j] * inv_tau - r.mv) - r.lv);
+          dsum += t.d;
+          hsum += t.h;
+          psum += t.p;
         }
       }
       WarpSum3(&dsum, &hsum, &psum);

@@ -29,8 +29,8 @@ struct PostTrainingShape {
 };
 
 // A dense teacher's row pieces: about this many KiB of student and teacher
-// together a piece (two blocks a SM: the kernel's registers allow no more).
-constexpr int kDenseKdPieceKib = 96;
+// together a piece (four blocks of 128 threads a SM).
+constexpr int kDenseKdPieceKib = 48;
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
 // The fast path takes policy losses, top-k distillation at temperature 1 and

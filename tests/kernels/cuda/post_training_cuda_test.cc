@@ -671,6 +671,8 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
         {"dense FKL tau 2", true, Divergence::kForwardKl, 2.0f, kAuto},
         {"dense FKL on the row kernel", true, Divergence::kForwardKl, 1.0f,
          PostTrainingCudaPath::kRowKernel},
+        {"dense JSD(0.5) on the row kernel", true, Divergence::kJsd, 1.0f,
+         PostTrainingCudaPath::kRowKernel},
         {"top-k (k=64, bucket) FKL", false, Divergence::kForwardKl, 1.0f,
          kAuto},
         {"top-k (k=64, bucket) FKL tau 2", false, Divergence::kForwardKl, 2.0f,
