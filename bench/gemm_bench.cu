@@ -180,24 +180,36 @@ void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
   args.depth = s.depth;
   args.z_stride = s.cols;
   args.z_type = z_type;
-  const int clusters[2] = {1, 2};
+  // Each way: its cluster size and schedule.
+  struct Way {
+    int cluster;
+    cuda_gemm::GemmSm90Schedule schedule;
+    const char* name;
+  };
+  const Way ways[3] = {
+      {1, cuda_gemm::GemmSm90Schedule::kCooperative, "cooperative"},
+      {2, cuda_gemm::GemmSm90Schedule::kCooperative, "cooperative"},
+      {2, cuda_gemm::GemmSm90Schedule::kPingPong, "ping-pong"}};
   std::vector<std::function<void()>> runs = {
       [&] { lt.Run(x, w, z_ref, workspace); }};
-  for (int cluster : clusters) {
-    runs.push_back([&args, &z, cluster] {
+  for (const Way& way : ways) {
+    runs.push_back([&args, &z, way] {
       cuda_gemm::GemmSm90Args a = args;
-      a.cluster = cluster;
+      a.cluster = way.cluster;
+      a.schedule = way.schedule;
       a.z = z;
       CHECK_CUDA(cuda_gemm::GemmSm90(a, nullptr));
     });
   }
   const std::vector<float> ms = MedianMs(reps, runs);
   const int chosen = cuda_gemm::GemmSm90Cluster(cuda_gemm::ShapeOf(args));
+  const cuda_gemm::GemmSm90Schedule chosen_schedule =
+      cuda_gemm::GemmSm90ScheduleFor(cuda_gemm::ShapeOf(args), chosen);
   std::printf("%lld x %lld x %lld %s: cuBLASLt %.3f ms (%.0f TFLOP/s)\n",
               static_cast<long long>(s.rows), static_cast<long long>(s.depth),
               static_cast<long long>(s.cols), bf16 ? "bf16 Z" : "fp32 Z", ms[0],
               flop / ms[0] * 1e-9);
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < 3; ++c) {
     // Each variant's own Z against cuBLASLt's.
     CHECK_CUDA(cudaMemset(z, 0, s.rows * s.cols * es));
     runs[1 + c]();
@@ -217,10 +229,13 @@ void Bench(const Shape& s, cuda_gemm::ZType z_type, int reps,
     std::memcpy(&d, &host[0], 4);
     std::memcpy(&m, &host[1], 4);
     std::printf(
-        "  lossd sm90 cluster %d%s: %.3f ms (%.0f TFLOP/s), %.3fx cuBLASLt; "
-        "max |Z - cuBLASLt's| %.3g of max |Z| %.3g\n",
-        clusters[c], clusters[c] == chosen ? " (policy)" : "", ms[1 + c],
-        flop / ms[1 + c] * 1e-9, ms[1 + c] / ms[0], d, m);
+        "  lossd sm90 cluster %d %s%s: %.3f ms (%.0f TFLOP/s), %.3fx "
+        "cuBLASLt; max |Z - cuBLASLt's| %.3g of max |Z| %.3g\n",
+        ways[c].cluster, ways[c].name,
+        ways[c].cluster == chosen && ways[c].schedule == chosen_schedule
+            ? " (policy)"
+            : "",
+        ms[1 + c], flop / ms[1 + c] * 1e-9, ms[1 + c] / ms[0], d, m);
   }
   cudaFree(x);
   cudaFree(w);

@@ -175,6 +175,9 @@ struct Variant {
   float z_loss_scale = 0.0f;
   // The gradient's path: the policy's, cuBLASLt's, or the fused one.
   LinearFusedForward fused_gradient = LinearFusedForward::kAuto;
+  // The Hopper GEMM's schedule on the fused paths.
+  cuda_gemm::GemmSm90Schedule gemm_schedule =
+      cuda_gemm::GemmSm90Schedule::kPolicy;
   bool options() const {
     return label_smoothing > 0 || softcap > 0 || z_loss_scale > 0;
   }
@@ -201,12 +204,14 @@ const Variant kGradientVariants[] = {
     {"sparse residual, cuBLASLt Z + fused cross-entropy (before)",
      LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
      LinearFusedForward::kOff},
-    {"sparse residual, fused gradient (Z and statistics from the epilogue)",
-     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
-     LinearFusedForward::kRequire},
-    {"sparse residual, the policy's choice (fused where it takes the call)",
-     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
-     LinearFusedForward::kAuto},
+    {"fused gradient, cooperative GEMM", LinearPrecision::kSparseResidual, 0,
+     0.0f, 0, false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire,
+     cuda_gemm::GemmSm90Schedule::kCooperative},
+    {"fused gradient, ping-pong GEMM", LinearPrecision::kSparseResidual, 0,
+     0.0f, 0, false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire,
+     cuda_gemm::GemmSm90Schedule::kPingPong},
+    {"the policy's choice", LinearPrecision::kSparseResidual, 0, 0.0f, 0, false,
+     0.0f, 0.0f, 0.0f, LinearFusedForward::kAuto},
     {"before, label smoothing 0.1 (time only)",
      LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.1f, 0.0f, 0.0f,
      LinearFusedForward::kOff},
@@ -218,6 +223,19 @@ const Variant kGradientVariants[] = {
      false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kOff},
     {"fused, 4096-row chunks", LinearPrecision::kSparseResidual, 4096, 0.0f, 0,
      false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire},
+    {"before, 8192-row chunks", LinearPrecision::kSparseResidual, 8192, 0.0f, 0,
+     false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kOff},
+    {"fused, 8192-row chunks", LinearPrecision::kSparseResidual, 8192, 0.0f, 0,
+     false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire},
+    // Second samples in the same process: the noise between runs.
+    {"before, again", LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f,
+     0.0f, 0.0f, LinearFusedForward::kOff},
+    {"fused gradient, ping-pong GEMM, again", LinearPrecision::kSparseResidual,
+     0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f, LinearFusedForward::kRequire,
+     cuda_gemm::GemmSm90Schedule::kPingPong},
+    {"fused gradient, cooperative GEMM, again",
+     LinearPrecision::kSparseResidual, 0, 0.0f, 0, false, 0.0f, 0.0f, 0.0f,
+     LinearFusedForward::kRequire, cuda_gemm::GemmSm90Schedule::kCooperative},
 };
 
 void RunShape(const Shape& s, int reps, bool few, bool gradient,
@@ -376,6 +394,7 @@ void RunShape(const Shape& s, int reps, bool few, bool gradient,
     config.sparse_threshold = variant.sparse_threshold;
     config.sparse_slots = variant.sparse_slots;
     config.fused_gradient = variant.fused_gradient;
+    config.gemm_schedule = variant.gemm_schedule;
     LinearCrossEntropyArgs a = BenchArgs(s, x, w, targets);
     a.dx_mode = GradientMode::kOutOfPlace;
     a.dx = dx_out;

@@ -2,7 +2,10 @@
 """A straightforward lossd in Python (grpcio + torch.nn.functional.cross_entropy): the comparison
 point of bench/service_bench.cc. Same wire API (lossd.v1) for the subset the benchmark workload
 uses: Upload, Forward (in place: the logits handle becomes the gradient), Backward (records
-grad_output), Download (applies it), Release, Describe, GetServerInfo.
+grad_output), Download (applies it), Release, Describe, GetServerInfo. Forward also takes a
+distillation with an inline top-k teacher (forward KL at temperature 1, either tail: what
+bench/user_step.py's distillation step sends), written from docs/api.md's formulas in float32
+torch with autograd for the gradient, as a user's own step would.
 
     python_server.py --stubs=BUILD/tests/reference/py --port_file=F [--device=cuda|cpu]
 """
@@ -48,6 +51,45 @@ def main():
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def inline(tensor, k):
+        return torch.frombuffer(bytearray(tensor.data), dtype=dtypes[tensor.dtype]).view(-1, k)
+
+    def top_k_distillation(logits, targets, distillation, ignore_index, context):
+        """(per-row alpha CE + (1 - alpha) KL(q || p), per-row KL, valid rows) against the
+        inline top-k teacher: docs/api.md's buckets (the k classes, and with the BUCKET tail the
+        rest as one more), in float32 on the whole [N, V] log-softmax."""
+        top_k = distillation.teacher_top_k
+        temperature = (distillation.temperature if distillation.HasField("temperature")
+                       else 1.0)
+        if (distillation.WhichOneof("teacher") != "teacher_top_k"
+                or top_k.WhichOneof("indices") != "indices_inline"
+                or top_k.WhichOneof("logprobs") != "logprobs_inline"
+                or distillation.divergence not in (pb.DIVERGENCE_UNSPECIFIED,
+                                                   pb.DIVERGENCE_FORWARD_KL)
+                or temperature != 1.0):
+            context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                          "the Python server distils forward KL at temperature 1 against an "
+                          "inline top-k teacher only")
+        indices = inline(top_k.indices_inline, top_k.k).to(device).long()
+        log_q = inline(top_k.logprobs_inline, top_k.k).to(device)
+        log_p = torch.log_softmax(logits.float(), -1)
+        log_p_k = log_p.gather(1, indices)
+        if top_k.tail == pb.TOP_K_TAIL_BUCKET:
+            q_k = log_q.exp()
+            q_tail = (1 - q_k.sum(-1)).clamp_min(0)
+            p_tail = (1 - log_p_k.exp().sum(-1)).clamp_min(1e-30)
+            tail = torch.where(q_tail > 0, q_tail * (q_tail.clamp_min(1e-30).log() - p_tail.log()),
+                               torch.zeros_like(q_tail))
+            kl = (q_k * (log_q - log_p_k)).sum(-1) + tail
+        else:  # both sides renormalised over the k classes
+            log_q = log_q - torch.logsumexp(log_q, -1, keepdim=True)
+            log_p_k = log_p_k - torch.logsumexp(log_p_k, -1, keepdim=True)
+            kl = (log_q.exp() * (log_q - log_p_k)).sum(-1)
+        valid = targets != ignore_index
+        ce = -log_p.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1)
+        rows = distillation.alpha * ce + (1 - distillation.alpha) * kl
+        return rows, kl, valid
 
     class Entry:
         def __init__(self, tensor, dtype):
@@ -120,12 +162,26 @@ def main():
             start = time.perf_counter()
             mode = request.mode
             response = pb.ForwardResponse()
+            targets = targets.long()
+
+            def loss_of(logits):
+                if not request.HasField("distillation"):
+                    return F.cross_entropy(logits, targets, **kwargs)
+                rows, kl, valid = top_k_distillation(logits, targets, request.distillation,
+                                                     ignore_index, context)
+                count = valid.sum().clamp_min(1)
+                response.distillation_loss = float(kl[valid].sum() / count)
+                if kwargs["reduction"] == "none":
+                    return torch.where(valid, rows, torch.zeros_like(rows))
+                total = rows[valid].sum()
+                return total / count if kwargs["reduction"] == "mean" else total
+
             if mode == pb.GRADIENT_MODE_NONE:
                 with torch.no_grad():
-                    loss = F.cross_entropy(entry.tensor, targets.long(), **kwargs)
+                    loss = loss_of(entry.tensor)
             else:
                 logits = entry.tensor.detach().requires_grad_(True)
-                loss = F.cross_entropy(logits, targets.long(), **kwargs)
+                loss = loss_of(logits)
                 loss.backward(torch.ones_like(loss))
                 gradient = logits.grad
                 if mode == pb.GRADIENT_MODE_OUT_OF_PLACE:

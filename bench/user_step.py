@@ -20,7 +20,15 @@ place, backward, the gradient back where the user wants it. The ways:
      (bench/user_step_python.py --mode=overlap; the compute is sized to one
      micro-batch's transfer; (b)'s transfer column counts its waits too);
   7. the Python server (bench/python_server.py: grpcio + torch), driven by
-     the same C++ client over one gRPC stream each way.
+     the same C++ client over one gRPC stream each way;
+  8. the distillation step: lossd.torch.kl_div of the CUDA (--device) logits
+     against a top-k teacher as a teacher server sends it (--top_k indices
+     int32 and logprobs float32 per token, on the device), forward KL with
+     the --top_k_tail treatment, the gradient back on the device; beside
+     way 1, the logits step of the same shape;
+  9. the same distillation step against the Python server (its Forward
+     written from the formulas in float32 torch), the client over one gRPC
+     stream each way.
 Raw TCP over loopback with the same bytes is the transport's ceiling. Every
 way reports its first step and its steady state (median of the later steps),
 and its ratio to the Python server's step; the targets of issue 27 are checked
@@ -174,7 +182,10 @@ TARGETS = (("1.", 20), ("2.", 15), ("3.", 15), ("4.", 8))
 
 
 def target_lines(ways, python_steady):
-    """One line: each target of issue 27, met or missed, on the steady step."""
+    """One line: each target of issue 27, met or missed, on the steady step; [] without the
+    Python server's step (way 7)."""
+    if python_steady != python_steady:  # NaN: way 7 not run
+        return []
     checks = []
     for prefix, least in TARGETS:
         for name, steps in ways.items():
@@ -185,6 +196,28 @@ def target_lines(ways, python_steady):
                 checks.append(f"{label} {ratio:.1f}x (>= {least}x: "
                               f"{'met' if ratio >= least else 'MISSED'})")
     return ["Targets, steady step vs the Python server: " + "; ".join(checks) + ".", ""]
+
+
+def distillation_lines(ways, kd_name, kd_python_name, args):
+    """The distillation step (way 8) against the logits step (way 1) and against the Python
+    server's distillation (way 9), on the steady step; [] without way 8."""
+    if kd_name not in ways:
+        return []
+    kd_first, kd_steady = summary(ways[kd_name])
+    parts = [f"Distillation step (8: forward KL, top-{args.top_k} teacher, {args.top_k_tail} "
+             f"tail, alpha 0) steady {kd_steady:.3f} s, first {kd_first:.3f} s"]
+    logits_way = next((name for name in ways if name.startswith("1.")), None)
+    if logits_way is not None:
+        parts.append(f"{kd_steady / summary(ways[logits_way])[1]:.2f}x the logits step (1)")
+    if kd_python_name in ways:
+        python_first, python_steady = summary(ways[kd_python_name])
+        parts.append(f"{python_steady / kd_steady:.1f}x faster than the Python server's "
+                     f"distillation (9; first steps {python_first / kd_first:.1f}x)")
+        losses = (ways[kd_name][-1].get("distillation_loss"),
+                  ways[kd_python_name][-1].get("distillation_loss"))
+        if None not in losses:
+            parts.append("distillation losses lossd / Python server %.6g / %.6g" % losses)
+    return ["; ".join(parts) + ".", ""]
 
 
 def main():
@@ -198,13 +231,15 @@ def main():
     parser.add_argument("--python_server_steps", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="append the markdown table here")
-    parser.add_argument("--ways", default="1,2,3,4,5,6,7",
+    parser.add_argument("--ways", default="1,2,3,4,5,6,7,8,9",
                         help="the ways to run, by number (the ratios need 5 and 7)")
     parser.add_argument("--lossctl", default="",
                         help="way 4 with each of these lossctl binaries, comma-separated, each PATH "
                         "or NAME=PATH (default: BUILD/client/lossctl)")
     parser.add_argument("--lossctl_formats", default="npy",
                         help="way 4's file formats, comma-separated: npy, safetensors")
+    parser.add_argument("--top_k", type=int, default=64, help="ways 8, 9: the teacher's k")
+    parser.add_argument("--top_k_tail", default="bucket", choices=["bucket", "renormalize"])
     args = parser.parse_args()
 
     build = os.path.abspath(args.build)
@@ -268,16 +303,29 @@ def main():
                                                      f"--matmuls={calibration['matmuls']}"], env=env)
                 ways["6a. 4 micro-batches + compute, one after the other"] = serial
                 ways["6b. 4 micro-batches + compute, overlapped"] = overlapped
-            if "7" in wanted:
+            kd = [f"--top_k={args.top_k}", f"--top_k_tail={args.top_k_tail}"]
+            kd_name = f"8. lossd.torch.kl_div, top-{args.top_k} teacher, from a {args.device} tensor"
+            kd_python_name = "9. Python server (grpcio + torch), the same distillation"
+            if "8" in wanted:
+                ways[kd_name] = run_json(python_step + ["--mode=kd", f"--device={args.device}"] + kd,
+                                         env=env)
+            if "7" in wanted or "9" in wanted:
                 python_port = tempfile.mktemp(prefix="user_step_python_")
                 python, python_target = start_server(
                     [sys.executable, os.path.join(ROOT, "bench", "python_server.py"),
                      f"--stubs={os.path.join(build, 'tests', 'reference', 'py')}", f"--port_file={python_port}",
                      f"--device={args.device}"], python_port)
                 try:
-                    ways["7. Python server (grpcio + torch)"] = run_json(
-                        [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
-                         "--single_stream"] + sizes)
+                    if "7" in wanted:
+                        ways["7. Python server (grpcio + torch)"] = run_json(
+                            [bench, f"--target={python_target}", f"--steps={args.python_server_steps}",
+                             "--single_stream"] + sizes)
+                    if "9" in wanted:
+                        ways[kd_python_name] = run_json(
+                            [sys.executable, os.path.join(ROOT, "bench", "user_step_python.py"),
+                             f"--target={python_target}", f"--steps={args.python_server_steps}",
+                             "--mode=kd", f"--device={args.device}", "--single_stream"] + sizes + kd,
+                            env=env)
                 finally:
                     stop(python)
             nan = float("nan")
@@ -307,6 +355,7 @@ def main():
             if serial is not None:
                 lines += overlap_lines(serial, overlapped, calibration)
             lines += target_lines(ways, python_steady)
+            lines += distillation_lines(ways, kd_name, kd_python_name, args)
             print("\n".join(lines[-len(ways) - 14:]), flush=True)
             if args.out:  # each shape as it is done: a run cut short keeps the shapes it did
                 with open(args.out, "a") as f:

@@ -3,6 +3,10 @@
   torch    lossd.torch.cross_entropy from a tensor on --device, the gradient back on it (CPU
            tensors: a GPU-less client, the gradient received into host memory: a fresh tensor
            at the first step, the same grad_out tensor after it);
+  kd       the distillation step: lossd.torch.kl_div of the student's logits on --device
+           against a top-k teacher as a teacher server sends it (--top_k indices int32 and
+           logprobs float32 per token, on --device; 90% of the teacher's mass on them), with
+           the targets (--alpha mixes in their cross entropy), the gradient back on the device;
   numpy    lossd.Client from numpy, the gradient into a numpy buffer kept from step to step;
   overlap  4 micro-batches (--micro_batches) of rows / 4, each one a "compute" (a timed matmul
            on --device standing in for the model's forward) and then its loss through
@@ -11,6 +15,8 @@
            micro-batch k+1 computes; without, one after the other. --matmuls 0 sizes the
            compute to the transfer of one micro-batch and prints it ({"calibration": ...}).
 Prints one JSON object a step: seconds, upload, download (overlap: compute, transfer).
+--single_stream: the client sends and receives over one gRPC stream (no data connections, no
+stripes), as bench/python_server.py needs.
 
   python3 bench/user_step_python.py --mode=torch --target=127.0.0.1:50051 --rows=8192 \
       --vocab=128256 --steps=3 --device=cuda
@@ -95,6 +101,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def top_k_teacher(rows, vocab, k, device, seed=3):
+    """A top-k teacher as a teacher server sends it: k distinct indices [rows, k] int32 (a random
+    start and a stride of vocab // k, so distinct without a sort) and their logprobs [rows, k]
+    float32, summing to 90% of the mass."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    start = torch.randint(0, vocab, (rows, 1), generator=generator, device=device)
+    steps = torch.arange(k, device=device) * max(1, vocab // k)
+    indices = ((start + steps) % vocab).to(torch.int32)
+    spread = 2 * torch.randn(rows, k, generator=generator, device=device)
+    logprobs = torch.log_softmax(spread, -1) + float(np.log(0.9))
+    return indices, logprobs
+
+
 def torch_steps(client, args):
     import torch
 
@@ -103,6 +124,15 @@ def torch_steps(client, args):
     device = torch_device(args.device)
     logits = random_logits(args.rows, args.vocab, device)
     targets = torch.randint(0, args.vocab, (args.rows,), device=device)
+    if args.mode == "kd":
+        teacher = top_k_teacher(args.rows, args.vocab, args.top_k, device)
+
+        def loss_of(x, grad_out):  # kl_div takes no grad_out: a fresh gradient each step
+            return lossd.torch.kl_div(x, teacher, targets, client=client, alpha=args.alpha,
+                                      top_k_tail=args.top_k_tail)
+    else:
+        def loss_of(x, grad_out):
+            return lossd.torch.cross_entropy(x, targets, client=client, grad_out=grad_out)
     # Host memory: the first step receives the gradient into a fresh tensor (first-touch page
     # faults), the later ones into the one kept, as numpy_steps' out= buffer.
     grad_out = None
@@ -110,7 +140,7 @@ def torch_steps(client, args):
         x = logits.detach().requires_grad_()
         synchronize(device)
         start = time.perf_counter()
-        loss = lossd.torch.cross_entropy(x, targets, client=client, grad_out=grad_out)
+        loss = loss_of(x, grad_out)
         synchronize(device)
         forward = time.perf_counter() - start
         at = time.perf_counter()
@@ -123,8 +153,11 @@ def torch_steps(client, args):
             grad_out = x.grad
         # "upload" is the forward call (upload, then Forward), "download" the backward call
         # (Backward, the download and its copies to the device).
-        print(json.dumps({"step": step, "seconds": total, "upload": forward,
-                          "download": backward, "loss": loss.item()}), flush=True)
+        record = {"step": step, "seconds": total, "upload": forward, "download": backward,
+                  "loss": loss.item()}
+        if args.mode == "kd":
+            record["distillation_loss"] = loss.distillation_loss
+        print(json.dumps(record), flush=True)
         del x, loss
 
 
@@ -219,7 +252,7 @@ def overlap_steps(client, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["torch", "numpy", "overlap"], required=True)
+    parser.add_argument("--mode", choices=["torch", "kd", "numpy", "overlap"], required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--vocab", type=int, required=True)
@@ -230,8 +263,18 @@ def main():
     parser.add_argument("--overlap", type=int, default=1, help="--mode=overlap: 1 or 0")
     parser.add_argument("--matmuls", type=int, default=0,
                         help="--mode=overlap: products a micro-batch's compute; 0 = calibrate")
+    parser.add_argument("--top_k", type=int, default=64, help="--mode=kd: the teacher's k")
+    parser.add_argument("--top_k_tail", default="bucket", choices=["bucket", "renormalize"],
+                        help="--mode=kd: what the teacher's tail mass means")
+    parser.add_argument("--alpha", type=float, default=0.0,
+                        help="--mode=kd: the weight of the cross entropy against the targets")
+    parser.add_argument("--single_stream", action="store_true",
+                        help="one gRPC stream each way (for bench/python_server.py)")
     args = parser.parse_args()
-    with lossd.Client(args.target) as client:
+    options = {}
+    if args.single_stream:
+        options = dict(upload_streams=1, data_connection=False, chunk_bytes=4 << 20)
+    with lossd.Client(args.target, **options) as client:
         if args.mode == "numpy":
             numpy_steps(client, args)
         elif args.mode == "overlap":

@@ -170,22 +170,16 @@ absl::StatusOr<DType> DTypeFromDescr(absl::string_view descr) {
 }
 
 absl::StatusOr<std::string> DescrFromDType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return std::string("<f4");
-    case DType::kFloat16:
-      return std::string("<f2");
-    case DType::kInt32:
-      return std::string("<i4");
-    case DType::kInt64:
-      return std::string("<i8");
-    case DType::kBFloat16:
-      return absl::InvalidArgumentError(
-          ".npy cannot hold bf16 natively; convert to float32 first");
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "no .npy dtype for lossd dtype ", static_cast<int>(dtype)));
+  if (dtype == DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        ".npy cannot hold bf16 natively; convert to float32 first");
   }
+  const char* typestr = DTypeNumpyTypestr(dtype);
+  if (typestr == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no .npy dtype for lossd dtype ", static_cast<int>(dtype)));
+  }
+  return std::string(typestr);
 }
 
 // Parses the dict literal; `header` receives dtype and shape.

@@ -82,6 +82,27 @@ constexpr const char* DTypeProtoName(DType dtype) {
   }
 }
 
+// The numpy array-interface type string of the element ("<f4", "<f2", "<i4",
+// "<i8"; bf16, which numpy lacks, as its raw 16 bits "<u2"); nullptr for
+// kInvalid or any value outside the enum. The .npy writer and the Python
+// buffers both start here. Pure; thread-safe.
+constexpr const char* DTypeNumpyTypestr(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "<f4";
+    case DType::kFloat16:
+      return "<f2";
+    case DType::kBFloat16:
+      return "<u2";
+    case DType::kInt32:
+      return "<i4";
+    case DType::kInt64:
+      return "<i8";
+    default:
+      return nullptr;
+  }
+}
+
 // "LOGITS", "GRADIENT", or "UNSPECIFIED" for anything else (the proto's
 // names without their prefix). Returns a static string. Pure; thread-safe.
 constexpr const char* TensorStateName(TensorState state) {

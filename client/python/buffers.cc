@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "client/python/errors.h"
+#include "common/dtype.h"
 
 namespace py = pybind11;
 
@@ -104,20 +105,11 @@ Tensor TensorFromObject(py::handle object, py::handle dtype, py::handle shape,
 }
 
 const char* NumpyDType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "<f4";
-    case DType::kFloat16:
-      return "<f2";
-    case DType::kBFloat16:
-      return "<u2";
-    case DType::kInt32:
-      return "<i4";
-    case DType::kInt64:
-      return "<i8";
-    default:
-      ThrowInvalid("no numpy dtype for " + std::string(DTypeString(dtype)));
+  const char* typestr = DTypeNumpyTypestr(dtype);
+  if (typestr == nullptr) {
+    ThrowInvalid("no numpy dtype for " + std::string(DTypeString(dtype)));
   }
+  return typestr;
 }
 
 py::object TimeOrNone(absl::Time time) {

@@ -94,6 +94,17 @@ cudaError_t DispatchBuild(const Params& p, DType dtype, const Launch& launch) {
   });
 }
 
+// DispatchBuild for a schedule whose launcher is the static member template
+// Schedule::Launch<T, kOpts>(p, args...): a function template cannot be
+// passed as an argument, so each schedule names its launcher this way.
+template <typename Schedule, typename... Args>
+cudaError_t LaunchBuild(const Params& p, DType dtype, Args... args) {
+  return DispatchBuild(p, dtype, [&](auto element, auto opts) {
+    return Schedule::template Launch<typename decltype(element)::type,
+                                     decltype(opts)::value>(p, args...);
+  });
+}
+
 }  // namespace cuda_ce
 }  // namespace lossd
 

@@ -231,48 +231,46 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
 // stage buffers of the slice as fit (at most kMaxStages), a persistent grid.
 // (One 512-thread block a SM, for rows past 16 slices of 32 KiB, measured
 // slower than the row pieces and left with the bench knobs: bench/NOTES.md.)
-template <typename T, int kOpts>
-cudaError_t LaunchClusterSliceRows(const Params& p, int csize,
-                                   cudaStream_t stream) {
-  auto kernel = ClusterSliceRowsKernel<T, 256, 2, kOpts>;
-  int device = 0, per_sm = 0, optin = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(
-        &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+struct ClusterSliceRows {
+  template <typename T, int kOpts>
+  static cudaError_t Launch(const Params& p, int csize, cudaStream_t stream) {
+    auto kernel = ClusterSliceRowsKernel<T, 256, 2, kOpts>;
+    int device = 0, per_sm = 0, optin = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(
+          &per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    }
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(
+          &optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (e != cudaSuccess) return e;
+    const int stage_bytes = static_cast<int>(
+        (static_cast<long long>(p.chunk) * sizeof(T) + 127) / 128 * 128);
+    // Per block: its share of the SM less the runtime's 1 KiB reservation and
+    // the kernel's static shared memory (< 2 KiB).
+    const int room = std::min(optin, per_sm / 2 - 1024) - 2048;
+    const int stages = std::min(kMaxStages, room / stage_bytes);
+    if (stages < 2) return cudaErrorInvalidConfiguration;
+    const int dyn = stages * stage_bytes;
+    e = cudaFuncSetAttribute(kernel,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (e != cudaSuccess) return e;
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
+    cfg.stream = stream;
+    return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p, stages,
+                                    stage_bytes);
   }
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                               device);
-  }
-  if (e != cudaSuccess) return e;
-  const int stage_bytes = static_cast<int>(
-      (static_cast<long long>(p.chunk) * sizeof(T) + 127) / 128 * 128);
-  // Per block: its share of the SM less the runtime's 1 KiB reservation and
-  // the kernel's static shared memory (< 2 KiB).
-  const int room = std::min(optin, per_sm / 2 - 1024) - 2048;
-  const int stages = std::min(kMaxStages, room / stage_bytes);
-  if (stages < 2) return cudaErrorInvalidConfiguration;
-  const int dyn = stages * stage_bytes;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           dyn);
-  if (e != cudaSuccess) return e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(256);
-  cfg.dynamicSmemBytes = static_cast<std::size_t>(dyn);
-  cfg.stream = stream;
-  return LaunchPersistentClusters(kernel, cfg, csize, p.rows, p, stages,
-                                  stage_bytes);
-}
+};
 
 }  // namespace
 
 cudaError_t LaunchClusterSliceRows(const Params& p, DType dtype, int cluster,
                                    cudaStream_t stream) {
-  return DispatchBuild(p, dtype, [&](auto element, auto opts) {
-    return LaunchClusterSliceRows<typename decltype(element)::type,
-                                  decltype(opts)::value>(p, cluster, stream);
-  });
+  return LaunchBuild<ClusterSliceRows>(p, dtype, cluster, stream);
 }
 
 }  // namespace cuda_ce

@@ -252,25 +252,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }  // rows
 }
 
-template <typename T, int kOpts>
-cudaError_t LaunchStream(const Params& p, int csize, cudaStream_t stream) {
+struct ClusterStreamRows {
   // The build for 3 blocks a SM: the one for 4 spills per-row state and
   // measured 25-35% slower (bench/NOTES.md, cluster stream rows).
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  return LaunchPersistentClusters(ClusterStreamRowsKernel<T, 3, kOpts>, cfg,
-                                  csize, p.rows, p);
-}
+  template <typename T, int kOpts>
+  static cudaError_t Launch(const Params& p, int csize, cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    return LaunchPersistentClusters(ClusterStreamRowsKernel<T, 3, kOpts>, cfg,
+                                    csize, p.rows, p);
+  }
+};
 
 }  // namespace
 
 cudaError_t LaunchClusterStreamRows(const Params& p, DType dtype, int cluster,
                                     cudaStream_t stream) {
-  return DispatchBuild(p, dtype, [&](auto element, auto opts) {
-    return LaunchStream<typename decltype(element)::type,
-                        decltype(opts)::value>(p, cluster, stream);
-  });
+  return LaunchBuild<ClusterStreamRows>(p, dtype, cluster, stream);
 }
 
 }  // namespace cuda_ce

@@ -361,6 +361,7 @@ cudaError_t Setup(const FusedLinearForwardArgs& args, float* z, void* workspace,
   s->gemm.depth = args.hidden;
   s->gemm.z_stride = loss.vocab;  // (forward: no Z, its fields pass the policy)
   s->gemm.z_type = cuda_gemm::ZType::kFloat32;
+  s->gemm.schedule = args.gemm_schedule;
   const cudaError_t e =
       cuda_gemm::PrepareGemmSm90(&s->gemm, &s->x_map, &s->w_map);
   if (e != cudaSuccess) return e;

@@ -14,6 +14,7 @@
 
 #include "kernels/cross_entropy.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
+#include "kernels/cuda/gemm_sm90_policy.h"
 
 namespace lossd {
 
@@ -25,6 +26,10 @@ struct FusedLinearForwardArgs {
   // The cross-entropy of Z: rows, vocab, targets, class weights, options and
   // the per-token outputs. logits and gradient are unused (mode kNone).
   CrossEntropyArgs loss;
+  // The GEMM's schedule (kPolicy: GemmSm90ScheduleFor); the bench and the
+  // tests pin one to compare them.
+  cuda_gemm::GemmSm90Schedule gemm_schedule =
+      cuda_gemm::GemmSm90Schedule::kPolicy;
 };
 
 // Device workspace FusedLinearForwardLaunch needs: the cross-entropy's

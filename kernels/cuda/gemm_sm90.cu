@@ -110,7 +110,14 @@ cudaError_t PrepareGemmSm90(GemmSm90Args* args, CUtensorMap* x_map,
     return cudaErrorNotSupported;
   }
   if (args->cluster == 0) args->cluster = GemmSm90Cluster(shape);
-  e = OperandMap(x_map, args->x, args->rows, args->depth, kTileRows);
+  if (args->schedule == GemmSm90Schedule::kPolicy) {
+    args->schedule = GemmSm90ScheduleFor(shape, args->cluster);
+  }
+  const bool ping_pong = args->schedule == GemmSm90Schedule::kPingPong;
+  if (ping_pong && args->cluster != 2) return cudaErrorInvalidValue;
+  // Ping-pong's stages hold one warpgroup's half of the tile's rows.
+  e = OperandMap(x_map, args->x, args->rows, args->depth,
+                 ping_pong ? kTileRows / 2 : kTileRows);
   if (e != cudaSuccess) return e;
   return OperandMap(w_map, args->w, args->cols, args->depth,
                     kTileCols / args->cluster);

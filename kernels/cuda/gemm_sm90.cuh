@@ -24,14 +24,40 @@ namespace cuda_gemm {
 //   warpgroups 1, 2: each owns 64 of the tile's 128 rows, issues
 //     wgmma m64n256k16 on the stage, then hands its 64 x 256 fp32
 //     accumulator (128 values a thread) to the epilogue.
+// The ping-pong schedule (kPingPong) takes the same tiles and rows per
+// warpgroup, but in turn: the producer loads the tile's two halves one after
+// the other (X [64, 64] and W [256, 64] a stage), warpgroup 1 multiplies the
+// first and warpgroup 2 the second, so that each runs its epilogue while the
+// other multiplies instead of both stalling the tensor cores at once. The
+// price: each W box is loaded twice a tile (from L2).
 // With kCluster = 2 the blocks of a cluster take two adjacent row tiles of
 // one column tile: each loads half of the W box and multicasts it to both,
 // which halves W's traffic out of L2.
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-constexpr int kXStageBytes = kTileRows * kDepthBlock * 2;  // 16 KiB
 constexpr int kWStageBytes = kTileCols * kDepthBlock * 2;  // 32 KiB
-constexpr int kMaxStages = 4;
+constexpr int kMaxStages = 6;
+
+// Ping-pong's turns: named barriers of both consumer warpgroups (ids 1 and 2
+// are theirs alone, for the epilogues). Warpgroup 2 starts a tile's products
+// once warpgroup 1 has waited on every stage of its own tile (kSecondTurn),
+// and warpgroup 1 its next tile once warpgroup 2 has (kFirstTurn). This is
+// what keeps each wait on a stage's full barrier at most one phase ahead of
+// the barrier: try_wait.parity tells phases apart by parity alone, and a
+// warpgroup that has skipped ahead over the other's stages would otherwise
+// take a barrier two phases behind for complete (and read a stage not yet
+// loaded) wherever a tile has more depth blocks than the ring has stages.
+constexpr int kFirstTurn = 3;
+constexpr int kSecondTurn = 4;
+
+// What the schedule changes: the X rows a stage holds (the whole tile's, or
+// one warpgroup's half) and how many consumer warpgroups read each stage.
+template <bool kPingPong>
+struct StageShape {
+  static constexpr int kXRows = kPingPong ? kTileRows / 2 : kTileRows;
+  static constexpr int kXStageBytes = kXRows * kDepthBlock * 2;
+  static constexpr int kReaders = kPingPong ? 1 : kConsumerWarpgroups;
+};
 constexpr int kFragmentValues = kTileCols / 2;
 
 // Shared memory: the ring's stages, then each consumer warpgroup's staging
@@ -39,7 +65,7 @@ constexpr int kFragmentValues = kTileCols / 2;
 // many stages as fit in the opt-in 227 KiB, at most kMaxStages. The 128-byte
 // swizzle repeats every 8 rows of 128 bytes: every box starts on a
 // 1024-byte boundary, hence the slack.
-template <int kStagingBytes>
+template <int kStagingBytes, int kXStageBytes>
 struct SmemLayout {
   static constexpr int kLimit = 227 * 1024;
   static constexpr int kBarrierBytes = 2 * kMaxStages * 8;
@@ -228,6 +254,10 @@ __device__ __forceinline__ void FenceProxyAsync() {
 __device__ __forceinline__ void NamedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this thread toward `id`'s `threads` without waiting for the rest.
+__device__ __forceinline__ void NamedArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -311,14 +341,16 @@ __device__ __forceinline__ void WgmmaM64N256K16(float (&d)[kFragmentValues],
 
 // The kernel. Tiles are visited in units of kCluster row tiles (one unit a
 // cluster) in GemmTileAt's order, unit u by the cluster u mod clusters.
-template <int kCluster, typename Epilogue>
+template <int kCluster, bool kPingPong, typename Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     GemmSm90Kernel(const __grid_constant__ CUtensorMap x_map,
                    const __grid_constant__ CUtensorMap w_map, int rows,
                    int cols, int depth,
                    const __grid_constant__ Epilogue epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = SmemLayout<Epilogue::kStagingBytes>;
+  using Stage = StageShape<kPingPong>;
+  constexpr int kXStageBytes = Stage::kXStageBytes;
+  using Layout = SmemLayout<Epilogue::kStagingBytes, kXStageBytes>;
   constexpr int kStages = Layout::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem =
@@ -334,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       sm90::MbarInit(&full[s], 1);
       // One arrival a consumer warp of every block that reads the stage.
-      sm90::MbarInit(&empty[s], kConsumerWarpgroups * 4 * kCluster);
+      sm90::MbarInit(&empty[s], Stage::kReaders * 4 * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -362,11 +394,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileCoord t = GemmTileAt(u, unit_rows, col_tiles);
         const int row0 = (t.row_tile * kCluster + rank) * kTileRows;
         const int col0 = t.col_tile * kTileCols;
-        for (int kb = 0; kb < depth_blocks; ++kb) {
+        // The tile's X rows in one pass, or its two halves in turn.
+        constexpr int kPasses = kTileRows / Stage::kXRows;
+        for (int step = 0; step < kPasses * depth_blocks; ++step) {
+          const int xb = step / depth_blocks;
+          const int kb = step - xb * depth_blocks;
           sm90::MbarWait(&empty[stage], phase ^ 1);
           sm90::MbarExpectTx(&full[stage], kXStageBytes + kWStageBytes);
           sm90::TmaLoad(x_smem + stage * kXStageBytes, &x_map, kb * kDepthBlock,
-                        row0, &full[stage]);
+                        row0 + xb * Stage::kXRows, &full[stage]);
           if (kCluster == 1) {
             sm90::TmaLoad(w_smem + stage * kWStageBytes, &w_map,
                           kb * kDepthBlock, col0, &full[stage]);
@@ -399,6 +435,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kFragmentValues];
     int stage = 0;
     unsigned phase = 0;
+    // Passes over the other warpgroup's stages (ping-pong): n stages on in
+    // the ring, the phase flipping at each wrap.
+    const auto skip = [&](int n) {
+      stage += n;
+      phase ^= static_cast<unsigned>(stage / kStages) & 1;
+      stage %= kStages;
+    };
     // Frees a stage once this warp's products on it are done.
     auto release = [&](int s) {
       __syncwarp();
@@ -417,11 +460,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const TileCoord t = GemmTileAt(u, unit_rows, col_tiles);
       const int row0 = (t.row_tile * kCluster + rank) * kTileRows;
       const int col0 = t.col_tile * kTileCols;
+      if (kPingPong) {
+        if (consumer == 1) {
+          skip(depth_blocks);
+          sm90::NamedBarrier(kSecondTurn, 256);
+        } else if (u != first_unit) {
+          sm90::NamedBarrier(kFirstTurn, 256);
+        }
+      }
       int previous = 0;
       for (int kb = 0; kb < depth_blocks; ++kb) {
         sm90::MbarWait(&full[stage], phase);
         const unsigned char* x_stage =
-            x_smem + stage * kXStageBytes + consumer * (kXStageBytes / 2);
+            x_smem + stage * kXStageBytes +
+            (kPingPong ? 0 : consumer * (kXStageBytes / 2));
         const unsigned char* w_stage = w_smem + stage * kWStageBytes;
         const uint64_t desc_x = sm90::SwizzledDescriptor(x_stage);
         const uint64_t desc_w = sm90::SwizzledDescriptor(w_stage);
@@ -444,9 +496,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           phase ^= 1;
         }
       }
+      if (kPingPong) {
+        // Every stage of this tile waited on: the other warpgroup's turn
+        // (warpgroup 2 has no turn to give after its last tile).
+        if (consumer == 0) {
+          sm90::NamedArrive(kSecondTurn, 256);
+        } else if (u + unit_step < units) {
+          sm90::NamedArrive(kFirstTurn, 256);
+        }
+      }
       sm90::WgmmaWait<0>();
       sm90::FenceFragment(acc);
       release(previous);
+      if (kPingPong && consumer == 0) skip(depth_blocks);
       FragmentCoords at;
       at.row = row0 + consumer * 64 + warp * 16 + lane / 4;
       at.col = col0 + 2 * (lane % 4);
@@ -470,23 +532,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- host side, shared by the epilogues' entry points --------------------
 
 // Checks the current device and `args` against GemmSm90Eligibility, fills in
-// the policy's cluster size for args->cluster 0 and encodes X's and W's tensor
-// maps. cudaSuccess; cudaErrorNotSupported where the policy says no (use
-// cuBLASLt); cudaErrorInvalidValue for a cluster other than 0, 1 or 2 or a
-// map the driver refuses. gemm_sm90.cu.
+// the policy's cluster size for args->cluster 0 and its schedule for
+// kPolicy, and encodes X's and W's tensor maps. cudaSuccess;
+// cudaErrorNotSupported where the policy says no (use cuBLASLt);
+// cudaErrorInvalidValue for a cluster other than 0, 1 or 2, the ping-pong
+// schedule with one block a cluster, or a map the driver refuses.
+// gemm_sm90.cu.
 cudaError_t PrepareGemmSm90(GemmSm90Args* args, CUtensorMap* x_map,
                             CUtensorMap* w_map);
 
 // Enqueues the persistent kernel with `epilogue` over the tiles of `args`
 // (as PrepareGemmSm90 left them: rows, cols, depth, cluster).
-template <int kCluster, typename Epilogue>
+template <int kCluster, bool kPingPong, typename Epilogue>
 cudaError_t LaunchGemmSm90Kernel(const CUtensorMap& x_map,
                                  const CUtensorMap& w_map,
                                  const GemmSm90Args& args,
                                  const Epilogue& epilogue,
                                  cudaStream_t stream) {
-  auto kernel = GemmSm90Kernel<kCluster, Epilogue>;
-  constexpr int kSmemBytes = SmemLayout<Epilogue::kStagingBytes>::kBytes;
+  auto kernel = GemmSm90Kernel<kCluster, kPingPong, Epilogue>;
+  constexpr int kSmemBytes =
+      SmemLayout<Epilogue::kStagingBytes,
+                 StageShape<kPingPong>::kXStageBytes>::kBytes;
   cudaError_t e = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -517,14 +583,19 @@ cudaError_t LaunchGemmSm90Kernel(const CUtensorMap& x_map,
       static_cast<int>(args.cols), static_cast<int>(args.depth), epilogue);
 }
 
-// The same with args.cluster (1 or 2) chosen at run time.
+// The same with args.cluster (1 or 2) and args.schedule chosen at run time,
+// as PrepareGemmSm90 left them (ping-pong runs two blocks a cluster only).
 template <typename Epilogue>
 cudaError_t LaunchGemmSm90(const CUtensorMap& x_map, const CUtensorMap& w_map,
                            const GemmSm90Args& args, const Epilogue& epilogue,
                            cudaStream_t stream) {
-  return args.cluster == 1
-             ? LaunchGemmSm90Kernel<1>(x_map, w_map, args, epilogue, stream)
-             : LaunchGemmSm90Kernel<2>(x_map, w_map, args, epilogue, stream);
+  if (args.schedule == GemmSm90Schedule::kPingPong) {
+    return LaunchGemmSm90Kernel<2, true>(x_map, w_map, args, epilogue, stream);
+  }
+  return args.cluster == 1 ? LaunchGemmSm90Kernel<1, false>(x_map, w_map, args,
+                                                            epilogue, stream)
+                           : LaunchGemmSm90Kernel<2, false>(x_map, w_map, args,
+                                                            epilogue, stream);
 }
 
 }  // namespace cuda_gemm

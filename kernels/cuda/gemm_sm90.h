@@ -28,6 +28,8 @@ struct GemmSm90Args {
   // Blocks that share each W tile by TMA multicast: 1 or 2, or 0 for the
   // policy's choice (GemmSm90Cluster).
   int cluster = 0;
+  // kPingPong needs two blocks a cluster; kPolicy: GemmSm90ScheduleFor.
+  GemmSm90Schedule schedule = GemmSm90Schedule::kPolicy;
 };
 
 // The policy's shape for `args` (pointer alignment read from the pointers).
@@ -36,8 +38,8 @@ GemmSm90Shape ShapeOf(const GemmSm90Args& args);
 // Enqueues Z = X W^T on `stream` on the current device. cudaSuccess, or
 // cudaErrorNotSupported where GemmSm90Eligibility says no on this device
 // (nothing is enqueued: use cuBLASLt), cudaErrorInvalidValue for a cluster
-// other than 0, 1 or 2, or the error of the driver's tensor map encoder or of
-// the launch. Thread-safe.
+// other than 0, 1 or 2 or the ping-pong schedule with one block a cluster, or
+// the error of the driver's tensor map encoder or of the launch. Thread-safe.
 cudaError_t GemmSm90(const GemmSm90Args& args, cudaStream_t stream);
 
 }  // namespace cuda_gemm

@@ -55,6 +55,10 @@ bool ZByTensorStore(const GemmSm90Shape& shape) {
 
 int GemmSm90Cluster(const GemmSm90Shape&) { return 2; }
 
+GemmSm90Schedule GemmSm90ScheduleFor(const GemmSm90Shape&, int) {
+  return GemmSm90Schedule::kCooperative;
+}
+
 bool FusedLinearForwardTakes(const GemmSm90Shape& shape, bool bf16,
                              bool gradient, int major, int minor) {
   return bf16 && !gradient &&

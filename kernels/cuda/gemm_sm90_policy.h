@@ -68,6 +68,19 @@ bool ZByTensorStore(const GemmSm90Shape& shape);
 // epilogue stores no Z.
 int GemmSm90Cluster(const GemmSm90Shape& shape);
 
+// How the two consumer warpgroups share the work (gemm_sm90.cuh):
+// cooperatively (both on each 128-row tile at once, their epilogues at the
+// same time) or in ping-pong (each its own 64-row half of the tile, in turn,
+// one's epilogue under the other's products).
+enum class GemmSm90Schedule { kPolicy = 0, kCooperative, kPingPong };
+
+// The schedule for GemmSm90Args::schedule kPolicy with `cluster` blocks a
+// cluster (the ping-pong kernel is built for two only): cooperative, as
+// ping-pong measured 1.23-1.32x cuBLASLt's Z against the cooperative
+// 1.015-1.05x on the H100 (each W box is loaded twice a tile: bench/NOTES.md,
+// the ping-pong schedule); the bench and the tests ask for it by name.
+GemmSm90Schedule GemmSm90ScheduleFor(const GemmSm90Shape& shape, int cluster);
+
 // Whether the linear cross-entropy's chunk of `shape.rows` rows takes the
 // fused forward (fused_linear_forward.h: the loss's statistics in the
 // GEMM's epilogue, Z never stored) rather than cuBLASLt and the fused

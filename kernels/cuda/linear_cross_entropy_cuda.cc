@@ -69,6 +69,8 @@ struct Layout {
   // then cuBLASLt's dX and dW: the sparse residual's layout without the
   // cross-entropy's fp32 pass over Z. Decided per call (UseFusedGradient).
   bool fused_gradient = false;
+  cuda_gemm::GemmSm90Schedule gemm_schedule =  // the fused paths' GEMM's
+      cuda_gemm::GemmSm90Schedule::kPolicy;
   std::size_t row_bytes;
 };
 
@@ -90,6 +92,7 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
       config.sparse_threshold > 0.0f ? config.sparse_threshold : 1.0f / 64;
   l.sparse_slots = config.sparse_slots > 0 ? config.sparse_slots : 128;
   l.dx_fp32_temp = l.split && l.precision == kLinearSplitBoth;
+  l.gemm_schedule = config.gemm_schedule;
   const std::size_t v = static_cast<std::size_t>(args.vocab);
   const std::size_t h = static_cast<std::size_t>(args.hidden);
   l.row_bytes = v * (l.logits_fp32 ? 4 : DTypeSize(args.dtype));
@@ -521,6 +524,7 @@ FusedLinearForwardArgs FusedArgs(const LinearCudaCall& call, int64_t row0,
   fused.bias = static_cast<const float*>(call.bias_z);
   fused.hidden = call.args.hidden;
   fused.loss = ChunkLossArgs(call, row0, count);
+  fused.gemm_schedule = call.l.gemm_schedule;
   return fused;
 }
 

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/cuda/gemm_sm90_policy.h"
 #include "kernels/cuda/linear_cross_entropy_cuda.h"
 #include "kernels/linear_cross_entropy.h"
 
@@ -44,6 +45,9 @@ struct LinearCrossEntropyLabConfig : LinearCrossEntropyCudaConfig {
   // Off unless asked for: on the H100 it measured at parity with the
   // cuBLASLt path (bench/NOTES.md, the fused gradient), not ahead of it.
   LinearFusedForward fused_gradient = LinearFusedForward::kOff;
+  // The Hopper GEMM's schedule on the fused paths (kPolicy: the policy's).
+  cuda_gemm::GemmSm90Schedule gemm_schedule =
+      cuda_gemm::GemmSm90Schedule::kPolicy;
 };
 
 // PlanLinearCrossEntropyCuda and LinearCrossEntropyCuda with lab settings.

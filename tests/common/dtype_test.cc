@@ -30,6 +30,16 @@ TEST(DTypeTest, SizesAndNames) {
   EXPECT_FALSE(IsTargetsDType(DType::kFloat32));
 }
 
+TEST(DTypeTest, NumpyTypestrsAreLittleEndianAndBf16IsItsRawBits) {
+  EXPECT_EQ(std::string(DTypeNumpyTypestr(DType::kFloat32)), "<f4");
+  EXPECT_EQ(std::string(DTypeNumpyTypestr(DType::kFloat16)), "<f2");
+  EXPECT_EQ(std::string(DTypeNumpyTypestr(DType::kBFloat16)), "<u2");
+  EXPECT_EQ(std::string(DTypeNumpyTypestr(DType::kInt32)), "<i4");
+  EXPECT_EQ(std::string(DTypeNumpyTypestr(DType::kInt64)), "<i8");
+  EXPECT_EQ(DTypeNumpyTypestr(DType::kInvalid), nullptr);
+  EXPECT_EQ(DTypeNumpyTypestr(static_cast<DType>(42)), nullptr);
+}
+
 TEST(DTypeTest, TensorStateNamesAreTheProtosWithoutPrefix) {
   EXPECT_EQ(std::string(TensorStateName(TensorState::kLogits)), "LOGITS");
   EXPECT_EQ(std::string(TensorStateName(TensorState::kGradient)), "GRADIENT");

@@ -436,7 +436,7 @@ def test_large_top_k_teacher_goes_by_handle(client, monkeypatch):
     indices, logprobs = top_k_of(make_logits(torch.float32, rows, vocab, seed=19), k)
     losses, grads = [], []
     for limit in (1 << 20, 16):
-        monkeypatch.setattr(lossd.torch, "_INLINE_BYTES", limit)
+        monkeypatch.setattr(lossd._torch_core, "_INLINE_BYTES", limit)
         x = logits.clone().requires_grad_()
         loss = lossd.torch.kl_div(x, (indices, logprobs), client=client, top_k_tail="bucket",
                                   segments=torch.arange(rows) // 3)

@@ -267,10 +267,11 @@ def test_device_transfer_pieces_on_the_cpu(server, monkeypatch):
     client = lossd.Client(server.address, piece_bytes=piece, stripe_min_bytes=1 << 20)
     for dtype in (torch.float32, torch.bfloat16):
         logits, _, _ = make_case(dtype, rows=300, vocab=3001)  # pieces do not divide it
-        info = lossd.torch._upload_from_device(client, logits, "logits")
-        assert info.shape == (300, 3001) and info.dtype == lossd.torch._DTYPE_NAMES[dtype]
+        info = lossd._torch_core._upload_from_device(client, logits, "logits")
+        assert info.shape == (300, 3001)
+        assert info.dtype == lossd._torch_core._DTYPE_NAMES[dtype]
         gradient = torch.empty_like(logits)
-        lossd.torch._download_to_device(client, info.handle, gradient)
+        lossd._torch_core._download_to_device(client, info.handle, gradient)
         assert torch.equal(gradient, logits)
         client.release(info.handle)
     assert cudart.registered and all(size == piece for _, size, _ in cudart.registered)

@@ -94,6 +94,14 @@ TEST(GemmSm90PolicyTest, TwoBlocksAClusterForEitherZ) {
   EXPECT_EQ(GemmSm90Cluster(s), 2);
 }
 
+TEST(GemmSm90PolicyTest, CooperativeUntilPingPongIsMeasured) {
+  GemmSm90Shape s = BenchShape();
+  EXPECT_EQ(GemmSm90ScheduleFor(s, 2), GemmSm90Schedule::kCooperative);
+  s.z_element_bytes = 4;
+  EXPECT_EQ(GemmSm90ScheduleFor(s, 2), GemmSm90Schedule::kCooperative);
+  EXPECT_EQ(GemmSm90ScheduleFor(s, 1), GemmSm90Schedule::kCooperative);
+}
+
 TEST(GemmSm90PolicyTest, FusedLinearForwardTakesForwardOnlyBf16OnSm90) {
   GemmSm90Shape s = BenchShape();
   s.z_element_bytes = 4;  // no Z is stored: the statistics' shape

@@ -49,13 +49,15 @@ struct Case {
   int64_t rows, cols, depth, z_stride;
   ZType z_type;
   int cluster;
+  GemmSm90Schedule schedule = GemmSm90Schedule::kPolicy;
 };
 
 std::string Name(const Case& c) {
   return std::to_string(c.rows) + "x" + std::to_string(c.depth) + "x" +
          std::to_string(c.cols) + " stride " + std::to_string(c.z_stride) +
          (c.z_type == ZType::kBFloat16 ? " bf16" : " fp32") + " cluster " +
-         std::to_string(c.cluster);
+         std::to_string(c.cluster) + " schedule " +
+         std::to_string(static_cast<int>(c.schedule));
 }
 
 // Runs one case and checks every element of Z against float64, and that the
@@ -87,6 +89,7 @@ void Check(const Case& c, uint32_t seed) {
   args.z_stride = c.z_stride;
   args.z_type = c.z_type;
   args.cluster = c.cluster;
+  args.schedule = c.schedule;
   EXPECT_EQ(GemmSm90(args, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<unsigned char> z(z_bytes);
@@ -191,6 +194,21 @@ TEST_F(GemmSm90Test, PolicyClusterSize) {
   Check({300, 600, 64, 600, ZType::kFloat32, 0}, 15);
 }
 
+// Both schedules explicitly (the cases above take the policy's): ragged
+// tiles, a single row (the second warpgroup's half empty), odd columns from
+// the registers, more tiles than blocks, a deep product.
+TEST_F(GemmSm90Test, BothSchedules) {
+  for (GemmSm90Schedule schedule :
+       {GemmSm90Schedule::kCooperative, GemmSm90Schedule::kPingPong}) {
+    Check({1, 8, 64, 16, ZType::kBFloat16, 2, schedule}, 21);
+    Check({70, 300, 72, 304, ZType::kFloat32, 2, schedule}, 22);
+    Check({200, 296, 72, 304, ZType::kBFloat16, 2, schedule}, 23);
+    Check({130, 257, 128, 259, ZType::kBFloat16, 2, schedule}, 24);
+    Check({1300, 4496, 32, 4504, ZType::kBFloat16, 2, schedule}, 25);
+    Check({256, 512, 1024, 512, ZType::kFloat32, 2, schedule}, 26);
+  }
+}
+
 TEST_F(GemmSm90Test, DeepProduct) {
   Check({256, 512, 1024, 512, ZType::kFloat32, 2}, 8);
 }
@@ -205,6 +223,9 @@ TEST_F(GemmSm90Test, RefusesWhatThePolicyRefuses) {
   EXPECT_EQ(GemmSm90(args, nullptr), cudaErrorNotSupported);
   args.depth = 16;
   args.cluster = 3;  // neither 0 (the policy's), 1 nor 2
+  EXPECT_EQ(GemmSm90(args, nullptr), cudaErrorInvalidValue);
+  args.cluster = 1;  // ping-pong runs two blocks a cluster only
+  args.schedule = GemmSm90Schedule::kPingPong;
   EXPECT_EQ(GemmSm90(args, nullptr), cudaErrorInvalidValue);
 }
 

@@ -547,8 +547,15 @@ TEST(LinearCrossEntropyCudaTest, FusedGradientMatchesReference) {
   // cuBLASLt path (SparseResidualMatchesReference).
   linear_test::Tolerance tol;
   tol.grad_weight = 2e-4;
-  for (const Case& c : FusedGradientCases())
-    CheckCase(c, CudaRunner(fused), tol);
+  // Both GEMM schedules (the rest of the test takes the policy's).
+  for (cuda_gemm::GemmSm90Schedule schedule :
+       {cuda_gemm::GemmSm90Schedule::kCooperative,
+        cuda_gemm::GemmSm90Schedule::kPingPong}) {
+    LinearCrossEntropyLabConfig pinned = fused;
+    pinned.gemm_schedule = schedule;
+    for (const Case& c : FusedGradientCases())
+      CheckCase(c, CudaRunner(pinned), tol);
+  }
   // One row over a bench vocabulary: the 1-row bound on dW.
   Case one;
   one.rows = 1;
