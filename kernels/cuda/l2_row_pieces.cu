@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/ptx.cuh"
@@ -78,8 +79,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (hdr.error) return;  // uniform: nothing is written
   const ElementOptions opts = MakeElementOptions(p);
   const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
   Stats* const pieces = static_cast<Stats*>(p.pieces);
   const long long groups = (p.rows + group_rows - 1) / group_rows;
   const long long per_slot = static_cast<long long>(group_rows) * per_row;
@@ -123,8 +122,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       }
       continue;
     }
-    if (warp == 0) {
-      const Stats st = MergeRowPieces(p, row, per_row, lane);
+    if (tid < 32) {  // warp 0: the lanes are the threads
+      const Stats st = MergeRowPieces(p, row, per_row, tid);
       const long long y = LoadTarget(p, row);
       const bool valid = y != p.ignore_index;
       const float xy = valid ? __ldcg(p.row_zy + row) : 0.0f;
@@ -132,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       const RowMath rm =
           MakeRowMath(p, hdr, st, valid, zy, TargetWeight(p, valid, y));
       const bool owner = valid ? (y >= start && y < start + n) : piece == 0;
-      if (lane == 0) {
+      if (tid == 0) {
         rowmath = rm;
         row_xy = xy;
         if (owner) WriteRowOutputs(p, row, valid, y, rm, st.arg, true);
@@ -223,20 +222,17 @@ cudaError_t LaunchL2Pieces(const Params& p, int per_row, int group_rows,
 
 cudaError_t LaunchL2RowPieces(const Params& p, DType dtype, int pieces,
                               int group_rows, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kBFloat16:
+  return WithElementType(dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    if constexpr (sizeof(T) != 2) {
+      return cudaErrorInvalidValue;  // (2-byte logits only)
+    } else {
       return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
-        return LaunchL2Pieces<__nv_bfloat16, decltype(opts)::value>(
-            p, pieces, group_rows, stream);
+        return LaunchL2Pieces<T, decltype(opts)::value>(p, pieces, group_rows,
+                                                        stream);
       });
-    case DType::kFloat16:
-      return WithOptionBuild(ElementOptionsOn(p), [&](auto opts) {
-        return LaunchL2Pieces<__half, decltype(opts)::value>(
-            p, pieces, group_rows, stream);
-      });
-    default:
-      return cudaErrorInvalidValue;
-  }
+    }
+  });
 }
 
 }  // namespace cuda_ce

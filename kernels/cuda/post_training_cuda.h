@@ -31,6 +31,18 @@ constexpr int kPostTrainingRowValid = 1;
 constexpr int kPostTrainingRowCorrect = 2;
 constexpr int kPostTrainingRowClipped = 4;
 
+// The divergence a kernel computes for `kd`: JSD at beta 0 and 1 is defined
+// as forward and reverse KL (docs/api.md), so the kernels take those.
+inline int KernelDivergence(const DistillationArgs& kd) {
+  if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
+    return static_cast<int>(Divergence::kForwardKl);
+  }
+  if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
+    return static_cast<int>(Divergence::kReverseKl);
+  }
+  return static_cast<int>(kd.divergence);
+}
+
 // The largest vocabulary a top-k teacher may have on the GPU: its support is
 // marked in a shared-memory bitmap of V bits (192 KiB, beside the kernel's
 // ~7 KiB of static shared memory under sm_90's 227 KiB a block; past the

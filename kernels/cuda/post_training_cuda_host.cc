@@ -12,6 +12,7 @@
 #include "kernels/cpu/post_training_cpu.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
+#include "kernels/cuda/dense_kd_pieces.h"
 #include "kernels/cuda/device_limits.h"
 #include "kernels/cuda/dispatch.h"
 #include "kernels/cuda/post_training_cuda.h"
@@ -65,8 +66,17 @@ absl::Status ChooseFast(const PostTrainingArgs& args,
       cuda_ce::ShapeOf(cuda_ce::FillParams(base, nullptr), base.logits_dtype);
   if (args.distillation != nullptr) {
     shape.distillation = true;
-    shape.dense_teacher = args.distillation->teacher_logits != nullptr;
-    shape.temperature = args.distillation->temperature;
+    const DistillationArgs& kd = *args.distillation;
+    shape.dense_teacher = kd.teacher_logits != nullptr;
+    shape.temperature = kd.temperature;
+    if (shape.dense_teacher) {
+      const int64_t bytes = static_cast<int64_t>(DTypeSize(kd.teacher_dtype));
+      shape.teacher_element_bytes = static_cast<int>(bytes);
+      shape.teacher_whole_vectors =
+          reinterpret_cast<std::uintptr_t>(kd.teacher_logits) % 16 == 0 &&
+          kd.teacher_row_stride * bytes % 16 == 0 &&
+          base.vocab * bytes % 16 == 0;
+    }
   }
   shape.policy = args.policy != nullptr;
   shape.targets = base.targets != nullptr;
@@ -77,6 +87,30 @@ absl::Status ChooseFast(const PostTrainingArgs& args,
                              "post_training device limits"));
   *choice = cuda_ce::ChoosePostTrainingSchedule(shape, limits);
   return absl::OkStatus();
+}
+
+bool DenseTeacher(const PostTrainingArgs& args) {
+  return args.distillation != nullptr &&
+         args.distillation->teacher_logits != nullptr;
+}
+
+// Enqueues a dense teacher's call on its row pieces (dense_kd_pieces.h) as
+// `choice` sizes them, each row's gradient scaled by `row_scale` (device);
+// cudaErrorInvalidConfiguration (nothing written) where they do not fit.
+cudaError_t LaunchDense(const PostTrainingArgs& args,
+                        const cuda_ce::ScheduleChoice& choice,
+                        const float* row_scale, void* workspace,
+                        PostTrainingCudaRow* rows_out, cudaStream_t stream) {
+  cuda_ce::DenseKdPieces call;
+  call.base = args.base;
+  call.kd = *args.distillation;
+  call.divergence = KernelDivergence(call.kd);
+  call.chunk = choice.chunk;
+  call.pieces = choice.pieces;
+  call.row_scale = row_scale;
+  call.rows_out = rows_out;
+  call.workspace = workspace;
+  return cuda_ce::LaunchDenseKdPieces(call, stream);
 }
 
 // Enqueues `args` on the smem row pieces schedule as `choice` sizes it: the
@@ -97,32 +131,15 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   p.chunk = choice.chunk;
   cuda_ce::RowTerms terms = {};
   terms.row_scale = row_scale;
-  if (args.policy != nullptr) {
-    const PolicyArgs& pg = *args.policy;
-    terms.policy = true;
-    terms.loss = static_cast<int>(pg.loss);
-    terms.estimator = static_cast<int>(pg.kl_estimator);
-    terms.advantages = pg.advantages;
-    terms.sampling = pg.sampling_logprobs;
-    terms.reference = pg.reference_logprobs;
-    terms.eps_low = pg.epsilon_low;
-    terms.eps_high = pg.epsilon_high;
-    terms.kl_coef = pg.kl_coef;
-  }
+  terms.policy = args.policy != nullptr;
+  if (terms.policy) terms.pg = *args.policy;
   if (args.distillation != nullptr) {
     const DistillationArgs& kd = *args.distillation;
     terms.kd = true;
     terms.top_k = static_cast<int>(kd.top_k);
     terms.indices64 = kd.top_k_indices_dtype == DType::kInt64;
     terms.renormalize = kd.tail == TopKTail::kRenormalize;
-    terms.divergence = static_cast<int>(kd.divergence);
-    // (JSD at beta 0 and 1 is defined as forward and reverse KL)
-    if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
-      terms.divergence = static_cast<int>(Divergence::kForwardKl);
-    }
-    if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
-      terms.divergence = static_cast<int>(Divergence::kReverseKl);
-    }
+    terms.divergence = KernelDivergence(kd);
     terms.beta = kd.beta;
     terms.alpha = kd.alpha;
     terms.indices = kd.top_k_indices;
@@ -195,7 +212,14 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
   }
   cudaError_t launched = cudaErrorInvalidConfiguration;
   DeviceBuffer workspace(stream), support_z(stream);
-  if (fast) {
+  if (fast && DenseTeacher(args)) {
+    RETURN_IF_ERROR(workspace.Allocate(
+        cuda_ce::DenseKdWorkspaceBytes(args.base.rows, fast->pieces)));
+    launched = LaunchDense(
+        args, *fast, static_cast<const float*>(device_scale.get()),
+        workspace.get(), static_cast<PostTrainingCudaRow*>(device_rows.get()),
+        stream);
+  } else if (fast) {
     RETURN_IF_ERROR(
         workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
     if (args.distillation != nullptr) {
@@ -416,7 +440,8 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
     if (path == PostTrainingCudaPath::kAuto) {
       RETURN_IF_ERROR(ChooseFast(device_args, &fast));
     }
-    if (fast && device_args.segments == nullptr) {
+    // (a dense teacher's pieces take each row's factor from the plan)
+    if (fast && device_args.segments == nullptr && !DenseTeacher(device_args)) {
       RETURN_IF_ERROR(
           RunFastUnsegmented(device_args, *fast, out, &view, &ran, stream));
     }

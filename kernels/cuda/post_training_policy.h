@@ -17,12 +17,20 @@ struct PostTrainingShape {
   ScheduleShape logits;
   bool distillation = false;   // a teacher
   bool dense_teacher = false;  // ... of logits [N, V] (else top-k)
-  float temperature = 1.0f;    // ... and its temperature
-  bool policy = false;         // a policy loss
-  bool targets = false;        // base.targets given
+  // A dense teacher's element size, and whether its rows start 16-byte
+  // aligned with a stride and a vocab of whole 16-byte vectors.
+  int teacher_element_bytes = 4;
+  bool teacher_whole_vectors = false;
+  float temperature = 1.0f;  // ... and its temperature
+  bool policy = false;       // a policy loss
+  bool targets = false;      // base.targets given
   // Label smoothing or z-loss beside the loss: the row kernel's alone.
   bool row_options = false;
 };
+
+// A dense teacher's row pieces: about this many KiB of student and teacher
+// together a piece (four blocks of 128 threads a SM).
+constexpr int kDenseKdPieceKib = 48;
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
 // The fast path takes policy losses, top-k distillation at temperature 1 and
@@ -30,10 +38,14 @@ struct PostTrainingShape {
 // of whole 16-byte vectors where cross entropy itself would take smem row
 // pieces (ChooseSchedule): the gradient is then a per-row combination of
 // p - onehot(y) on that schedule's passes (RowTerms), plus the support's
-// entries. A dense teacher, another temperature, label smoothing or z-loss,
-// forward only, rows with
-// unaligned edges and rows the pieces do not fit stay on the row kernel. Pure
-// and thread-safe.
+// entries. A dense teacher (any temperature, targets or none) takes its own
+// pieces (dense_kd_pieces.h: chunk and pieces sized for student and teacher
+// slices together, kDenseKdPieceKib, bulk copies) where both tensors' rows
+// are whole 16-byte vectors, the student's row is as long as smem row pieces
+// need, no softcap is set and the pieces fit the device. Top-k at another
+// temperature, label smoothing or z-loss, forward only, rows with unaligned
+// edges and rows the pieces do not fit stay on the row kernel. Pure and
+// thread-safe.
 std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
     const PostTrainingShape& shape, const DeviceLimits& device,
     const Sm90Policy& policy = {});

@@ -181,12 +181,7 @@ struct Params {
   bool renormalize;
   // Policy.
   bool policy;
-  int loss;
-  const float* advantages;
-  const float* sampling;
-  const float* reference;
-  float eps_low, eps_high, kl_coef;
-  int estimator;
+  PolicyArgs pg;  // device pointers
   PostTrainingCudaRow* out;
 };
 
@@ -367,18 +362,16 @@ __global__ void __launch_bounds__(kThreads)
   float lse_u = 0.0f, lse_t = 0.0f, lse_s = 0.0f;
 
   if (prm.policy) {
-    const cuda_pt::PolicyInputs inputs = {
-        prm.loss,     prm.estimator, prm.eps_low,
-        prm.eps_high, prm.kl_coef,   prm.reference != nullptr};
+    const cuda_pt::PolicyInputs inputs = cuda_pt::PolicyInputsOf(prm.pg);
     const cuda_pt::PolicyRow pr = cuda_pt::MakePolicyRow(
-        inputs, prm.advantages[row], prm.sampling[row],
-        prm.reference != nullptr ? prm.reference[row] : 0.0f, logp);
+        inputs, prm.pg.advantages[row], prm.pg.sampling_logprobs[row],
+        inputs.has_reference ? prm.pg.reference_logprobs[row] : 0.0f, logp);
     loss = pr.loss;
     dlogp = pr.dlogp;
     clipped = pr.clipped;
     kl_out = pr.kl;
     ratio_out = pr.ratio;
-    approx_kl = prm.sampling[row] - logp;
+    approx_kl = prm.pg.sampling_logprobs[row] - logp;
   } else if (prm.kd) {
     lse_u = Lse(shared_stats[1]);
     double d_sum = 0.0, h_sum = 0.0, p_sum = 0.0;
@@ -672,14 +665,8 @@ cudaError_t PostTrainingCudaLaunch(const PostTrainingArgs& args,
     p.kd = true;
     p.tau = kd.temperature;
     p.alpha = kd.alpha;
-    p.divergence = static_cast<int>(kd.divergence);
+    p.divergence = KernelDivergence(kd);
     p.beta = kd.beta;
-    if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
-      p.divergence = static_cast<int>(Divergence::kForwardKl);
-    }
-    if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
-      p.divergence = static_cast<int>(Divergence::kReverseKl);
-    }
     p.teacher = kd.teacher_logits;
     p.teacher_stride = kd.teacher_row_stride;
     teacher_dtype = kd.teacher_dtype;
@@ -696,16 +683,8 @@ cudaError_t PostTrainingCudaLaunch(const PostTrainingArgs& args,
     }
   }
   if (args.policy != nullptr) {
-    const PolicyArgs& pg = *args.policy;
     p.policy = true;
-    p.loss = static_cast<int>(pg.loss);
-    p.advantages = pg.advantages;
-    p.sampling = pg.sampling_logprobs;
-    p.reference = pg.reference_logprobs;
-    p.eps_low = pg.epsilon_low;
-    p.eps_high = pg.epsilon_high;
-    p.kl_coef = pg.kl_coef;
-    p.estimator = static_cast<int>(pg.kl_estimator);
+    p.pg = *args.policy;
   }
   switch (base.logits_dtype) {
     case DType::kBFloat16:

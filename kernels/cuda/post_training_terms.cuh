@@ -58,6 +58,14 @@ struct PolicyInputs {
   float kl_coef;
   bool has_reference;
 };
+__device__ __forceinline__ PolicyInputs PolicyInputsOf(const PolicyArgs& pg) {
+  return {static_cast<int>(pg.loss),
+          static_cast<int>(pg.kl_estimator),
+          pg.epsilon_low,
+          pg.epsilon_high,
+          pg.kl_coef,
+          pg.reference_logprobs != nullptr};
+}
 __device__ __forceinline__ PolicyRow MakePolicyRow(const PolicyInputs& in,
                                                    float advantage,
                                                    float sampling,

@@ -13,6 +13,7 @@
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/row_math.cuh"
 #include "kernels/cuda/row_terms.h"
+#include "kernels/cuda/slice_stats.cuh"
 #include "kernels/post_training.h"
 
 namespace lossd {
@@ -39,10 +40,10 @@ __device__ __forceinline__ void FetchRowInputs(const RowTerms& terms,
     CopyFloatAsync(in + kInScale, terms.row_scale + row);
   }
   if (terms.policy) {
-    CopyFloatAsync(in + kInAdvantage, terms.advantages + row);
-    CopyFloatAsync(in + kInSampling, terms.sampling + row);
-    if (terms.reference != nullptr) {
-      CopyFloatAsync(in + kInReference, terms.reference + row);
+    CopyFloatAsync(in + kInAdvantage, terms.pg.advantages + row);
+    CopyFloatAsync(in + kInSampling, terms.pg.sampling_logprobs + row);
+    if (terms.pg.reference_logprobs != nullptr) {
+      CopyFloatAsync(in + kInReference, terms.pg.reference_logprobs + row);
     }
   }
 }
@@ -56,12 +57,10 @@ using cuda_pt::PolicyRow;
 __device__ __forceinline__ PolicyRow MakePolicyRow(const RowTerms& terms,
                                                    const float* in,
                                                    float logp) {
-  const cuda_pt::PolicyInputs inputs = {
-      terms.loss,     terms.estimator, terms.eps_low,
-      terms.eps_high, terms.kl_coef,   terms.reference != nullptr};
-  return cuda_pt::MakePolicyRow(
-      inputs, in[kInAdvantage], in[kInSampling],
-      terms.reference != nullptr ? in[kInReference] : 0.0f, logp);
+  const cuda_pt::PolicyInputs inputs = cuda_pt::PolicyInputsOf(terms.pg);
+  return cuda_pt::MakePolicyRow(inputs, in[kInAdvantage], in[kInSampling],
+                                inputs.has_reference ? in[kInReference] : 0.0f,
+                                logp);
 }
 using cuda_pt::DivergenceTerm;
 
@@ -267,9 +266,7 @@ __device__ __forceinline__ float EntropyGradientSlice(
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   float h[2] = {0.0f, 0.0f};  // two chains of adds, not one
-#pragma unroll 4
-  for (int q = tid; q < nvec; q += kBlock) {
-    const uint4 v = sv[q];
+  ForSliceVectors<kBlock>(sv, nvec, tid, [&](int q, const uint4& v) {
     float gr[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -280,12 +277,8 @@ __device__ __forceinline__ float EntropyGradientSlice(
       h[j % 2] += e > 0.0f ? e * (rm.lse - z) : 0.0f;
       gr[j] = fmaf(e, rm.a, rm.b) * dfac;
     }
-    if (kWrite) {
-      uint4 o;
-      Tr::Pack(gr, &o);
-      __stcs(reinterpret_cast<uint4*>(out) + q, o);
-    }
-  }
+    if (kWrite) StoreGradVector<T>(out, q, gr);
+  });
   return h[0] + h[1];
 }
 

@@ -26,16 +26,9 @@ struct RowTerms {
   // The reduction's factor of each row, grad_scale in; nullptr: the prepare
   // kernel's (Params::header->scale), which is every row's without segments.
   const float* row_scale;
-  bool policy;    // a policy loss
-  bool kd;        // top-k distillation (else plain cross entropy)
-  int loss;       // PolicyLossKind
-  int estimator;  // KlEstimator
-  const float* advantages;
-  const float* sampling;
-  const float* reference;  // or nullptr
-  float eps_low;
-  float eps_high;
-  float kl_coef;
+  bool policy;  // a policy loss, as `pg` says (device pointers)
+  bool kd;      // top-k distillation (else plain cross entropy)
+  PolicyArgs pg;
   // Top-k distillation: [rows, top_k] indices (int64 where indices64, else
   // int32) and teacher log-probabilities, and the support's z (the
   // softcapped logits) gathered before the schedule (LaunchGatherSupport).

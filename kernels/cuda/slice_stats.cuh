@@ -260,6 +260,25 @@ __device__ __forceinline__ float TargetGrad(const RowMath& rm,
   return rm.gy * dfac;
 }
 
+// f(q, sv[q]) for this thread's vectors of a slice in shared memory (q =
+// tid, tid + kBlock, ...), four loop bodies unrolled: the gradient passes.
+template <int kBlock, typename F>
+__device__ __forceinline__ void ForSliceVectors(const uint4* sv, int nvec,
+                                                int tid, F f) {
+#pragma unroll 4
+  for (int q = tid; q < nvec; q += kBlock) f(q, sv[q]);
+}
+
+// The kVec gradient values g into vector q of `out`, a streaming store (the
+// gradient is not read again).
+template <typename T>
+__device__ __forceinline__ void StoreGradVector(
+    T* out, int q, const float (&g)[Traits<T>::kVec]) {
+  uint4 o;
+  Traits<T>::Pack(g, &o);
+  __stcs(reinterpret_cast<uint4*>(out) + q, o);
+}
+
 // Gradient of this thread's share of a slice (shared memory) into `out`
 // with streaming stores, columns from `col0`; the target column is fixed up
 // by the caller.
@@ -270,19 +289,15 @@ __device__ __forceinline__ void GradientSlice(const uint4* sv, T* out, int nvec,
                                               int col0 = 0) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
-#pragma unroll 4
-  for (int q = tid; q < nvec; q += kBlock) {
-    const uint4 v = sv[q];
+  ForSliceVectors<kBlock>(sv, nvec, tid, [&](int q, const uint4& v) {
     float gr[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       gr[j] =
           ElementGrad<T, kOpts>(rm, opts, Tr::Get(v, j), col0 + q * kVec + j);
     }
-    uint4 o;
-    Tr::Pack(gr, &o);
-    __stcs(reinterpret_cast<uint4*>(out) + q, o);
-  }
+    StoreGradVector<T>(out, q, gr);
+  });
 }
 
 // Zeros for this thread's share of an ignored row's slice (nvec vectors at

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/ptx.cuh"
@@ -524,17 +525,11 @@ cudaError_t ForBuild(const Params& p, bool bulk, bool edges, int per_row,
 
 cudaError_t ForDType(const Params& p, DType dtype, bool bulk, bool edges,
                      int pieces, bool* fits, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:  // fp32 pieces always come in by bulk copies
-      return ForBuild<float, false>(p, bulk, edges, pieces, fits, stream);
-    case DType::kBFloat16:
-      return ForBuild<__nv_bfloat16, true>(p, bulk, edges, pieces, fits,
-                                           stream);
-    case DType::kFloat16:
-      return ForBuild<__half, true>(p, bulk, edges, pieces, fits, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  // (fp32 pieces always come in by bulk copies)
+  return WithElementType(dtype, [&](auto t) {
+    using T = decltype(t);
+    return ForBuild<T, sizeof(T) == 2>(p, bulk, edges, pieces, fits, stream);
+  });
 }
 
 // The kTerms builds: the softcap or none, by bulk copies, or the threads'
@@ -562,16 +557,10 @@ cudaError_t LaunchSmemRowPiecesTerms(const Params& p, const RowTerms& terms,
   if (p.eps > 0.0f || p.zls != 0.0f || p.weights != nullptr) {
     return cudaErrorInvalidValue;
   }
-  switch (dtype) {
-    case DType::kFloat32:
-      return LaunchTerms<float, false>(p, terms, bulk, pieces, stream);
-    case DType::kBFloat16:
-      return LaunchTerms<__nv_bfloat16, true>(p, terms, bulk, pieces, stream);
-    case DType::kFloat16:
-      return LaunchTerms<__half, true>(p, terms, bulk, pieces, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return WithElementType(dtype, [&](auto t) {
+    using T = decltype(t);
+    return LaunchTerms<T, sizeof(T) == 2>(p, terms, bulk, pieces, stream);
+  });
 }
 
 cudaError_t SmemRowPiecesFit(const Params& p, DType dtype, bool bulk,

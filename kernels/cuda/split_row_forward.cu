@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/row_math.cuh"
@@ -124,16 +125,9 @@ cudaError_t LaunchPieces(const Params& p, bool edges, int per_row,
 
 cudaError_t LaunchSplitRowForward(const Params& p, DType dtype, bool edges,
                                   int pieces, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return LaunchPieces<float>(p, edges, pieces, stream);
-    case DType::kBFloat16:
-      return LaunchPieces<__nv_bfloat16>(p, edges, pieces, stream);
-    case DType::kFloat16:
-      return LaunchPieces<__half>(p, edges, pieces, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return WithElementType(dtype, [&](auto t) {
+    return LaunchPieces<decltype(t)>(p, edges, pieces, stream);
+  });
 }
 
 }  // namespace cuda_ce

@@ -104,7 +104,9 @@ struct Config {
   bool segments = false;
   uint32_t seed = 1;
   PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
-  bool in_place = false;  // the GPU's gradient over its logits
+  bool in_place = false;                   // the GPU's gradient over its logits
+  DType teacher_dtype = DType::kBFloat16;  // a dense teacher's on the GPU
+  bool targets = true;  // else none (distillation with alpha 0)
 };
 
 std::string Name(const Config& c) {
@@ -114,7 +116,9 @@ std::string Name(const Config& c) {
          std::to_string(c.k) + " tail " +
          std::to_string(static_cast<int>(c.tail)) + " tau " +
          std::to_string(c.tau) + " alpha " + std::to_string(c.alpha) +
-         " loss " + std::to_string(static_cast<int>(c.loss)) + " path " +
+         " loss " + std::to_string(static_cast<int>(c.loss)) + " teacher " +
+         std::string(DTypeName(c.teacher_dtype)) + " targets " +
+         std::to_string(c.targets) + " path " +
          std::to_string(static_cast<int>(c.path)) + " in place " +
          std::to_string(c.in_place);
 }
@@ -133,7 +137,7 @@ void Compare(const Config& c) {
   std::vector<float> teacher_raw(n), teacher;
   for (float& v : teacher_raw) v = normal(rng);
   const std::vector<uint8_t> teacher_bytes =
-      Encode(teacher_raw, DType::kBFloat16, &teacher);
+      Encode(teacher_raw, c.teacher_dtype, &teacher);
   for (int64_t i = 0; i < n; ++i) raw[i] += c.teacher_mix * teacher[i];
   const std::vector<uint8_t> logit_bytes = Encode(raw, c.dtype, &logits);
   std::vector<int32_t> indices;
@@ -208,7 +212,7 @@ void Compare(const Config& c) {
   cpu.base.logits_dtype = DType::kFloat32;
   cpu.base.logits = logits.data();
   cpu.base.gradient = cpu_grad.data();
-  cpu.base.targets = targets.data();
+  cpu.base.targets = c.targets ? targets.data() : nullptr;
   cpu.base.token_loss = cpu_loss.data();
   cpu.token_entropy = cpu_entropy.data();
   if (cpu.distillation != nullptr) {
@@ -247,12 +251,12 @@ void Compare(const Config& c) {
   gpu.base.logits = d_logits.get();
   gpu.base.gradient = c.in_place ? d_logits.get() : d_grad.get();
   if (c.in_place) gpu.base.mode = GradientMode::kInPlace;
-  gpu.base.targets = d_targets.get();
+  gpu.base.targets = c.targets ? d_targets.get() : nullptr;
   gpu.base.token_loss = gpu_loss.data();
   gpu.token_entropy = gpu_entropy.data();
   if (c.family == Family::kDense) {
     gpu_kd.teacher_logits = d_teacher.get();
-    gpu_kd.teacher_dtype = DType::kBFloat16;
+    gpu_kd.teacher_dtype = c.teacher_dtype;
   } else {
     gpu_kd.top_k_indices = d_indices.get();
     gpu_kd.top_k_logprobs = static_cast<const float*>(d_logprobs.get());
@@ -358,7 +362,8 @@ TEST_F(PostTrainingCudaTest, DenseReverseKlOfASharpStudentMatchesTheCpu) {
   uint32_t seed = 40;
   for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
     for (float tau : {0.5f, 1.0f}) {
-      Config c{Family::kDense, dtype, 24, 31};
+      // (V 65536: the dense teacher's row pieces)
+      Config c{Family::kDense, dtype, 24, tau == 1.0f ? 31 : 65536};
       c.divergence = Divergence::kReverseKl;
       c.tau = tau;
       c.logit_scale = 3.0f;
@@ -477,7 +482,9 @@ TEST_F(PostTrainingCudaTest, LargeVocabularyMatchesTheCpu) {
 // Rows of whole 16-byte vectors long enough for the smem row pieces schedule
 // (2-byte rows from 32 KiB, fp32 from 120 KiB): the policy losses, plain
 // cross entropy with segments and top-k distillation (k 1, 64, 512) there,
-// and the same calls on the row kernel.
+// a dense teacher on its own pieces (every divergence, dtype pair,
+// temperature and the alpha mix, in place and not, without targets; a sharp
+// student; JSD at beta 0 and 1), and the same calls on the row kernel.
 TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
   uint32_t seed = 300;
   for (PostTrainingCudaPath path :
@@ -523,6 +530,26 @@ TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
           Compare(c);
         }
       }
+      for (Divergence divergence :
+           {Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd}) {
+        Config c{Family::kDense, dtype, 5,
+                 dtype == DType::kFloat32 ? 32768 : 40000};
+        c.divergence = divergence;
+        // (fp16: JSD at beta 0 or 1, defined as forward or reverse KL)
+        c.beta = dtype == DType::kFloat16 ? static_cast<float>(seed % 2) : 0.3f;
+        c.tau = seed % 3 == 0 ? 1.0f : seed % 3 == 1 ? 2.0f : 0.5f;
+        c.alpha = seed % 2 == 0 ? 0.4f : 0.0f;
+        c.targets = c.alpha > 0.0f || seed % 4 != 1;
+        c.teacher_dtype = seed % 3 == 0   ? DType::kFloat32
+                          : seed % 3 == 1 ? DType::kBFloat16
+                                          : DType::kFloat16;
+        c.teacher_mix = divergence == Divergence::kReverseKl ? 1.0f : 0.0f;
+        c.segments = divergence == Divergence::kJsd;
+        c.in_place = seed % 2 == 1;
+        c.path = path;
+        c.seed = seed++;
+        Compare(c);
+      }
     }
   }
 }
@@ -544,75 +571,128 @@ double Time(Call call) {
   return times[3];
 }
 
-// Dense and top-k KD fwd+gradient in place, bf16, 8192 x 128256, against
-// the traffic floor (student read + write, plus a dense teacher's read) and
-// against a device copy of the logits. Run with
-// --gtest_also_run_disabled_tests --gtest_filter=*Bench*.
-TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
-  const int64_t rows = 8192, vocab = 128256, k = 64;
+// A bench's bf16 call in place on `logits` [rows, vocab] with int64
+// targets, and in the same run the times of a device copy of the logits
+// (into `copy`) and of cross entropy on them.
+struct BenchBase {
+  CrossEntropyArgs base;
+  double copy_s = 0.0;
+  double ce_s = 0.0;
+};
+BenchBase TimeCopyAndCrossEntropy(int64_t rows, int64_t vocab, void* logits,
+                                  void* copy, const void* targets) {
+  BenchBase b;
   const size_t bytes = static_cast<size_t>(rows * vocab) * 2;
-  void *student = nullptr, *teacher = nullptr, *copy = nullptr;
-  ASSERT_EQ(cudaMalloc(&student, bytes), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&teacher, bytes), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&copy, bytes), cudaSuccess);
-  cudaMemset(student, 0x3c, bytes);  // bf16 ~0.011
-  cudaMemset(teacher, 0x3d, bytes);
-  std::vector<int32_t> indices(rows * k);
-  std::vector<float> logprobs(rows * k, -6.0f);
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t j = 0; j < k; ++j)
-      indices[row * k + j] = (row + j * 997) % vocab;
-  }
-  DeviceBytes d_indices(indices.data(), indices.size() * 4);
-  DeviceBytes d_logprobs(logprobs.data(), logprobs.size() * 4);
-  std::vector<int64_t> targets(rows, 1);
-  DeviceBytes d_targets(targets.data(), targets.size() * 8);
-  const double copy_s =
-      Time([&] { cudaMemcpy(copy, student, bytes, cudaMemcpyDeviceToDevice); });
-  auto run = [&](bool dense) {
-    PostTrainingArgs args;
-    DistillationArgs kd;
-    args.base.rows = rows;
-    args.base.vocab = vocab;
-    args.base.row_stride = vocab;
-    args.base.logits_dtype = DType::kBFloat16;
-    args.base.logits = student;
-    args.base.gradient = student;
-    args.base.mode = GradientMode::kInPlace;
-    args.base.targets = d_targets.get();
-    args.base.targets_dtype = DType::kInt64;
-    if (dense) {
-      kd.teacher_logits = teacher;
-      kd.teacher_dtype = DType::kBFloat16;
-      kd.teacher_row_stride = vocab;
-    } else {
-      kd.top_k = k;
-      kd.top_k_indices = d_indices.get();
-      kd.top_k_logprobs = static_cast<const float*>(d_logprobs.get());
-      kd.tail = TopKTail::kBucket;
-    }
-    args.distillation = &kd;
-    PostTrainingResult result;
-    const absl::Status status = PostTrainingCuda(args, &result, nullptr);
+  b.copy_s =
+      Time([&] { cudaMemcpy(copy, logits, bytes, cudaMemcpyDeviceToDevice); });
+  CrossEntropyArgs& base = b.base;
+  base.rows = rows;
+  base.vocab = base.row_stride = vocab;
+  base.logits_dtype = DType::kBFloat16;
+  base.logits = base.gradient = logits;
+  base.mode = GradientMode::kInPlace;
+  base.targets = targets;
+  base.targets_dtype = DType::kInt64;
+  b.ce_s = Time([&] {
+    CrossEntropyResult result;
+    const absl::Status status = CrossEntropyCuda(base, &result, nullptr);
     EXPECT_TRUE(status.ok()) << status;
-  };
-  const double dense_s = Time([&] { run(true); });
-  const double top_k_s = Time([&] { run(false); });
-  const double gb = 1e-9;
-  std::printf(
-      "bench: bf16 %lld x %lld: copy %.3f ms (%.0f GB/s read+write)\n"
-      "bench: dense KD fwd+grad %.3f ms, %.0f GB/s of its floor (3 x %.2f "
-      "GB): %.0f%% of copy's rate\n"
-      "bench: top-k KD (k=%lld, bucket) fwd+grad %.3f ms, %.0f GB/s of its "
-      "floor (2 x %.2f GB): %.0f%% of copy's rate\n",
-      static_cast<long long>(rows), static_cast<long long>(vocab), copy_s * 1e3,
-      2 * bytes * gb / copy_s, dense_s * 1e3, 3 * bytes * gb / dense_s,
-      bytes * gb, 100.0 * (3 * bytes / dense_s) / (2 * bytes / copy_s),
-      static_cast<long long>(k), top_k_s * 1e3, 2 * bytes * gb / top_k_s,
-      bytes * gb, 100.0 * (2 * bytes / top_k_s) / (2 * bytes / copy_s));
-  cudaFree(student);
-  cudaFree(teacher);
-  cudaFree(copy);
+  });
+  return b;
+}
+
+// Dense KD (forward KL, reverse KL, JSD(0.5)) and top-k KD (k = 64, tail
+// bucket, tau 1 and 2) fwd+gradient in place, bf16, at the two large shapes,
+// against a device copy of the logits and cross entropy in the same run; a
+// dense teacher's traffic floor is 1.5 copies (student read + write, teacher
+// read). Run with --gtest_also_run_disabled_tests --gtest_filter=*Bench*.
+TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
+  const int64_t k = 64;
+  for (const auto& [rows, vocab] :
+       {std::pair<int64_t, int64_t>{8192, 128256}, {16384, 131072}}) {
+    const size_t bytes = static_cast<size_t>(rows * vocab) * 2;
+    void *student = nullptr, *teacher = nullptr, *copy = nullptr;
+    ASSERT_EQ(cudaMalloc(&student, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&teacher, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&copy, bytes), cudaSuccess);
+    cudaMemset(student, 0x3c, bytes);  // bf16 ~0.011
+    cudaMemset(teacher, 0x3d, bytes);
+    std::vector<int32_t> indices(rows * k);
+    std::vector<float> logprobs(rows * k, -6.0f);
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t j = 0; j < k; ++j)
+        indices[row * k + j] = (row + j * 997) % vocab;
+    }
+    DeviceBytes d_indices(indices.data(), indices.size() * 4);
+    DeviceBytes d_logprobs(logprobs.data(), logprobs.size() * 4);
+    std::vector<int64_t> targets(rows);
+    for (int64_t row = 0; row < rows; ++row)
+      targets[row] = (row * 7919) % vocab;
+    DeviceBytes d_targets(targets.data(), targets.size() * 8);
+    const BenchBase b =
+        TimeCopyAndCrossEntropy(rows, vocab, student, copy, d_targets.get());
+    const CrossEntropyArgs& base = b.base;
+    const double copy_s = b.copy_s, ce_s = b.ce_s;
+    auto run = [&](bool dense, Divergence divergence, float tau,
+                   PostTrainingCudaPath path) {
+      PostTrainingArgs args;
+      args.base = base;
+      DistillationArgs kd;
+      kd.divergence = divergence;
+      kd.temperature = tau;
+      if (dense) {
+        kd.teacher_logits = teacher;
+        kd.teacher_dtype = DType::kBFloat16;
+        kd.teacher_row_stride = vocab;
+      } else {
+        kd.top_k = k;
+        kd.top_k_indices = d_indices.get();
+        kd.top_k_logprobs = static_cast<const float*>(d_logprobs.get());
+        kd.tail = TopKTail::kBucket;
+      }
+      args.distillation = &kd;
+      PostTrainingResult result;
+      const absl::Status status =
+          PostTrainingCuda(args, &result, nullptr, path);
+      EXPECT_TRUE(status.ok()) << status;
+    };
+    struct BenchRow {
+      const char* name;
+      bool dense;
+      Divergence divergence;
+      float tau;
+      PostTrainingCudaPath path;
+    };
+    constexpr auto kAuto = PostTrainingCudaPath::kAuto;
+    const BenchRow bench_rows[] = {
+        {"dense FKL", true, Divergence::kForwardKl, 1.0f, kAuto},
+        {"dense RKL", true, Divergence::kReverseKl, 1.0f, kAuto},
+        {"dense JSD(0.5)", true, Divergence::kJsd, 1.0f, kAuto},
+        {"dense FKL tau 2", true, Divergence::kForwardKl, 2.0f, kAuto},
+        {"dense FKL on the row kernel", true, Divergence::kForwardKl, 1.0f,
+         PostTrainingCudaPath::kRowKernel},
+        {"dense JSD(0.5) on the row kernel", true, Divergence::kJsd, 1.0f,
+         PostTrainingCudaPath::kRowKernel},
+        {"top-k (k=64, bucket) FKL", false, Divergence::kForwardKl, 1.0f,
+         kAuto},
+        {"top-k (k=64, bucket) FKL tau 2", false, Divergence::kForwardKl, 2.0f,
+         kAuto}};
+    std::printf(
+        "bench: bf16 %lld x %lld in place: copy %.3f ms; cross entropy %.3f "
+        "ms (%.0f%% of copy)\n",
+        static_cast<long long>(rows), static_cast<long long>(vocab),
+        copy_s * 1e3, ce_s * 1e3, 100.0 * copy_s / ce_s);
+    for (const BenchRow& r : bench_rows) {
+      const double t = Time([&] { run(r.dense, r.divergence, r.tau, r.path); });
+      // (a dense teacher's floor: 1.5 copies)
+      std::printf("bench:   %s %.3f ms (%.0f%% of copy, %.0f%% of its floor)\n",
+                  r.name, t * 1e3, 100.0 * copy_s / t,
+                  (r.dense ? 150.0 : 100.0) * copy_s / t);
+    }
+    cudaFree(student);
+    cudaFree(teacher);
+    cudaFree(copy);
+  }
 }
 
 // The policy losses (PPO-clip with a k3 reference KL) and plain cross entropy
@@ -640,23 +720,10 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicy) {
     DeviceBytes d_adv(advantages.data(), advantages.size() * 4);
     DeviceBytes d_sampling(sampling.data(), sampling.size() * 4);
     DeviceBytes d_reference(reference.data(), reference.size() * 4);
-    const double copy_s = Time(
-        [&] { cudaMemcpy(copy, logits, bytes, cudaMemcpyDeviceToDevice); });
-    CrossEntropyArgs base;
-    base.rows = rows;
-    base.vocab = vocab;
-    base.row_stride = vocab;
-    base.logits_dtype = DType::kBFloat16;
-    base.logits = logits;
-    base.gradient = logits;
-    base.mode = GradientMode::kInPlace;
-    base.targets = d_targets.get();
-    base.targets_dtype = DType::kInt64;
-    const double ce_s = Time([&] {
-      CrossEntropyResult result;
-      const absl::Status status = CrossEntropyCuda(base, &result, nullptr);
-      EXPECT_TRUE(status.ok()) << status;
-    });
+    const BenchBase b =
+        TimeCopyAndCrossEntropy(rows, vocab, logits, copy, d_targets.get());
+    const CrossEntropyArgs& base = b.base;
+    const double copy_s = b.copy_s, ce_s = b.ce_s;
     auto run = [&](bool policy, PostTrainingCudaPath path) {
       PostTrainingArgs args;
       args.base = base;

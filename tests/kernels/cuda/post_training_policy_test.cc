@@ -70,7 +70,7 @@ TEST(PostTrainingPolicyTest,
   PostTrainingShape s = Policy(8192, 128256, 2);
   s.policy = false;
   s.distillation = true;
-  s.dense_teacher = true;
+  s.dense_teacher = true;  // (a teacher whose rows are not whole vectors)
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
   s.dense_teacher = false;
@@ -108,6 +108,63 @@ TEST(PostTrainingPolicyTest,
   EXPECT_FALSE(
       ChoosePostTrainingSchedule(Policy(8192, 128256, 2), DeviceLimits{})
           .has_value());
+}
+
+// A dense teacher: its own pieces, student and teacher slices together about
+// kDenseKdPieceKib KiB, a multiple of 8 elements, bulk copies; every dtype
+// pair, any temperature, with or without targets.
+TEST(PostTrainingPolicyTest, DenseTeacherTakesItsOwnPieces) {
+  for (int bytes : {2, 4}) {
+    for (int teacher_bytes : {2, 4}) {
+      for (const auto& [rows, vocab] :
+           {std::pair<long long, int>{8192, 128256}, {16384, 131072}}) {
+        PostTrainingShape s = Policy(rows, vocab, bytes);
+        s.policy = false;
+        s.distillation = true;
+        s.dense_teacher = true;
+        s.teacher_element_bytes = teacher_bytes;
+        s.teacher_whole_vectors = true;
+        s.temperature = 2.0f;
+        s.targets = bytes == 2;
+        const auto c = ChoosePostTrainingSchedule(s, H200());
+        ASSERT_TRUE(c.has_value()) << vocab << " " << bytes << teacher_bytes;
+        EXPECT_EQ(c->schedule, Schedule::kSmemRowPieces);
+        EXPECT_TRUE(c->bulk);
+        EXPECT_FALSE(c->edges);
+        EXPECT_EQ(c->chunk % 8, 0);
+        EXPECT_GE(static_cast<long long>(c->chunk) * c->pieces, vocab);
+        EXPECT_LT(static_cast<long long>(c->chunk) * (c->pieces - 1), vocab);
+        EXPECT_LE(static_cast<long long>(c->chunk) * (bytes + teacher_bytes),
+                  kDenseKdPieceKib * 1024);
+        EXPECT_LE(c->pieces, 32);
+      }
+    }
+  }
+  PostTrainingShape s = Policy(8192, 128256, 2);
+  s.policy = false;
+  s.distillation = true;
+  s.dense_teacher = true;
+  s.teacher_element_bytes = 2;
+  s.teacher_whole_vectors = true;
+  ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
+  // A softcap, label smoothing or z-loss, forward only, short rows, rows
+  // past 32 pieces of shared memory and an unknown device: the row kernel.
+  PostTrainingShape t = s;
+  t.logits.options_on = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
+  t = s;
+  t.row_options = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
+  t = s;
+  t.logits.forward_only = true;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
+  t = s;
+  t.logits.vocab = 1024;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
+  t = s;
+  t.logits.vocab = 16 << 20;
+  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, DeviceLimits{}).has_value());
 }
 
 }  // namespace
