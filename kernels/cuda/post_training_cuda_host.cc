@@ -113,15 +113,33 @@ cudaError_t LaunchDense(const PostTrainingArgs& args,
   return cuda_ce::LaunchDenseKdPieces(call, stream);
 }
 
+// The fast schedule's floats beside the workspace: a top-k teacher's
+// gathered support [rows, k], then the pieces' tau sums [rows * pieces] where
+// the kTau builds need them (RowTerms).
+bool TauSums(const PostTrainingArgs& args) {
+  cuda_ce::RowTerms terms = {};
+  terms.kd = args.distillation != nullptr;
+  terms.renormalize =
+      terms.kd && args.distillation->tail == TopKTail::kRenormalize;
+  terms.inv_tau = terms.kd ? 1.0f / args.distillation->temperature : 1.0f;
+  return cuda_ce::NeedsTauSums(terms);
+}
+size_t TermsFloats(const PostTrainingArgs& args,
+                   const cuda_ce::ScheduleChoice& choice) {
+  if (args.distillation == nullptr) return 0;
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  return rows * static_cast<size_t>(args.distillation->top_k) +
+         (TauSums(args) ? rows * static_cast<size_t>(choice.pieces) : 0);
+}
+
 // Enqueues `args` on the smem row pieces schedule as `choice` sizes it: the
-// rows' records into `rows_out` as the row kernel writes them.
-// cudaErrorInvalidConfiguration (nothing written) where the pieces do not
-// fit this device after all: the caller takes the row kernel.
+// rows' records into `rows_out` as the row kernel writes them; `floats` holds
+// TermsFloats. cudaErrorInvalidConfiguration (nothing written) where the
+// pieces do not fit this device after all: the caller takes the row kernel.
 cudaError_t LaunchFast(const PostTrainingArgs& args,
                        const cuda_ce::ScheduleChoice& choice,
-                       const float* row_scale, void* workspace,
-                       float* support_z, PostTrainingCudaRow* rows_out,
-                       cudaStream_t stream) {
+                       const float* row_scale, void* workspace, float* floats,
+                       PostTrainingCudaRow* rows_out, cudaStream_t stream) {
   CrossEntropyArgs base = args.base;
   // (host pointers here: the records carry these values)
   base.token_loss = nullptr;
@@ -132,10 +150,13 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   cuda_ce::RowTerms terms = {};
   terms.row_scale = row_scale;
   terms.policy = args.policy != nullptr;
+  terms.forward_only = base.mode == GradientMode::kNone;
+  terms.inv_tau = 1.0f;
   if (terms.policy) terms.pg = *args.policy;
   if (args.distillation != nullptr) {
     const DistillationArgs& kd = *args.distillation;
     terms.kd = true;
+    terms.inv_tau = 1.0f / kd.temperature;
     terms.top_k = static_cast<int>(kd.top_k);
     terms.indices64 = kd.top_k_indices_dtype == DType::kInt64;
     terms.renormalize = kd.tail == TopKTail::kRenormalize;
@@ -144,7 +165,10 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
     terms.alpha = kd.alpha;
     terms.indices = kd.top_k_indices;
     terms.logprobs = kd.top_k_logprobs;
-    terms.support_z = support_z;
+    terms.support_z = floats;
+    if (TauSums(args)) {
+      terms.piece_tau = floats + static_cast<size_t>(base.rows) * kd.top_k;
+    }
   }
   terms.rows_out = rows_out;
   // (label smoothing's per-piece floats: free, the options are off)
@@ -211,7 +235,7 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
     RETURN_IF_ERROR(ChooseFast(args, &fast));
   }
   cudaError_t launched = cudaErrorInvalidConfiguration;
-  DeviceBuffer workspace(stream), support_z(stream);
+  DeviceBuffer workspace(stream), floats(stream);
   if (fast && DenseTeacher(args)) {
     RETURN_IF_ERROR(workspace.Allocate(
         cuda_ce::DenseKdWorkspaceBytes(args.base.rows, fast->pieces)));
@@ -224,11 +248,11 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
         workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
     if (args.distillation != nullptr) {
       RETURN_IF_ERROR(
-          support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+          floats.Allocate(TermsFloats(args, *fast) * sizeof(float)));
     }
     launched = LaunchFast(
         args, *fast, static_cast<const float*>(device_scale.get()),
-        workspace.get(), static_cast<float*>(support_z.get()),
+        workspace.get(), static_cast<float*>(floats.get()),
         static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
   }
   if (launched == cudaErrorInvalidConfiguration) {
@@ -305,18 +329,16 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
                                  cudaMemcpyDeviceToHost, stream),
                  "post_training copy targets"));
   RETURN_IF_ERROR(CudaStatus(copied.Record(stream), "post_training event"));
-  DeviceBuffer device_rows(stream), workspace(stream), support_z(stream);
+  DeviceBuffer device_rows(stream), workspace(stream), floats(stream);
   RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
   RETURN_IF_ERROR(
       workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
   if (args.distillation != nullptr) {
-    RETURN_IF_ERROR(
-        support_z.Allocate(rows * args.distillation->top_k * sizeof(float)));
+    RETURN_IF_ERROR(floats.Allocate(TermsFloats(args, choice) * sizeof(float)));
   }
-  const cudaError_t launched =
-      LaunchFast(args, choice, nullptr, workspace.get(),
-                 static_cast<float*>(support_z.get()),
-                 static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+  const cudaError_t launched = LaunchFast(
+      args, choice, nullptr, workspace.get(), static_cast<float*>(floats.get()),
+      static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
   if (launched == cudaErrorInvalidConfiguration) {
     cudaGetLastError();
     return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");

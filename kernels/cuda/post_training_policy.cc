@@ -56,12 +56,19 @@ std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
   if (shape.distillation && shape.dense_teacher) {
     return DenseKdChoice(shape, device, policy);
   }
-  if (shape.distillation && shape.temperature != 1.0f) return std::nullopt;
-  if (!shape.targets || shape.row_options || s.forward_only ||
-      !s.whole_vectors || s.rows <= 0 || s.rows > INT_MAX) {
+  if (!shape.targets || shape.row_options || !s.whole_vectors || s.rows <= 0 ||
+      s.rows > INT_MAX) {
     return std::nullopt;
   }
-  const ScheduleChoice c = ChooseSchedule(s, device, policy);
+  // Forward only: the pieces as a gradient would have them (the kernel
+  // skips the writes), not cross entropy's split row forward, which keeps
+  // no piece for the entropy's second pass.
+  ScheduleShape pieces_shape = s;
+  if (s.forward_only) {
+    pieces_shape.forward_only = false;
+    pieces_shape.in_place = false;
+  }
+  const ScheduleChoice c = ChooseSchedule(pieces_shape, device, policy);
   if (c.schedule != Schedule::kSmemRowPieces || c.edges) return std::nullopt;
   return c;
 }

@@ -33,19 +33,20 @@ struct PostTrainingShape {
 constexpr int kDenseKdPieceKib = 48;
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
-// The fast path takes policy losses, top-k distillation at temperature 1 and
-// plain cross entropy (with segments) with targets, forward+gradient, on rows
-// of whole 16-byte vectors where cross entropy itself would take smem row
-// pieces (ChooseSchedule): the gradient is then a per-row combination of
-// p - onehot(y) on that schedule's passes (RowTerms), plus the support's
-// entries. A dense teacher (any temperature, targets or none) takes its own
-// pieces (dense_kd_pieces.h: chunk and pieces sized for student and teacher
-// slices together, kDenseKdPieceKib, bulk copies) where both tensors' rows
-// are whole 16-byte vectors, the student's row is as long as smem row pieces
-// need, no softcap is set and the pieces fit the device. Top-k at another
-// temperature, label smoothing or z-loss, forward only, rows with unaligned
-// edges and rows the pieces do not fit stay on the row kernel. Pure and
-// thread-safe.
+// The fast path takes policy losses, top-k distillation at any temperature
+// and plain cross entropy (with segments) with targets, with a gradient or
+// forward only, on rows of whole 16-byte vectors where cross entropy's
+// forward+gradient would take smem row pieces (ChooseSchedule; forward only
+// sized as out of place): the gradient is then a per-row combination of p -
+// onehot(y) and, for the tail bucket at temperature != 1, p^tau on that
+// schedule's passes (RowTerms), plus the support's entries. A dense teacher
+// (any temperature, targets or none) takes its own pieces
+// (dense_kd_pieces.h: chunk and pieces sized for student and teacher slices
+// together, kDenseKdPieceKib, bulk copies) where both tensors' rows are whole
+// 16-byte vectors, the student's row is as long as smem row pieces need, no
+// softcap is set and the pieces fit the device. Label smoothing or z-loss,
+// rows with unaligned edges, rows the pieces do not fit and a dense teacher
+// forward only stay on the row kernel. Pure and thread-safe.
 std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
     const PostTrainingShape& shape, const DeviceLimits& device,
     const Sm90Policy& policy = {});

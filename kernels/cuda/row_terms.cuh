@@ -78,12 +78,86 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
-// A top-k row's divergence at temperature 1, from its gathered support:
-// log P_j = z_j - log_norm_p, log Q_j = logprob_j - log_norm_q (the
-// renormalised support's, or lse and 0 with the tail bucket), D, gbar =
-// sum_b h_b, and g_tail = h_tail / P_tail (the tail's P as 1 - the support's:
-// the statistics do not keep the tail's own sum).
+// A sum of exp((z - m) / tau) about max m taken about `ref` >= m (tau_l2 =
+// log2e / tau): the merges of TauSum's; 0 for an empty slice (m = -inf).
+__device__ __forceinline__ float TauAbout(float sum, float m, float ref,
+                                          float tau_l2) {
+  return m == -INFINITY ? 0.0f : sum * Exp2((m - ref) * tau_l2);
+}
+
+// A top-k row's support: its gathered z, the teacher's logprobs and the
+// indices, in shared memory where the piece staged them (StageSupport), else
+// in global memory.
+struct SupportView {
+  const float* z;
+  const float* lq;
+  const void* indices;
+  bool indices64;
+  __device__ __forceinline__ long long Index(int j) const {
+    return indices64 ? static_cast<const long long*>(indices)[j]
+                     : static_cast<const int*>(indices)[j];
+  }
+};
+
+// Supports of at most this many entries are staged in shared memory when a
+// piece is taken (2 KiB a block): read after the merge from global memory,
+// they added a round trip to DRAM to the row's chain and two more to the
+// fix-up after the gradient, with the block's other warps idle.
+constexpr int kStagedTopK = 128;
+struct StagedSupport {
+  float z[kStagedTopK];
+  float lq[kStagedTopK];
+  long long indices[kStagedTopK];  // (int32 indices: the first half)
+};
+__device__ __forceinline__ void CopyAsync8(void* smem, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(SmemAddr(smem)),
+               "l"(src)
+               : "memory");
+}
+// Warp-collective (the warp that merges): issues the copies of the row's
+// support into `staged` where it fits (AwaitRowInputs completes them).
+__device__ __forceinline__ void StageSupport(const RowTerms& terms,
+                                             long long row,
+                                             StagedSupport* staged, int lane) {
+  const int k = terms.top_k;
+  if (k > kStagedTopK) return;
+  for (int j = lane; j < k; j += 32) {
+    const long long at = row * k + j;
+    CopyFloatAsync(staged->z + j, terms.support_z + at);
+    CopyFloatAsync(staged->lq + j, terms.logprobs + at);
+    if (terms.indices64) {
+      CopyAsync8(staged->indices + j,
+                 static_cast<const long long*>(terms.indices) + at);
+    } else {
+      CopyFloatAsync(reinterpret_cast<float*>(staged->indices) + j,
+                     static_cast<const float*>(terms.indices) + at);
+    }
+  }
+}
+__device__ __forceinline__ SupportView SupportOf(const RowTerms& terms,
+                                                 long long row,
+                                                 const StagedSupport* staged) {
+  const long long at = row * terms.top_k;
+  if (terms.top_k <= kStagedTopK) {
+    return {staged->z, staged->lq, staged->indices, terms.indices64};
+  }
+  return {terms.support_z + at, terms.logprobs + at,
+          terms.indices64
+              ? static_cast<const void*>(
+                    static_cast<const long long*>(terms.indices) + at)
+              : static_cast<const void*>(
+                    static_cast<const int*>(terms.indices) + at),
+          terms.indices64};
+}
+
+// A top-k row's divergence from its support: log P_j = (z_j - ref) / tau -
+// log_norm_p, log Q_j = logprob_j - log_norm_q (the renormalised support's:
+// ref its largest z; or with the tail bucket ref the row's max m, log_norm_p
+// log sum exp((z - m) / tau) and 0), D, gbar = sum_b h_b, and g_tail =
+// h_tail / P_tail (the tail's P as 1 - the support's: the statistics do not
+// keep the tail's own sum).
 struct TopKRow {
+  float ref;
   float log_norm_p;
   float log_norm_q;
   float gbar;
@@ -91,13 +165,15 @@ struct TopKRow {
   float d;
 };
 // Warp-collective (every lane of the warp, the same bits in each).
+// `ref`, `log_norm_p`: the tail bucket's, as above.
 __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
-                                               long long row, float lse,
-                                               int lane) {
+                                               const SupportView& sv, float ref,
+                                               float log_norm_p, int lane) {
   const int k = terms.top_k;
-  const float* z = terms.support_z + row * k;
-  const float* lq = terms.logprobs + row * k;
-  TopKRow r = {lse, 0.0f, 0.0f, 0.0f, 0.0f};
+  const float* z = sv.z;
+  const float* lq = sv.lq;
+  const float inv_tau = terms.inv_tau;
+  TopKRow r = {ref, log_norm_p, 0.0f, 0.0f, 0.0f, 0.0f};
   if (terms.renormalize) {
     float mz = -INFINITY, mq = -INFINITY;
     for (int j = lane; j < k; j += 32) {
@@ -108,10 +184,11 @@ __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
     mq = WarpMax(mq);
     float sz = 0.0f, sq = 0.0f;
     for (int j = lane; j < k; j += 32) {
-      sz += expf(z[j] - mz);
+      sz += expf((z[j] - mz) * inv_tau);
       sq += lq[j] == -INFINITY ? 0.0f : expf(lq[j] - mq);
     }
-    r.log_norm_p = mz + logf(WarpSum(sz));
+    r.ref = mz;
+    r.log_norm_p = logf(WarpSum(sz));
     r.log_norm_q = mq + logf(WarpSum(sq));
   }
   float d = 0.0f, h = 0.0f, mass_p = 0.0f;
@@ -121,7 +198,7 @@ __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
   double mass_q = 0.0;
   for (int j = lane; j < k; j += 32) {
     float dj, hj;
-    const float log_p = z[j] - r.log_norm_p;
+    const float log_p = (z[j] - r.ref) * inv_tau - r.log_norm_p;
     DivergenceTerm(terms.divergence, terms.beta, log_p, lq[j] - r.log_norm_q,
                    &dj, &hj);
     d += dj;
@@ -146,55 +223,97 @@ __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
   return r;
 }
 
+// The tail bucket's p^tau term of the gradient at temperature != 1 (the kTau
+// builds): p^tau_c / corr_tau = Exp2(fma(z_c - shift, tau_l2, -hi)), hi + lo
+// = (m - shift) tau_l2 + log2 T (T the row's sum of exp((z - m) / tau)) and
+// a = F_tau s corr_tau, corr_tau = 2^-lo restoring the digits that hi drops.
+struct TauMath {
+  float tau_l2;
+  float hi;
+  float a;
+};
+__device__ __forceinline__ TauMath MakeTauMath(float m, float shift,
+                                               float tau_l2, float tau_sum) {
+  TauMath r;
+  r.tau_l2 = tau_l2;
+  const float a = __fmul_rn(m - shift, tau_l2);
+  const float a_lo = fmaf(m - shift, tau_l2, -a);
+  const float b = log2f(tau_sum);
+  // Two-sum of a and b with explicitly rounded operations (as MakeRowMath).
+  r.hi = __fadd_rn(a, b);
+  const float bv = __fsub_rn(r.hi, a);
+  const float lo = __fadd_rn(
+      __fadd_rn(__fsub_rn(a, __fsub_rn(r.hi, bv)), __fsub_rn(b, bv)), a_lo);
+  r.a = isfinite(r.hi) && isfinite(lo) ? exp2f(-lo) : 1.0f;
+  return r;
+}
+
 // The RowMath of a post-training row, the factor that its entropy share
-// needs (p_c = 2^(...) * corr: corr restores the digits of lse's split) and
-// a top-k row's divergence.
+// needs (p_c = 2^(...) * corr: corr restores the digits of lse's split), a
+// top-k row's divergence and, in the kTau builds, its p^tau term.
 struct TermsRow {
   RowMath rm;
   float corr;
   float scale;  // s: the row's row_scale, or the prepare kernel's scale
   TopKRow top_k;
+  TauMath tau;  // (a = 0 outside the kTau builds)
 };
 
-// The row's math with a and gy for s (F p - G onehot(y)) (RowTerms), and,
-// where `record`, its PostTrainingCudaRow (entropy 0: LaunchRowTermsEntropy
-// adds it). Options other than the softcap are off (RowTerms), so
-// MakeRowMath's A is 1, its a at scale 1 is corr and its gy p_y - 1.
-// Warp-collective with a top-k teacher.
+// The row's math with a and gy for s (F p - G onehot(y) + F_tau p^tau)
+// (RowTerms), and, where `record`, its PostTrainingCudaRow (entropy 0:
+// LaunchRowTermsEntropy adds it). Options other than the softcap are off
+// (RowTerms), so MakeRowMath's A is 1, its a at scale 1 is corr and its gy
+// p_y - 1. `tau_sum`: the row's sum of exp((z - m) / tau) where
+// NeedsTauSums(terms). Warp-collective with a top-k teacher (`sv` its
+// support).
 __device__ __forceinline__ TermsRow
 MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
              long long y, float zy, const RowTerms& terms, const float* in,
-             long long row, int lane, bool record) {
+             const SupportView& sv, float tau_sum, long long row, int lane,
+             bool record) {
   TermsRow out;
   out.scale = terms.row_scale != nullptr ? in[kInScale] : h.scale;
   h.scale = 1.0f;
   out.rm = MakeRowMath(p, h, st, true, zy, 1.0f);
   out.corr = out.rm.a;
-  out.top_k = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  out.top_k = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  out.tau = {0.0f, 0.0f, 0.0f};
   const float logp = valid ? (zy - st.m) - out.rm.l1p : 0.0f;
   PolicyRow policy = {0.0, 0.0, 0.0f, 0.0f, false};
   double loss = 0.0;
   // (an ignored row's factors 0 are never used: its gradient is zeros)
-  float f = 0.0f, g = 0.0f;
+  float f = 0.0f, g = 0.0f, f_tau = 0.0f, p_tau_y = 0.0f;
   if (valid && terms.policy) {
     policy = MakePolicyRow(terms, in, logp);
     loss = policy.loss;
     f = g = -policy.dlogp;
   } else if (valid && terms.kd) {
-    out.top_k = MakeTopKRow(terms, row, out.rm.lse, lane);
+    const bool tau = NeedsTauSums(terms);
+    const float log_sum = tau ? logf(tau_sum) : out.rm.l1p;
+    out.top_k = MakeTopKRow(terms, sv, st.m, log_sum, lane);
     const float alpha = terms.alpha;
     loss = alpha * static_cast<double>(-logp) + (1.0 - alpha) * out.top_k.d;
-    g = alpha;
-    f = terms.renormalize
-            ? alpha
-            : alpha + (1.0f - alpha) * (out.top_k.tail_g - out.top_k.gbar);
+    f = g = alpha;
+    if (!terms.renormalize) {
+      f_tau =
+          (1.0f - alpha) * terms.inv_tau * (out.top_k.tail_g - out.top_k.gbar);
+    }
+    if (tau) {
+      out.tau =
+          MakeTauMath(st.m, out.rm.shift, terms.inv_tau * kLog2e, tau_sum);
+      p_tau_y = expf((zy - st.m) * terms.inv_tau - log_sum);
+    } else {
+      f += f_tau;  // (p^tau = p)
+      f_tau = 0.0f;
+    }
   } else if (valid) {
     loss = -static_cast<double>(logp);
     f = g = 1.0f;
   }
   const float s = out.scale;
   out.rm.a *= f * s;
-  out.rm.gy = s * fmaf(f, out.rm.gy, f - g);
+  out.rm.gy = s * (fmaf(f, out.rm.gy, f - g) + f_tau * p_tau_y);
+  out.tau.a *= f_tau * s;
   if (record) {
     int flags = 0;
     if (valid) {
@@ -223,29 +342,27 @@ MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
 // Warp-collective: the gradient of the top-k support's entries that lie in
 // [start, start + n) written again over the cross-entropy form there (after
 // a barrier that orders them after it): s (alpha (p_c - [c == y]) + (1 -
-// alpha) (h_c - P_c gbar)), times the softcap's factor.
+// alpha) (h_c - P_c gbar) / tau), times the softcap's factor.
 template <typename T, int kOpts>
-__device__ __forceinline__ void FixSupport(const RowTerms& terms, long long row,
-                                           long long y, int start, int n,
-                                           T* out_row, const TopKRow& kr,
-                                           float lse, float s,
-                                           const ElementOptions& opts,
+__device__ __forceinline__ void FixSupport(const RowTerms& terms,
+                                           const SupportView& sv, long long y,
+                                           int start, int n, T* out_row,
+                                           const TopKRow& kr, float lse,
+                                           float s, const ElementOptions& opts,
                                            int lane) {
   const int k = terms.top_k;
+  const float kd_scale = (1.0f - terms.alpha) * terms.inv_tau;
   for (int j = lane; j < k; j += 32) {
-    const long long at = row * k + j;
-    const long long c = terms.indices64
-                            ? static_cast<const long long*>(terms.indices)[at]
-                            : static_cast<const int*>(terms.indices)[at];
+    const long long c = sv.Index(j);
     if (c < start || c >= start + n) continue;
-    const float z = terms.support_z[at];
-    const float log_p = z - kr.log_norm_p;
+    const float z = sv.z[j];
+    const float log_p = (z - kr.ref) * terms.inv_tau - kr.log_norm_p;
     float d, h;
     DivergenceTerm(terms.divergence, terms.beta, log_p,
-                   terms.logprobs[at] - kr.log_norm_q, &d, &h);
+                   sv.lq[j] - kr.log_norm_q, &d, &h);
     const float residual = c == y ? expm1f(z - lse) : expf(z - lse);
-    float grad = s * (terms.alpha * residual +
-                      (1.0f - terms.alpha) * (h - expf(log_p) * kr.gbar));
+    float grad =
+        s * (terms.alpha * residual + kd_scale * (h - expf(log_p) * kr.gbar));
     if (kOpts & kOptSoftcap) {
       const float t = z * opts.inv_cap;
       grad *= fmaf(-t, t, 1.0f);
@@ -258,10 +375,11 @@ __device__ __forceinline__ void FixSupport(const RowTerms& terms, long long row,
 // this thread's share of sum_c 2^(...) (lse - z_c), the row's entropy before
 // its factor corr; kWrite false: the sum alone (an ignored row, whose
 // gradient is zeros).
-template <typename T, int kBlock, int kOpts, bool kWrite>
+// kTau: the tail bucket's p^tau term (`tm`) besides.
+template <typename T, int kBlock, int kOpts, bool kWrite, bool kTau = false>
 __device__ __forceinline__ float EntropyGradientSlice(
     const uint4* sv, T* out, int nvec, int tid, const RowMath& rm,
-    const ElementOptions& opts) {
+    const ElementOptions& opts, const TauMath& tm = {}) {
   static_assert(!(kOpts & kOptSmoothing), "post-training rows: no smoothing");
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
@@ -275,7 +393,11 @@ __device__ __forceinline__ float EntropyGradientSlice(
       const float e = Exp2(fmaf(z - rm.shift, kLog2e, -rm.lse_l2));
       // (a masked class, z = -inf: e = 0 and no 0 * inf)
       h[j % 2] += e > 0.0f ? e * (rm.lse - z) : 0.0f;
-      gr[j] = fmaf(e, rm.a, rm.b) * dfac;
+      float b = rm.b;
+      if (kTau && kWrite) {
+        b = fmaf(Exp2(fmaf(z - rm.shift, tm.tau_l2, -tm.hi)), tm.a, b);
+      }
+      gr[j] = fmaf(e, rm.a, b) * dfac;
     }
     if (kWrite) StoreGradVector<T>(out, q, gr);
   });

@@ -14,14 +14,16 @@ namespace lossd {
 namespace cuda_ce {
 
 // A post-training row is cross entropy with a per-row factor: its gradient is
-// s (F p - G onehot(y)) off a top-k teacher's support, s = row_scale[row],
-// with F and G from the row's statistics once they are merged: G = F = 1 for
-// plain cross entropy, -dl/dlogp for a policy loss (PostTrainingArgs'
-// PolicyArgs, logp = z_y - lse); for top-k distillation at temperature 1
-// (DistillationArgs) G = alpha and F = alpha + (1 - alpha)(g_tail - gbar)
-// (tail bucket) or alpha (renormalised), and the k support entries are
-// written again after the gradient pass (their divergence term). Device
-// pointers, [rows] each unless said.
+// s (F p - G onehot(y) + F_tau p^tau) off a top-k teacher's support, s =
+// row_scale[row], p^tau = softmax(z / tau), with F, G and F_tau from the
+// row's statistics once they are merged: G = F = 1 for plain cross entropy,
+// -dl/dlogp for a policy loss (PostTrainingArgs' PolicyArgs, logp = z_y -
+// lse); for top-k distillation (DistillationArgs) G = F = alpha and F_tau =
+// (1 - alpha)(g_tail - gbar) / tau (tail bucket) or 0 (renormalised), and the
+// k support entries are written again after the gradient pass (their
+// divergence term). At temperature 1 F_tau p^tau folds into F p; at another
+// the tail bucket needs lse(z / tau), a second sum of the statistics pass
+// (the kTau builds). Device pointers, [rows] each unless said.
 struct RowTerms {
   // The reduction's factor of each row, grad_scale in; nullptr: the prepare
   // kernel's (Params::header->scale), which is every row's without segments.
@@ -41,6 +43,12 @@ struct RowTerms {
   const void* indices;
   const float* logprobs;
   float* support_z;
+  float inv_tau;  // 1 / temperature
+  // The tail bucket at temperature != 1: [rows * pieces] each piece's sum of
+  // exp((z - m) / tau) about its max m, by item (the kTau builds).
+  float* piece_tau;
+  // No gradient (forward only): the statistics, the records and the entropy.
+  bool forward_only;
   // Each row's record as the row kernel writes it (post_training_cuda.h),
   // its entropy once LaunchRowTermsEntropy has summed the pieces'.
   PostTrainingCudaRow* rows_out;
@@ -48,10 +56,16 @@ struct RowTerms {
   float* piece_entropy;
 };
 
+// Whether `terms` need the kTau builds: the tail bucket at temperature != 1
+// (constexpr: device code calls it too, --expt-relaxed-constexpr).
+constexpr bool NeedsTauSums(const RowTerms& terms) {
+  return terms.kd && !terms.renormalize && terms.inv_tau != 1.0f;
+}
+
 // smem_row_pieces.cu: the schedule with `terms` (terms.kd: after
 // LaunchGatherSupport), on 16-byte aligned rows of whole vectors (p.chunk and
 // `pieces` as the policy sizes it, `bulk` as it chooses); p.eps, p.zls and
-// p.weights must be off.
+// p.weights must be off; terms.piece_tau set where NeedsTauSums.
 // cudaErrorInvalidConfiguration where the pieces do not fit this device (as
 // LaunchSmemRowPieces), cudaErrorInvalidValue for another dtype.
 cudaError_t LaunchSmemRowPiecesTerms(const Params& p, const RowTerms& terms,

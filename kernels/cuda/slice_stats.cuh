@@ -10,6 +10,7 @@
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -75,17 +76,26 @@ __device__ __forceinline__ float BatchMax<__half>(const uint4 (&v)[kU]) {
 // w_c z_c is kept for label smoothing (`opts`); the argmax is the first
 // index of the max of z (the softcap saturates: logits that differ can share
 // a z).
+//
+// `tau` (a TauSum, not NoTau): the same loop also sums 2^((z - m) tau_l2)
+// (tau_l2 = log2e / temperature: softmax(z / tau)'s sum about the thread's
+// max m, whose max is m / tau) into tau->sum, for a loss that needs both
+// lse(z) and lse(z / tau); one more FFMA, MUFU and FADD an element.
 struct NoWait {
   __device__ void operator()(int) const {}
 };
+struct NoTau {};
+struct TauSum {
+  float tau_l2;  // in: log2e / temperature
+  float sum;     // out: sum_c exp((z_c - m) / temperature), 0 if m = -inf
+};
 template <typename T, int kBlock, bool kPrefetch = false, bool kHint = false,
-          int kOpts = 0, typename Wait = NoWait>
-__device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
-                                            int tid,
-                                            unsigned long long policy = 0,
-                                            uint4* keep = nullptr,
-                                            const Wait& wait = Wait(),
-                                            const ElementOptions& opts = {}) {
+          int kOpts = 0, typename Wait = NoWait, typename Tau = NoTau>
+__device__ __forceinline__ Stats
+SliceStats(const T* s, int n, int col0, int tid, unsigned long long policy = 0,
+           uint4* keep = nullptr, const Wait& wait = Wait(),
+           const ElementOptions& opts = {}, Tau* tau = nullptr) {
+  constexpr bool kTau = std::is_same<Tau, TauSum>::value;
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   const uint4* sv = reinterpret_cast<const uint4*>(s);
@@ -98,6 +108,10 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
   int arg_q = 0;
   int arg = INT_MAX;  // kPrefetch: the first argmax, found in the loop
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // kTau: the sum of 2^((z - shift) tau_l2 - mt), mt = fl((m - shift)
+  // tau_l2), in two chains.
+  float acc_tau[2] = {0.0f, 0.0f};
+  float mt = 0.0f;
   uint4 ninf;
   {
     float f[kVec];
@@ -152,7 +166,13 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       if (kOpts) m_raw = bmx;
       const float bm = OptionZ<T, kOpts>(opts, bmx);
       if (bm > m) {
+        if constexpr (kTau) {
+          const float ft = m > -INFINITY ? Exp2((m - bm) * tau->tau_l2) : 0.0f;
+          acc_tau[0] *= ft;
+          acc_tau[1] *= ft;
+        }
         const float f = RaiseMax(bm, &m, &shift, &m_l2);
+        if constexpr (kTau) mt = __fmul_rn(m - shift, tau->tau_l2);
 #pragma unroll
         for (int a = 0; a < 4; ++a) acc[a] *= f;
         arg_q = q0;
@@ -178,6 +198,9 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
       for (int j = 0; j < kVec; ++j) {
         const float zj = in ? zof(v[u], j) : -INFINITY;
         acc[(u * kVec + j) % 4] += Exp2(fmaf(zj - shift, kLog2e, -m_l2));
+        if constexpr (kTau) {
+          acc_tau[j % 2] += Exp2(fmaf(zj - shift, tau->tau_l2, -mt));
+        }
         if ((kOpts & kOptSmoothing) && in) {
           wz = fmaf(
               OptionWeight<kOpts>(opts, col0 + (q0 + u * kBlock) * kVec + j),
@@ -185,6 +208,13 @@ __device__ __forceinline__ Stats SliceStats(const T* s, int n, int col0,
         }
       }
     }
+  }
+  if constexpr (kTau) {
+    // 2^-lo restores the digits of (m - shift) tau_l2 that mt dropped.
+    const float lo = fmaf(m - shift, tau->tau_l2, -mt);
+    tau->sum = m == -INFINITY ? 0.0f
+                              : (acc_tau[0] + acc_tau[1]) *
+                                    (isfinite(lo) ? exp2f(-lo) : 1.0f);
   }
   Stats st;
   st.m = m;

@@ -11,6 +11,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
@@ -133,13 +134,19 @@ constexpr int kBulkChunks = 8;
 //
 // kTerms: a post-training row (RowTerms; no edges, no smoothing): the row's
 // factor scales its gradient, its record replaces cross entropy's outputs,
-// and each piece writes its share of the row's entropy.
+// and each piece writes its share of the row's entropy. A top-k teacher's
+// support (at most kStagedTopK entries) comes into shared memory by cp.async
+// when the piece is taken, as the row's small inputs do.
+// kTau (with kTerms): the statistics pass also sums exp((z - m) / tau)
+// (TauSum), each piece publishes its sum beside its slot (as smoothing's
+// w_c z_c) and the gradient adds the tail bucket's p^tau term (TauMath).
 template <typename T, int kBlock, int kMinBlocks, int kLoad, bool kEdges,
-          int kOpts, bool kTerms = false>
+          int kOpts, bool kTerms = false, bool kTau = false>
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     SmemPieceKernel(Params p, int per_row, long long ahead, RowTerms terms) {
   static_assert(!kTerms || (!kEdges && !(kOpts & kOptSmoothing)),
                 "post-training rows: whole vectors, no smoothing");
+  static_assert(kTerms || !kTau, "tau sums: post-training rows only");
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   constexpr bool kBulk = kLoad == kLoadBulk;
@@ -150,6 +157,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   __shared__ float row_corr;            // kTerms: the row's TermsRow::corr
   __shared__ float row_in[kRowInputs];  // kTerms: FetchRowInputs
   __shared__ TopKRow row_top_k;         // kTerms with a top-k teacher
+  __shared__ StagedSupport staged;      // ... its support (StageSupport)
+  __shared__ float tau_scratch[kBlock / 32];  // kTau: the warps' sums
+  __shared__ TauMath row_tau;                 // kTau
   // kBulk: landed[c] completes when chunk c of the piece (kChunkBytes, the
   // bytes of one SliceStats batch of the block) is in `kept`.
   constexpr unsigned kChunkBytes = kU * kBlock * 16;
@@ -218,6 +228,9 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     }
     const long long row = k / per_row;
     if (kTerms && tid == 0) FetchRowInputs(terms, row, row_in);
+    if (kTerms && terms.kd && warp == 0) {
+      StageSupport(terms, row, &staged, lane);
+    }
     const int piece = static_cast<int>(k - row * per_row);
     const PieceSpan<T, kEdges> span(p, row, piece);
     const int start = span.start;
@@ -230,6 +243,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     const float edge_z =
         edge_lane ? Tr::Load(in_row + span.EdgeColumn(lane)) : 0.0f;
     Stats st;
+    // kTau: this thread's sum of exp((z - st.m) / tau).
+    const float tau_l2 = terms.inv_tau * kLog2e;
+    TauSum ts = {tau_l2, 0.0f};
+    using TauArg = std::conditional_t<kTau, TauSum, NoTau>;
+    TauArg* tau_arg = nullptr;
+    if constexpr (kTau) tau_arg = &ts;
     if (kBulk) {
       // Each batch once its chunk has landed (batch q0 is chunk
       // (q0 - tid) / (kU * kBlock)).
@@ -238,10 +257,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           [&](int q0) {
             MbarWait(&landed[(q0 - tid) / (kU * kBlock)], parity);
           },
-          opts);
+          opts, tau_arg);
     } else {
-      st = SliceStats<T, kBlock, true, false, kOpts>(src, n, start, tid, 0,
-                                                     kept, NoWait(), opts);
+      st = SliceStats<T, kBlock, true, false, kOpts>(
+          src, n, start, tid, 0, kept, NoWait(), opts, tau_arg);
     }
     // The warps' statistics to shared memory; warp 0 alone merges them (the
     // others go on to the barrier before the gradient, which is also the one
@@ -249,6 +268,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     {
       const Stats w = WarpMergeStats(st);
       if (lane == 0) scratch[warp] = w;
+      if constexpr (kTau) {
+        const float tw = WarpSum(TauAbout(ts.sum, st.m, w.m, tau_l2));
+        if (lane == 0) tau_scratch[warp] = tw;
+      }
     }
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
@@ -270,6 +293,14 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       st = WarpMergeStats(lane < kWarps    ? scratch[lane]
                           : lane == kWarps ? edges
                                            : EmptyStats());
+      // kTau: the piece's sum about its max st.m.
+      float piece_tau = 0.0f;
+      if constexpr (kTau) {
+        piece_tau =
+            WarpSum(lane < kWarps ? TauAbout(tau_scratch[lane], scratch[lane].m,
+                                             st.m, tau_l2)
+                                  : 0.0f);
+      }
       PieceSlot* const row_slots = slots + (k - piece);
       // An edge's target logit, from the lane that holds it.
       unsigned y_edge = 0;
@@ -292,6 +323,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           zy = OptionZ<T, kOpts>(opts, zy);
           if (kOpts & kOptSmoothing) PublishWz(p.piece_wz + k, st.sum_wz);
         }
+        if (kTau) PublishWz(terms.piece_tau + k, piece_tau);
         PublishSlot(row_slots + piece, st, zy);
       }
       // Every lane polls its piece's slot until the row's are all full, then
@@ -323,16 +355,30 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           valid ? __shfl_sync(0xffffffffu, zy_lane, y_piece) : 0.0f;
       const bool owner = y_piece == piece;
       if constexpr (kTerms) {
-        if (lane == 0) AwaitRowInputs();
+        // kTau: the row's sum about its max rs.m, from the pieces' (each
+        // stored before its slot was published).
+        float row_tau_sum = 0.0f;
+        if constexpr (kTau) {
+          __threadfence();  // (pairs with PublishWz's: the slot was full)
+          const float pt = lane < per_row
+                               ? ReadWz(terms.piece_tau + (k - piece) + lane)
+                               : 0.0f;
+          row_tau_sum = WarpSum(TauAbout(pt, ps.m, rs.m, tau_l2));
+        }
+        // (the row's inputs, and its staged support: every lane's copies)
+        if (lane == 0 || terms.kd) AwaitRowInputs();
         __syncwarp();
-        const TermsRow tr = MakeTermsRow(p, hdr, rs, valid, y, zy, terms,
-                                         row_in, row, lane, owner && lane == 0);
+        const SupportView sv = SupportOf(terms, row, &staged);
+        const TermsRow tr =
+            MakeTermsRow(p, hdr, rs, valid, y, zy, terms, row_in, sv,
+                         row_tau_sum, row, lane, owner && lane == 0);
         __syncwarp();  // (every lane has read row_in)
         if (lane == 0) {
           rowmath = tr.rm;
           row_corr = tr.corr;
           row_top_k = tr.top_k;
           row_in[kInScale] = tr.scale;
+          if (kTau) row_tau = tr.tau;
         }
       } else {
         const RowMath rm =
@@ -348,8 +394,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     T* const out = out_row + start;
     const int nvec = n / kVec;
     float h = 0.0f;  // kTerms: this thread's share of the row's entropy
-    if (!valid) {
-      ZeroSlice<T, kBlock>(out, nvec, tid);
+    // (kTerms forward only: the entropy alone, nothing written)
+    const bool write = !kTerms || !terms.forward_only;
+    if (!valid || !write) {
+      if (write) ZeroSlice<T, kBlock>(out, nvec, tid);
       if constexpr (kTerms) {
         h = EntropyGradientSlice<T, kBlock, kOpts, false>(kept, out, nvec, tid,
                                                           rowmath, opts);
@@ -357,8 +405,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     } else {
       const RowMath rm = rowmath;
       if constexpr (kTerms) {
-        h = EntropyGradientSlice<T, kBlock, kOpts, true>(kept, out, nvec, tid,
-                                                         rm, opts);
+        h = EntropyGradientSlice<T, kBlock, kOpts, true, kTau>(
+            kept, out, nvec, tid, rm, opts, row_tau);
       } else {
         GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
       }
@@ -388,10 +436,11 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       // (scratch is free: every warp has passed the barrier after the merge)
       h = BlockReduce<kBlock>(h, reinterpret_cast<float*>(scratch));
       if (tid == 0) terms.piece_entropy[k] = h * row_corr;
-      if (terms.kd && valid && warp == 0) {
+      if (terms.kd && valid && write && warp == 0) {
         // (after BlockReduce's barriers: over the gradient just written)
-        FixSupport<T, kOpts>(terms, row, y, start, n, out_row, row_top_k,
-                             rowmath.lse, row_in[kInScale], opts, lane);
+        FixSupport<T, kOpts>(terms, SupportOf(terms, row, &staged), y, start, n,
+                             out_row, row_top_k, rowmath.lse, row_in[kInScale],
+                             opts, lane);
       }
     }
     parity ^= 1u;
@@ -410,11 +459,12 @@ struct Plan {
   bool fits = false;
 };
 
-template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false>
+template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false,
+          bool kTau = false>
 cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   constexpr int kBlock = kThreads;
   const auto kernel =
-      SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts, kTerms>;
+      SmemPieceKernel<T, kBlock, 4, kLoad, kEdges, kOpts, kTerms, kTau>;
   plan->smem = static_cast<int>(static_cast<long long>(p.chunk) * sizeof(T));
   plan->fits = false;
   int device = 0, smem_max = 0;
@@ -431,6 +481,16 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
   if (plan->smem >
       smem_max - static_cast<int>(sizeof(Stats) * (kBlock / 32 + 1)) - 64) {
     return cudaSuccess;
+  }
+  if (kTerms) {
+    // (its static shared memory is past that headroom: the staged support)
+    cudaFuncAttributes attributes;
+    e = cudaFuncGetAttributes(&attributes, kernel);
+    if (e != cudaSuccess) return e;
+    if (plan->smem + static_cast<long long>(attributes.sharedSizeBytes) >
+        smem_max) {
+      return cudaSuccess;
+    }
   }
   if (kLoad == kLoadBulk &&
       (plan->smem + kU * kBlock * 16 - 1) / (kU * kBlock * 16) > kBulkChunks) {
@@ -451,11 +511,13 @@ cudaError_t MakePlan(const Params& p, int per_row, Plan* plan) {
 // persistent grid of every block that fits with a piece of shared memory
 // (256 threads, four a SM); each taken item prefetches the piece 256 KiB of
 // logits ahead into L2 where four blocks fit a SM (none otherwise).
-template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false>
+template <typename T, int kLoad, bool kEdges, int kOpts, bool kTerms = false,
+          bool kTau = false>
 cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream,
                          const RowTerms& terms = {}) {
   Plan plan;
-  cudaError_t e = MakePlan<T, kLoad, kEdges, kOpts, kTerms>(p, per_row, &plan);
+  cudaError_t e =
+      MakePlan<T, kLoad, kEdges, kOpts, kTerms, kTau>(p, per_row, &plan);
   if (e != cudaSuccess) return e;
   if (!plan.fits) return cudaErrorInvalidConfiguration;
   const long long grid = static_cast<long long>(plan.sms) * plan.per_sm;
@@ -469,7 +531,7 @@ cudaError_t LaunchPieces(const Params& p, int per_row, cudaStream_t stream,
   e = cudaMemsetAsync(p.pieces, 0, sizeof(PieceSlot) * p.rows * per_row,
                       stream);
   if (e != cudaSuccess) return e;
-  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges, kOpts, kTerms>
+  SmemPieceKernel<T, kThreads, 4, kLoad, kEdges, kOpts, kTerms, kTau>
       <<<static_cast<unsigned>(grid), kThreads, plan.smem, stream>>>(
           p, per_row,
           ahead_kib > 0 ? std::max(1LL, ahead_kib * 1024LL / plan.smem) : 0,
@@ -534,19 +596,29 @@ cudaError_t ForDType(const Params& p, DType dtype, bool bulk, bool edges,
 
 // The kTerms builds: the softcap or none, by bulk copies, or the threads'
 // loads where ForBuild would take them (2-byte logits, `bulk` false, no
-// softcap).
-template <typename T, bool kRegisterLoads>
-cudaError_t LaunchTerms(const Params& p, const RowTerms& terms, bool bulk,
-                        int per_row, cudaStream_t stream) {
+// softcap); each with and without the tau sums (kTau).
+template <typename T, bool kRegisterLoads, bool kTau>
+cudaError_t LaunchTermsBuild(const Params& p, const RowTerms& terms, bool bulk,
+                             int per_row, cudaStream_t stream) {
   if (p.softcap > 0.0f) {
-    return LaunchPieces<T, kLoadBulk, false, kOptSoftcap, true>(p, per_row,
-                                                                stream, terms);
+    return LaunchPieces<T, kLoadBulk, false, kOptSoftcap, true, kTau>(
+        p, per_row, stream, terms);
   }
   if (kRegisterLoads && !bulk) {
     constexpr int kLoad = kRegisterLoads ? kLoadRegisters : kLoadBulk;
-    return LaunchPieces<T, kLoad, false, 0, true>(p, per_row, stream, terms);
+    return LaunchPieces<T, kLoad, false, 0, true, kTau>(p, per_row, stream,
+                                                        terms);
   }
-  return LaunchPieces<T, kLoadBulk, false, 0, true>(p, per_row, stream, terms);
+  return LaunchPieces<T, kLoadBulk, false, 0, true, kTau>(p, per_row, stream,
+                                                          terms);
+}
+template <typename T, bool kRegisterLoads>
+cudaError_t LaunchTerms(const Params& p, const RowTerms& terms, bool bulk,
+                        int per_row, cudaStream_t stream) {
+  return NeedsTauSums(terms) ? LaunchTermsBuild<T, kRegisterLoads, true>(
+                                   p, terms, bulk, per_row, stream)
+                             : LaunchTermsBuild<T, kRegisterLoads, false>(
+                                   p, terms, bulk, per_row, stream);
 }
 
 }  // namespace
@@ -554,7 +626,8 @@ cudaError_t LaunchTerms(const Params& p, const RowTerms& terms, bool bulk,
 cudaError_t LaunchSmemRowPiecesTerms(const Params& p, const RowTerms& terms,
                                      DType dtype, bool bulk, int pieces,
                                      cudaStream_t stream) {
-  if (p.eps > 0.0f || p.zls != 0.0f || p.weights != nullptr) {
+  if (p.eps > 0.0f || p.zls != 0.0f || p.weights != nullptr ||
+      (NeedsTauSums(terms) && terms.piece_tau == nullptr)) {
     return cudaErrorInvalidValue;
   }
   return WithElementType(dtype, [&](auto t) {

@@ -106,7 +106,9 @@ struct Config {
   PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
   bool in_place = false;                   // the GPU's gradient over its logits
   DType teacher_dtype = DType::kBFloat16;  // a dense teacher's on the GPU
-  bool targets = true;  // else none (distillation with alpha 0)
+  bool targets = true;        // else none (distillation with alpha 0)
+  bool indices64 = false;     // a top-k teacher's indices int64 (else int32)
+  bool forward_only = false;  // GradientMode::kNone: no gradient written
 };
 
 std::string Name(const Config& c) {
@@ -120,7 +122,9 @@ std::string Name(const Config& c) {
          std::string(DTypeName(c.teacher_dtype)) + " targets " +
          std::to_string(c.targets) + " path " +
          std::to_string(static_cast<int>(c.path)) + " in place " +
-         std::to_string(c.in_place);
+         std::to_string(c.in_place) + " indices64 " +
+         std::to_string(c.indices64) + " forward only " +
+         std::to_string(c.forward_only);
 }
 
 // Runs `c` on both backends and compares.
@@ -157,6 +161,10 @@ void Compare(const Config& c) {
       }
     }
   }
+  const std::vector<int64_t> indices64(indices.begin(), indices.end());
+  const void* host_indices =
+      c.indices64 ? static_cast<const void*>(indices64.data()) : indices.data();
+  const size_t index_bytes = indices.size() * (c.indices64 ? 8 : 4);
   std::vector<float> advantages(c.rows), sampling(c.rows), reference(c.rows);
   for (int64_t row = 0; row < c.rows; ++row) {
     advantages[row] = normal(rng) / 2;
@@ -175,7 +183,8 @@ void Compare(const Config& c) {
     args->base.targets_dtype = DType::kInt64;
     args->base.options.softcap = c.softcap;
     args->base.options.grad_scale = 1.5f;
-    args->base.mode = GradientMode::kOutOfPlace;
+    args->base.mode =
+        c.forward_only ? GradientMode::kNone : GradientMode::kOutOfPlace;
     if (c.family == Family::kDense || c.family == Family::kTopK) {
       kd->temperature = c.tau;
       kd->alpha = c.alpha;
@@ -183,7 +192,7 @@ void Compare(const Config& c) {
       kd->beta = c.beta;
       kd->top_k = c.family == Family::kTopK ? c.k : 0;
       kd->tail = c.tail;
-      kd->top_k_indices_dtype = DType::kInt32;
+      kd->top_k_indices_dtype = c.indices64 ? DType::kInt64 : DType::kInt32;
       kd->teacher_dtype = DType::kFloat32;
       kd->teacher_row_stride = c.vocab;
       args->distillation = kd;
@@ -217,7 +226,7 @@ void Compare(const Config& c) {
   cpu.token_entropy = cpu_entropy.data();
   if (cpu.distillation != nullptr) {
     if (c.family == Family::kDense) cpu_kd.teacher_logits = teacher.data();
-    cpu_kd.top_k_indices = indices.data();
+    cpu_kd.top_k_indices = host_indices;
     cpu_kd.top_k_logprobs = logprobs.data();
     if (c.family == Family::kDense) {
       cpu_kd.top_k_indices = nullptr;
@@ -235,7 +244,7 @@ void Compare(const Config& c) {
   DeviceBytes d_grad(logit_bytes.data(), logit_bytes.size());
   DeviceBytes d_targets(targets.data(), targets.size() * 8);
   DeviceBytes d_teacher(teacher_bytes.data(), teacher_bytes.size());
-  DeviceBytes d_indices(indices.data(), indices.size() * 4);
+  DeviceBytes d_indices(host_indices, index_bytes);
   DeviceBytes d_logprobs(logprobs.data(), logprobs.size() * 4);
   DeviceBytes d_adv(advantages.data(), advantages.size() * 4);
   DeviceBytes d_sampling(sampling.data(), sampling.size() * 4);
@@ -250,7 +259,7 @@ void Compare(const Config& c) {
   gpu.base.logits_dtype = c.dtype;
   gpu.base.logits = d_logits.get();
   gpu.base.gradient = c.in_place ? d_logits.get() : d_grad.get();
-  if (c.in_place) gpu.base.mode = GradientMode::kInPlace;
+  if (c.in_place && !c.forward_only) gpu.base.mode = GradientMode::kInPlace;
   gpu.base.targets = c.targets ? d_targets.get() : nullptr;
   gpu.base.token_loss = gpu_loss.data();
   gpu.token_entropy = gpu_entropy.data();
@@ -293,6 +302,12 @@ void Compare(const Config& c) {
   }
   const std::vector<uint8_t> grad =
       c.in_place ? d_logits.Read() : d_grad.Read();
+  if (c.forward_only) {
+    // Nothing written: both buffers still hold the logits.
+    EXPECT_TRUE(grad == logit_bytes);
+    EXPECT_TRUE(d_logits.Read() == logit_bytes);
+    return;
+  }
   // Each row's factor s in the reduced, scaled loss.
   const PostTrainingPlan plan = PlanPostTraining(cpu);
   const double unit = c.dtype == DType::kFloat32   ? 1.0 / (1 << 23)
@@ -554,6 +569,90 @@ TEST_F(PostTrainingCudaTest, FastScheduleMatchesTheCpuAndTheRowKernel) {
   }
 }
 
+// Top-k distillation at temperature 0.5 and 2 on the fast schedule (the tail
+// bucket on the builds that also sum exp(z / tau), the renormalised support
+// at tau on the others) and on the row kernel: every dtype, both tails, alpha
+// 0 and 0.4, each divergence, k 1 and 64 (staged in shared memory) and 200 /
+// 512 (read from global memory), int32 and int64 indices, a softcap, in place,
+// segments, a sharper student; ignore_index rows (row 0 of every call).
+TEST_F(PostTrainingCudaTest, TopKAtAnyTemperatureMatchesTheCpuAndTheRowKernel) {
+  uint32_t seed = 500;
+  for (PostTrainingCudaPath path :
+       {PostTrainingCudaPath::kAuto, PostTrainingCudaPath::kRowKernel}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (float tau : {0.5f, 2.0f}) {
+        for (TopKTail tail : {TopKTail::kRenormalize, TopKTail::kBucket}) {
+          for (float alpha : {0.0f, 0.4f}) {
+            Config c{Family::kTopK, dtype, 5,
+                     dtype == DType::kFloat32 ? 32768 : 40000};
+            const int64_t ks[] = {1, 64, tail == TopKTail::kBucket ? 200 : 512};
+            c.k = ks[seed % 3];
+            c.tail = tail;
+            c.tau = tau;
+            c.alpha = alpha;
+            const Divergence divergences[] = {Divergence::kForwardKl,
+                                              Divergence::kReverseKl,
+                                              Divergence::kJsd};
+            c.divergence = divergences[seed / 3 % 3];
+            c.beta = 0.3f;
+            c.softcap =
+                dtype == DType::kBFloat16 && seed % 2 == 0 ? 20.0f : 0.0f;
+            c.logit_scale = seed % 4 == 0 ? 2.5f : 1.0f;
+            c.in_place = dtype != DType::kFloat32 && seed % 3 == 1;
+            c.indices64 = seed % 2 == 1;
+            c.segments = seed % 5 == 0;
+            c.path = path;
+            c.seed = seed++;
+            Compare(c);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Forward only (no gradient, as Evaluate calls it) on the fast schedule and
+// on the row kernel: the policy losses, top-k at temperature 1 and 2, plain
+// cross entropy with segments; nothing written over the logits or the
+// gradient buffer.
+TEST_F(PostTrainingCudaTest, ForwardOnlyMatchesTheCpuAndWritesNothing) {
+  uint32_t seed = 700;
+  for (PostTrainingCudaPath path :
+       {PostTrainingCudaPath::kAuto, PostTrainingCudaPath::kRowKernel}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      const int64_t vocab = dtype == DType::kFloat32 ? 32768 : 40000;
+      std::vector<Config> configs;
+      for (PolicyLossKind loss :
+           {PolicyLossKind::kImportanceSampling, PolicyLossKind::kPpoClip,
+            PolicyLossKind::kCispo}) {
+        Config c{Family::kPolicy, dtype, 7, vocab};
+        c.loss = loss;
+        c.reference = true;
+        configs.push_back(c);
+      }
+      for (float tau : {1.0f, 2.0f}) {
+        Config c{Family::kTopK, dtype, 5, vocab};
+        c.k = 64;
+        c.tail = TopKTail::kBucket;
+        c.tau = tau;
+        c.alpha = 0.4f;
+        configs.push_back(c);
+      }
+      Config plain{Family::kPlain, dtype, 7, vocab};
+      plain.segments = true;
+      configs.push_back(plain);
+      for (Config& c : configs) {
+        c.forward_only = true;
+        c.in_place = seed % 2 == 0;
+        c.softcap = dtype == DType::kBFloat16 && seed % 3 == 0 ? 20.0f : 0.0f;
+        c.path = path;
+        c.seed = seed++;
+        Compare(c);
+      }
+    }
+  }
+}
+
 // Times a kernel call (median of 5 after one warm-up) in seconds.
 template <typename Call>
 double Time(Call call) {
@@ -695,12 +794,17 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
   }
 }
 
-// The policy losses (PPO-clip with a k3 reference KL) and plain cross entropy
-// fwd+gradient in place, bf16, at the two large shapes, against a device copy
-// of the logits (their traffic floor: one read and one write), on the fast
-// schedule and on the row kernel, beside cross entropy itself. Run with
+// The policy losses (importance sampling, PPO-clip and CISPO, each with a k3
+// reference KL), top-k distillation (k = 64: the tail bucket at temperature
+// 1, 2 and 0.5 with alpha 0.5, reverse KL at 2, renormalised at 2) and plain
+// cross entropy, fwd+gradient in place, bf16, at the two large shapes,
+// against a device copy of the logits (their traffic floor: one read and one
+// write) and cross entropy itself in the same run, on the fast schedule and
+// (two rows) on the row kernel; then forward only (no gradient: one read),
+// beside cross entropy's forward only. Run with
 // --gtest_also_run_disabled_tests --gtest_filter=*Bench*.
-TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicy) {
+TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
+  const int64_t k = 64;
   for (const auto& [rows, vocab] :
        {std::pair<int64_t, int64_t>{8192, 128256}, {16384, 131072}}) {
     const size_t bytes = static_cast<size_t>(rows * vocab) * 2;
@@ -710,50 +814,134 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicy) {
     cudaMemset(logits, 0x3c, bytes);  // bf16 ~0.011
     std::vector<int64_t> targets(rows);
     std::vector<float> advantages(rows), sampling(rows), reference(rows);
+    std::vector<int32_t> indices(rows * k);
+    std::vector<float> logprobs(rows * k, -6.0f);
     for (int64_t row = 0; row < rows; ++row) {
       targets[row] = (row * 7919) % vocab;
       advantages[row] = (row % 3) - 1.0f;
       sampling[row] = -std::log(static_cast<float>(vocab)) + (row % 5) * 0.1f;
       reference[row] = sampling[row] - 0.05f;
+      for (int64_t j = 0; j < k; ++j)
+        indices[row * k + j] = (row + j * 997) % vocab;
     }
     DeviceBytes d_targets(targets.data(), targets.size() * 8);
     DeviceBytes d_adv(advantages.data(), advantages.size() * 4);
     DeviceBytes d_sampling(sampling.data(), sampling.size() * 4);
     DeviceBytes d_reference(reference.data(), reference.size() * 4);
+    DeviceBytes d_indices(indices.data(), indices.size() * 4);
+    DeviceBytes d_logprobs(logprobs.data(), logprobs.size() * 4);
     const BenchBase b =
         TimeCopyAndCrossEntropy(rows, vocab, logits, copy, d_targets.get());
-    const CrossEntropyArgs& base = b.base;
-    const double copy_s = b.copy_s, ce_s = b.ce_s;
-    auto run = [&](bool policy, PostTrainingCudaPath path) {
+    CrossEntropyArgs forward = b.base;
+    forward.mode = GradientMode::kNone;
+    const double ce_forward_s = Time([&] {
+      CrossEntropyResult result;
+      const absl::Status status = CrossEntropyCuda(forward, &result, nullptr);
+      EXPECT_TRUE(status.ok()) << status;
+    });
+    struct BenchRow {
+      const char* name;
+      Family family;
+      PolicyLossKind loss = PolicyLossKind::kPpoClip;
+      float tau = 1.0f, alpha = 0.0f;
+      Divergence divergence = Divergence::kForwardKl;
+      TopKTail tail = TopKTail::kBucket;
+      PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
+      bool forward_only = false;
+    };
+    constexpr auto kRowKernel = PostTrainingCudaPath::kRowKernel;
+    const BenchRow bench_rows[] = {
+        {"plain CE (post-training call)", Family::kPlain},
+        {"IS + k3 KL", Family::kPolicy, PolicyLossKind::kImportanceSampling},
+        {"PPO-clip + k3 KL", Family::kPolicy, PolicyLossKind::kPpoClip},
+        {"CISPO + k3 KL", Family::kPolicy, PolicyLossKind::kCispo},
+        {"PPO-clip + k3 KL, row kernel", Family::kPolicy,
+         PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
+         TopKTail::kBucket, kRowKernel},
+        {"top-k bucket FKL tau 1", Family::kTopK},
+        {"top-k bucket FKL tau 2", Family::kTopK, {}, 2.0f},
+        {"top-k bucket FKL tau 0.5 alpha 0.5", Family::kTopK, {}, 0.5f, 0.5f},
+        {"top-k bucket RKL tau 2",
+         Family::kTopK,
+         {},
+         2.0f,
+         0.0f,
+         Divergence::kReverseKl},
+        {"top-k renormalized FKL tau 2",
+         Family::kTopK,
+         {},
+         2.0f,
+         0.0f,
+         Divergence::kForwardKl,
+         TopKTail::kRenormalize},
+        {"top-k bucket FKL tau 2, row kernel",
+         Family::kTopK,
+         {},
+         2.0f,
+         0.0f,
+         Divergence::kForwardKl,
+         TopKTail::kBucket,
+         kRowKernel},
+        {"forward only: plain CE (post-training call)",
+         Family::kPlain,
+         {},
+         1.0f,
+         0.0f,
+         Divergence::kForwardKl,
+         TopKTail::kBucket,
+         PostTrainingCudaPath::kAuto,
+         true},
+        {"forward only: PPO-clip + k3 KL", Family::kPolicy,
+         PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
+         TopKTail::kBucket, PostTrainingCudaPath::kAuto, true},
+        {"forward only: top-k bucket FKL tau 2",
+         Family::kTopK,
+         {},
+         2.0f,
+         0.0f,
+         Divergence::kForwardKl,
+         TopKTail::kBucket,
+         PostTrainingCudaPath::kAuto,
+         true},
+        {"forward only: PPO-clip + k3 KL, row kernel", Family::kPolicy,
+         PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
+         TopKTail::kBucket, kRowKernel, true},
+    };
+    auto run = [&](const BenchRow& r) {
       PostTrainingArgs args;
-      args.base = base;
+      args.base = r.forward_only ? forward : b.base;
       PolicyArgs pg;
+      pg.loss = r.loss;
       pg.advantages = static_cast<const float*>(d_adv.get());
       pg.sampling_logprobs = static_cast<const float*>(d_sampling.get());
       pg.reference_logprobs = static_cast<const float*>(d_reference.get());
       pg.kl_coef = 0.05f;
-      if (policy) args.policy = &pg;
+      if (r.family == Family::kPolicy) args.policy = &pg;
+      DistillationArgs kd;
+      kd.divergence = r.divergence;
+      kd.temperature = r.tau;
+      kd.alpha = r.alpha;
+      kd.top_k = k;
+      kd.top_k_indices = d_indices.get();
+      kd.top_k_logprobs = static_cast<const float*>(d_logprobs.get());
+      kd.tail = r.tail;
+      if (r.family == Family::kTopK) args.distillation = &kd;
       PostTrainingResult result;
       const absl::Status status =
-          PostTrainingCuda(args, &result, nullptr, path);
+          PostTrainingCuda(args, &result, nullptr, r.path);
       EXPECT_TRUE(status.ok()) << status;
     };
-    const double plain_s =
-        Time([&] { run(false, PostTrainingCudaPath::kAuto); });
-    const double policy_s =
-        Time([&] { run(true, PostTrainingCudaPath::kAuto); });
-    const double policy_rows_s =
-        Time([&] { run(true, PostTrainingCudaPath::kRowKernel); });
-    auto pct = [&](double s) { return 100.0 * copy_s / s; };
+    auto pct = [&](double t) { return 100.0 * b.copy_s / t; };
     std::printf(
         "bench: bf16 %lld x %lld in place: copy %.3f ms; cross entropy %.3f "
-        "ms (%.0f%% of copy); post-training plain CE %.3f ms (%.0f%%); "
-        "PPO-clip "
-        "+ k3 KL %.3f ms (%.0f%%); PPO-clip on the row kernel %.3f ms "
-        "(%.0f%%)\n",
+        "ms (%.0f%% of copy); cross entropy forward only %.3f ms\n",
         static_cast<long long>(rows), static_cast<long long>(vocab),
-        copy_s * 1e3, ce_s * 1e3, pct(ce_s), plain_s * 1e3, pct(plain_s),
-        policy_s * 1e3, pct(policy_s), policy_rows_s * 1e3, pct(policy_rows_s));
+        b.copy_s * 1e3, b.ce_s * 1e3, pct(b.ce_s), ce_forward_s * 1e3);
+    for (const BenchRow& r : bench_rows) {
+      const double t = Time([&] { run(r); });
+      std::printf("bench:   %s %.3f ms (%.0f%% of copy)\n", r.name, t * 1e3,
+                  pct(t));
+    }
     cudaFree(logits);
     cudaFree(copy);
   }

@@ -1,6 +1,7 @@
 // The post-training losses' choice of kernel (post_training_policy.h) on the
 // CPU: the fast schedule for what it takes at the bench's shapes with the
-// H200's limits, the row kernel for everything else.
+// H200's limits (forward only and top-k at any temperature too), the row
+// kernel for everything else.
 #include "kernels/cuda/post_training_policy.h"
 
 #include <utility>
@@ -56,13 +57,42 @@ TEST(PostTrainingPolicyTest, PlainCrossEntropyWithSegmentsTakesItToo) {
   ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
 }
 
-TEST(PostTrainingPolicyTest, TopKDistillationAtTemperatureOneTakesIt) {
-  PostTrainingShape s = Policy(8192, 128256, 2);
-  s.policy = false;
-  s.distillation = true;
-  ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
-  EXPECT_EQ(*ChoosePostTrainingSchedule(s, H200()),
-            ChooseSchedule(s.logits, H200()));
+TEST(PostTrainingPolicyTest, TopKDistillationAtAnyTemperatureTakesIt) {
+  for (float tau : {1.0f, 0.5f, 2.0f, 3.7f}) {
+    PostTrainingShape s = Policy(8192, 128256, 2);
+    s.policy = false;
+    s.distillation = true;
+    s.temperature = tau;
+    ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value()) << tau;
+    EXPECT_EQ(*ChoosePostTrainingSchedule(s, H200()),
+              ChooseSchedule(s.logits, H200()));
+  }
+}
+
+// Forward only (Evaluate, GradientMode::kNone): the pieces sized as cross
+// entropy's forward+gradient out of place (bulk copies), not its split row
+// forward; every loss the fast path takes, either element size.
+TEST(PostTrainingPolicyTest, ForwardOnlyTakesThePiecesOfAGradient) {
+  for (int bytes : {2, 4}) {
+    for (int loss = 0; loss < 3; ++loss) {
+      PostTrainingShape s = Policy(8192, 128256, bytes);
+      s.policy = loss == 0;
+      s.distillation = loss == 1;
+      s.temperature = 2.0f;
+      s.logits.forward_only = true;
+      s.logits.in_place = false;
+      const auto c = ChoosePostTrainingSchedule(s, H200());
+      ASSERT_TRUE(c.has_value()) << bytes << " " << loss;
+      EXPECT_EQ(c->schedule, Schedule::kSmemRowPieces);
+      EXPECT_TRUE(c->bulk);
+      PostTrainingShape gradient = s;
+      gradient.logits.forward_only = false;
+      EXPECT_EQ(*c, ChooseSchedule(gradient.logits, H200()));
+      // Cross entropy itself takes split row forward there.
+      EXPECT_EQ(ChooseSchedule(s.logits, H200()).schedule,
+                Schedule::kSplitRowForward);
+    }
+  }
 }
 
 TEST(PostTrainingPolicyTest,
@@ -73,17 +103,8 @@ TEST(PostTrainingPolicyTest,
   s.dense_teacher = true;  // (a teacher whose rows are not whole vectors)
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
-  s.dense_teacher = false;
-  s.temperature = 2.0f;  // a second lse the statistics do not keep
-  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
-
   s = Policy(8192, 128256, 2);
   s.targets = false;
-  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
-
-  s = Policy(8192, 128256, 2);
-  s.logits.forward_only = true;
-  s.logits.in_place = false;
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
   // Label smoothing or z-loss beside the loss: the row kernel computes them.
@@ -91,8 +112,11 @@ TEST(PostTrainingPolicyTest,
   s.row_options = true;
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
-  // An odd vocab: rows with edges.
+  // An odd vocab: rows with edges (forward only too).
   s = Policy(8192, 128257, 2);
+  EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
+  s.logits.forward_only = true;
+  s.logits.in_place = false;
   EXPECT_FALSE(ChoosePostTrainingSchedule(s, H200()).has_value());
 
   // Short rows: cross entropy takes cluster register rows there.
