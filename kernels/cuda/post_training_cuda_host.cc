@@ -151,6 +151,8 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   terms.row_scale = row_scale;
   terms.policy = args.policy != nullptr;
   terms.forward_only = base.mode == GradientMode::kNone;
+  // (the entropy: a policy's statistics, or asked for per token)
+  terms.entropy = terms.policy || args.token_entropy != nullptr;
   terms.inv_tau = 1.0f;
   if (terms.policy) terms.pg = *args.policy;
   if (args.distillation != nullptr) {
@@ -181,7 +183,7 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
     e = cuda_ce::LaunchSmemRowPiecesTerms(p, terms, base.logits_dtype,
                                           choice.bulk, choice.pieces, stream);
   }
-  if (e == cudaSuccess) {
+  if (e == cudaSuccess && terms.entropy) {
     e = cuda_ce::LaunchRowTermsEntropy(terms, p.rows, choice.pieces, stream);
   }
   return e;
@@ -481,7 +483,14 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
     }
   }
 
-  std::vector<PostTrainingRowTotals> totals(static_cast<size_t>(rows));
+  // Reused by the thread up to 64Ki rows: a fresh 80 bytes a row, zeroed,
+  // cost more than the reduction itself (its pages; Collect sets every
+  // field).
+  thread_local std::vector<PostTrainingRowTotals> reused;
+  std::vector<PostTrainingRowTotals> fresh;
+  std::vector<PostTrainingRowTotals>& totals =
+      rows <= (int64_t{1} << 16) ? reused : fresh;
+  totals.resize(static_cast<size_t>(rows));
   CollectPostTrainingCudaRows(device_args, out, totals.data());
   *result = ReducePostTrainingRows(view.args(), view.plan, totals);
   return absl::OkStatus();

@@ -375,8 +375,10 @@ __device__ __forceinline__ void FixSupport(const RowTerms& terms,
 // this thread's share of sum_c 2^(...) (lse - z_c), the row's entropy before
 // its factor corr; kWrite false: the sum alone (an ignored row, whose
 // gradient is zeros).
-// kTau: the tail bucket's p^tau term (`tm`) besides.
-template <typename T, int kBlock, int kOpts, bool kWrite, bool kTau = false>
+// kTau: the tail bucket's p^tau term (`tm`) besides. kEntropy false: the
+// gradient alone (returns 0).
+template <typename T, int kBlock, int kOpts, bool kWrite, bool kTau = false,
+          bool kEntropy = true>
 __device__ __forceinline__ float EntropyGradientSlice(
     const uint4* sv, T* out, int nvec, int tid, const RowMath& rm,
     const ElementOptions& opts, const TauMath& tm = {}) {
@@ -392,7 +394,7 @@ __device__ __forceinline__ float EntropyGradientSlice(
       const float z = OptionZ<T, kOpts>(opts, Tr::Get(v, j), &dfac);
       const float e = Exp2(fmaf(z - rm.shift, kLog2e, -rm.lse_l2));
       // (a masked class, z = -inf: e = 0 and no 0 * inf)
-      h[j % 2] += e > 0.0f ? e * (rm.lse - z) : 0.0f;
+      if (kEntropy) h[j % 2] += e > 0.0f ? e * (rm.lse - z) : 0.0f;
       float b = rm.b;
       if (kTau && kWrite) {
         b = fmaf(Exp2(fmaf(z - rm.shift, tm.tau_l2, -tm.hi)), tm.a, b);

@@ -49,6 +49,9 @@ struct RowTerms {
   float* piece_tau;
   // No gradient (forward only): the statistics, the records and the entropy.
   bool forward_only;
+  // The rows' entropy (piece_entropy, then LaunchRowTermsEntropy); else the
+  // records' entropy is 0.
+  bool entropy;
   // Each row's record as the row kernel writes it (post_training_cuda.h),
   // its entropy once LaunchRowTermsEntropy has summed the pieces'.
   PostTrainingCudaRow* rows_out;

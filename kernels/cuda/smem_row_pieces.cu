@@ -399,14 +399,21 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     if (!valid || !write) {
       if (write) ZeroSlice<T, kBlock>(out, nvec, tid);
       if constexpr (kTerms) {
-        h = EntropyGradientSlice<T, kBlock, kOpts, false>(kept, out, nvec, tid,
-                                                          rowmath, opts);
+        if (terms.entropy) {
+          h = EntropyGradientSlice<T, kBlock, kOpts, false>(kept, out, nvec,
+                                                            tid, rowmath, opts);
+        }
       }
     } else {
       const RowMath rm = rowmath;
       if constexpr (kTerms) {
-        h = EntropyGradientSlice<T, kBlock, kOpts, true, kTau>(
-            kept, out, nvec, tid, rm, opts, row_tau);
+        if (terms.entropy) {
+          h = EntropyGradientSlice<T, kBlock, kOpts, true, kTau>(
+              kept, out, nvec, tid, rm, opts, row_tau);
+        } else {
+          EntropyGradientSlice<T, kBlock, kOpts, true, kTau, false>(
+              kept, out, nvec, tid, rm, opts, row_tau);
+        }
       } else {
         GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
       }
@@ -433,11 +440,16 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
       Tr::Store(out_row + c, g);
     }
     if constexpr (kTerms) {
-      // (scratch is free: every warp has passed the barrier after the merge)
-      h = BlockReduce<kBlock>(h, reinterpret_cast<float*>(scratch));
-      if (tid == 0) terms.piece_entropy[k] = h * row_corr;
+      if (terms.entropy) {
+        // (scratch is free: every warp has passed the barrier after the
+        // merge)
+        h = BlockReduce<kBlock>(h, reinterpret_cast<float*>(scratch));
+        if (tid == 0) terms.piece_entropy[k] = h * row_corr;
+      } else if (terms.kd) {
+        __syncthreads();  // (the gradient before the support's fix-up)
+      }
       if (terms.kd && valid && write && warp == 0) {
-        // (after BlockReduce's barriers: over the gradient just written)
+        // (after the barriers above: over the gradient just written)
         FixSupport<T, kOpts>(terms, SupportOf(terms, row, &staged), y, start, n,
                              out_row, row_top_k, rowmath.lse, row_in[kInScale],
                              opts, lane);
