@@ -407,12 +407,13 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     } else {
       const RowMath rm = rowmath;
       if constexpr (kTerms) {
+        const TauMath tm = kTau ? row_tau : TauMath{};  // (a register copy)
         if (terms.entropy) {
           h = EntropyGradientSlice<T, kBlock, kOpts, true, kTau>(
-              kept, out, nvec, tid, rm, opts, row_tau);
+              kept, out, nvec, tid, rm, opts, tm);
         } else {
           EntropyGradientSlice<T, kBlock, kOpts, true, kTau, false>(
-              kept, out, nvec, tid, rm, opts, row_tau);
+              kept, out, nvec, tid, rm, opts, tm);
         }
       } else {
         GradientSlice<T, kBlock, kOpts>(kept, out, nvec, tid, rm, opts, start);
