@@ -250,8 +250,9 @@ reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).
 Distillation metrics, policy-loss metrics and per-segment sums as forward()
 takes them, the teacher (logits [N, V], or a pair (indices, logprobs)
 [N, k]), the policy's advantages, old_logprobs and ref_logprobs (float32
-[N]) and segment ids in host memory: they go in the blocks beside the rows,
-over the gRPC stream. Results add .distillation_loss, .policy_stats,
+[N]) and segment ids in host memory: they go in the blocks beside the rows
+(over data connections when large, as the rows do). target=None with
+alpha=0 sends no targets. Results add .distillation_loss, .policy_stats,
 .segment_loss, .segment_tokens.)doc";
 
 constexpr char kLinearEvaluateDoc[] =

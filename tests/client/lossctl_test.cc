@@ -594,14 +594,21 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   }
 
   // eval streams the same teacher and segment ids from the files, beside
-  // the logits and targets: the numbers of a Forward of all rows.
-  CommandResult eval =
-      Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
-               "--teacher_indices=" + indices_path,
-               "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
-               "--divergence=jsd", "--beta=0.3", "--temperature=2",
-               "--segments=" + ids_path, "--num_segments=4"});
+  // the logits and targets: the numbers of a Forward of all rows; over data
+  // connections the same lines as over the stream.
+  auto eval_over = [&](const char* transport) {
+    return Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
+                    "--teacher_indices=" + indices_path,
+                    "--teacher_logprobs=" + logprobs_path,
+                    "--top_k_tail=bucket", "--divergence=jsd", "--beta=0.3",
+                    "--temperature=2", "--segments=" + ids_path,
+                    "--num_segments=4", transport});
+  };
+  CommandResult eval = eval_over("--data_connection=false");
   ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  CommandResult over_data = eval_over("--stripe_min_bytes=1");
+  ASSERT_EQ(over_data.exit_code, 0) << over_data.err;
+  EXPECT_EQ(over_data.out, eval.out);
   want = client_->Forward(
       handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
       options);
