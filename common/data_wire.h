@@ -47,8 +47,8 @@ std::optional<DataPreamble> ParseDataPreamble(const char* bytes);
 // little-endian, then R rows of logits and R targets, then the per-row
 // inputs the header declares (EvaluateFrameLayout).
 inline constexpr size_t kFrameHeaderBytes = 8;
-// The most bytes (logits and targets) one frame may carry, as one block
-// message on the stream.
+// The most bytes (all of its parts: logits, targets and the other inputs)
+// one frame may carry, as one block message on the stream.
 inline constexpr int64_t kMaxFrameBytes = int64_t{64} << 20;
 
 // The parts of an Evaluate frame after its row count, in the order the frame
