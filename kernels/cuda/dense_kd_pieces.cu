@@ -463,7 +463,14 @@ __device__ __forceinline__ float DenseGrad(const DenseRow& r, float beta,
     g = fmaf(p, r.cp, -r.a_kd * q);
   } else if (kDiv == kRkl) {
     const float p = Exp2(fmaf(dz, r.c_u, -r.cu));
-    const float d = ((z - t) - r.k_hi) - r.k_lo;
+    // z - t as an exact pair (two-sum): d cancels to a few units where the
+    // student is sharp, and z - t rounded alone moved it by up to 2^-24 |z -
+    // t| (an fp32 student's gradient off by 3e-4 of itself on the GPU).
+    const float s = __fsub_rn(z, t);
+    const float zs = __fadd_rn(s, t);
+    const float ts = __fsub_rn(zs, s);
+    const float e = __fadd_rn(__fsub_rn(z, zs), __fsub_rn(ts, t));
+    const float d = __fadd_rn(__fsub_rn(s, r.k_hi), __fsub_rn(e, r.k_lo));
     // (a class of mass 0: its term is 0, no 0 * inf)
     g = p > 0.0f ? r.a_rkl * (p * d) : 0.0f;
     p_ce = p;
