@@ -1,8 +1,9 @@
 // Implementation of lossd::Client over the generated lossd.v1 stubs: the one
 // place where gRPC status codes become absl ones, and where plain C++ structs
 // are translated to and from the protobuf messages.
-// The transfers live beside it: client_transfers.cc (what uploads and
-// downloads share), client_uploads.cc and client_downloads.cc.
+// Evaluate and the transfers live beside it: client_evaluate.cc,
+// client_transfers.cc (what uploads and downloads share), client_uploads.cc
+// and client_downloads.cc.
 #include "client/client.h"
 
 #include <grpcpp/grpcpp.h>
@@ -275,44 +276,6 @@ absl::Status ToProto(const SegmentOptions& options, v1::Segments* proto) {
   return absl::OkStatus();
 }
 
-v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
-                                     DType targets_dtype,
-                                     const EvaluateOptions& options) {
-  v1::EvaluateHeader header;
-  // Rows of hidden states: V is the weight's, `vocab` the rows' width H.
-  header.set_vocab(options.weight.empty() ? vocab : 0);
-  header.set_logits_dtype(static_cast<v1::DType>(logits_dtype));
-  header.set_targets_dtype(static_cast<v1::DType>(targets_dtype));
-  ToProto(options.loss, options.class_weights, header.mutable_options());
-  header.set_weight(options.weight);
-  header.set_bias(options.bias);
-  if (options.distillation.has_value()) {
-    const DistillationOptions& distillation = *options.distillation;
-    SetDistillationScalars(distillation, header.mutable_distillation());
-    if (distillation.evaluate_teacher_dtype != DType::kInvalid) {
-      header.set_teacher_logits_dtype(
-          static_cast<v1::DType>(distillation.evaluate_teacher_dtype));
-    } else {
-      header.set_teacher_top_k(distillation.top_k);
-      header.set_teacher_indices_dtype(
-          static_cast<v1::DType>(distillation.top_k_indices_dtype));
-      header.set_teacher_top_k_tail(
-          static_cast<v1::TopKTail>(distillation.tail));
-    }
-  }
-  if (options.policy.has_value()) {
-    SetPolicyScalars(*options.policy, header.mutable_policy());
-    header.set_policy_reference_logprobs(
-        options.policy->evaluate_reference_logprobs);
-  }
-  if (options.segments.has_value()) {
-    header.mutable_segments()->set_count(options.segments->count);
-    header.mutable_segments()->set_reduction(
-        static_cast<v1::SegmentReduction>(options.segments->reduction));
-  }
-  return header;
-}
-
 // The targets of a Forward or LinearForward request: a handle, or inline
 // int32/int64 data.
 template <typename Request>
@@ -387,61 +350,49 @@ absl::StatusOr<BackwardResult> FinishBackward(const ClientOptions& options,
   return result;
 }
 
-// Hands row blocks from the producer thread to the sending thread, at most
-// kDepth at a time, so reading the next block overlaps sending this one.
-class BlockQueue {
- public:
-  static constexpr std::size_t kDepth = 2;
-
-  // Producer side. Returns false when the consumer stopped.
-  bool Push(RowBlock block) {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(this, &BlockQueue::HasRoomOrStopped));
-    if (stopped_) return false;
-    blocks_.push_back(std::move(block));
-    return true;
-  }
-  // Producer side: no more blocks; `status` is the producer's outcome.
-  void Close(absl::Status status) {
-    absl::MutexLock lock(&mu_);
-    closed_ = true;
-    producer_status_ = std::move(status);
-  }
-  // Consumer side. False when closed and drained.
-  bool Pop(RowBlock* block) {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(this, &BlockQueue::HasBlockOrClosed));
-    if (blocks_.empty()) return false;
-    *block = std::move(blocks_.front());
-    blocks_.pop_front();
-    return true;
-  }
-  // Consumer side: stop early; a waiting producer returns.
-  void Stop() {
-    absl::MutexLock lock(&mu_);
-    stopped_ = true;
-  }
-  absl::Status producer_status() {
-    absl::MutexLock lock(&mu_);
-    return producer_status_;
-  }
-
- private:
-  bool HasRoomOrStopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stopped_ || blocks_.size() < kDepth;
-  }
-  bool HasBlockOrClosed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return closed_ || !blocks_.empty();
-  }
-
-  absl::Mutex mu_;
-  std::deque<RowBlock> blocks_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status producer_status_ ABSL_GUARDED_BY(mu_);
-};
-
 }  // namespace
+
+namespace client_internal {
+
+v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
+                                     DType targets_dtype,
+                                     const EvaluateOptions& options) {
+  v1::EvaluateHeader header;
+  // Rows of hidden states: V is the weight's, `vocab` the rows' width H.
+  header.set_vocab(options.weight.empty() ? vocab : 0);
+  header.set_logits_dtype(static_cast<v1::DType>(logits_dtype));
+  header.set_targets_dtype(static_cast<v1::DType>(targets_dtype));
+  ToProto(options.loss, options.class_weights, header.mutable_options());
+  header.set_weight(options.weight);
+  header.set_bias(options.bias);
+  if (options.distillation.has_value()) {
+    const DistillationOptions& distillation = *options.distillation;
+    SetDistillationScalars(distillation, header.mutable_distillation());
+    if (distillation.evaluate_teacher_dtype != DType::kInvalid) {
+      header.set_teacher_logits_dtype(
+          static_cast<v1::DType>(distillation.evaluate_teacher_dtype));
+    } else {
+      header.set_teacher_top_k(distillation.top_k);
+      header.set_teacher_indices_dtype(
+          static_cast<v1::DType>(distillation.top_k_indices_dtype));
+      header.set_teacher_top_k_tail(
+          static_cast<v1::TopKTail>(distillation.tail));
+    }
+  }
+  if (options.policy.has_value()) {
+    SetPolicyScalars(*options.policy, header.mutable_policy());
+    header.set_policy_reference_logprobs(
+        options.policy->evaluate_reference_logprobs);
+  }
+  if (options.segments.has_value()) {
+    header.mutable_segments()->set_count(options.segments->count);
+    header.mutable_segments()->set_reduction(
+        static_cast<v1::SegmentReduction>(options.segments->reduction));
+  }
+  return header;
+}
+
+}  // namespace client_internal
 
 Client::Client(std::string target, ClientOptions options,
                std::unique_ptr<Channel> channel)
@@ -660,276 +611,6 @@ absl::StatusOr<BackwardResult> Client::Backward(
   request.set_materialize(materialize);
   return FinishBackward(options_, channel_->channel.get(),
                         channel_->lossd.get(), request);
-}
-
-absl::StatusOr<EvaluateResult> Client::Evaluate(
-    int64_t vocab, DType logits_dtype, DType targets_dtype,
-    const EvaluateOptions& options, const RowBlockProducer& next_block,
-    const ProgressCallback& progress) {
-  if (vocab < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        options.weight.empty() ? "vocab " : "hidden width ", vocab, " < 1"));
-  }
-  if (!options.bias.empty() && options.weight.empty()) {
-    return absl::InvalidArgumentError(
-        "EvaluateOptions.bias is set but weight is not: a bias needs the "
-        "weight it is added to");
-  }
-  if (!IsLogitsDType(logits_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logits dtype ", DTypeString(logits_dtype), " is not floating point"));
-  }
-  if (!IsTargetsDType(targets_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "targets dtype ", DTypeString(targets_dtype), " is not int32/int64"));
-  }
-  // Data connections for an evaluation of a known size of at least
-  // stripe_min_bytes of logits: a smaller one is not worth their set-up, and
-  // one of unknown size may come from a slow producer (a connection idle for
-  // the server's --data_timeout between two of its blocks fails).
-  const bool large = options.total_rows >= 0 &&
-                     options.total_rows * vocab *
-                             static_cast<int64_t>(DTypeSize(logits_dtype)) >=
-                         static_cast<int64_t>(options_.stripe_min_bytes);
-  // The post-training inputs in the blocks go over the stream only.
-  const bool post_training = options.distillation.has_value() ||
-                             options.policy.has_value() ||
-                             options.segments.has_value();
-  if (options_.data_connection && large && !post_training) {
-    std::optional<absl::StatusOr<EvaluateResult>> over_data =
-        EvaluateOverDataConnections(vocab, logits_dtype, targets_dtype, options,
-                                    next_block, progress);
-    if (over_data.has_value()) return *std::move(over_data);
-  }
-  v1::EvaluateRequest request;
-  *request.mutable_header() =
-      EvaluateHeaderFor(vocab, logits_dtype, targets_dtype, options);
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  v1::EvaluateResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
-      channel_->lossd->Evaluate(&context, &response);
-  bool sending = writer->Write(request);
-
-  BlockQueue queue;
-  std::thread producer([&queue, &next_block] {
-    while (true) {
-      RowBlock block;
-      absl::StatusOr<bool> more = next_block(&block);
-      if (!more.ok()) {
-        queue.Close(more.status());
-        return;
-      }
-      if (block.logits_view.data() != nullptr) {
-        // Copied here, overlapping the sending of the block before, into the
-        // strings the request takes.
-        block.logits.assign(block.logits_view.data(), block.logits_view.size());
-        block.targets.assign(block.targets_view.data(),
-                             block.targets_view.size());
-        block.logits_view = block.targets_view = absl::string_view();
-      }
-      if (!*more || !queue.Push(std::move(block))) break;
-    }
-    queue.Close(absl::OkStatus());
-  });
-  // Rows counted from the logits: a block may carry no targets.
-  const std::size_t row_bytes =
-      static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
-  int64_t rows_sent = 0;
-  RowBlock block;
-  while (sending && queue.Pop(&block)) {
-    const int64_t rows =
-        static_cast<int64_t>(block.Logits().size() / row_bytes);
-    v1::RowBlock* proto = request.mutable_block();
-    proto->set_logits(std::move(block.logits));
-    proto->set_targets(std::move(block.targets));
-    proto->set_teacher_logits(std::move(block.teacher_logits));
-    proto->set_teacher_indices(std::move(block.teacher_indices));
-    proto->set_teacher_logprobs(std::move(block.teacher_logprobs));
-    proto->set_segment_ids(std::move(block.segment_ids));
-    proto->set_advantages(std::move(block.advantages));
-    proto->set_sampling_logprobs(std::move(block.sampling_logprobs));
-    proto->set_reference_logprobs(std::move(block.reference_logprobs));
-    sending = writer->Write(request);
-    if (sending) {
-      rows_sent += rows;
-      if (progress) progress(rows_sent, options.total_rows);
-    }
-  }
-  queue.Stop();
-  producer.join();
-  const absl::Status produced = queue.producer_status();
-  if (!produced.ok()) {
-    context.TryCancel();
-    writer->Finish().ok();  // the producer's error is what matters
-    return produced;
-  }
-  if (sending) writer->WritesDone();
-  RETURN_IF_ERROR(ToAbsl(writer->Finish()));
-  // A server from before Evaluate's policy losses skips the unknown header
-  // field and evaluates plain cross entropy; this server always answers a
-  // policy with its statistics.
-  if (options.policy.has_value() && !response.has_policy_stats()) {
-    return absl::UnimplementedError(
-        "the server does not serve policy losses in Evaluate (its response "
-        "has no policy_stats); use Forward with mode NONE");
-  }
-  return FromProto(response);
-}
-
-std::optional<absl::StatusOr<EvaluateResult>>
-Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
-                                    DType targets_dtype,
-                                    const EvaluateOptions& options,
-                                    const RowBlockProducer& next_block,
-                                    const ProgressCallback& progress) {
-  const int64_t total_rows = options.total_rows;
-  std::optional<absl::StatusOr<DataConnections>> opened = OpenDataConnections();
-  if (!opened.has_value()) return std::nullopt;
-  if (!opened->ok()) return absl::StatusOr<EvaluateResult>(opened->status());
-  std::vector<int>& fds = (*opened)->fds;
-  const std::string& token = (*opened)->token;
-  ConnectionCloser closer(&fds);
-  const int connections = static_cast<int>(fds.size());
-  grpc::ClientContext context;
-  PrepareContext(options_, channel_->channel.get(), &context);
-  v1::EvaluateResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::EvaluateRequest>> writer =
-      channel_->lossd->Evaluate(&context, &response);
-  v1::EvaluateRequest request;
-  *request.mutable_header() =
-      EvaluateHeaderFor(vocab, logits_dtype, targets_dtype, options);
-  request.mutable_header()->set_data_token(token);
-  request.mutable_header()->set_data_connections(connections);
-  absl::Status sent;
-  absl::Status produced;
-  if (writer->Write(request) && writer->WritesDone()) {
-    // Block b goes over connection b mod K, in order: the server's sum is
-    // the same bits for the same blocks and K. At most kDepth blocks wait
-    // per connection.
-    std::vector<BlockQueue> queues(static_cast<std::size_t>(connections));
-    const std::size_t target_bytes = DTypeSize(targets_dtype);
-    const std::size_t row_bytes =
-        static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
-    std::thread producer([&] {
-      absl::Status status;
-      for (std::size_t b = 0, number = 0;; ++number) {
-        RowBlock block;
-        absl::StatusOr<bool> more = next_block(&block);
-        if (!more.ok()) {
-          status = more.status();
-          break;
-        }
-        if (!*more) break;
-        // A frame carries its row count: the block must be whole rows, as
-        // the server checks a block on the stream.
-        const absl::string_view logits = block.Logits();
-        const absl::string_view targets = block.Targets();
-        const std::size_t rows = targets.size() / target_bytes;
-        if (targets.size() % target_bytes != 0 ||
-            logits.size() != rows * row_bytes) {
-          status = absl::InvalidArgumentError(absl::StrFormat(
-              "block %d: %d %s bytes and %d targets bytes are not whole "
-              "rows of %d and %d bytes",
-              number, logits.size(),
-              options.weight.empty() ? "logits" : "hidden-state",
-              targets.size(), row_bytes, target_bytes));
-          break;
-        }
-        if (rows == 0) continue;  // nothing to evaluate
-        if (!queues[b++ % queues.size()].Push(std::move(block))) break;
-      }
-      for (BlockQueue& queue : queues) queue.Close(status);
-    });
-    absl::Mutex mu;
-    int64_t rows_sent = 0;
-    std::vector<absl::Status> results(fds.size());
-    std::vector<std::thread> senders;
-    for (int i = 0; i < connections; ++i) {
-      senders.emplace_back([&, i] {
-        const int fd = fds[static_cast<std::size_t>(i)];
-        BlockQueue& queue = queues[static_cast<std::size_t>(i)];
-        absl::Status status = SendDataPreamble(fd, token, i);
-        RowBlock block;
-        while (status.ok() && queue.Pop(&block)) {
-          const int64_t rows =
-              static_cast<int64_t>(block.Targets().size() / target_bytes);
-          status = SendEvaluateFrame(fd, rows, block.Logits(), block.Targets());
-          if (status.ok()) {
-            absl::MutexLock lock(&mu);
-            rows_sent += rows;
-            if (progress) progress(rows_sent, total_rows);
-          }
-        }
-        // A failed connection stops the producer; the others then end.
-        if (!status.ok()) {
-          for (BlockQueue& each : queues) each.Stop();
-        } else if (queue.producer_status().ok()) {
-          status = EndDataSending(fd);
-        }
-        results[static_cast<std::size_t>(i)] = status;
-      });
-    }
-    for (std::thread& sender : senders) sender.join();
-    producer.join();
-    produced = queues[0].producer_status();
-    for (const absl::Status& result : results) {
-      if (!result.ok() && sent.ok()) sent = result;
-    }
-  }
-  if (!produced.ok()) {
-    context.TryCancel();
-    closer.Close();
-    writer->Finish().ok();  // the producer's error is what matters
-    return absl::StatusOr<EvaluateResult>(produced);
-  }
-  if (!sent.ok()) closer.Close();
-  const grpc::Status finished =
-      FinishAfterData(&context, !sent.ok(), [&] { return writer->Finish(); });
-  closer.Close();
-  if (!sent.ok() &&
-      (finished.ok() || finished.error_code() == grpc::StatusCode::CANCELLED)) {
-    return absl::StatusOr<EvaluateResult>(sent);
-  }
-  if (!finished.ok()) return absl::StatusOr<EvaluateResult>(ToAbsl(finished));
-  return absl::StatusOr<EvaluateResult>(FromProto(response));
-}
-
-absl::StatusOr<EvaluateResult> Client::Evaluate(
-    int64_t rows, int64_t vocab, DType logits_dtype, const void* logits,
-    DType targets_dtype, const void* targets, const EvaluateOptions& options,
-    int64_t block_rows, const ProgressCallback& progress) {
-  if (rows < 0 || vocab < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad shape [", rows, ", ", vocab, "]"));
-  }
-  const std::size_t row_bytes =
-      static_cast<std::size_t>(vocab) * DTypeSize(logits_dtype);
-  const std::size_t target_bytes = DTypeSize(targets_dtype);
-  if (block_rows <= 0) {
-    block_rows = std::max<int64_t>(
-        1, static_cast<int64_t>(options_.chunk_bytes /
-                                std::max<std::size_t>(row_bytes, 1)));
-  }
-  EvaluateOptions with_total = options;
-  with_total.total_rows = rows;
-  int64_t next_row = 0;
-  const char* logits_bytes = static_cast<const char*>(logits);
-  const char* targets_bytes = static_cast<const char*>(targets);
-  return Evaluate(
-      vocab, logits_dtype, targets_dtype, with_total,
-      [&](RowBlock* block) -> absl::StatusOr<bool> {
-        if (next_row >= rows) return false;
-        const int64_t n = std::min(block_rows, rows - next_row);
-        // The caller's memory, uncopied until the request or the socket.
-        block->logits_view = absl::string_view(
-            logits_bytes + next_row * row_bytes, n * row_bytes);
-        block->targets_view = absl::string_view(
-            targets_bytes + next_row * target_bytes, n * target_bytes);
-        next_row += n;
-        return true;
-      },
-      progress);
 }
 
 absl::StatusOr<bool> Client::Health(const std::string& service) {

@@ -372,7 +372,8 @@ struct EvaluateOptions {
   // set), a policy loss whose per-token inputs come in the blocks (its
   // LossInputs unset; evaluate_reference_logprobs says whether reference
   // logprobs come), and segments whose ids come in the blocks (ids unset;
-  // global over the stream). Each sends the blocks over the gRPC stream.
+  // global over the stream). Every block then carries each input these
+  // declare (over data connections, in the frame after its targets).
   std::optional<DistillationOptions> distillation;
   std::optional<PolicyGradientOptions> policy;
   std::optional<SegmentOptions> segments;
@@ -386,7 +387,10 @@ struct EvaluateOptions {
 // is not null): over data connections they are sent from there, uncopied.
 struct RowBlock {
   std::string logits;
-  std::string targets;  // none for a distillation with alpha 0
+  // None for a distillation with alpha 0: on the stream a block may leave
+  // them out under any targets dtype; over data connections every block
+  // does so when Evaluate's targets dtype is kInvalid, and none otherwise.
+  std::string targets;
   // One entry a row, with EvaluateOptions::distillation / segments: dense
   // teacher rows [R, V] of evaluate_teacher_dtype, or top-k indices [R, k] of
   // top_k_indices_dtype and fp32 logprobs [R, k]; int32 segment ids [R].
@@ -643,9 +647,14 @@ class Client {
   // connection, when they carry the blocks), so memory stays O(block).
   // With options.weight, `vocab` is the row width H of the hidden states
   // the blocks carry (and `logits_dtype` their dtype, the weight's).
+  // `targets_dtype` kInvalid: the blocks carry no targets (a distillation
+  // with alpha 0 only). Over data connections each block's inputs must be
+  // those the options declare, one entry a row; a dense teacher over hidden
+  // states first asks the weight's V (Describe).
   // INVALID_ARGUMENT (client side): vocab < 1, bad dtypes, a bias without a
-  // weight. Server errors as the Evaluate RPC; an error of the producer
-  // cancels the RPC and is returned.
+  // weight, a block over data connections that is not whole rows of every
+  // declared input. Server errors as the Evaluate RPC; an error of the
+  // producer cancels the RPC and is returned.
   absl::StatusOr<EvaluateResult> Evaluate(
       int64_t vocab, DType logits_dtype, DType targets_dtype,
       const EvaluateOptions& options, const RowBlockProducer& next_block,

@@ -1,7 +1,8 @@
 // What the files of lossd::Client share and its callers never see: the
 // Channel behind a Client (stubs, stripe connections, known shapes, the
 // scratch pool) and the helpers of calls and transfers. Included only by
-// client.cc, client_transfers.cc, client_uploads.cc and client_downloads.cc.
+// client.cc, client_evaluate.cc, client_transfers.cc, client_uploads.cc and
+// client_downloads.cc.
 #ifndef LOSSD_CLIENT_CLIENT_INTERNAL_H_
 #define LOSSD_CLIENT_CLIENT_INTERNAL_H_
 
@@ -181,6 +182,13 @@ TensorInfo FromProto(const v1::TensorInfo& proto);
 PolicyStats PolicyStatsFromProto(const v1::PolicyStats& proto);
 EvaluateResult FromProto(const v1::EvaluateResponse& proto);
 ServerInfo FromProto(const v1::ServerInfo& proto);
+
+// The header of an Evaluate of rows `vocab` wide (H with options.weight:
+// then sent as vocab 0, V being the weight's) with `options`; targets_dtype
+// kInvalid sends DTYPE_UNSPECIFIED (rows without targets). No data token.
+v1::EvaluateHeader EvaluateHeaderFor(int64_t vocab, DType logits_dtype,
+                                     DType targets_dtype,
+                                     const EvaluateOptions& options);
 
 // Runs produce(k, scratch) for pieces k = 0 .. count - 1 on a helper thread,
 // one piece ahead of consume(k, data) on the calling thread, alternating

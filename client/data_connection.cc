@@ -163,13 +163,15 @@ absl::Status SendDataPreamble(int fd, const std::string& token, int index) {
   return SendAll(fd, preamble.data(), preamble.size());
 }
 
-absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
-                               absl::string_view targets) {
+absl::Status SendEvaluateFrame(int fd, int64_t rows,
+                               absl::Span<const absl::string_view> parts) {
   char head[kFrameHeaderBytes];
   EncodeFrameRows(rows, head);
   RETURN_IF_ERROR(SendAll(fd, head, sizeof(head)));
-  RETURN_IF_ERROR(SendAll(fd, logits.data(), logits.size()));
-  return SendAll(fd, targets.data(), targets.size());
+  for (const absl::string_view part : parts) {
+    RETURN_IF_ERROR(SendAll(fd, part.data(), part.size()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SendDataBytes(int fd, const char* data, std::size_t bytes) {

@@ -1,6 +1,7 @@
-// The client end of a data connection (lossd.v1 Upload with a data_token):
-// the bytes of a large upload over plain TCP to the server's data port,
-// beside the gRPC stream that carries the header and the result.
+// The client end of a data connection (lossd.v1 Upload, Download or Evaluate
+// with a data_token): the bytes of a large transfer over plain TCP to the
+// server's data port, beside the gRPC stream that carries the header and the
+// result.
 #ifndef LOSSD_CLIENT_DATA_CONNECTION_H_
 #define LOSSD_CLIENT_DATA_CONNECTION_H_
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 namespace lossd {
 
@@ -43,11 +45,13 @@ absl::Status ReceiveOverDataConnection(
 
 // The pieces of a data connection's sending side: the preamble
 // ("LOSSDDC1", the token, `index` as 4 bytes little-endian); one Evaluate
-// frame (`rows` as 8 bytes little-endian, then the rows' logits and
-// targets); the end of sending. Statuses as SendOverDataConnection's.
+// frame (`rows` as 8 bytes little-endian, then its `parts`, the rows'
+// logits, targets and further inputs in the order of common/data_wire.h's
+// FramePart, absent ones empty); the end of sending. Statuses as
+// SendOverDataConnection's.
 absl::Status SendDataPreamble(int fd, const std::string& token, int index);
-absl::Status SendEvaluateFrame(int fd, int64_t rows, absl::string_view logits,
-                               absl::string_view targets);
+absl::Status SendEvaluateFrame(int fd, int64_t rows,
+                               absl::Span<const absl::string_view> parts);
 absl::Status EndDataSending(int fd);
 // `bytes` bytes of `data` on a data connection whose preamble went before
 // (an upload's bytes, piece by piece; EndDataSending after the last, which

@@ -192,7 +192,8 @@ commands:
                                  "gradient" or "tensor")
   ls                             list tensors (all pages)
   rm HANDLE...                   release tensors
-  eval LOGITS TARGETS            stream the files to Evaluate; prints loss
+  eval LOGITS TARGETS|none       stream the files to Evaluate; prints loss
+                                 (none: a distillation with alpha 0)
          [loss options] [--block_rows] [--dtype] [--progress]
          [--teacher=FILE | --teacher_indices=FILE --teacher_logprobs=FILE]
          [distillation flags] [--segments=FILE --num_segments]
@@ -753,12 +754,15 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   if (args.size() != 2) {
     return UsageError(
         "lossctl eval LOGITS(.npy|.safetensors[:NAME]) "
-        "TARGETS(.npy|.safetensors[:NAME])");
+        "TARGETS(.npy|.safetensors[:NAME]|none)");
   }
   ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> logits,
                    InputTensor::Open(args[0]));
-  ASSIGN_OR_RETURN(std::unique_ptr<InputTensor> targets,
-                   InputTensor::Open(args[1]));
+  // "none": no targets (a distillation with alpha 0), as forward's.
+  std::unique_ptr<InputTensor> targets;
+  if (args[1] != "none") {
+    ASSIGN_OR_RETURN(targets, InputTensor::Open(args[1]));
+  }
   const std::string weight = absl::GetFlag(FLAGS_weight);
   if (logits->shape().size() != 2 || !IsLogitsDType(logits->dtype())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -766,8 +770,9 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
         weight.empty() ? "logits [N, V]" : "hidden states [N, H]", ", got ",
         DTypeString(logits->dtype()), " ", ShapeString(logits->shape())));
   }
-  if (targets->shape().size() != 1 || !IsTargetsDType(targets->dtype()) ||
-      targets->shape()[0] != logits->shape()[0]) {
+  if (targets != nullptr &&
+      (targets->shape().size() != 1 || !IsTargetsDType(targets->dtype()) ||
+       targets->shape()[0] != logits->shape()[0])) {
     return absl::InvalidArgumentError(absl::StrCat(
         targets->description(), ": expected int32/int64 targets [",
         logits->shape()[0], "], got ", DTypeString(targets->dtype()), " ",
@@ -794,7 +799,10 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   RETURN_IF_ERROR(EvalPostTrainingFromFlags(rows, &options, &columns));
   const std::size_t file_row_bytes = vocab * DTypeSize(file_dtype);
   const std::size_t send_row_bytes = vocab * DTypeSize(send_dtype);
-  const std::size_t target_bytes = DTypeSize(targets->dtype());
+  const DType targets_dtype =
+      targets != nullptr ? targets->dtype() : DType::kInvalid;
+  const std::size_t target_bytes =
+      targets != nullptr ? DTypeSize(targets_dtype) : 0;
   int64_t block_rows = absl::GetFlag(FLAGS_block_rows);
   if (block_rows <= 0) {
     block_rows = std::max<int64_t>(
@@ -802,21 +810,26 @@ absl::Status Eval(RoutingClient& client, const std::vector<std::string>& args) {
   }
   int64_t next_row = 0;
   const char* logits_data = reinterpret_cast<const char*>(logits->data());
-  const char* targets_data = reinterpret_cast<const char*>(targets->data());
+  const char* targets_data =
+      targets != nullptr ? reinterpret_cast<const char*>(targets->data())
+                         : nullptr;
   ProgressBar bar("eval", "rows", 1.0);
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(
       const EvaluateResult result,
       client.Evaluate(
-          vocab, send_dtype, targets->dtype(), options,
+          vocab, send_dtype, targets_dtype, options,
           [&](RowBlock* block) -> absl::StatusOr<bool> {
             if (next_row >= rows) return false;
             const int64_t n = std::min(block_rows, rows - next_row);
             const char* src = logits_data + next_row * file_row_bytes;
             // The mapping stays unchanged until Evaluate returns, so blocks
             // that need no conversion are sent from it, uncopied.
-            block->targets_view = absl::string_view(
-                targets_data + next_row * target_bytes, n * target_bytes);
+            block->targets_view =
+                targets_data == nullptr
+                    ? absl::string_view()
+                    : absl::string_view(targets_data + next_row * target_bytes,
+                                        n * target_bytes);
             if (send_dtype == file_dtype) {
               block->logits_view = absl::string_view(src, n * file_row_bytes);
             } else {

@@ -45,11 +45,72 @@ uint64_t DecodeFrameRows(const unsigned char header[kFrameHeaderBytes]) {
 }
 
 int64_t MaxFrameRows(int64_t row_bytes, int64_t target_bytes) {
-  // A row of a vocab near the int64 limit: its bytes and the target's may
-  // not add up in int64, and such a row fits no frame either way.
-  const std::optional<int64_t> row = CheckedAdd(row_bytes, target_bytes);
-  if (!row.has_value() || *row > kMaxFrameBytes) return 0;
+  EvaluateFrameLayout layout;
+  layout.row_bytes[kFrameRows] = row_bytes;
+  layout.row_bytes[kFrameTargets] = target_bytes;
+  return MaxFrameRows(layout);
+}
+
+int64_t MaxFrameRows(const EvaluateFrameLayout& layout) {
+  // A row of a vocab near the int64 limit: its parts may not add up in
+  // int64, and such a row fits no frame either way.
+  const std::optional<int64_t> row = layout.TotalRowBytes();
+  if (!row.has_value() || *row < 1 || *row > kMaxFrameBytes) return 0;
   return kMaxFrameBytes / *row;
+}
+
+const char* FramePartName(FramePart part) {
+  switch (part) {
+    case kFrameRows:
+      return "logits";
+    case kFrameTargets:
+      return "targets";
+    case kFrameTeacherLogits:
+      return "teacher_logits";
+    case kFrameTeacherIndices:
+      return "teacher_indices";
+    case kFrameTeacherLogprobs:
+      return "teacher_logprobs";
+    case kFrameSegmentIds:
+      return "segment_ids";
+    case kFrameAdvantages:
+      return "advantages";
+    case kFrameSamplingLogprobs:
+      return "sampling_logprobs";
+    case kFrameReferenceLogprobs:
+      return "reference_logprobs";
+    case kFrameParts:
+      break;
+  }
+  return "?";
+}
+
+std::optional<int64_t> EvaluateFrameLayout::TotalRowBytes() const {
+  std::optional<int64_t> total = 0;
+  for (const int64_t bytes : row_bytes) {
+    total = CheckedAdd(*total, bytes);
+    if (!total.has_value()) return std::nullopt;
+  }
+  return total;
+}
+
+EvaluateFrameLayout MakeEvaluateFrameLayout(int64_t row_bytes,
+                                            int64_t target_bytes,
+                                            const FrameInputs& inputs) {
+  EvaluateFrameLayout layout;
+  std::array<int64_t, kFrameParts>& parts = layout.row_bytes;
+  parts[kFrameRows] = row_bytes;
+  parts[kFrameTargets] = target_bytes;
+  parts[kFrameTeacherLogits] = inputs.teacher_row_bytes;
+  // k <= 512 and an index of at most 8 bytes: no overflow.
+  parts[kFrameTeacherIndices] = inputs.top_k * inputs.index_bytes;
+  parts[kFrameTeacherLogprobs] = inputs.top_k * 4;
+  parts[kFrameSegmentIds] = inputs.segments ? 4 : 0;
+  parts[kFrameAdvantages] = inputs.policy ? 4 : 0;
+  parts[kFrameSamplingLogprobs] = inputs.policy ? 4 : 0;
+  parts[kFrameReferenceLogprobs] =
+      inputs.policy && inputs.reference_logprobs ? 4 : 0;
+  return layout;
 }
 
 }  // namespace lossd

@@ -176,7 +176,6 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ASSIGN_OR_RETURN(config_.spec, ValidateEvaluateHeader(header));
     const bool post_training = IsPostTrainingEvaluation(header);
-    if (post_training) RETURN_IF_ERROR(CheckPostTrainingOnTheStream(header));
     RETURN_IF_ERROR(CheckDataConnections(*rpc_, header.data_token(),
                                          header.data_connections(),
                                          "send the blocks on the stream"));
@@ -247,9 +246,9 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
       lanes.push_back(lane.get());
     }
     return EvaluationFrameWork(
-        std::move(lanes), config_.spec.row_bytes,
+        std::move(lanes), EvaluationFrameLayout(config_),
         config_.weight != nullptr ? "hidden states" : "logits",
-        static_cast<int64_t>(DTypeSize(config_.targets_dtype)));
+        config_.post_training);
   }
 
   absl::Status Complete() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

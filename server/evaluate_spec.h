@@ -18,6 +18,10 @@ struct EvaluateSpec {
   int64_t vocab = 0;
   DType logits_dtype = DType::kInvalid;
   DType targets_dtype = DType::kInvalid;
+  // False when the header's targets_dtype is UNSPECIFIED (a distillation
+  // with alpha 0 only): no block or frame carries targets, and
+  // targets_dtype is then int32 for the kernels' checks.
+  bool has_targets = true;
   // The bytes of a row: vocab * the size of logits_dtype, or with a weight
   // hidden * that size.
   int64_t row_bytes = 0;

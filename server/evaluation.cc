@@ -3,11 +3,16 @@
 
 #include <sys/socket.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
+#include <limits>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/checked_math.h"
 #include "common/data_wire.h"
 #include "common/status_macros.h"
 
@@ -25,17 +30,18 @@ absl::Status FrameEndedError(int index, int64_t got, size_t total,
 }
 
 // Exactly `bytes` bytes from data connection `index` into `out`: the rest of
-// frame `frame`'s `what`, of which `already` bytes came before (for the
-// error of a connection that ends first).
+// frame `frame`'s `what`, of which `already` bytes came before and which
+// holds `total` bytes (0: already + bytes), for the error of a connection
+// that ends first.
 absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
-                            int64_t frame, const char* what,
-                            size_t already = 0) {
+                            int64_t frame, const char* what, size_t already = 0,
+                            size_t total = 0) {
   for (size_t got = 0; got < bytes;) {
     const ssize_t n = recv(fd, out + got, bytes - got, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n == 0) {
       return FrameEndedError(index, static_cast<int64_t>(already + got),
-                             already + bytes, frame, what);
+                             total > 0 ? total : already + bytes, frame, what);
     }
     if (n < 0) {
       return DataConnectionError(index, static_cast<int64_t>(got),
@@ -44,6 +50,26 @@ absl::Status ReadFrameBytes(int fd, int index, char* out, size_t bytes,
     got += static_cast<size_t>(n);
   }
   return absl::OkStatus();
+}
+
+// The refusal of data connection `index` whose row of `layout` fits no
+// frame.
+std::string TooLargeRowMessage(int index, const EvaluateFrameLayout& layout,
+                               const char* row_name) {
+  const int64_t rows = layout.row_bytes[kFrameRows];
+  const int64_t targets = layout.row_bytes[kFrameTargets];
+  int64_t others = 0;
+  for (int part = kFrameTargets + 1; part < kFrameParts; ++part) {
+    others = CheckedAdd(others, layout.row_bytes[part])
+                 .value_or(std::numeric_limits<int64_t>::max());
+  }
+  return absl::StrFormat(
+      "data connection %d: a row of %d bytes of %s and %d of target%s is more "
+      "than a frame may hold (%d MiB); send the blocks on the stream",
+      index, rows, row_name, targets,
+      others > 0 ? absl::StrFormat(" and %d of its other inputs", others)
+                 : std::string(),
+      kMaxFrameBytes >> 20);
 }
 
 }  // namespace
@@ -129,10 +155,42 @@ absl::Status EvaluationLane::EvaluateFrame(int fd, int index, int64_t frame,
   return Run(rows);
 }
 
+absl::Status EvaluationLane::EvaluatePostTrainingFrame(
+    int fd, int index, int64_t frame, int64_t rows,
+    const EvaluateFrameLayout& layout) {
+  // rows <= MaxFrameRows(layout): the frame's bytes fit kMaxFrameBytes.
+  const size_t total =
+      static_cast<size_t>(rows * layout.TotalRowBytes().value_or(0));
+  frame_bytes_.resize(total);
+  std::array<absl::string_view, kFrameParts> parts;
+  size_t offset = 0;
+  for (int part = 0; part < kFrameParts; ++part) {
+    const size_t bytes = static_cast<size_t>(rows * layout.row_bytes[part]);
+    if (bytes == 0) continue;
+    // The error of a connection that ends here names the part it ended in.
+    const std::string what = absl::StrCat(
+        "rows (inside its ", FramePartName(static_cast<FramePart>(part)), ")");
+    RETURN_IF_ERROR(ReadFrameBytes(fd, index, frame_bytes_.data() + offset,
+                                   bytes, frame, what.c_str(), offset, total));
+    parts[part] = absl::string_view(frame_bytes_.data() + offset, bytes);
+    offset += bytes;
+  }
+  const absl::Status status = EvaluatePostTraining(
+      {parts[kFrameRows], parts[kFrameTargets], parts[kFrameTeacherLogits],
+       parts[kFrameTeacherIndices], parts[kFrameTeacherLogprobs],
+       parts[kFrameSegmentIds], parts[kFrameAdvantages],
+       parts[kFrameSamplingLogprobs], parts[kFrameReferenceLogprobs]});
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrFormat("data connection %d, frame %d: %s", index,
+                                      frame, status.message()));
+}
+
 void EvaluationLane::FreeBuffers() {
   logits_buffer_ = ScratchBuffer();
   targets_buffer_ = ScratchBuffer();
   teacher_buffer_ = ScratchBuffer();
+  frame_bytes_ = std::string();
 }
 
 absl::StatusOr<int64_t> EvaluationLane::Begin(size_t logits, size_t targets) {
@@ -268,12 +326,41 @@ absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {
   return absl::OkStatus();
 }
 
+EvaluateFrameLayout EvaluationFrameLayout(const EvaluationConfig& config) {
+  const EvaluateSpec& spec = config.spec;
+  const int64_t targets =
+      spec.has_targets ? static_cast<int64_t>(DTypeSize(spec.targets_dtype))
+                       : 0;
+  FrameInputs inputs;
+  if (config.post_training) {
+    const PostTrainingEvaluation& post = config.post;
+    if (post.distill && post.distillation.top_k == 0) {
+      // Beyond int64 (a teacher wider than the logits' dtype): a row that
+      // fits no frame.
+      inputs.teacher_row_bytes =
+          CheckedMul(spec.vocab,
+                     static_cast<int64_t>(DTypeSize(post.teacher_dtype)))
+              .value_or(std::numeric_limits<int64_t>::max());
+    } else if (post.distill) {
+      inputs.top_k = post.distillation.top_k;
+      inputs.index_bytes =
+          static_cast<int64_t>(DTypeSize(post.teacher_indices_dtype));
+    }
+    inputs.segments = post.segmented;
+    inputs.policy = post.policy;
+    inputs.reference_logprobs = post.policy_reference;
+  }
+  return MakeEvaluateFrameLayout(spec.row_bytes, targets, inputs);
+}
+
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes, const char* row_name,
-                                       int64_t target_bytes) {
-  return [lanes, row_bytes, row_name, target_bytes](
+                                       const EvaluateFrameLayout& layout,
+                                       const char* row_name,
+                                       bool post_training) {
+  return [lanes, layout, row_name, post_training](
              int index, int fd, const DataTransfer::Range&) -> absl::Status {
     EvaluationLane* const lane = lanes[static_cast<size_t>(index)];
+    const int64_t max_rows = MaxFrameRows(layout);
     for (int64_t number = 0;; ++number) {
       unsigned char head[kFrameHeaderBytes];
       // The end of the connection before a frame is the clean end.
@@ -287,23 +374,21 @@ DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
                                      reinterpret_cast<char*>(head) + 1, 7,
                                      number, "row count", 1));
       const uint64_t rows = DecodeFrameRows(head);
-      const int64_t max_rows = MaxFrameRows(row_bytes, target_bytes);
       if (rows < 1 || rows > static_cast<uint64_t>(max_rows)) {
         return absl::InvalidArgumentError(
             max_rows < 1
-                ? absl::StrFormat("data connection %d: a row of %d bytes "
-                                  "of %s and %d of target is more than "
-                                  "a frame may hold (%d MiB); send the "
-                                  "blocks on the stream",
-                                  index, row_bytes, row_name, target_bytes,
-                                  kMaxFrameBytes >> 20)
+                ? TooLargeRowMessage(index, layout, row_name)
                 : absl::StrFormat("data connection %d, frame %d: %d rows; a "
                                   "frame holds 1 to %d rows (%d MiB)",
                                   index, number, static_cast<int64_t>(rows),
                                   max_rows, kMaxFrameBytes >> 20));
       }
       RETURN_IF_ERROR(
-          lane->EvaluateFrame(fd, index, number, static_cast<int64_t>(rows)));
+          post_training
+              ? lane->EvaluatePostTrainingFrame(
+                    fd, index, number, static_cast<int64_t>(rows), layout)
+              : lane->EvaluateFrame(fd, index, number,
+                                    static_cast<int64_t>(rows)));
     }
   };
 }

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/data_wire.h"
 #include "common/dtype.h"
 #include "common/loss_options.h"
 #include "common/raw_messages.h"
@@ -225,6 +226,15 @@ class EvaluationLane {
   };
   absl::Status EvaluatePostTraining(const PostTrainingBlock& block);
 
+  // Frame `frame` of data connection `index` (`fd`) of a post-training
+  // evaluation, whose row count `rows` has been read: the rest of the frame,
+  // its parts as `layout` says, is read into a host buffer (grown to the
+  // largest frame and reused) and evaluated as the block of the same bytes
+  // on the stream would be.
+  absl::Status EvaluatePostTrainingFrame(int fd, int index, int64_t frame,
+                                         int64_t rows,
+                                         const EvaluateFrameLayout& layout);
+
   // Lets go of the block buffers (they grow again for a next block).
   void FreeBuffers();
 
@@ -262,6 +272,7 @@ class EvaluationLane {
   ScratchBuffer targets_buffer_;
   ScratchBuffer teacher_buffer_;  // a dense teacher's rows
   std::string host_targets_;
+  std::string frame_bytes_;  // a post-training frame's parts
   BlockOrderSum* const order_;
   const int index_;
   int64_t blocks_ = 0;    // every block, empty ones too (for messages)
@@ -269,16 +280,23 @@ class EvaluationLane {
   EvaluationSums block_;  // of the block under way
 };
 
+// The parts of the frames of an evaluation with `config`
+// (common/data_wire.h): its rows and targets, and a post-training
+// evaluation's teacher rows, segment ids and policy inputs.
+EvaluateFrameLayout EvaluationFrameLayout(const EvaluationConfig& config);
+
 // The work of data connection i of an evaluation over `lanes.size()`
-// connections: frames (an 8-byte little-endian row count R >= 1, then R rows
-// of `row_bytes` of `row_name` ("logits" or "hidden states", a static
-// string) and R targets of `target_bytes`) evaluated into lane i, in order,
-// until the client ends its side between two frames. The lanes are borrowed:
-// they must exist while the transfer runs (free them only after
-// DataTransfer::Cancel, or after the transfer ended).
+// connections: frames (an 8-byte little-endian row count R >= 1, then the R
+// rows of each part of `layout`; `row_name`, "logits" or "hidden states", a
+// static string, names its rows) evaluated into lane i, in order, until the
+// client ends its side between two frames; with `post_training`, each frame
+// as a post-training block. The lanes are borrowed: they must exist while the
+// transfer runs (free them only after DataTransfer::Cancel, or after the
+// transfer ended).
 DataTransfer::Work EvaluationFrameWork(std::vector<EvaluationLane*> lanes,
-                                       int64_t row_bytes, const char* row_name,
-                                       int64_t target_bytes);
+                                       const EvaluateFrameLayout& layout,
+                                       const char* row_name,
+                                       bool post_training);
 
 }  // namespace lossd
 

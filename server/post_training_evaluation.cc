@@ -100,15 +100,6 @@ absl::Status ParseEvaluateSegments(const pb::Segments& segments,
 
 }  // namespace
 
-absl::Status CheckPostTrainingOnTheStream(const pb::EvaluateHeader& header) {
-  if (!header.data_token().empty()) {
-    return absl::InvalidArgumentError(
-        "distillation, policy losses and segments in Evaluate are offered "
-        "on the stream only: not over data connections");
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<PostTrainingEvaluation> ParsePostTrainingEvaluation(
     const pb::EvaluateHeader& header, int64_t vocab,
     const CrossEntropyOptions& options) {
@@ -278,6 +269,11 @@ absl::StatusOr<int64_t> PostTrainingBlockRows(
     }
     return absl::OkStatus();
   };
+  if (!config.spec.has_targets && !block.targets.empty()) {
+    return bad(absl::StrCat(
+        "targets has ", block.targets.size(),
+        " bytes, but header.targets_dtype is DTYPE_UNSPECIFIED (no targets)"));
+  }
   const bool targets_optional = post.distill && post.distillation.alpha == 0.0f;
   RETURN_IF_ERROR(expect(block.targets,
                          static_cast<int64_t>(DTypeSize(config.targets_dtype)),

@@ -1,6 +1,6 @@
-// Evaluate with distillation or segments: what the header fixes for every
-// block (the teacher's rows and segment ids come in the blocks), and how the
-// blocks' sums become the response.
+// Evaluate with distillation, a policy loss or segments: what the header
+// fixes for every block (the teacher's rows, the policy's inputs and segment
+// ids come in the blocks or frames), and how their sums become the response.
 #ifndef LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
 #define LOSSD_SERVER_POST_TRAINING_EVALUATION_H_
 
@@ -38,12 +38,6 @@ inline constexpr int64_t kMaxEvaluateSegments = int64_t{1} << 20;
 
 // True when the header asks for a post-training evaluation.
 bool IsPostTrainingEvaluation(const lossd::v1::EvaluateHeader& header);
-
-// INVALID_ARGUMENT for a post-training header (IsPostTrainingEvaluation)
-// over data connections: the blocks' extra fields come on the stream only.
-// Checked before the data token is looked up. Thread-safe.
-absl::Status CheckPostTrainingOnTheStream(
-    const lossd::v1::EvaluateHeader& header);
 
 // The header's post-training part, checked against `vocab` and `options`
 // (ValidateEvaluateHeader's; over hidden states, V is the weight's, known

@@ -366,6 +366,20 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     return absl::InvalidArgumentError(
         "Evaluate reduces: reduction NONE is not allowed");
   }
+  // A distillation with alpha 0 needs no targets: UNSPECIFIED says that the
+  // rows come without any (over data connections, frames without that part).
+  auto parse_targets = [&header, &spec]() -> absl::Status {
+    const bool optional =
+        header.has_distillation() && header.distillation().alpha() == 0.0f;
+    ASSIGN_OR_RETURN(spec.targets_dtype,
+                     ParseDType(header.targets_dtype(), "header.targets_dtype",
+                                optional, kTargetsDTypes));
+    if (spec.targets_dtype == DType::kInvalid) {
+      spec.has_targets = false;
+      spec.targets_dtype = DType::kInt32;
+    }
+    return absl::OkStatus();
+  };
   if (!header.weight().empty()) {
     // Hidden states: V, H and the dtype are the weight's (LeaseLinearHead);
     // vocab and logits_dtype may only restate them.
@@ -382,9 +396,7 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     ASSIGN_OR_RETURN(spec.logits_dtype,
                      ParseDType(header.logits_dtype(), "header.logits_dtype",
                                 true, kLogitsDTypes));
-    ASSIGN_OR_RETURN(spec.targets_dtype,
-                     ParseDType(header.targets_dtype(), "header.targets_dtype",
-                                false, kTargetsDTypes));
+    RETURN_IF_ERROR(parse_targets());
     return spec;
   }
   if (!header.bias().empty()) {
@@ -400,9 +412,7 @@ absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
   ASSIGN_OR_RETURN(spec.logits_dtype,
                    ParseDType(header.logits_dtype(), "header.logits_dtype",
                               false, kLogitsDTypes));
-  ASSIGN_OR_RETURN(spec.targets_dtype,
-                   ParseDType(header.targets_dtype(), "header.targets_dtype",
-                              false, kTargetsDTypes));
+  RETURN_IF_ERROR(parse_targets());
   const int64_t element = static_cast<int64_t>(DTypeSize(spec.logits_dtype));
   if (spec.vocab > std::numeric_limits<int64_t>::max() / element) {
     return absl::InvalidArgumentError(

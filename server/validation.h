@@ -169,12 +169,14 @@ absl::StatusOr<GradOutput> ValidateBackwardRequest(
 
 // INVALID_ARGUMENT: as ParseLossOptions; a malformed options.class_weights
 // handle (common/handle.h); reduction NONE; vocab <= 0; logits dtype missing,
-// unknown or not a float type; targets dtype missing, unknown or not
-// int32/int64; a row size that overflows int64; a bias without a weight.
-// With header.weight (a well-formed handle, as header.bias), vocab may be 0
-// and logits_dtype UNSPECIFIED (kInvalid): the spec's vocab, logits_dtype and
-// row_bytes are then completed from the weight (ApplyLinearHead,
-// server/linear_head.h); row_bytes stays 0 until then. Thread-safe.
+// unknown or not a float type; targets dtype missing (allowed for a
+// distillation with alpha 0: the blocks then carry no targets,
+// spec.has_targets), unknown or not int32/int64; a row size that overflows
+// int64; a bias without a weight. With header.weight (a well-formed handle, as
+// header.bias), vocab may be 0 and logits_dtype UNSPECIFIED (kInvalid): the
+// spec's vocab, logits_dtype and row_bytes are then completed from the weight
+// (ApplyLinearHead, server/linear_head.h); row_bytes stays 0 until then.
+// Thread-safe.
 absl::StatusOr<EvaluateSpec> ValidateEvaluateHeader(
     const lossd::v1::EvaluateHeader& header);
 

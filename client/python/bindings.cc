@@ -27,6 +27,15 @@ namespace lossd {
 namespace python {
 namespace {
 
+// A property's getter: the result's per-row array as a numpy copy, None when
+// it was not asked for (empty).
+template <typename Result, typename T>
+auto ArrayOrNone(std::vector<T> Result::*member, const char* dtype) {
+  return [member, dtype](const Result& r) {
+    return NumpyCopyOrNone(r.*member, dtype);
+  };
+}
+
 template <typename F>
 auto WithoutGil(F&& call) {
   py::gil_scoped_release release;
@@ -241,8 +250,9 @@ reduction: "mean" or "sum". block_rows: rows per block (0 = about 1 MiB).
 Distillation metrics, policy-loss metrics and per-segment sums as forward()
 takes them, the teacher (logits [N, V], or a pair (indices, logprobs)
 [N, k]), the policy's advantages, old_logprobs and ref_logprobs (float32
-[N]) and segment ids in host memory: they go in the blocks beside the rows,
-over the gRPC stream. Results add .distillation_loss, .policy_stats,
+[N]) and segment ids in host memory: they go in the blocks beside the rows
+(over data connections when large, as the rows do). target=None with
+alpha=0 sends no targets. Results add .distillation_loss, .policy_stats,
 .segment_loss, .segment_tokens.)doc";
 
 constexpr char kLinearEvaluateDoc[] =
@@ -347,57 +357,25 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("gradient", &ForwardResult::gradient,
                     "the gradient's handle (\"\" for mode=\"none\")")
       .def_property_readonly("token_loss",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_loss.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_loss, "<f4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_loss, "<f4"))
       .def_property_readonly("token_lse",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_lse.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_lse, "<f4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_lse, "<f4"))
       .def_property_readonly("token_argmax",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_argmax.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_argmax, "<i4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_argmax, "<i4"))
       .def_readonly("kernel_seconds", &ForwardResult::kernel_seconds)
       .def_readonly("denominator", &ForwardResult::denominator)
       .def_readonly("distillation_loss", &ForwardResult::distillation_loss)
       .def_readonly("policy_stats", &ForwardResult::policy_stats)
       .def_property_readonly("segment_loss",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.segment_loss.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.segment_loss, "<f8");
-                             })
+                             ArrayOrNone(&ForwardResult::segment_loss, "<f8"))
       .def_property_readonly("segment_tokens",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.segment_tokens.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.segment_tokens, "<i8");
-                             })
+                             ArrayOrNone(&ForwardResult::segment_tokens, "<i8"))
       .def_property_readonly("token_logprob",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_logprob.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_logprob, "<f4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_logprob, "<f4"))
       .def_property_readonly("token_entropy",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_entropy.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_entropy, "<f4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_entropy, "<f4"))
       .def_property_readonly("token_ratio",
-                             [](const ForwardResult& r) -> py::object {
-                               return r.token_ratio.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.token_ratio, "<f4");
-                             })
+                             ArrayOrNone(&ForwardResult::token_ratio, "<f4"))
       .def_property_readonly("token_clipped",
                              [](const ForwardResult& r) -> py::object {
                                if (r.token_clipped.empty()) return py::none();
@@ -434,24 +412,18 @@ PYBIND11_MODULE(_lossd, m) {
           [](const LinearForwardResult& r) { return r.forward.gradient; },
           "dX's handle (\"\" for mode=\"none\")")
       .def_property_readonly("token_loss",
-                             [](const LinearForwardResult& r) -> py::object {
-                               return r.forward.token_loss.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.forward.token_loss,
+                             [](const LinearForwardResult& r) {
+                               return NumpyCopyOrNone(r.forward.token_loss,
                                                       "<f4");
                              })
       .def_property_readonly("token_lse",
-                             [](const LinearForwardResult& r) -> py::object {
-                               return r.forward.token_lse.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.forward.token_lse,
+                             [](const LinearForwardResult& r) {
+                               return NumpyCopyOrNone(r.forward.token_lse,
                                                       "<f4");
                              })
       .def_property_readonly("token_argmax",
-                             [](const LinearForwardResult& r) -> py::object {
-                               return r.forward.token_argmax.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.forward.token_argmax,
+                             [](const LinearForwardResult& r) {
+                               return NumpyCopyOrNone(r.forward.token_argmax,
                                                       "<i4");
                              })
       .def_property_readonly(
@@ -493,17 +465,10 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("distillation_loss", &EvaluateResult::distillation_loss)
       .def_readonly("policy_stats", &EvaluateResult::policy_stats)
       .def_property_readonly("segment_loss",
-                             [](const EvaluateResult& r) -> py::object {
-                               return r.segment_loss.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.segment_loss, "<f8");
-                             })
-      .def_property_readonly("segment_tokens",
-                             [](const EvaluateResult& r) -> py::object {
-                               return r.segment_tokens.empty()
-                                          ? py::none()
-                                          : NumpyCopy(r.segment_tokens, "<i8");
-                             });
+                             ArrayOrNone(&EvaluateResult::segment_loss, "<f8"))
+      .def_property_readonly(
+          "segment_tokens",
+          ArrayOrNone(&EvaluateResult::segment_tokens, "<i8"));
 
   py::class_<PyClient>(m, "Client", py::dynamic_attr(), kClientDoc)
       .def(py::init([](const std::string& target, py::object token, bool tls,

@@ -133,6 +133,12 @@ py::object NumpyCopy(const std::vector<T>& values, const char* dtype) {
   return array;
 }
 
+// NumpyCopy, or None for an empty vector (a per-row output not asked for).
+template <typename T>
+py::object NumpyCopyOrNone(const std::vector<T>& values, const char* dtype) {
+  return values.empty() ? py::none() : NumpyCopy(values, dtype);
+}
+
 // A memoryview over memory lossd owns, valid during one callback: released
 // after it so that a view kept by the callback fails instead of reading
 // freed memory (a release refused because of a derived export is left).

@@ -917,7 +917,8 @@ EvaluateResult EvaluateRows(PyClient& self, py::handle rows, py::handle target,
     py::gil_scoped_release release;
     result = client->Evaluate(
         rows_tensor.shape[1], rows_tensor.dtype,
-        targets_tensor.buffer != nullptr ? targets_tensor.dtype : DType::kInt32,
+        targets_tensor.buffer != nullptr ? targets_tensor.dtype
+                                         : DType::kInvalid,
         with_total, [&](RowBlock* block) -> absl::StatusOr<bool> {
           if (next >= n) return false;
           const int64_t count = std::min(block_rows, n - next);

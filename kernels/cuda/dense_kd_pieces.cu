@@ -13,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/dense_kd_pieces.h"
 #include "kernels/cuda/dtype_dispatch.cuh"
@@ -38,30 +39,34 @@ constexpr int kMaxBatches = 16;
 
 constexpr int kFkl = static_cast<int>(Divergence::kForwardKl);
 constexpr int kRkl = static_cast<int>(Divergence::kReverseKl);
+constexpr int kJsd = static_cast<int>(Divergence::kJsd);
+constexpr double kLog2eD = 1.4426950408889634;
+// A thread's running maxima before its first element: finite, so that a
+// vector of -inf leaves them alone and its exponents come out 0, not NaN.
+constexpr float kNoMax = -3.402823466e38f;
 
-// The statistics of a slice of a row: z's max mz (first argmax arg), sum
-// sz = sum exp(z - mz) and wz = sum exp(z - mz) z (the entropy's); u = z /
-// tau's sum su = sum exp(u - mz / tau) (its max is mz / tau: the product is
-// monotone); the teacher's v = t / tau, max mv and sv = sum exp(v - mv); and
-// the divergence's weighted sum in fp64, forward KL w = sum exp(v - mv) (v -
-// u), reverse KL w = sum exp(u - mu) (u - v), and ws the sum of those weights
-// in fp64 too (w / ws is the mean sum q (v - u) or sum p (u - v), the row
-// kernel's WeightedStats: with fp32's sv or su below it, their summation's
-// ~1e-6 times a mean of ~50 moved reverse KL's u - v - mean by more than a
-// sharp row's gradient allows).
+// The statistics of a slice of a row, in raw logits: z's max mz (first
+// argmax arg) and the teacher's max mt; sz = sum e^(z - mz) and hz = sum
+// e^(z - mz) (z - mz) (the entropy's); su = sum e^((z - mz) / tau); sv = sum
+// e^((t - mt) / tau); and the divergence's weighted sum w, forward KL sum
+// e^((t - mt) / tau) (t - z), reverse KL sum e^((z - mz) / tau) (z - t)
+// (w / sv or w / su is the mean of (v - u) or (u - v) times tau: the row
+// kernel's WeightedStats). A thread sums each 16-byte vector in fp32 and
+// adds the vector's sums to fp64 totals (sv and su, w's denominators, kept
+// to fp64's digits: bench/NOTES.md, the reverse KL of a sharp student);
+// every merge past the thread is in fp64.
 struct DenseStats {
   float mz;
-  float sz;
-  float wz;
+  float mt;
   int arg;
-  float su;
-  float sv;
-  float mv;
+  double sz;
+  double hz;
+  double su;
+  double sv;
   double w;
-  double ws;
 };
 __device__ __forceinline__ DenseStats EmptyDense() {
-  return {-INFINITY, 0.0f, 0.0f, INT_MAX, 0.0f, 0.0f, -INFINITY, 0.0, 0.0};
+  return {kNoMax, kNoMax, INT_MAX, 0.0, 0.0, 0.0, 0.0, 0.0};
 }
 
 // A piece's published statistics (and the target's z where it holds it);
@@ -94,42 +99,40 @@ __device__ __forceinline__ unsigned LoadAcquireU(const unsigned* p) {
 }
 
 // Merges the 32 lanes' statistics; every lane gets the same bits (the max
-// first, then each lane's sums rescaled to it once and added by butterfly,
-// which adds the same pair in every lane). kDiv picks w's weights.
+// first, then each lane's sums rescaled to it once in fp64 and added by
+// butterfly, which adds the same pair in every lane).
+template <int kDiv>
 __device__ __forceinline__ DenseStats WarpMergeDense(const DenseStats& v,
-                                                     float inv_tau, int div) {
+                                                     double inv_tau) {
   float m = v.mz;
-  float mv = v.mv;
+  float mt = v.mt;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    mv = fmaxf(mv, __shfl_xor_sync(0xffffffffu, mv, o));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
   }
   DenseStats r;
   r.mz = m;
+  r.mt = mt;
   // (the first argmax: the least index among the lanes that hold the max)
   r.arg = __reduce_min_sync(0xffffffffu, v.mz == m ? v.arg : INT_MAX);
-  r.mv = mv;
-  // (accurate expf: one a lane, and a few ulps here are every element's)
-  const float fz = v.mz == -INFINITY ? 0.0f : expf(v.mz - m);
-  const float fu =
-      v.mz == -INFINITY ? 0.0f : expf(v.mz * inv_tau - m * inv_tau);
-  const float fv = v.mv == -INFINITY ? 0.0f : expf(v.mv - mv);
+  // (both differences finite: the maxima start at kNoMax, not -inf)
+  const double dz = static_cast<double>(v.mz) - m;
+  const double fz = exp(dz);
+  const double fu = inv_tau == 1.0 ? fz : exp(dz * inv_tau);
+  const double fv = exp((static_cast<double>(v.mt) - mt) * inv_tau);
   r.sz = v.sz * fz;
-  r.wz = v.wz * fz;
+  r.hz = fz * fma(dz, v.sz, v.hz);
   r.su = v.su * fu;
   r.sv = v.sv * fv;
-  const double fw = div == kFkl ? fv : div == kRkl ? fu : 0.0;
-  r.w = v.w * fw;
-  r.ws = v.ws * fw;
+  r.w = kDiv == kFkl ? v.w * fv : kDiv == kRkl ? v.w * fu : 0.0;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     r.sz += __shfl_xor_sync(0xffffffffu, r.sz, o);
-    r.wz += __shfl_xor_sync(0xffffffffu, r.wz, o);
+    r.hz += __shfl_xor_sync(0xffffffffu, r.hz, o);
     r.su += __shfl_xor_sync(0xffffffffu, r.su, o);
     r.sv += __shfl_xor_sync(0xffffffffu, r.sv, o);
-    r.w += __shfl_xor_sync(0xffffffffu, r.w, o);
-    r.ws += __shfl_xor_sync(0xffffffffu, r.ws, o);
+    if (kDiv != kJsd) r.w += __shfl_xor_sync(0xffffffffu, r.w, o);
   }
   return r;
 }
@@ -171,18 +174,156 @@ __device__ __forceinline__ void TeacherValues(const uint4* ts, int q,
   }
 }
 
+// The largest of a 16-byte vector's elements (halves: packed pairs, half the
+// instructions of unpacking first).
+template <typename T>
+__device__ __forceinline__ float VectorMax(const uint4& v) {
+  if constexpr (sizeof(T) == 4) {
+    return fmaxf(fmaxf(__uint_as_float(v.x), __uint_as_float(v.y)),
+                 fmaxf(__uint_as_float(v.z), __uint_as_float(v.w)));
+  } else {
+    using H2 =
+        std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    const H2 m = __hmax2(__hmax2(AsPair<H2>(v.x), AsPair<H2>(v.y)),
+                         __hmax2(AsPair<H2>(v.z), AsPair<H2>(v.w)));
+    return fmaxf(__low2float(m), __high2float(m));
+  }
+}
+
+// This thread's statistics of its piece (kept: the student's slice, tkept:
+// the teacher's; nvec student vectors from column `start`), each batch once
+// it has landed. A vector's max raises the running ones (rarely, past the
+// first vectors); w's terms are centred on the pair at the running max of
+// their weights (fp32 rounds each term relative to its distance from the
+// centre, and a sharp row's terms near it carry the sum).
+template <typename T, typename TT, int kDiv, bool kTauOne>
+__device__ __forceinline__ DenseStats PieceStats(const uint4* kept,
+                                                 const uint4* tkept, int nvec,
+                                                 int start, int tid,
+                                                 unsigned long long* landed,
+                                                 unsigned parity, float c_u) {
+  using Tr = Traits<T>;
+  constexpr int kVec = Tr::kVec;
+  float bz = kNoMax, bt = kNoMax;
+  // The centre's partner: z at the teacher's max (forward KL), t at the
+  // student's (reverse KL); w's terms are e (d - c) with c = bt - zc or bz -
+  // tc, d the raw difference t - z or z - t.
+  float partner = 0.0f;
+  double centre = 0.0;
+  int arg = INT_MAX;
+  double sz = 0.0, hz = 0.0, su = 0.0, sv = 0.0, w = 0.0;
+#pragma unroll 1
+  for (int b = 0; b * kBatchVectors < nvec; ++b) {
+    MbarWait(&landed[b], parity);
+#pragma unroll 2
+    for (int q = b * kBatchVectors + tid;
+         q < min(nvec, (b + 1) * kBatchVectors); q += kBlock) {
+      const uint4 zv = kept[q];
+      float tv[kVec];
+      TeacherValues<T, TT>(tkept, q, tv);
+      float z[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) z[j] = Tr::Get(zv, j);
+      const float vz = VectorMax<T>(zv);
+      float vt = tv[0];
+#pragma unroll
+      for (int j = 1; j < kVec; ++j) vt = fmaxf(vt, tv[j]);
+      if (vz > bz) {
+        // (the first j at the max, and its teacher value: selects, no
+        // indexing of the register arrays)
+        int jm = kVec - 1;
+        float tc = tv[kVec - 1];
+#pragma unroll
+        for (int j = kVec - 1; j >= 0; --j) {
+          if (z[j] == vz) {
+            jm = j;
+            tc = tv[j];
+          }
+        }
+        arg = start + q * kVec + jm;
+        const double dz = static_cast<double>(bz) - vz;
+        const double fz = Exp2(static_cast<float>(dz) * kLog2e);
+        const double fu = kTauOne ? fz : Exp2(static_cast<float>(dz) * c_u);
+        if (kDiv == kRkl) {
+          const double c = static_cast<double>(vz) - (isfinite(tc) ? tc : 0.0f);
+          w = fu * fma(centre - c, kTauOne ? sz : su, w);
+          centre = c;
+          partner = isfinite(tc) ? tc : 0.0f;
+        }
+        hz = fz * fma(dz, sz, hz);
+        sz *= fz;
+        su *= fu;
+        bz = vz;
+      }
+      if (vt > bt) {
+        const double fv =
+            Exp2(static_cast<float>(static_cast<double>(bt) - vt) * c_u);
+        if (kDiv == kFkl) {
+          float zc = z[kVec - 1];
+#pragma unroll
+          for (int j = kVec - 1; j >= 0; --j) {
+            if (tv[j] == vt) zc = z[j];
+          }
+          const double c = static_cast<double>(vt) - (isfinite(zc) ? zc : 0.0f);
+          w = fv * fma(centre - c, sv, w);
+          centre = c;
+          partner = isfinite(zc) ? zc : 0.0f;
+        }
+        sv *= fv;
+        bt = vt;
+      }
+      float pz = 0.0f, ph = 0.0f, pu = 0.0f, pv = 0.0f, pw = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float dz = z[j] - bz;
+        const float ez = Exp2(dz * kLog2e);
+        pz += ez;
+        // (a class of z -inf: e 0, no 0 * inf)
+        ph = ez > 0.0f ? fmaf(ez, dz, ph) : ph;
+        float eu = ez;
+        if (!kTauOne) {
+          eu = Exp2(dz * c_u);
+          pu += eu;
+        }
+        const float dt = tv[j] - bt;
+        const float ev = Exp2(dt * c_u);
+        pv += ev;
+        if (kDiv == kFkl) {
+          pw = ev > 0.0f ? fmaf(ev, dt - (z[j] - partner), pw) : pw;
+        } else if (kDiv == kRkl) {
+          pw = eu > 0.0f ? fmaf(eu, dz - (tv[j] - partner), pw) : pw;
+        }
+      }
+      sz += pz;
+      hz += ph;
+      if (!kTauOne) su += pu;
+      sv += pv;
+      if (kDiv != kJsd) w += pw;
+    }
+  }
+  if (kTauOne) su = sz;
+  const double ws = kDiv == kFkl ? sv : su;
+  // (w back to raw differences: its centre times the weights' sum)
+  const double wr = kDiv != kJsd && ws > 0.0 ? fma(centre, ws, w) : 0.0;
+  return {bz, bt, arg, sz, hz, su, sv, wr};
+}
+
 // What the gradient pass needs of a row, set by warp 0 after the merge.
 struct DenseRow {
-  float mz, cz;  // p_c = 2^((z_c - mz) log2e - cz)
-  float mu, cu;  // p^tau_c = 2^((u_c - mu) log2e - cu)
-  float mv, cv;  // q_c = 2^((v_c - mv) log2e - cv)
-  float lu, lv;  // log su, log sv (JSD's log P, log Q)
-  float a_ce;    // s alpha
-  float a_kd;    // s (1 - alpha) / tau
-  float ratio;   // forward KL: sum q / sum p, as the pass computes them
-  float gbar;    // JSD: sum h / sum P
-  double k;      // reverse KL: sum p (u - v)
-  float gy;      // the target's gradient (its cross-entropy part)
+  float mz, mt;      // the maxima of z and t
+  float c_u;         // log2e / tau
+  float inv_tau;     // 1 / tau
+  float cz;          // p_c = 2^((z_c - mz) log2e - cz)
+  float cu;          // p^tau_c = 2^((z_c - mz) c_u - cu)
+  float cv;          // q_c = 2^((t_c - mt) c_u - cv)
+  float lu, lv;      // log su, log sv (JSD's log P, log Q)
+  float a_ce;        // s alpha
+  float a_kd;        // s (1 - alpha) / tau
+  float cp, cp_ce;   // forward KL: a_kd sum q / sum p (cp_ce: + a_ce, tau 1)
+  float a_rkl;       // reverse KL: a_kd / tau
+  float k_hi, k_lo;  // reverse KL: sum p (z - t) / sum p as a pair
+  float gbar;        // JSD: sum h / sum P
+  float gy;          // the target's gradient (its cross-entropy part)
   float logp;
   float s;
   bool valid;
@@ -215,6 +356,60 @@ __device__ __forceinline__ void WriteRecord(const DenseRow& r, float alpha,
           0.0};
 }
 
+// The row's constants from its merged statistics (`zy` the target's z).
+template <int kDiv, bool kTauOne>
+__device__ __forceinline__ DenseRow MakeDenseRow(const DenseStats& rs,
+                                                 const DistillationArgs& kd,
+                                                 float zy, bool has_target,
+                                                 bool valid, float s, float c_u,
+                                                 float inv_tau) {
+  const double inv_tau_d = 1.0 / static_cast<double>(kd.temperature);
+  const double lz = log(rs.sz);
+  const double lu = kTauOne ? lz : log(rs.su);
+  const double lv = log(rs.sv);
+  DenseRow r;
+  r.mz = rs.mz;
+  r.mt = rs.mt;
+  r.c_u = c_u;
+  r.inv_tau = inv_tau;
+  r.cz = static_cast<float>(lz * kLog2eD);
+  r.cu = kTauOne ? r.cz : static_cast<float>(lu * kLog2eD);
+  r.cv = static_cast<float>(lv * kLog2eD);
+  r.lu = static_cast<float>(lu);
+  r.lv = static_cast<float>(lv);
+  r.valid = valid;
+  r.s = s;
+  r.a_ce = s * kd.alpha;
+  r.a_kd = s * (1.0f - kd.alpha) * inv_tau;
+  r.logp = has_target && valid ? (zy - rs.mz) - static_cast<float>(lz) : 0.0f;
+  r.gy = r.a_ce * expm1f(r.logp);
+  r.lse = static_cast<float>(rs.mz + lz);
+  r.entropy = static_cast<float>(lz - rs.hz / rs.sz);
+  r.arg = rs.arg;
+  r.cp = r.cp_ce = r.a_rkl = r.k_hi = r.k_lo = r.gbar = 0.0f;
+  // lse(u) - lse(v)
+  const double gap =
+      (static_cast<double>(rs.mz) - rs.mt) * inv_tau_d + (lu - lv);
+  double distill = 0.0;
+  if (kDiv == kFkl) {
+    distill = rs.sv > 0.0 ? rs.w / rs.sv * inv_tau_d + gap : 0.0;
+    // sum q / sum p over the p and q as the gradient computes them
+    const double sum_p = rs.su * exp2(-static_cast<double>(r.cu));
+    const double sum_q = rs.sv * exp2(-static_cast<double>(r.cv));
+    const float ratio = sum_p > 0.0 ? static_cast<float>(sum_q / sum_p) : 0.0f;
+    r.cp = r.a_kd * ratio;
+    r.cp_ce = kTauOne ? r.cp + r.a_ce : r.cp;
+  } else if (kDiv == kRkl) {
+    const double k = rs.su > 0.0 ? rs.w / rs.su : 0.0;
+    r.k_hi = static_cast<float>(k);
+    r.k_lo = static_cast<float>(k - r.k_hi);
+    r.a_rkl = r.a_kd * inv_tau;
+    distill = rs.su > 0.0 ? k * inv_tau_d - gap : 0.0;
+  }
+  r.distill = distill;
+  return r;
+}
+
 // JSD's terms of one class from log P and log Q on the special-function
 // unit (DivergenceTerm's d and h, and P): log M = log max(P, Q) + log w, w =
 // M / max(P, Q) in [min(beta, 1 - beta), 1] from e^-|log Q - log P|, so that
@@ -245,35 +440,59 @@ __device__ __forceinline__ JsdParts JsdTerm(float beta, float log_p,
   return {p, fmaf(beta, qm, (1.0f - beta) * pm), (1.0f - beta) * pm};
 }
 
-// The divergence's part of element c's gradient (before a_kd) from u_c, v_c:
-// forward KL p ratio - q, reverse KL p (u - v - k) with the difference in
-// fp64 (it cancels: bench/NOTES.md, post-training precision), JSD h - P gbar.
-__device__ __forceinline__ float KdTerm(const DenseRow& r, int div, float beta,
-                                        float u, float v) {
-  if (div == kFkl) {
-    const float p = Exp2(fmaf(u - r.mu, kLog2e, -r.cu));
-    const float q = Exp2(fmaf(v - r.mv, kLog2e, -r.cv));
-    return fmaf(p, r.ratio, -q);
+// JSD's log P and log Q of a class.
+__device__ __forceinline__ JsdParts JsdOf(const DenseRow& r, float beta,
+                                          float z, float t) {
+  return JsdTerm(beta, fmaf(z - r.mz, r.inv_tau, -r.lu),
+                 fmaf(t - r.mt, r.inv_tau, -r.lv));
+}
+
+// Element c's gradient from z_c, t_c: the divergence's part (forward KL
+// a_kd (p ratio - q); reverse KL a_kd / tau p ((z - t) - k); JSD a_kd (h - P
+// gbar)) plus, with `ce`, the cross entropy's a_ce p (at tau 1 the same p).
+template <int kDiv, bool kTauOne>
+__device__ __forceinline__ float DenseGrad(const DenseRow& r, float beta,
+                                           float z, float t, bool ce) {
+  const float dz = z - r.mz;
+  float g;
+  float p_ce = 0.0f;  // softmax(z)_c where this divergence has it (tau 1)
+  if (kDiv == kFkl) {
+    const float p = Exp2(fmaf(dz, r.c_u, -r.cu));
+    const float q = Exp2(fmaf(t - r.mt, r.c_u, -r.cv));
+    if (kTauOne) return fmaf(p, ce ? r.cp_ce : r.cp, -r.a_kd * q);
+    g = fmaf(p, r.cp, -r.a_kd * q);
+  } else if (kDiv == kRkl) {
+    const float p = Exp2(fmaf(dz, r.c_u, -r.cu));
+    // z - t as an exact pair (two-sum): d cancels to a few units where the
+    // student is sharp, and z - t rounded alone moved it by up to 2^-24 |z -
+    // t| (an fp32 student's gradient off by 3e-4 of itself on the GPU).
+    const float s = __fsub_rn(z, t);
+    const float zs = __fadd_rn(s, t);
+    const float ts = __fsub_rn(zs, s);
+    const float e = __fadd_rn(__fsub_rn(z, zs), __fsub_rn(ts, t));
+    const float d = __fadd_rn(__fsub_rn(s, r.k_hi), __fsub_rn(e, r.k_lo));
+    // (a class of mass 0: its term is 0, no 0 * inf)
+    g = p > 0.0f ? r.a_rkl * (p * d) : 0.0f;
+    p_ce = p;
+  } else {
+    const JsdParts j = JsdOf(r, beta, z, t);
+    g = r.a_kd * fmaf(-j.p, r.gbar, j.h);
+    p_ce = j.p;
   }
-  if (div == kRkl) {
-    const float p = Exp2(fmaf(u - r.mu, kLog2e, -r.cu));
-    return p > 0.0f ? p * static_cast<float>(static_cast<double>(u) -
-                                             static_cast<double>(v) - r.k)
-                    : 0.0f;
-  }
-  const JsdParts j = JsdTerm(beta, (u - r.mu) - r.lu, (v - r.mv) - r.lv);
-  return j.h - j.p * r.gbar;
+  if (!ce) return g;
+  if (!kTauOne) p_ce = Exp2(fmaf(dz, kLog2e, -r.cz));
+  return fmaf(r.a_ce, p_ce, g);
 }
 
 struct KernelArgs {
   DenseKdPieces call;
   float inv_tau;
-  bool u_is_z;      // tau 1: u's statistics are z's
+  float c_u;        // log2e / tau
   long long ahead;  // items ahead whose pieces go to L2
   int batches;      // chunk barriers a piece
 };
 
-template <typename T, typename TT>
+template <typename T, typename TT, int kDiv, bool kTauOne>
 __global__ void __launch_bounds__(kBlock, 4)
     DenseKdKernel(const KernelArgs ka) {
   using Tr = Traits<T>;
@@ -290,11 +509,9 @@ __global__ void __launch_bounds__(kBlock, 4)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int per_row = a.pieces;
-  const int div = a.divergence;
   const int vocab = static_cast<int>(a.base.vocab);
   const bool targets64 = a.base.targets_dtype == DType::kInt64;
-  const float inv_tau = ka.inv_tau;
-  const bool u_is_z = ka.u_is_z;
+  const double inv_tau_d = 1.0 / static_cast<double>(a.kd.temperature);
   auto* counter = static_cast<unsigned long long*>(a.workspace);
   auto* slots = reinterpret_cast<DenseSlot*>(static_cast<char*>(a.workspace) +
                                              kCounterBytes);
@@ -373,92 +590,10 @@ __global__ void __launch_bounds__(kBlock, 4)
             : -1;
     const bool valid = !has_target || y != a.base.options.ignore_index;
 
-    // The statistics pass, each batch once it has landed; a vector's max
-    // raises the running ones (rarely, past the first vectors).
-    DenseStats st = EmptyDense();
     {
-      float mt = -INFINITY;  // the teacher's raw max (mv = mt / tau)
-      float bz = 0.0f, bu = 0.0f, bv = 0.0f;  // the maxima, 0 while -inf
-#pragma unroll 1
-      for (int b = 0; b * kBatchVectors < nvec; ++b) {
-        MbarWait(&landed[b], parity);
-#pragma unroll 2
-        for (int q = b * kBatchVectors + tid;
-             q < min(nvec, (b + 1) * kBatchVectors); q += kBlock) {
-          const uint4 zv = kept[q];
-          float tv[kVec];
-          TeacherValues<T, TT>(teacher_kept, q, tv);
-          float vz = -INFINITY, vt = -INFINITY;
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            vz = fmaxf(vz, Tr::Get(zv, j));
-            vt = fmaxf(vt, tv[j]);
-          }
-          if (vz > st.mz) {
-            const float fz =
-                st.mz == -INFINITY ? 0.0f : Exp2((st.mz - vz) * kLog2e);
-            const float fu =
-                st.mz == -INFINITY
-                    ? 0.0f
-                    : Exp2((st.mz * inv_tau - vz * inv_tau) * kLog2e);
-            st.sz *= fz;
-            st.wz *= fz;
-            st.su *= fu;
-            if (div == kRkl) {
-              st.w *= fu;
-              st.ws *= fu;
-            }
-            int arg = INT_MAX;
-#pragma unroll
-            for (int j = kVec - 1; j >= 0; --j) {
-              if (Tr::Get(zv, j) == vz) arg = start + q * kVec + j;
-            }
-            st.arg = arg;
-            st.mz = vz;
-            bz = vz;
-            bu = vz * inv_tau;
-          }
-          if (vt > mt) {
-            const float nv = vt * inv_tau;
-            const float fv =
-                mt == -INFINITY ? 0.0f : Exp2((st.mv - nv) * kLog2e);
-            st.sv *= fv;
-            if (div == kFkl) {
-              st.w *= fv;
-              st.ws *= fv;
-            }
-            mt = vt;
-            st.mv = nv;
-            bv = nv;
-          }
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const float z = Tr::Get(zv, j);
-            const float ez = Exp2((z - bz) * kLog2e);
-            st.sz += ez;
-            st.wz = ez > 0.0f ? fmaf(ez, z, st.wz) : st.wz;
-            const float u = z * inv_tau;
-            const float eu = u_is_z ? ez : Exp2((u - bu) * kLog2e);
-            if (!u_is_z) st.su += eu;
-            const float v = tv[j] * inv_tau;
-            const float ev = Exp2((v - bv) * kLog2e);
-            st.sv += ev;
-            if (div == kFkl && ev > 0.0f) {
-              st.w = fma(static_cast<double>(ev),
-                         static_cast<double>(v) - static_cast<double>(u), st.w);
-              st.ws += ev;
-            } else if (div == kRkl && eu > 0.0f) {
-              st.w = fma(static_cast<double>(eu),
-                         static_cast<double>(u) - static_cast<double>(v), st.w);
-              st.ws += eu;
-            }
-          }
-        }
-      }
-      if (u_is_z) st.su = st.sz;
-    }
-    {
-      const DenseStats w = WarpMergeDense(st, inv_tau, div);
+      const DenseStats st = PieceStats<T, TT, kDiv, kTauOne>(
+          kept, teacher_kept, nvec, start, tid, landed, parity, ka.c_u);
+      const DenseStats w = WarpMergeDense<kDiv>(st, inv_tau_d);
       if (lane == 0) scratch[warp] = w;
     }
     // The piece whose slot carries the target's z (and whose block writes
@@ -467,8 +602,8 @@ __global__ void __launch_bounds__(kBlock, 4)
     const bool owner = y_piece == piece;
     __syncthreads();
     if (warp == 0) {
-      const DenseStats ps = WarpMergeDense(
-          lane < kWarps ? scratch[lane] : EmptyDense(), inv_tau, div);
+      const DenseStats ps = WarpMergeDense<kDiv>(
+          lane < kWarps ? scratch[lane] : EmptyDense(), inv_tau_d);
       DenseSlot* const row_slots = slots + (k - piece);
       if (lane == 0) {
         const bool holds_y = has_target && valid && y >= start && y < start + n;
@@ -489,86 +624,48 @@ __global__ void __launch_bounds__(kBlock, 4)
       if (lane < per_row) {
         DenseSlot* const s = row_slots + lane;
         while (LoadAcquireU(&s->tag) == 0u) __nanosleep(32);
-        const float4 f0 = __ldcg(reinterpret_cast<const float4*>(s));
-        const float4 f1 = __ldcg(reinterpret_cast<const float4*>(s) + 1);
-        rs.mz = f0.x;
-        rs.sz = f0.y;
-        rs.wz = f0.z;
-        rs.arg = __float_as_int(f0.w);
-        rs.su = f1.x;
-        rs.sv = f1.y;
-        rs.mv = f1.z;
+        rs.mz = __ldcg(&s->st.mz);
+        rs.mt = __ldcg(&s->st.mt);
+        rs.arg = __ldcg(&s->st.arg);
+        rs.sz = __ldcg(&s->st.sz);
+        rs.hz = __ldcg(&s->st.hz);
+        rs.su = __ldcg(&s->st.su);
+        rs.sv = __ldcg(&s->st.sv);
         rs.w = __ldcg(&s->st.w);
-        rs.ws = __ldcg(&s->st.ws);
         zy_lane = __ldcg(&s->zy);
       }
-      rs = WarpMergeDense(rs, inv_tau, div);
+      rs = WarpMergeDense<kDiv>(rs, inv_tau_d);
       const float zy = __shfl_sync(0xffffffffu, zy_lane, y_piece);
-      const float lz = logf(rs.sz);
-      const float lse = rs.mz + lz;
-      const float mu = rs.mz * inv_tau;
-      const float lu = u_is_z ? lz : logf(rs.su);
-      const float lv = logf(rs.sv);
-      DenseRow r;
-      r.mz = rs.mz;
-      r.cz = lz * kLog2e;
-      r.mu = mu;
-      r.cu = lu * kLog2e;
-      r.mv = rs.mv;
-      r.cv = lv * kLog2e;
-      r.lu = lu;
-      r.lv = lv;
-      r.valid = valid;
-      r.s = valid ? a.row_scale[row] : 0.0f;
-      r.a_ce = r.s * a.kd.alpha;
-      r.a_kd = r.s * (1.0f - a.kd.alpha) * inv_tau;
-      r.logp = has_target && valid ? (zy - rs.mz) - lz : 0.0f;
-      r.gy = r.a_ce * expm1f(r.logp);
-      // lse(u) - lse(v), in fp64 from its parts
-      const double gap =
-          (static_cast<double>(mu) + lu) - (static_cast<double>(rs.mv) + lv);
-      r.lse = lse;
-      r.entropy = lse - rs.wz / rs.sz;
-      r.arg = rs.arg;
-      double distill = 0.0;
-      r.ratio = 0.0f;
-      r.k = 0.0;
-      r.gbar = 0.0f;
-      if (div == kFkl) {
-        distill = rs.ws > 0.0 ? rs.w / rs.ws + gap : 0.0;
-        // sum q / sum p over the p and q as the gradient computes them
-        const double sum_p = rs.su * exp2(-static_cast<double>(r.cu));
-        const double sum_q = rs.sv * exp2(-static_cast<double>(r.cv));
-        r.ratio = sum_p > 0.0 ? static_cast<float>(sum_q / sum_p) : 0.0f;
-      } else if (div == kRkl) {
-        r.k = rs.ws > 0.0 ? rs.w / rs.ws : 0.0;
-        distill = r.k - gap;
+      if (lane == 0) {
+        row_s = MakeDenseRow<kDiv, kTauOne>(rs, a.kd, zy, has_target, valid,
+                                            valid ? a.row_scale[row] : 0.0f,
+                                            ka.c_u, ka.inv_tau);
       }
-      r.distill = distill;
-      if (lane == 0) row_s = r;
     }
     __syncthreads();
-    const DenseRow r = row_s;
     const uint4* const tkept = teacher_kept;
-    if (div == static_cast<int>(Divergence::kJsd) && valid) {
+    if (kDiv == kJsd && valid) {
       // JSD's log M needs both lse: its sums in a pass of their own, merged
       // through a second exchange (every piece of the row has published its
       // first slot, so none waits on a block that is not running).
+      const DenseRow r = row_s;
       double dsum = 0.0, hsum = 0.0, psum = 0.0;
 #pragma unroll 1
       for (int q = tid; q < nvec; q += kBlock) {
         const uint4 zv = kept[q];
         float tv[kVec];
         TeacherValues<T, TT>(tkept, q, tv);
+        float pd = 0.0f, ph = 0.0f, pp = 0.0f;
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const JsdParts t =
-              JsdTerm(a.kd.beta, (Tr::Get(zv, j) * inv_tau - r.mu) - r.lu,
-                      (tv[j] * inv_tau - r.mv) - r.lv);
-          dsum += t.d;
-          hsum += t.h;
-          psum += t.p;
+          const JsdParts t = JsdOf(r, a.kd.beta, Tr::Get(zv, j), tv[j]);
+          pd += t.d;
+          ph += t.h;
+          pp += t.p;
         }
+        dsum += pd;
+        hsum += ph;
+        psum += pp;
       }
       WarpSum3(&dsum, &hsum, &psum);
       if (lane == 0) {
@@ -612,14 +709,13 @@ __global__ void __launch_bounds__(kBlock, 4)
       WriteRecord(row_s, a.kd.alpha, has_target && row_s.arg == y,
                   a.rows_out + row);
     }
-    const float gbar = row_s.gbar;
     T* const out =
         static_cast<T*>(a.base.gradient) + row * a.base.row_stride + start;
     if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
-      DenseRow rr = r;
-      rr.gbar = gbar;
+      const DenseRow r = row_s;
+      const float beta = a.kd.beta;
       const bool ce_on = a.kd.alpha > 0.0f;
 #pragma unroll 2
       for (int q = tid; q < nvec; q += kBlock) {
@@ -629,14 +725,8 @@ __global__ void __launch_bounds__(kBlock, 4)
         float g[kVec];
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float z = Tr::Get(zv, j);
-          const float kd =
-              KdTerm(rr, div, a.kd.beta, z * inv_tau, tv[j] * inv_tau);
-          float v = rr.a_kd * kd;
-          if (ce_on) {
-            v = fmaf(rr.a_ce, Exp2(fmaf(z - rr.mz, kLog2e, -rr.cz)), v);
-          }
-          g[j] = v;
+          g[j] =
+              DenseGrad<kDiv, kTauOne>(r, beta, Tr::Get(zv, j), tv[j], ce_on);
         }
         StoreGradVector<T>(out, q, g);
       }
@@ -647,9 +737,9 @@ __global__ void __launch_bounds__(kBlock, 4)
         const float z = Tr::Load(reinterpret_cast<const T*>(kept) + yl);
         float tyv[kVec];
         TeacherValues<T, TT>(tkept, static_cast<int>(yl / kVec), tyv);
-        const float kd = KdTerm(rr, div, a.kd.beta, z * inv_tau,
-                                tyv[static_cast<int>(yl % kVec)] * inv_tau);
-        Tr::Store(out + yl, fmaf(rr.a_kd, kd, rr.gy));
+        const float kd = DenseGrad<kDiv, kTauOne>(
+            r, beta, z, tyv[static_cast<int>(yl % kVec)], false);
+        Tr::Store(out + yl, kd + r.gy);
       }
     }
     parity ^= 1u;
@@ -657,9 +747,9 @@ __global__ void __launch_bounds__(kBlock, 4)
   }
 }
 
-template <typename T, typename TT>
+template <typename T, typename TT, int kDiv, bool kTauOne>
 cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
-  const auto kernel = DenseKdKernel<T, TT>;
+  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
   const int smem = call.chunk * static_cast<int>(sizeof(T)) +
                    call.chunk * static_cast<int>(sizeof(TT));
   constexpr long long kBatchElems =
@@ -699,12 +789,32 @@ cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   KernelArgs ka;
   ka.call = call;
   ka.inv_tau = 1.0f / call.kd.temperature;
-  ka.u_is_z = call.kd.temperature == 1.0f;
+  ka.c_u = kLog2e / call.kd.temperature;
   // The next pieces about 256 KiB ahead into L2 (smem row pieces' prefetch)
   ka.ahead = per_sm >= 2 ? std::max(1, 256 * 1024 / smem) : 0;
   ka.batches = batches;
   kernel<<<static_cast<unsigned>(sms * per_sm), kBlock, smem, stream>>>(ka);
   return cudaGetLastError();
+}
+
+// One build per divergence and for tau 1 (u = z: its sums and p are z's),
+// so that no branch of another stays in the loops.
+template <typename T, typename TT>
+cudaError_t LaunchFor(const DenseKdPieces& call, cudaStream_t stream) {
+  const bool one = call.kd.temperature == 1.0f;
+  switch (call.divergence) {
+    case kFkl:
+      return one ? Launch<T, TT, kFkl, true>(call, stream)
+                 : Launch<T, TT, kFkl, false>(call, stream);
+    case kRkl:
+      return one ? Launch<T, TT, kRkl, true>(call, stream)
+                 : Launch<T, TT, kRkl, false>(call, stream);
+    case kJsd:
+      return one ? Launch<T, TT, kJsd, true>(call, stream)
+                 : Launch<T, TT, kJsd, false>(call, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -719,7 +829,7 @@ cudaError_t LaunchDenseKdPieces(const DenseKdPieces& call,
   if (call.base.rows <= 0) return cudaSuccess;
   return WithElementType(call.base.logits_dtype, [&](auto student) {
     return WithElementType(call.kd.teacher_dtype, [&](auto teacher) {
-      return Launch<decltype(student), decltype(teacher)>(call, stream);
+      return LaunchFor<decltype(student), decltype(teacher)>(call, stream);
     });
   });
 }

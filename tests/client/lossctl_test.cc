@@ -594,14 +594,21 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   }
 
   // eval streams the same teacher and segment ids from the files, beside
-  // the logits and targets: the numbers of a Forward of all rows.
-  CommandResult eval =
-      Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
-               "--teacher_indices=" + indices_path,
-               "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
-               "--divergence=jsd", "--beta=0.3", "--temperature=2",
-               "--segments=" + ids_path, "--num_segments=4"});
+  // the logits and targets: the numbers of a Forward of all rows; over data
+  // connections the same lines as over the stream.
+  auto eval_over = [&](const char* transport) {
+    return Lossctl({"eval", logits_path_, targets_path_, "--block_rows=5",
+                    "--teacher_indices=" + indices_path,
+                    "--teacher_logprobs=" + logprobs_path,
+                    "--top_k_tail=bucket", "--divergence=jsd", "--beta=0.3",
+                    "--temperature=2", "--segments=" + ids_path,
+                    "--num_segments=4", transport});
+  };
+  CommandResult eval = eval_over("--data_connection=false");
   ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  CommandResult over_data = eval_over("--stripe_min_bytes=1");
+  ASSERT_EQ(over_data.exit_code, 0) << over_data.err;
+  EXPECT_EQ(over_data.out, eval.out);
   want = client_->Forward(
       handle, Targets::Inline(DType::kInt64, targets_.data(), kRows * 8),
       options);
@@ -616,6 +623,24 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
                 1e-12 * want->segment_loss[s]);
     EXPECT_EQ(Field(line, "tokens"), want->segment_tokens[s]);
   }
+  // Without targets ("none", alpha 0) eval gives forward's numbers, and the
+  // same lines over the stream and over data connections.
+  std::vector<std::string> no_targets_out;
+  for (const char* transport :
+       {"--data_connection=false", "--stripe_min_bytes=1"}) {
+    CommandResult no_targets =
+        Lossctl({"eval", logits_path_, "none", "--block_rows=5",
+                 "--teacher_indices=" + indices_path,
+                 "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
+                 "--divergence=jsd", "--beta=0.3", "--temperature=2",
+                 "--segments=" + ids_path, "--num_segments=4", transport});
+    ASSERT_EQ(no_targets.exit_code, 0) << transport << ": " << no_targets.err;
+    EXPECT_NEAR(Field(no_targets.out, "loss"), Field(distill.out, "loss"),
+                1e-10 * std::abs(Field(distill.out, "loss")))
+        << transport;
+    no_targets_out.push_back(no_targets.out);
+  }
+  EXPECT_EQ(no_targets_out[0], no_targets_out[1]);
 
   absl::StatusOr<TensorInfo> old_handle =
       client_->Upload(DType::kFloat32, {kRows}, old_logprobs.data(), kRows * 4);

@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 namespace lossd {
@@ -82,6 +84,50 @@ TEST(FrameRowsTest, MaxFrameRowsAtTheInt64Limit) {
   EXPECT_EQ(MaxFrameRows(kMax, kMax), 0);
   EXPECT_EQ(MaxFrameRows(int64_t{1} << 62, int64_t{1} << 62), 0);
   EXPECT_EQ(MaxFrameRows(kMaxFrameBytes - 8, 8), 1);
+}
+
+// The parts of a post-training frame, in their order: each as many bytes a
+// row as the header declares, and the row limit counts them all.
+TEST(FrameLayoutTest, PartsAndTheirRowLimit) {
+  FrameInputs top_k;
+  top_k.top_k = 4;
+  top_k.index_bytes = 8;
+  top_k.segments = true;
+  EvaluateFrameLayout layout = MakeEvaluateFrameLayout(4 * 100, 4, top_k);
+  const std::array<int64_t, kFrameParts> want = {400, 4, 0, 32, 16, 4, 0, 0, 0};
+  EXPECT_EQ(layout.row_bytes, want);
+  EXPECT_EQ(layout.TotalRowBytes(), 456);
+  EXPECT_EQ(MaxFrameRows(layout), kMaxFrameBytes / 456);
+
+  FrameInputs policy;
+  policy.teacher_row_bytes = 200;
+  policy.policy = true;
+  layout = MakeEvaluateFrameLayout(400, 0, policy);  // no targets
+  const std::array<int64_t, kFrameParts> want_policy = {400, 0, 200, 0, 0,
+                                                        0,   4, 4,   0};
+  EXPECT_EQ(layout.row_bytes, want_policy);
+  policy.reference_logprobs = true;
+  EXPECT_EQ(MakeEvaluateFrameLayout(400, 0, policy)
+                .row_bytes[kFrameReferenceLogprobs],
+            4);
+  // Reference logprobs come only with a policy.
+  FrameInputs reference;
+  reference.reference_logprobs = true;
+  EXPECT_EQ(MakeEvaluateFrameLayout(4, 4, reference)
+                .row_bytes[kFrameReferenceLogprobs],
+            0);
+
+  // Parts that do not add up in int64 fit no frame.
+  FrameInputs wide;
+  wide.teacher_row_bytes = std::numeric_limits<int64_t>::max();
+  layout = MakeEvaluateFrameLayout(8, 8, wide);
+  EXPECT_EQ(layout.TotalRowBytes(), std::nullopt);
+  EXPECT_EQ(MaxFrameRows(layout), 0);
+  EXPECT_EQ(MaxFrameRows(EvaluateFrameLayout()), 0);
+
+  EXPECT_STREQ(FramePartName(kFrameRows), "logits");
+  EXPECT_STREQ(FramePartName(kFrameTeacherIndices), "teacher_indices");
+  EXPECT_STREQ(FramePartName(kFrameReferenceLogprobs), "reference_logprobs");
 }
 
 }  // namespace

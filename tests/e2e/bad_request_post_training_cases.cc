@@ -371,11 +371,26 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         header.mutable_header()->set_teacher_top_k(6);
         return Evaluate({header});
       });
-  add("evaluate distillation: over data connections", Code::INVALID_ARGUMENT,
-      "not over data connections", [this, kd_header] {
+  add("evaluate distillation: no targets dtype with alpha > 0",
+      Code::INVALID_ARGUMENT,
+      "header.targets_dtype is DTYPE_UNSPECIFIED; expected one of INT32, "
+      "INT64",
+      [this, kd_header] {
         pb::EvaluateRequest header = kd_header();
-        header.mutable_header()->set_data_token(std::string(16, 'x'));
+        header.mutable_header()->mutable_distillation()->set_alpha(0.5f);
+        header.mutable_header()->set_targets_dtype(pb::DTYPE_UNSPECIFIED);
         return Evaluate({header});
+      });
+  add("evaluate distillation: targets in a block without a targets dtype",
+      Code::INVALID_ARGUMENT,
+      "block 0: targets has 4 bytes, but header.targets_dtype is "
+      "DTYPE_UNSPECIFIED",
+      [this, kd_header, kd_block] {
+        pb::EvaluateRequest header = kd_header();
+        header.mutable_header()->set_targets_dtype(pb::DTYPE_UNSPECIFIED);
+        pb::EvaluateRequest block = kd_block({0, 1});
+        block.mutable_block()->set_targets(Bytes(std::vector<int32_t>{0}));
+        return Evaluate({header, block});
       });
   add("evaluate distillation over hidden states: k > the weight's V",
       Code::INVALID_ARGUMENT, "top-k k = 6 must be in [1, min(V, 512)]",

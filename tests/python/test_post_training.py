@@ -476,3 +476,56 @@ def test_linear_forward_takes_the_post_training_keywords(client):
     with pytest.raises(TypeError, match="unexpected keyword argument 'teachr'"):
         client.linear_forward(identity.numpy(), weight_handle, target.numpy(), teachr=None)
     client.release(weight_handle)
+
+
+def _result_numbers(result):
+    stats = result.policy_stats
+    numbers = [result.loss, result.z_loss, result.rows, result.valid_tokens,
+               result.correct_tokens, result.denominator, result.distillation_loss]
+    if stats is not None:
+        numbers += [stats.clipped_tokens, stats.ratio_sum, stats.approx_kl_sum, stats.kl_sum,
+                    stats.entropy_sum]
+    for name in ("segment_loss", "segment_tokens"):
+        values = getattr(result, name)
+        numbers += [] if values is None else values.tolist()
+    return numbers
+
+
+def test_evaluate_over_data_connections_equals_the_stream(server):
+    """evaluate() and linear_evaluate() with the post-training keywords send their blocks over
+    data connections when the client allows it (every evaluation counts as large here): the
+    same numbers, bit for bit, as the blocks over the gRPC stream, for a top-k teacher without
+    targets, a PPO loss with reference logprobs and segments, and a dense teacher over hidden
+    states."""
+    rows, vocab, hidden, k = 23, 31, 5, 3
+    logits = make_logits(torch.float32, rows, vocab, seed=50)
+    target = make_target(rows, vocab, seed=50)
+    generator = torch.Generator().manual_seed(51)
+    indices, logprobs = top_k_of(make_logits(torch.float32, rows, vocab, seed=52), k)
+    segments = (torch.arange(rows) // 4).numpy().astype(np.int32)
+    advantages = torch.randn(rows, generator=generator).numpy()
+    old = (-1.0 - torch.rand(rows, generator=generator)).numpy()
+    ref = (-1.0 - torch.rand(rows, generator=generator)).numpy()
+    hidden_states = torch.randn(rows, hidden, generator=generator).numpy()
+    weight = (0.5 * torch.randn(vocab, hidden, generator=generator)).numpy()
+    teacher = make_logits(torch.float32, rows, vocab, seed=53).numpy()
+    with lossd.Client(server.address, data_connection=False) as streamed, \
+            lossd.Client(server.address, stripe_min_bytes=1, upload_streams=3) as over:
+        assert over.info().data_port > 0
+        head = streamed.upload(weight).handle
+        calls = [
+            lambda c: c.evaluate(logits.numpy(), None, teacher=(indices.numpy(), logprobs.numpy()),
+                                 top_k_tail="bucket", temperature=2.0, block_rows=4),
+            lambda c: c.evaluate(logits.numpy(), target.numpy(), policy_loss="ppo",
+                                 advantages=advantages, old_logprobs=old, ref_logprobs=ref,
+                                 kl_coef=0.1, segments=segments,
+                                 segment_reduction="seq_mean_token_sum", block_rows=5),
+            lambda c: c.linear_evaluate(hidden_states, head, target.numpy(), teacher=teacher,
+                                        alpha=0.5, divergence="jsd", beta=0.4, block_rows=6),
+        ]
+        for call in calls:
+            want = call(streamed)
+            assert want.rows == rows
+            assert _result_numbers(call(over)) == _result_numbers(want)
+        streamed.release(head)
+        assert streamed.list().tensors == []
