@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/align_up.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/device_limits.h"
 #include "kernels/cuda/launch_params.h"
@@ -172,8 +173,7 @@ Params FillParams(const CrossEntropyArgs& args, void* workspace) {
   p.token_argmax = args.token_argmax;
   if (workspace != nullptr) {
     char* ws = static_cast<char*>(workspace);
-    const std::size_t col =
-        cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * 4);
+    const std::size_t col = AlignUp(static_cast<std::size_t>(args.rows) * 4);
     p.header = reinterpret_cast<cuda_ce::WorkspaceHeader*>(ws);
     p.row_loss = reinterpret_cast<float*>(ws + kHeaderBytes);
     p.row_zloss = reinterpret_cast<float*>(ws + kHeaderBytes + col);
@@ -181,10 +181,10 @@ Params FillParams(const CrossEntropyArgs& args, void* workspace) {
     p.row_done = reinterpret_cast<int*>(ws + kHeaderBytes + 3 * col);
     p.row_zy = reinterpret_cast<float*>(ws + kHeaderBytes + 4 * col);
     p.pieces = ws + kHeaderBytes + 5 * col;
-    p.piece_wz = reinterpret_cast<float*>(
-        ws + kHeaderBytes + 5 * col +
-        cuda_ce::AlignUp(static_cast<std::size_t>(args.rows) * kMaxPieces *
-                         cuda_ce::kStatsBytes));
+    p.piece_wz =
+        reinterpret_cast<float*>(ws + kHeaderBytes + 5 * col +
+                                 AlignUp(static_cast<std::size_t>(args.rows) *
+                                         kMaxPieces * cuda_ce::kStatsBytes));
   }
   p.rows = args.rows;
   p.stride = args.row_stride;
@@ -236,9 +236,9 @@ cudaError_t CurrentDeviceLimits(DeviceLimits* limits) {
 
 std::size_t CrossEntropyCudaWorkspaceBytes(int64_t rows) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
-  return kHeaderBytes + 5 * cuda_ce::AlignUp(n * 4) +
-         cuda_ce::AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes) +
-         cuda_ce::AlignUp(n * kMaxPieces * sizeof(float));
+  return kHeaderBytes + 5 * AlignUp(n * 4) +
+         AlignUp(n * kMaxPieces * cuda_ce::kStatsBytes) +
+         AlignUp(n * kMaxPieces * sizeof(float));
 }
 
 cudaError_t CrossEntropyCudaLaunch(const CrossEntropyArgs& args,

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cuda/align_up.h"
 #include "kernels/cuda/dispatch.h"
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/fused_linear_forward.h"
@@ -390,13 +391,13 @@ cudaError_t LaunchMerge(const FusedSetup& s, cuda_ce::RowMath* row_math,
 std::size_t FusedLinearForwardWorkspaceBytes(int64_t rows, int64_t vocab) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
   return CrossEntropyCudaWorkspaceBytes(rows) +
-         cuda_ce::AlignUp(n * ColumnTiles(vocab) * sizeof(Stats));
+         AlignUp(n * ColumnTiles(vocab) * sizeof(Stats));
 }
 
 std::size_t FusedLinearGradientWorkspaceBytes(int64_t rows, int64_t vocab) {
   const std::size_t n = rows > 0 ? static_cast<std::size_t>(rows) : 0;
   return FusedLinearForwardWorkspaceBytes(rows, vocab) +
-         cuda_ce::AlignUp(n * sizeof(cuda_ce::RowMath));
+         AlignUp(n * sizeof(cuda_ce::RowMath));
 }
 
 cudaError_t FusedLinearForwardLaunch(const FusedLinearForwardArgs& args,

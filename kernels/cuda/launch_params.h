@@ -39,8 +39,6 @@ constexpr std::size_t kStatsBytes = 16;
 constexpr int kFlagCorrect = 1;
 constexpr int kFlagNonfinite = 2;
 
-inline std::size_t AlignUp(std::size_t n) { return (n + 255) / 256 * 256; }
-
 struct Params {
   const void* logits;
   void* grad;  // nullptr for GradientMode::kNone

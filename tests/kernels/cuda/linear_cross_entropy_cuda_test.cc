@@ -190,7 +190,7 @@ TEST(LinearCrossEntropyCudaTest, SparseResidualMatchesReference) {
 
 // The records' order within a row changes run to run (atomics); the sorted
 // apply must not let that reach dW. A row that overflows its slots keeps no
-// record, so with one slot and every entry recorded, dW is kFp32Logits'.
+// record, so with one slot and every entry recorded, dW is kLinearFp32Logits'.
 TEST(LinearCrossEntropyCudaTest, SparseResidualRepeatsAndOverflowsToHi) {
   SKIP_WITHOUT_GPU();
   Case c;
