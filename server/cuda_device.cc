@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/cross_entropy_cpu.h"
+#include "kernels/cross_entropy_validate.h"
 #include "kernels/cuda/convert_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
