@@ -411,11 +411,11 @@ __device__ __forceinline__ DenseRow MakeDenseRow(const DenseStats& rs,
 }
 
 // JSD's terms of one class from log P and log Q on the special-function
-// unit (DivergenceTerm's d and h, and P): log M = log max(P, Q) + log w, w =
-// M / max(P, Q) in [min(beta, 1 - beta), 1] from e^-|log Q - log P|, so that
-// log P - log M and log Q - log M carry lg2's ~2^-22 absolute error and no
-// rounding of either log's size (the accurate expf and logf of the row
-// kernel cost four times the instructions an element).
+// unit (DivergenceTerm's d and h, and P): P and Q by ex2, log M by one lg2 of
+// M = (1 - beta) P + beta Q (lg2's ~2^-22 absolute error near M ~ 1, relative
+// below, where P and Q weigh as little), so that log P - log M and log Q -
+// log M carry no rounding of either log's size; three SFU operations a class
+// (the accurate expf and logf of the row kernel cost ~20 instructions).
 struct JsdParts {
   float p;
   float d;
@@ -424,19 +424,18 @@ struct JsdParts {
 __device__ __forceinline__ JsdParts JsdTerm(float beta, float log_p,
                                             float log_q) {
   constexpr float kLn2 = 0.6931471805599453f;
-  const float x = log_q - log_p;
-  const bool q_big = x > 0.0f;
-  const float e = Exp2(-fabsf(x) * kLog2e);
-  const float w =
-      q_big ? fmaf(1.0f - beta, e, beta) : fmaf(beta, e, 1.0f - beta);
-  float lw;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lw) : "f"(w));
-  lw *= kLn2;
+  // (the least normal float: an M flushed to 0 would make lg2 -inf where P
+  // or Q is not 0)
+  constexpr float kLeastNormal = 1.17549435e-38f;
   const float p = Exp2(log_p * kLog2e);
   const float q = Exp2(log_q * kLog2e);
+  const float m = fmaxf(fmaf(beta, q, (1.0f - beta) * p), kLeastNormal);
+  float lm;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lm) : "f"(m));
+  lm *= kLn2;
   // (a class of mass 0, log -inf: its term is 0, no 0 * inf)
-  const float pm = p > 0.0f ? p * (q_big ? -x - lw : -lw) : 0.0f;
-  const float qm = q > 0.0f ? q * (q_big ? -lw : x - lw) : 0.0f;
+  const float pm = p > 0.0f ? p * (log_p - lm) : 0.0f;
+  const float qm = q > 0.0f ? q * (log_q - lm) : 0.0f;
   return {p, fmaf(beta, qm, (1.0f - beta) * pm), (1.0f - beta) * pm};
 }
 
@@ -711,7 +710,9 @@ __global__ void __launch_bounds__(kBlock, 4)
     }
     T* const out =
         static_cast<T*>(a.base.gradient) + row * a.base.row_stride + start;
-    if (!valid) {
+    if (!a.gradient) {
+      // (forward only: the record above is the piece's whole output)
+    } else if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
       const DenseRow r = row_s;
