@@ -726,8 +726,9 @@ __global__ void __launch_bounds__(kBlock, 4)
       WriteRecord(row_s, a.kd.alpha, has_target && row_s.arg == y,
                   a.rows_out + row);
     }
-    T* const out =
-        static_cast<T*>(a.base.gradient) + row * a.base.row_stride + start;
+    T* const out = a.gradient ? static_cast<T*>(a.base.gradient) +
+                                    row * a.base.row_stride + start
+                              : nullptr;
     if (!a.gradient) {
       // (forward only: the record above is the piece's whole output)
     } else if (!valid) {

@@ -18,7 +18,7 @@ std::optional<ScheduleChoice> DenseKdChoice(const PostTrainingShape& shape,
                                             const DeviceLimits& device,
                                             const Sm90Policy& policy) {
   const ScheduleShape& s = shape.logits;
-  if (shape.row_options || s.options_on || s.forward_only || !s.whole_vectors ||
+  if (shape.row_options || s.options_on || !s.whole_vectors ||
       !shape.teacher_whole_vectors || s.rows <= 0 || s.rows > INT_MAX ||
       s.RowBytes() < policy.short_row_bytes) {
     return std::nullopt;

@@ -46,9 +46,9 @@ constexpr int kDenseKdPieceKib = 24;
 // (dense_kd_pieces.h: chunk and pieces sized for student and teacher slices
 // together, kDenseKdPieceKib, bulk copies) where both tensors' rows are whole
 // 16-byte vectors, the student's row is as long as smem row pieces need, no
-// softcap is set and the pieces fit the device. Label smoothing or z-loss,
-// rows with unaligned edges, rows the pieces do not fit and a dense teacher
-// forward only stay on the row kernel. Pure and thread-safe.
+// softcap is set and the pieces fit the device, with a gradient or forward
+// only. Label smoothing or z-loss, rows with unaligned edges and rows the
+// pieces do not fit stay on the row kernel. Pure and thread-safe.
 std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
     const PostTrainingShape& shape, const DeviceLimits& device,
     const Sm90Policy& policy = {});

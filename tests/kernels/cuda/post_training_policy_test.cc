@@ -174,16 +174,19 @@ TEST(PostTrainingPolicyTest, DenseTeacherTakesItsOwnPieces) {
   s.teacher_element_bytes = 2;
   s.teacher_whole_vectors = true;
   ASSERT_TRUE(ChoosePostTrainingSchedule(s, H200()).has_value());
-  // A softcap, label smoothing or z-loss, forward only, short rows, rows
-  // past 32 pieces of shared memory and an unknown device: the row kernel.
+  // Forward only: the same pieces (the kernel writes no gradient).
+  PostTrainingShape f = s;
+  f.logits.forward_only = true;
+  const auto forward = ChoosePostTrainingSchedule(f, H200());
+  ASSERT_TRUE(forward.has_value());
+  EXPECT_EQ(forward->chunk, ChoosePostTrainingSchedule(s, H200())->chunk);
+  // A softcap, label smoothing or z-loss, short rows, rows past 32 pieces of
+  // shared memory and an unknown device: the row kernel.
   PostTrainingShape t = s;
   t.logits.options_on = true;
   EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
   t = s;
   t.row_options = true;
-  EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
-  t = s;
-  t.logits.forward_only = true;
   EXPECT_FALSE(ChoosePostTrainingSchedule(t, H200()).has_value());
   t = s;
   t.logits.vocab = 1024;
