@@ -411,11 +411,11 @@ __device__ __forceinline__ DenseRow MakeDenseRow(const DenseStats& rs,
 }
 
 // JSD's terms of one class from log P and log Q on the special-function
-// unit (DivergenceTerm's d and h, and P): log M = log max(P, Q) + log w, w =
-// M / max(P, Q) in [min(beta, 1 - beta), 1] from e^-|log Q - log P|, so that
-// log P - log M and log Q - log M carry lg2's ~2^-22 absolute error and no
-// rounding of either log's size (the accurate expf and logf of the row
-// kernel cost four times the instructions an element).
+// unit (DivergenceTerm's d and h, and P): P and Q by ex2, log M by one lg2 of
+// M = (1 - beta) P + beta Q (lg2's ~2^-22 absolute error near M ~ 1, relative
+// below, where P and Q weigh as little), so that log P - log M and log Q -
+// log M carry no rounding of either log's size; three SFU operations a class
+// (the accurate expf and logf of the row kernel cost ~20 instructions).
 struct JsdParts {
   float p;
   float d;
@@ -424,19 +424,18 @@ struct JsdParts {
 __device__ __forceinline__ JsdParts JsdTerm(float beta, float log_p,
                                             float log_q) {
   constexpr float kLn2 = 0.6931471805599453f;
-  const float x = log_q - log_p;
-  const bool q_big = x > 0.0f;
-  const float e = Exp2(-fabsf(x) * kLog2e);
-  const float w =
-      q_big ? fmaf(1.0f - beta, e, beta) : fmaf(beta, e, 1.0f - beta);
-  float lw;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lw) : "f"(w));
-  lw *= kLn2;
+  // (the least normal float: an M flushed to 0 would make lg2 -inf where P
+  // or Q is not 0)
+  constexpr float kLeastNormal = 1.17549435e-38f;
   const float p = Exp2(log_p * kLog2e);
   const float q = Exp2(log_q * kLog2e);
+  const float m = fmaxf(fmaf(beta, q, (1.0f - beta) * p), kLeastNormal);
+  float lm;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lm) : "f"(m));
+  lm *= kLn2;
   // (a class of mass 0, log -inf: its term is 0, no 0 * inf)
-  const float pm = p > 0.0f ? p * (q_big ? -x - lw : -lw) : 0.0f;
-  const float qm = q > 0.0f ? q * (q_big ? -lw : x - lw) : 0.0f;
+  const float pm = p > 0.0f ? p * (log_p - lm) : 0.0f;
+  const float qm = q > 0.0f ? q * (log_q - lm) : 0.0f;
   return {p, fmaf(beta, qm, (1.0f - beta) * pm), (1.0f - beta) * pm};
 }
 
@@ -499,11 +498,13 @@ __global__ void __launch_bounds__(kBlock, 4)
   constexpr int kVec = Tr::kVec;
   constexpr int kTeacherVecBytes = kVec * static_cast<int>(sizeof(TT));
   const DenseKdPieces& a = ka.call;
-  extern __shared__ uint4 kept[];  // student piece, then teacher piece
+  // Two buffers, each a student piece then its teacher piece: the next
+  // item's copies land in one while the gradient is written from the other.
+  extern __shared__ uint4 buffers[];
   __shared__ DenseStats scratch[kWarps];
   __shared__ double sums[kWarps][3];
-  __shared__ unsigned long long landed[kMaxBatches];
-  __shared__ long long item_s;
+  __shared__ unsigned long long landed_both[2][kMaxBatches];
+  __shared__ long long item_s[2];
   __shared__ DenseRow row_s;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -517,51 +518,63 @@ __global__ void __launch_bounds__(kBlock, 4)
                                              kCounterBytes);
   auto* sums_slots = reinterpret_cast<SumsSlot*>(slots + a.base.rows * per_row);
   const long long total = a.base.rows * per_row;
-  uint4* const teacher_kept = reinterpret_cast<uint4*>(
-      reinterpret_cast<char*>(kept) + static_cast<size_t>(a.chunk) * sizeof(T));
-  unsigned parity = 0;
+  const size_t buffer_bytes =
+      static_cast<size_t>(a.chunk) * (sizeof(T) + sizeof(TT));
+  unsigned parities = 0;  // bit b: the phase buffer b's barriers wait for
   constexpr unsigned kBatchBytes = kBatchVectors * 16;
   constexpr unsigned kTeacherBatchBytes =
       kBatchVectors * static_cast<unsigned>(kTeacherVecBytes);
-  if (tid == 0) {
-    for (int c = 0; c < ka.batches; ++c) MbarInit(&landed[c], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-#pragma unroll 1
-  for (;;) {
-    if (tid == 0) {
-      const long long k = static_cast<long long>(atomicAdd(counter, 1ull));
-      item_s = k;
-      if (k < total) {
-        // Both slices into shared memory by the TMA unit, batch by batch
-        // (an empty batch only completes its barrier's phase).
-        const long long r = k / per_row;
-        const int start = static_cast<int>(k - r * per_row) * a.chunk;
-        const int n = max(0, min(a.chunk, vocab - start));
-        const char* zs = static_cast<const char*>(a.base.logits) +
-                         (r * a.base.row_stride + start) * sizeof(T);
-        const char* ts = static_cast<const char*>(a.kd.teacher_logits) +
-                         (r * a.kd.teacher_row_stride + start) * sizeof(TT);
-        const unsigned bytes = static_cast<unsigned>(n) * sizeof(T);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        for (int c = 0; c < ka.batches; ++c) {
-          const unsigned off = c * kBatchBytes;
-          const unsigned len = off < bytes ? min(kBatchBytes, bytes - off) : 0;
-          const unsigned tlen = len / sizeof(T) * sizeof(TT);
-          const unsigned toff = c * kTeacherBatchBytes;
-          MbarExpectTx(&landed[c], len + tlen);
-          if (len > 0) {
-            BulkLoad(reinterpret_cast<char*>(kept) + off, zs + off, len,
-                     &landed[c]);
-            BulkLoad(reinterpret_cast<char*>(teacher_kept) + toff, ts + toff,
-                     tlen, &landed[c]);
-          }
-        }
+  // (thread 0) Takes the next item into item_s[b] and, if there is one,
+  // starts both its slices' copies into buffer b by the TMA unit, batch by
+  // batch (an empty batch only completes its barrier's phase).
+  auto take = [&](int b) {
+    const long long k = static_cast<long long>(atomicAdd(counter, 1ull));
+    item_s[b] = k;
+    if (k >= total) return;
+    const long long r = k / per_row;
+    const int start = static_cast<int>(k - r * per_row) * a.chunk;
+    const int n = max(0, min(a.chunk, vocab - start));
+    const char* zs = static_cast<const char*>(a.base.logits) +
+                     (r * a.base.row_stride + start) * sizeof(T);
+    const char* ts = static_cast<const char*>(a.kd.teacher_logits) +
+                     (r * a.kd.teacher_row_stride + start) * sizeof(TT);
+    char* const kb = reinterpret_cast<char*>(buffers) + b * buffer_bytes;
+    char* const tb = kb + static_cast<size_t>(a.chunk) * sizeof(T);
+    const unsigned bytes = static_cast<unsigned>(n) * sizeof(T);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    for (int c = 0; c < ka.batches; ++c) {
+      const unsigned off = c * kBatchBytes;
+      const unsigned len = off < bytes ? min(kBatchBytes, bytes - off) : 0;
+      const unsigned tlen = len / sizeof(T) * sizeof(TT);
+      const unsigned toff = c * kTeacherBatchBytes;
+      MbarExpectTx(&landed_both[b][c], len + tlen);
+      if (len > 0) {
+        BulkLoad(kb + off, zs + off, len, &landed_both[b][c]);
+        BulkLoad(tb + toff, ts + toff, tlen, &landed_both[b][c]);
       }
     }
-    __syncthreads();
-    const long long k = item_s;
+  };
+  if (tid == 0) {
+    for (int c = 0; c < ka.batches; ++c) {
+      MbarInit(&landed_both[0][c], 1);
+      MbarInit(&landed_both[1][c], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    take(0);
+  }
+  __syncthreads();
+  int cur = 0;
+#pragma unroll 1
+  for (;;) {
+    const long long k = item_s[cur];
     if (k >= total) break;
+    uint4* const kept = reinterpret_cast<uint4*>(
+        reinterpret_cast<char*>(buffers) + cur * buffer_bytes);
+    uint4* const teacher_kept =
+        reinterpret_cast<uint4*>(reinterpret_cast<char*>(kept) +
+                                 static_cast<size_t>(a.chunk) * sizeof(T));
+    unsigned long long* const landed = landed_both[cur];
+    const unsigned parity = (parities >> cur) & 1u;
     if (ka.ahead > 0 && tid == kBlock - 32 && k + ka.ahead < total) {
       // (the last warp: off warp 0's publish and merge)
       const long long kn = k + ka.ahead;
@@ -705,13 +718,20 @@ __global__ void __launch_bounds__(kBlock, 4)
       }
       __syncthreads();
     }
+    // The row is merged: the next item's copies overlap this gradient. (Taken
+    // no sooner: a block holding an unpublished piece then waits for no row,
+    // so every row's pieces publish.)
+    if (tid == 0) take(cur ^ 1);
     if (owner && tid == 0) {
       WriteRecord(row_s, a.kd.alpha, has_target && row_s.arg == y,
                   a.rows_out + row);
     }
-    T* const out =
-        static_cast<T*>(a.base.gradient) + row * a.base.row_stride + start;
-    if (!valid) {
+    T* const out = a.gradient ? static_cast<T*>(a.base.gradient) +
+                                    row * a.base.row_stride + start
+                              : nullptr;
+    if (!a.gradient) {
+      // (forward only: the record above is the piece's whole output)
+    } else if (!valid) {
       ZeroSlice<T, kBlock>(out, nvec, tid);
     } else {
       const DenseRow r = row_s;
@@ -742,16 +762,18 @@ __global__ void __launch_bounds__(kBlock, 4)
         Tr::Store(out + yl, kd + r.gy);
       }
     }
-    parity ^= 1u;
-    __syncthreads();  // kept, row_s and item_s are rewritten by the next item
+    parities ^= 1u << cur;
+    cur ^= 1;
+    // (this buffer and row_s are rewritten by the items after; item_s[cur]
+    // is read by every thread)
+    __syncthreads();
   }
 }
 
 template <typename T, typename TT, int kDiv, bool kTauOne>
 cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
-  const int smem = call.chunk * static_cast<int>(sizeof(T)) +
-                   call.chunk * static_cast<int>(sizeof(TT));
+  const int smem = 2 * call.chunk * static_cast<int>(sizeof(T) + sizeof(TT));
   constexpr long long kBatchElems =
       static_cast<long long>(kBatchVectors) * Traits<T>::kVec;
   const int batches =

@@ -30,6 +30,9 @@ struct DenseKdPieces {
   const float* row_scale = nullptr;  // [rows]: the reduction's, grad_scale in
   PostTrainingCudaRow* rows_out = nullptr;  // [rows], as the row kernel's
   void* workspace = nullptr;  // DenseKdWorkspaceBytes(rows, pieces)
+  // false: the records alone, nothing written over the gradient (forward
+  // only; the statistics pass and JSD's sums without the gradient pass).
+  bool gradient = true;
 };
 
 // Device bytes of the launch's workspace (a work counter and each piece's

@@ -110,6 +110,7 @@ cudaError_t LaunchDense(const PostTrainingArgs& args,
   call.row_scale = row_scale;
   call.rows_out = rows_out;
   call.workspace = workspace;
+  call.gradient = args.base.mode != GradientMode::kNone;
   return cuda_ce::LaunchDenseKdPieces(call, stream);
 }
 

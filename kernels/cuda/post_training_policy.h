@@ -29,8 +29,10 @@ struct PostTrainingShape {
 };
 
 // A dense teacher's row pieces: about this many KiB of student and teacher
-// together a piece (four blocks of 128 threads a SM).
-constexpr int kDenseKdPieceKib = 48;
+// together a piece (at most 32 pieces a row); a block keeps two, the next
+// one's copies landing while the gradient is written from the other (four
+// blocks of 128 threads a SM).
+constexpr int kDenseKdPieceKib = 24;
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
 // The fast path takes policy losses, top-k distillation at any temperature
@@ -44,9 +46,9 @@ constexpr int kDenseKdPieceKib = 48;
 // (dense_kd_pieces.h: chunk and pieces sized for student and teacher slices
 // together, kDenseKdPieceKib, bulk copies) where both tensors' rows are whole
 // 16-byte vectors, the student's row is as long as smem row pieces need, no
-// softcap is set and the pieces fit the device. Label smoothing or z-loss,
-// rows with unaligned edges, rows the pieces do not fit and a dense teacher
-// forward only stay on the row kernel. Pure and thread-safe.
+// softcap is set and the pieces fit the device, with a gradient or forward
+// only. Label smoothing or z-loss, rows with unaligned edges and rows the
+// pieces do not fit stay on the row kernel. Pure and thread-safe.
 std::optional<ScheduleChoice> ChoosePostTrainingSchedule(
     const PostTrainingShape& shape, const DeviceLimits& device,
     const Sm90Policy& policy = {});

@@ -646,6 +646,13 @@ TEST_F(PostTrainingCudaTest, ForwardOnlyMatchesTheCpuAndWritesNothing) {
       Config plain{Family::kPlain, dtype, 7, vocab};
       plain.segments = true;
       configs.push_back(plain);
+      for (Divergence divergence : {Divergence::kForwardKl, Divergence::kJsd}) {
+        Config c{Family::kDense, dtype, 5, vocab};  // the dense pieces' records
+        c.divergence = divergence;
+        c.tau = divergence == Divergence::kJsd ? 1.0f : 2.0f;
+        c.alpha = 0.4f;
+        configs.push_back(c);
+      }
       for (Config& c : configs) {
         c.forward_only = true;
         c.in_place = seed % 2 == 0;
