@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -85,6 +86,21 @@ class LossctlTest : public ::testing::Test {
     CommandResult up = Lossctl(args);
     EXPECT_EQ(up.exit_code, 0) << up.err;
     return std::string(absl::StripAsciiWhitespace(up.out));
+  }
+
+  // Writes `values` (int32 or fp32) as the .npy file `name` of `shape` in
+  // the test's directory; its path.
+  template <typename V>
+  std::string WriteRowsFile(const std::string& name, std::vector<int64_t> shape,
+                            const std::vector<V>& values) {
+    const std::string path = dir_.File(name);
+    const DType dtype =
+        std::is_same_v<V, int32_t> ? DType::kInt32 : DType::kFloat32;
+    EXPECT_TRUE(
+        WriteNpy(path, dtype, shape, values.data(), values.size() * sizeof(V))
+            .ok())
+        << path;
+    return path;
   }
 
   // The value after `key` in a "key value key value ..." line.
@@ -522,6 +538,28 @@ std::string LineOf(const std::string& out, const std::string& key) {
   return "";
 }
 
+// A top-k teacher's JSD (beta 0.3, tau 2) with the tail bucket, as the
+// flags --top_k_tail=bucket --divergence=jsd --beta=0.3 --temperature=2 say.
+DistillationOptions TopKJsd(int64_t k, const std::vector<int32_t>& indices,
+                            const std::vector<float>& logprobs) {
+  DistillationOptions distillation;
+  distillation.top_k = k;
+  distillation.top_k_indices = LossInput::Inline(indices);
+  distillation.top_k_logprobs = LossInput::Inline(logprobs);
+  distillation.tail = TopKTail::kBucket;
+  distillation.divergence = Divergence::kJsd;
+  distillation.beta = 0.3f;
+  distillation.temperature = 2.0f;
+  return distillation;
+}
+
+SegmentOptions Segments(const std::vector<int32_t>& ids, int64_t count) {
+  SegmentOptions segments;
+  segments.ids = LossInput::Inline(ids);
+  segments.count = count;
+  return segments;
+}
+
 // forward's post-training flags: a top-k teacher and segment ids from .npy
 // files, then a PPO loss with an advantages file and old logprobs by handle;
 // what lossctl prints is what lossd::Client gets for the same request.
@@ -539,21 +577,13 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
     advantages[r] = (r % 3) - 1.0f;
     old_logprobs[r] = -5.0f - 0.01f * r;
   }
-  const std::string indices_path = dir_.File("indices.npy");
-  const std::string logprobs_path = dir_.File("logprobs.npy");
-  const std::string ids_path = dir_.File("ids.npy");
-  const std::string advantages_path = dir_.File("advantages.npy");
-  ASSERT_TRUE(WriteNpy(indices_path, DType::kInt32, {kRows, kTopK},
-                       indices.data(), indices.size() * 4)
-                  .ok());
-  ASSERT_TRUE(WriteNpy(logprobs_path, DType::kFloat32, {kRows, kTopK},
-                       logprobs.data(), logprobs.size() * 4)
-                  .ok());
-  ASSERT_TRUE(
-      WriteNpy(ids_path, DType::kInt32, {kRows}, ids.data(), kRows * 4).ok());
-  ASSERT_TRUE(WriteNpy(advantages_path, DType::kFloat32, {kRows},
-                       advantages.data(), kRows * 4)
-                  .ok());
+  const std::string indices_path =
+      WriteRowsFile("indices.npy", {kRows, kTopK}, indices);
+  const std::string logprobs_path =
+      WriteRowsFile("logprobs.npy", {kRows, kTopK}, logprobs);
+  const std::string ids_path = WriteRowsFile("ids.npy", {kRows}, ids);
+  const std::string advantages_path =
+      WriteRowsFile("advantages.npy", {kRows}, advantages);
   const std::string handle = UploadHandle({logits_path_});
 
   CommandResult distill =
@@ -565,19 +595,8 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   ASSERT_EQ(distill.exit_code, 0) << distill.err;
   ForwardOptions options;
   options.mode = GradientMode::kNone;
-  DistillationOptions distillation;
-  distillation.top_k = kTopK;
-  distillation.top_k_indices = LossInput::Inline(indices);
-  distillation.top_k_logprobs = LossInput::Inline(logprobs);
-  distillation.tail = TopKTail::kBucket;
-  distillation.divergence = Divergence::kJsd;
-  distillation.beta = 0.3f;
-  distillation.temperature = 2.0f;
-  options.distillation = distillation;
-  SegmentOptions segments;
-  segments.ids = LossInput::Inline(ids);
-  segments.count = 4;
-  options.segments = segments;
+  options.distillation = TopKJsd(kTopK, indices, logprobs);
+  options.segments = Segments(ids, 4);
   absl::StatusOr<ForwardResult> want =
       client_->Forward(handle, Targets(), options);
   ASSERT_TRUE(want.ok()) << want.status();
@@ -758,29 +777,17 @@ TEST_F(LossctlTest, EvalWithAWeightTakesThePostTrainingFlags) {
     advantages[r] = (r % 5) * 0.5f - 1.0f;
     old_logprobs[r] = -5.5f + 0.02f * r;
   }
-  const std::string hidden_path = dir_.File("pt-hidden.npy");
-  const std::string indices_path = dir_.File("pt-indices.npy");
-  const std::string logprobs_path = dir_.File("pt-logprobs.npy");
-  const std::string ids_path = dir_.File("pt-ids.npy");
-  const std::string advantages_path = dir_.File("pt-advantages.npy");
-  const std::string old_path = dir_.File("pt-old.npy");
-  ASSERT_TRUE(WriteNpy(hidden_path, DType::kFloat32, {kRows, kWidth},
-                       hidden.data(), hidden.size() * 4)
-                  .ok());
-  ASSERT_TRUE(WriteNpy(indices_path, DType::kInt32, {kRows, kTopK},
-                       indices.data(), indices.size() * 4)
-                  .ok());
-  ASSERT_TRUE(WriteNpy(logprobs_path, DType::kFloat32, {kRows, kTopK},
-                       logprobs.data(), logprobs.size() * 4)
-                  .ok());
-  ASSERT_TRUE(
-      WriteNpy(ids_path, DType::kInt32, {kRows}, ids.data(), kRows * 4).ok());
-  ASSERT_TRUE(WriteNpy(advantages_path, DType::kFloat32, {kRows},
-                       advantages.data(), kRows * 4)
-                  .ok());
-  ASSERT_TRUE(WriteNpy(old_path, DType::kFloat32, {kRows}, old_logprobs.data(),
-                       kRows * 4)
-                  .ok());
+  const std::string hidden_path =
+      WriteRowsFile("pt-hidden.npy", {kRows, kWidth}, hidden);
+  const std::string indices_path =
+      WriteRowsFile("pt-indices.npy", {kRows, kTopK}, indices);
+  const std::string logprobs_path =
+      WriteRowsFile("pt-logprobs.npy", {kRows, kTopK}, logprobs);
+  const std::string ids_path = WriteRowsFile("pt-ids.npy", {kRows}, ids);
+  const std::string advantages_path =
+      WriteRowsFile("pt-advantages.npy", {kRows}, advantages);
+  const std::string old_path =
+      WriteRowsFile("pt-old.npy", {kRows}, old_logprobs);
   absl::StatusOr<TensorInfo> w = client_->Upload(
       DType::kFloat32, {kVocab, kWidth}, weight.data(), weight.size() * 4);
   absl::StatusOr<TensorInfo> x = client_->Upload(
@@ -791,20 +798,9 @@ TEST_F(LossctlTest, EvalWithAWeightTakesThePostTrainingFlags) {
 
   LinearForwardOptions options;
   options.mode = GradientMode::kNone;
-  DistillationOptions distillation;
-  distillation.top_k = kTopK;
-  distillation.top_k_indices = LossInput::Inline(indices);
-  distillation.top_k_logprobs = LossInput::Inline(logprobs);
-  distillation.tail = TopKTail::kBucket;
-  distillation.divergence = Divergence::kJsd;
-  distillation.beta = 0.3f;
-  distillation.temperature = 2.0f;
-  distillation.alpha = 0.25f;
-  options.distillation = distillation;
-  SegmentOptions segments;
-  segments.ids = LossInput::Inline(ids);
-  segments.count = 4;
-  options.segments = segments;
+  options.distillation = TopKJsd(kTopK, indices, logprobs);
+  options.distillation->alpha = 0.25f;
+  options.segments = Segments(ids, 4);
   absl::StatusOr<LinearForwardResult> want =
       client_->LinearForward(x->handle, w->handle, targets, options);
   ASSERT_TRUE(want.ok()) << want.status();
