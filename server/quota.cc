@@ -148,13 +148,13 @@ class QuotaLedger {
     return tenants;
   }
 
-  // `tensors`: 1 for a tensor, 0 for an RPC's working bytes.
-  absl::Status Charge(const std::string& tenant, int64_t bytes, int64_t tensors)
+  // `count`: 1 for a tensor, 0 for an RPC's working bytes.
+  absl::Status Charge(const std::string& tenant, int64_t bytes, int64_t count)
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     const TenantLimits limits = LimitsOfLocked(tenant);
     QuotaUsage& usage = usage_[tenant];
-    if (tensors > 0 && limits.max_tensors > 0 &&
+    if (count > 0 && limits.max_tensors > 0 &&
         usage.tensors >= limits.max_tensors) {
       const int64_t tensors = usage.tensors;
       DropIfIdleLocked(tenant);
@@ -171,16 +171,16 @@ class QuotaLedger {
           tenant, bytes, used, limits.max_bytes, limits.max_bytes - used));
     }
     usage.bytes += bytes;
-    usage.tensors += tensors;
+    usage.tensors += count;
     return absl::OkStatus();
   }
 
-  void Uncharge(const std::string& tenant, int64_t bytes, int64_t tensors)
+  void Uncharge(const std::string& tenant, int64_t bytes, int64_t count)
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     QuotaUsage& usage = usage_[tenant];
     usage.bytes -= bytes;
-    usage.tensors -= tensors;
+    usage.tensors -= count;
     DropIfIdleLocked(tenant);
   }
 
