@@ -5,6 +5,7 @@
 #define LOSSD_KERNELS_POST_TRAINING_H_
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common/dtype.h"
@@ -47,6 +48,19 @@ struct DistillationArgs {
   const float* top_k_logprobs = nullptr;
   TopKTail tail = TopKTail::kRenormalize;
 };
+
+// A row whose gradient is NaN over the whole row, from its divergence term D
+// (docs/api.md, "Edge rows"): D is NaN where a side has no distribution (the
+// student's row, or its renormalised support, or a dense teacher's row all
+// -inf), and reverse KL's D is +inf where the teacher has no mass and the
+// student has: torch's gradient there is NaN too (inf - inf). Forward KL's
+// +inf (a student of mass 0 where the teacher has mass) keeps its finite
+// gradient (p - q) / tau, as torch's kl_div. `reverse_kl`: the divergence
+// computed is reverse KL (JSD at beta 1 included). Every backend applies it.
+constexpr bool DistillationGradientIsNan(bool reverse_kl, double divergence) {
+  return divergence != divergence ||
+         (reverse_kl && divergence == std::numeric_limits<double>::infinity());
+}
 
 // A per-token policy-gradient loss on the sampled tokens (the targets). With
 // logp = z_y - lse(z), r = exp(logp - sampling_logprobs_i), A = advantages_i,

@@ -161,6 +161,20 @@ absl::Status EvaluationLane::EvaluatePostTrainingFrame(
   // rows <= MaxFrameRows(layout): the frame's bytes fit kMaxFrameBytes.
   const size_t total =
       static_cast<size_t>(rows * layout.TotalRowBytes().value_or(0));
+  if (total > frame_charged_) {
+    // The host buffer (up to 64 MiB a connection) counts against the
+    // tenant's byte quota as its tensors do, each growth while it is held.
+    absl::StatusOr<QuotaCharge> charge = store_->ChargeTenantBytes(
+        config_->tenant, static_cast<int64_t>(total - frame_charged_));
+    if (!charge.ok()) {
+      return absl::Status(
+          charge.status().code(),
+          absl::StrFormat("data connection %d, frame %d: its host buffer: %s",
+                          index, frame, charge.status().message()));
+    }
+    frame_charges_.push_back(*std::move(charge));
+    frame_charged_ = total;
+  }
   frame_bytes_.resize(total);
   std::array<absl::string_view, kFrameParts> parts;
   size_t offset = 0;
@@ -191,6 +205,8 @@ void EvaluationLane::FreeBuffers() {
   targets_buffer_ = ScratchBuffer();
   teacher_buffer_ = ScratchBuffer();
   frame_bytes_ = std::string();
+  frame_charges_.clear();
+  frame_charged_ = 0;
 }
 
 absl::StatusOr<int64_t> EvaluationLane::Begin(size_t logits, size_t targets) {

@@ -273,6 +273,9 @@ class EvaluationLane {
   ScratchBuffer teacher_buffer_;  // a dense teacher's rows
   std::string host_targets_;
   std::string frame_bytes_;  // a post-training frame's parts
+  // frame_bytes_'s growths, charged to the tenant's byte quota while held.
+  std::vector<QuotaCharge> frame_charges_;
+  size_t frame_charged_ = 0;
   BlockOrderSum* const order_;
   const int index_;
   int64_t blocks_ = 0;    // every block, empty ones too (for messages)

@@ -148,12 +148,14 @@ class QuotaLedger {
     return tenants;
   }
 
-  absl::Status Charge(const std::string& tenant, int64_t bytes)
+  // `count`: 1 for a tensor, 0 for an RPC's working bytes.
+  absl::Status Charge(const std::string& tenant, int64_t bytes, int64_t count)
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     const TenantLimits limits = LimitsOfLocked(tenant);
     QuotaUsage& usage = usage_[tenant];
-    if (limits.max_tensors > 0 && usage.tensors >= limits.max_tensors) {
+    if (count > 0 && limits.max_tensors > 0 &&
+        usage.tensors >= limits.max_tensors) {
       const int64_t tensors = usage.tensors;
       DropIfIdleLocked(tenant);
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -169,16 +171,16 @@ class QuotaLedger {
           tenant, bytes, used, limits.max_bytes, limits.max_bytes - used));
     }
     usage.bytes += bytes;
-    ++usage.tensors;
+    usage.tensors += count;
     return absl::OkStatus();
   }
 
-  void Uncharge(const std::string& tenant, int64_t bytes)
+  void Uncharge(const std::string& tenant, int64_t bytes, int64_t count)
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     QuotaUsage& usage = usage_[tenant];
     usage.bytes -= bytes;
-    --usage.tensors;
+    usage.tensors -= count;
     DropIfIdleLocked(tenant);
   }
 
@@ -238,13 +240,17 @@ class QuotaLedger {
 // ---------------------------------------------------------------- charge
 
 QuotaCharge::QuotaCharge(std::shared_ptr<internal::QuotaLedger> ledger,
-                         std::string tenant, int64_t bytes)
-    : ledger_(std::move(ledger)), tenant_(std::move(tenant)), bytes_(bytes) {}
+                         std::string tenant, int64_t bytes, int64_t tensors)
+    : ledger_(std::move(ledger)),
+      tenant_(std::move(tenant)),
+      bytes_(bytes),
+      tensors_(tensors) {}
 
 QuotaCharge::QuotaCharge(QuotaCharge&& other) noexcept
     : ledger_(std::move(other.ledger_)),
       tenant_(std::move(other.tenant_)),
-      bytes_(other.bytes_) {
+      bytes_(other.bytes_),
+      tensors_(other.tensors_) {
   other.ledger_.reset();
 }
 
@@ -254,6 +260,7 @@ QuotaCharge& QuotaCharge::operator=(QuotaCharge&& other) noexcept {
     ledger_ = std::move(other.ledger_);
     tenant_ = std::move(other.tenant_);
     bytes_ = other.bytes_;
+    tensors_ = other.tensors_;
     other.ledger_.reset();
   }
   return *this;
@@ -263,7 +270,7 @@ QuotaCharge::~QuotaCharge() { Reset(); }
 
 void QuotaCharge::Reset() {
   if (ledger_ == nullptr) return;
-  ledger_->Uncharge(tenant_, bytes_);
+  ledger_->Uncharge(tenant_, bytes_, tensors_);
   ledger_.reset();
 }
 
@@ -308,9 +315,16 @@ TenantQuotas::~TenantQuotas() = default;
 
 absl::StatusOr<QuotaCharge> TenantQuotas::ChargeTensor(
     const std::string& tenant, int64_t bytes) {
-  absl::Status status = ledger_->Charge(tenant, bytes);
+  absl::Status status = ledger_->Charge(tenant, bytes, 1);
   if (!status.ok()) return status;
-  return QuotaCharge(ledger_, tenant, bytes);
+  return QuotaCharge(ledger_, tenant, bytes, 1);
+}
+
+absl::StatusOr<QuotaCharge> TenantQuotas::ChargeBytes(const std::string& tenant,
+                                                      int64_t bytes) {
+  absl::Status status = ledger_->Charge(tenant, bytes, 0);
+  if (!status.ok()) return status;
+  return QuotaCharge(ledger_, tenant, bytes, 0);
 }
 
 absl::StatusOr<InFlightSlot> TenantQuotas::EnterRpc(const std::string& tenant) {

@@ -57,9 +57,10 @@ class QuotaLedger;
 }  // namespace internal
 
 // One tensor's share of its tenant's quota (its bytes and a count of one),
-// returned when the charge is destroyed. Holds the ledger alive, so it may
-// outlive the TenantQuotas that made it (a tensor freed after shutdown).
-// Movable, not copyable; not thread-safe (one owner).
+// or an RPC's working bytes (no count), returned when the charge is destroyed.
+// Holds the ledger alive, so it may outlive the TenantQuotas that made it (a
+// tensor freed after shutdown). Movable, not copyable; not thread-safe (one
+// owner).
 class QuotaCharge {
  public:
   QuotaCharge() = default;
@@ -70,12 +71,13 @@ class QuotaCharge {
  private:
   friend class TenantQuotas;
   QuotaCharge(std::shared_ptr<internal::QuotaLedger> ledger, std::string tenant,
-              int64_t bytes);
+              int64_t bytes, int64_t tensors);
   void Reset();
 
   std::shared_ptr<internal::QuotaLedger> ledger_;
   std::string tenant_;
   int64_t bytes_ = 0;
+  int64_t tensors_ = 0;  // 1 for a tensor, 0 for working bytes
 };
 
 // One running RPC of a tenant, returned when destroyed. Movable, not
@@ -113,6 +115,12 @@ class TenantQuotas {
   // tensor limit would be passed; nothing is charged then.
   absl::StatusOr<QuotaCharge> ChargeTensor(const std::string& tenant,
                                            int64_t bytes);
+
+  // Charges `bytes` that an RPC of `tenant` holds while it runs (a host
+  // buffer, no tensor) to its byte quota. RESOURCE_EXHAUSTED as
+  // ChargeTensor's byte limit; the tensor limit does not apply.
+  absl::StatusOr<QuotaCharge> ChargeBytes(const std::string& tenant,
+                                          int64_t bytes);
 
   // Counts one running RPC of `tenant`. RESOURCE_EXHAUSTED (naming the
   // numbers) when the tenant already runs its limit.

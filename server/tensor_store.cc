@@ -473,6 +473,12 @@ void TensorStore::FreeUploadKey(const std::string& tenant,
   upload_keys_.erase(UploadKey(tenant, key));
 }
 
+absl::StatusOr<QuotaCharge> TensorStore::ChargeTenantBytes(
+    const std::string& tenant, int64_t bytes) {
+  if (options_.quotas == nullptr) return QuotaCharge();
+  return options_.quotas->ChargeBytes(tenant, bytes);
+}
+
 absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(int64_t bytes) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(

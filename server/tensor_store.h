@@ -350,6 +350,13 @@ class TensorStore {
   // budget. RESOURCE_EXHAUSTED as Create.
   absl::StatusOr<ScratchBuffer> AllocateScratch(int64_t bytes);
 
+  // Charges `bytes` of host memory that an RPC of `tenant` holds (a data
+  // connection's frame buffer) to the tenant's byte quota until the charge
+  // goes; an empty charge without quotas. RESOURCE_EXHAUSTED (naming the
+  // tenant and its numbers) past the quota, nothing charged then.
+  absl::StatusOr<QuotaCharge> ChargeTenantBytes(const std::string& tenant,
+                                                int64_t bytes);
+
   // Charges `bytes` (>= 0) of working memory that the device allocates by
   // itself (a kernel's workspace) to the budget, until the result goes; its
   // data() is null. RESOURCE_EXHAUSTED as Create, the message beginning with

@@ -25,6 +25,7 @@ using cpu_internal::StoreDouble;
 
 constexpr int64_t kMaxTopK = 512;
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 absl::Status Invalid(const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat("post_training: ", message));
@@ -50,6 +51,18 @@ double MassTimes(double mass, double log_ratio) {
   return mass > 0.0 ? mass * log_ratio : 0.0;
 }
 
+// The divergence computed for `kd`. Liger and TRL: JSD with beta 0 / 1 is
+// the forward / reverse KL.
+Divergence ComputedDivergence(const DistillationArgs& kd) {
+  if (kd.divergence == Divergence::kJsd && kd.beta == 0.0f) {
+    return Divergence::kForwardKl;
+  }
+  if (kd.divergence == Divergence::kJsd && kd.beta == 1.0f) {
+    return Divergence::kReverseKl;
+  }
+  return kd.divergence;
+}
+
 // One divergence over B buckets given log P_b (student) and log Q_b
 // (teacher): returns D and fills h_b = P_b dD/dP_b, whose sum is gbar of
 // kernels/post_training.h.
@@ -59,11 +72,8 @@ double BucketDivergence(const DistillationArgs& kd,
                         std::vector<double>* h) {
   const size_t buckets = log_p.size();
   h->assign(buckets, 0.0);
-  double beta = kd.beta;
-  Divergence kind = kd.divergence;
-  // Liger and TRL: JSD with beta 0 / 1 is the forward / reverse KL.
-  if (kind == Divergence::kJsd && beta == 0.0) kind = Divergence::kForwardKl;
-  if (kind == Divergence::kJsd && beta == 1.0) kind = Divergence::kReverseKl;
+  const double beta = kd.beta;
+  const Divergence kind = ComputedDivergence(kd);
   double d = 0.0;
   for (size_t b = 0; b < buckets; ++b) {
     const double p = std::exp(log_p[b]);
@@ -300,6 +310,8 @@ double DenseDivergence(const DistillationArgs& kd, const Row& row,
                kd.temperature;
     max_t = std::max(max_t, log_q[c]);
   }
+  // A teacher row of no mass (every logit -inf) has no distribution.
+  if (max_t == -kInf) return kNaN;
   double sum_t = 0.0;
   for (int64_t c = 0; c < vocab; ++c) sum_t += std::exp(log_q[c] - max_t);
   const double lse_t = max_t + std::log(sum_t);
@@ -340,6 +352,9 @@ double TopKDivergence(const DistillationArgs& kd, const Row& row,
       max_s = std::max(max_s, full_log_p[index[j]]);
       max_l = std::max(max_l, static_cast<double>(logprobs[j]));
     }
+    // A student of no mass on the support has no renormalised distribution
+    // (CheckPostTrainingData refuses the teacher's).
+    if (max_s == -kInf) return kNaN;
     double sum_s = 0.0, sum_l = 0.0;
     for (int64_t j = 0; j < k; ++j) {
       sum_s += std::exp(full_log_p[index[j]] - max_s);
@@ -403,6 +418,11 @@ double DistillationRow(const DistillationArgs& kd, const Row& row,
   // The student at the temperature: log softmax(z / tau).
   double max_u = -kInf;
   for (int64_t c = 0; c < vocab; ++c) max_u = std::max(max_u, z[c] / tau);
+  if (max_u == -kInf) {
+    // A student row of no mass (every logit -inf) has no distribution.
+    totals->distillation = kNaN;
+    return loss + (1.0 - alpha) * kNaN;
+  }
   double sum_u = 0.0;
   for (int64_t c = 0; c < vocab; ++c) sum_u += std::exp(z[c] / tau - max_u);
   const double lse_u = max_u + std::log(sum_u);
@@ -489,6 +509,12 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
     }
   }
   totals.loss = loss;
+  if (args.distillation != nullptr &&
+      DistillationGradientIsNan(
+          ComputedDivergence(*args.distillation) == Divergence::kReverseKl,
+          totals.distillation)) {
+    std::fill(scratch->grad.begin(), scratch->grad.end(), kNaN);
+  }
   if (args.token_ratio != nullptr) {
     args.token_ratio[index] = static_cast<float>(totals.ratio);
   }
@@ -674,6 +700,7 @@ absl::Status CheckPostTrainingData(const PostTrainingArgs& args) {
     const int64_t k = kd.top_k;
     std::vector<int64_t> stamp(base.vocab, 0);
     for (int64_t row = 0; row < rows; ++row) {
+      bool row_has_mass = false;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t index =
             LoadIndex(kd.top_k_indices, kd.top_k_indices_dtype, row * k + j);
@@ -692,6 +719,12 @@ absl::Status CheckPostTrainingData(const PostTrainingArgs& args) {
           return Invalid(absl::StrCat("top-k logprob [", row, ", ", j,
                                       "] = ", logprob, " must be <= 0"));
         }
+        row_has_mass = row_has_mass || logprob > -INFINITY;
+      }
+      if (kd.tail == TopKTail::kRenormalize && !row_has_mass) {
+        return Invalid(absl::StrCat(
+            "top-k logprobs of row ", row,
+            " are all -inf: the renormalised support has no mass"));
       }
     }
   }

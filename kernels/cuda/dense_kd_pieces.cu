@@ -406,7 +406,13 @@ __device__ __forceinline__ DenseRow MakeDenseRow(const DenseStats& rs,
     r.a_rkl = r.a_kd * inv_tau;
     distill = rs.su > 0.0 ? k * inv_tau_d - gap : 0.0;
   }
+  // A side of no mass has no distribution (JSD's D is added to this after
+  // its exchange); such a row's factors are NaN, and so is its gradient.
+  if (!(rs.su > 0.0 && rs.sv > 0.0)) distill = NAN;
   r.distill = distill;
+  if (DistillationGradientIsNan(kDiv == kRkl, distill)) {
+    r.a_ce = r.a_kd = r.cp = r.cp_ce = r.a_rkl = r.gy = NAN;
+  }
   return r;
 }
 
@@ -471,7 +477,7 @@ __device__ __forceinline__ float DenseGrad(const DenseRow& r, float beta,
     const float e = __fadd_rn(__fsub_rn(z, zs), __fsub_rn(ts, t));
     const float d = __fadd_rn(__fsub_rn(s, r.k_hi), __fsub_rn(e, r.k_lo));
     // (a class of mass 0: its term is 0, no 0 * inf)
-    g = p > 0.0f ? r.a_rkl * (p * d) : 0.0f;
+    g = r.a_rkl * (p > 0.0f ? p * d : 0.0f);
     p_ce = p;
   } else {
     const JsdParts j = JsdOf(r, beta, z, t);
@@ -713,7 +719,7 @@ __global__ void __launch_bounds__(kBlock, 4)
         WarpSum3(&d, &h, &p);
         if (lane == 0) {
           row_s.gbar = p > 0.0 ? static_cast<float>(h / p) : 0.0f;
-          row_s.distill = d;
+          row_s.distill += d;
         }
       }
       __syncthreads();

@@ -506,6 +506,11 @@ __global__ void __launch_bounds__(kThreads)
       gbar = static_cast<float>(gbar64);
       k_ratio += gbar64;
     }
+    // A side of no mass (lse -inf: the student's row or renormalised
+    // support, a dense teacher's row) has no distribution.
+    if (lse_u == -INFINITY || lse_t == -INFINITY || lse_s == -INFINITY) {
+      distill = NAN;
+    }
     loss += (1.0 - prm.alpha) * distill;
   } else {
     loss = ce;
@@ -522,7 +527,10 @@ __global__ void __launch_bounds__(kThreads)
     // Every thread has read what it needs of the row (the target's logit
     // included) before any element is overwritten.
     __syncthreads();
-    const float s = prm.row_scale[row];
+    // (a NaN factor: every element of the row NaN)
+    const float s = prm.kd && DistillationGradientIsNan(reverse_kl, distill)
+                        ? NAN
+                        : prm.row_scale[row];
     const float kd_scale = (1.0f - prm.alpha) * inv_tau;
     auto gradient_of = [&](int64_t c, float xc, float extra) {
       const float z = z_of(xc);

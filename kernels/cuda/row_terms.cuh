@@ -219,7 +219,9 @@ __device__ __forceinline__ TopKRow MakeTopKRow(const RowTerms& terms,
     r.tail_g = p_tail > 0.0f ? ht / p_tail : 0.0f;
   }
   r.gbar = h;
-  r.d = d;
+  // A student of no mass on its buckets (the row, or the renormalised
+  // support) has no distribution.
+  r.d = r.ref == -INFINITY ? NAN : d;
   return r;
 }
 
@@ -291,6 +293,11 @@ MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
     const bool tau = NeedsTauSums(terms);
     const float log_sum = tau ? logf(tau_sum) : out.rm.l1p;
     out.top_k = MakeTopKRow(terms, sv, st.m, log_sum, lane);
+    if (DistillationGradientIsNan(
+            terms.divergence == static_cast<int>(Divergence::kReverseKl),
+            out.top_k.d)) {
+      out.scale = NAN;  // (every element of the row's gradient NaN)
+    }
     const float alpha = terms.alpha;
     loss = alpha * static_cast<double>(-logp) + (1.0 - alpha) * out.top_k.d;
     f = g = alpha;

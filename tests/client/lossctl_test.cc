@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -85,6 +86,21 @@ class LossctlTest : public ::testing::Test {
     CommandResult up = Lossctl(args);
     EXPECT_EQ(up.exit_code, 0) << up.err;
     return std::string(absl::StripAsciiWhitespace(up.out));
+  }
+
+  // Writes `values` (int32 or fp32) as the .npy file `name` of `shape` in
+  // the test's directory; its path.
+  template <typename V>
+  std::string WriteRowsFile(const std::string& name, std::vector<int64_t> shape,
+                            const std::vector<V>& values) {
+    const std::string path = dir_.File(name);
+    const DType dtype =
+        std::is_same_v<V, int32_t> ? DType::kInt32 : DType::kFloat32;
+    EXPECT_TRUE(
+        WriteNpy(path, dtype, shape, values.data(), values.size() * sizeof(V))
+            .ok())
+        << path;
+    return path;
   }
 
   // The value after `key` in a "key value key value ..." line.
@@ -522,6 +538,28 @@ std::string LineOf(const std::string& out, const std::string& key) {
   return "";
 }
 
+// A top-k teacher's JSD (beta 0.3, tau 2) with the tail bucket, as the
+// flags --top_k_tail=bucket --divergence=jsd --beta=0.3 --temperature=2 say.
+DistillationOptions TopKJsd(int64_t k, const std::vector<int32_t>& indices,
+                            const std::vector<float>& logprobs) {
+  DistillationOptions distillation;
+  distillation.top_k = k;
+  distillation.top_k_indices = LossInput::Inline(indices);
+  distillation.top_k_logprobs = LossInput::Inline(logprobs);
+  distillation.tail = TopKTail::kBucket;
+  distillation.divergence = Divergence::kJsd;
+  distillation.beta = 0.3f;
+  distillation.temperature = 2.0f;
+  return distillation;
+}
+
+SegmentOptions Segments(const std::vector<int32_t>& ids, int64_t count) {
+  SegmentOptions segments;
+  segments.ids = LossInput::Inline(ids);
+  segments.count = count;
+  return segments;
+}
+
 // forward's post-training flags: a top-k teacher and segment ids from .npy
 // files, then a PPO loss with an advantages file and old logprobs by handle;
 // what lossctl prints is what lossd::Client gets for the same request.
@@ -539,21 +577,13 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
     advantages[r] = (r % 3) - 1.0f;
     old_logprobs[r] = -5.0f - 0.01f * r;
   }
-  const std::string indices_path = dir_.File("indices.npy");
-  const std::string logprobs_path = dir_.File("logprobs.npy");
-  const std::string ids_path = dir_.File("ids.npy");
-  const std::string advantages_path = dir_.File("advantages.npy");
-  ASSERT_TRUE(WriteNpy(indices_path, DType::kInt32, {kRows, kTopK},
-                       indices.data(), indices.size() * 4)
-                  .ok());
-  ASSERT_TRUE(WriteNpy(logprobs_path, DType::kFloat32, {kRows, kTopK},
-                       logprobs.data(), logprobs.size() * 4)
-                  .ok());
-  ASSERT_TRUE(
-      WriteNpy(ids_path, DType::kInt32, {kRows}, ids.data(), kRows * 4).ok());
-  ASSERT_TRUE(WriteNpy(advantages_path, DType::kFloat32, {kRows},
-                       advantages.data(), kRows * 4)
-                  .ok());
+  const std::string indices_path =
+      WriteRowsFile("indices.npy", {kRows, kTopK}, indices);
+  const std::string logprobs_path =
+      WriteRowsFile("logprobs.npy", {kRows, kTopK}, logprobs);
+  const std::string ids_path = WriteRowsFile("ids.npy", {kRows}, ids);
+  const std::string advantages_path =
+      WriteRowsFile("advantages.npy", {kRows}, advantages);
   const std::string handle = UploadHandle({logits_path_});
 
   CommandResult distill =
@@ -565,19 +595,8 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
   ASSERT_EQ(distill.exit_code, 0) << distill.err;
   ForwardOptions options;
   options.mode = GradientMode::kNone;
-  DistillationOptions distillation;
-  distillation.top_k = kTopK;
-  distillation.top_k_indices = LossInput::Inline(indices);
-  distillation.top_k_logprobs = LossInput::Inline(logprobs);
-  distillation.tail = TopKTail::kBucket;
-  distillation.divergence = Divergence::kJsd;
-  distillation.beta = 0.3f;
-  distillation.temperature = 2.0f;
-  options.distillation = distillation;
-  SegmentOptions segments;
-  segments.ids = LossInput::Inline(ids);
-  segments.count = 4;
-  options.segments = segments;
+  options.distillation = TopKJsd(kTopK, indices, logprobs);
+  options.segments = Segments(ids, 4);
   absl::StatusOr<ForwardResult> want =
       client_->Forward(handle, Targets(), options);
   ASSERT_TRUE(want.ok()) << want.status();
@@ -733,6 +752,113 @@ TEST_F(LossctlTest, ForwardPostTrainingFlagsMatchTheClient) {
                                "--policy_loss=grpo", "--advantages=x"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_THAT(bad.err, HasSubstr("--policy_loss=grpo"));
+}
+
+// lossctl eval --weight with the post-training flags: hidden states from a
+// file against the stored head give LinearForward's numbers in mode NONE
+// (docs/api.md, "In Evaluate"), over the stream and over data connections: a
+// top-k distillation with segments, then a PPO loss.
+TEST_F(LossctlTest, EvalWithAWeightTakesThePostTrainingFlags) {
+  constexpr int64_t kWidth = 8;
+  constexpr int64_t kTopK = 3;
+  std::vector<float> hidden(kRows * kWidth), weight(kVocab * kWidth);
+  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = 0.05f * (i % 37);
+  for (size_t i = 0; i < weight.size(); ++i)
+    weight[i] = 0.04f * (i % 29) - 0.5f;
+  std::vector<int32_t> indices(kRows * kTopK), ids(kRows);
+  std::vector<float> logprobs(kRows * kTopK), advantages(kRows),
+      old_logprobs(kRows);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t j = 0; j < kTopK; ++j) {
+      indices[r * kTopK + j] = static_cast<int32_t>((3 * r + 11 * j) % kVocab);
+      logprobs[r * kTopK + j] = -1.2f - 0.5f * j;
+    }
+    ids[r] = static_cast<int32_t>(r / 20);
+    advantages[r] = (r % 5) * 0.5f - 1.0f;
+    old_logprobs[r] = -5.5f + 0.02f * r;
+  }
+  const std::string hidden_path =
+      WriteRowsFile("pt-hidden.npy", {kRows, kWidth}, hidden);
+  const std::string indices_path =
+      WriteRowsFile("pt-indices.npy", {kRows, kTopK}, indices);
+  const std::string logprobs_path =
+      WriteRowsFile("pt-logprobs.npy", {kRows, kTopK}, logprobs);
+  const std::string ids_path = WriteRowsFile("pt-ids.npy", {kRows}, ids);
+  const std::string advantages_path =
+      WriteRowsFile("pt-advantages.npy", {kRows}, advantages);
+  const std::string old_path =
+      WriteRowsFile("pt-old.npy", {kRows}, old_logprobs);
+  absl::StatusOr<TensorInfo> w = client_->Upload(
+      DType::kFloat32, {kVocab, kWidth}, weight.data(), weight.size() * 4);
+  absl::StatusOr<TensorInfo> x = client_->Upload(
+      DType::kFloat32, {kRows, kWidth}, hidden.data(), hidden.size() * 4);
+  ASSERT_TRUE(w.ok() && x.ok());
+  const Targets targets =
+      Targets::Inline(DType::kInt64, targets_.data(), targets_.size() * 8);
+
+  LinearForwardOptions options;
+  options.mode = GradientMode::kNone;
+  options.distillation = TopKJsd(kTopK, indices, logprobs);
+  options.distillation->alpha = 0.25f;
+  options.segments = Segments(ids, 4);
+  absl::StatusOr<LinearForwardResult> want =
+      client_->LinearForward(x->handle, w->handle, targets, options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const ForwardResult& kd = want->forward;
+  for (const char* transport :
+       {"--stripe_min_bytes=67108864", "--stripe_min_bytes=1"}) {
+    SCOPED_TRACE(transport);
+    CommandResult eval = Lossctl(
+        {"eval", hidden_path, targets_path_, "--weight=" + w->handle,
+         "--block_rows=5", "--teacher_indices=" + indices_path,
+         "--teacher_logprobs=" + logprobs_path, "--top_k_tail=bucket",
+         "--divergence=jsd", "--beta=0.3", "--temperature=2", "--alpha=0.25",
+         "--segments=" + ids_path, "--num_segments=4", transport});
+    ASSERT_EQ(eval.exit_code, 0) << eval.err;
+    EXPECT_NEAR(Field(eval.out, "loss"), kd.loss, 1e-6 * std::abs(kd.loss))
+        << eval.out;
+    EXPECT_NEAR(
+        Field(LineOf(eval.out, "distillation_loss"), "distillation_loss"),
+        kd.distillation_loss, 1e-6 * std::abs(kd.distillation_loss));
+    for (int s = 0; s < 4; ++s) {
+      const std::string line =
+          LineOf(eval.out, absl::StrCat("segment ", s, " loss"));
+      EXPECT_NEAR(Field(line, "loss"), kd.segment_loss[s],
+                  1e-6 * std::abs(kd.segment_loss[s]))
+          << line;
+      EXPECT_EQ(Field(line, "tokens"), kd.segment_tokens[s]) << line;
+    }
+  }
+
+  LinearForwardOptions ppo_options;
+  ppo_options.mode = GradientMode::kNone;
+  PolicyGradientOptions policy;
+  policy.loss = PolicyLossKind::kPpoClip;
+  policy.advantages = LossInput::Inline(advantages);
+  policy.sampling_logprobs = LossInput::Inline(old_logprobs);
+  policy.epsilon_high = 0.3f;
+  ppo_options.policy = policy;
+  want = client_->LinearForward(x->handle, w->handle, targets, ppo_options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const ForwardResult& ppo = want->forward;
+  for (const char* transport :
+       {"--stripe_min_bytes=67108864", "--stripe_min_bytes=1"}) {
+    SCOPED_TRACE(transport);
+    CommandResult eval = Lossctl(
+        {"eval", hidden_path, targets_path_, "--weight=" + w->handle,
+         "--block_rows=5", "--policy_loss=ppo",
+         "--advantages=" + advantages_path, "--old_logprobs=" + old_path,
+         "--epsilon_high=0.3", transport});
+    ASSERT_EQ(eval.exit_code, 0) << eval.err;
+    EXPECT_NEAR(Field(eval.out, "loss"), ppo.loss, 1e-6 * std::abs(ppo.loss))
+        << eval.out;
+    const std::string stats = LineOf(eval.out, "clipped_tokens");
+    EXPECT_EQ(Field(stats, "clipped_tokens"), ppo.policy_stats.clipped_tokens)
+        << stats;
+    EXPECT_NEAR(Field(stats, "ratio_sum"), ppo.policy_stats.ratio_sum,
+                1e-6 * ppo.policy_stats.ratio_sum)
+        << stats;
+  }
 }
 
 // --connect_wait: how long a command waits for a server that is down.

@@ -127,6 +127,14 @@ void BadRequestsTest::AddPostTrainingCases(std::vector<Case>* cases) {
         logprobs[5] = 0.5f;
         TopK(r, GoodIndices(), logprobs);
       }));
+  add("distillation: a renormalised support of no mass", Code::INVALID_ARGUMENT,
+      "top-k logprobs of row 1 are all -inf: the renormalised support has no "
+      "mass",
+      ForwardWith([](auto* r) {
+        std::vector<float> logprobs = GoodLogprobs();
+        logprobs[2] = logprobs[3] = -std::numeric_limits<float>::infinity();
+        TopK(r, GoodIndices(), logprobs);
+      }));
   add("distillation: NaN logprob", Code::INVALID_ARGUMENT, "must be <= 0",
       ForwardWith([kNaN](auto* r) {
         std::vector<float> logprobs = GoodLogprobs();

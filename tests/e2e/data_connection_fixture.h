@@ -72,6 +72,7 @@ class DataConnectionTest : public ::testing::Test {
         e2e_test::LoopbackConfig(device, budget, drain_timeout);
     config.data_port = data_port;
     config.data_timeout = data_timeout;
+    config.tenant_limits = tenant_limits_;
     absl::StatusOr<std::unique_ptr<LossdServer>> server =
         LossdServer::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -133,6 +134,7 @@ class DataConnectionTest : public ::testing::Test {
 
   std::unique_ptr<LossdServer> server_;
   std::unique_ptr<pb::Lossd::Stub> stub_;
+  TenantLimits tenant_limits_;  // every tenant's, set before Start
 };
 
 // An Upload stream driven by hand: a header with a data token, then Finish.

@@ -286,7 +286,8 @@ TEST_F(DataConnectionTest, PostTrainingEvaluateClientChecksBlocks) {
 class RawPostTrainingEvaluate {
  public:
   RawPostTrainingEvaluate(pb::Lossd::Stub* stub, const std::string& token,
-                          const std::function<void(pb::EvaluateHeader*)>& set) {
+                          const std::function<void(pb::EvaluateHeader*)>& set,
+                          int connections = 1) {
     writer_ = stub->Evaluate(&context_, &response_);
     pb::EvaluateRequest request;
     pb::EvaluateHeader* header = request.mutable_header();
@@ -294,12 +295,13 @@ class RawPostTrainingEvaluate {
     header->set_logits_dtype(pb::DTYPE_FLOAT32);
     header->set_targets_dtype(pb::DTYPE_INT32);
     header->set_data_token(token);
-    header->set_data_connections(1);
+    header->set_data_connections(connections);
     set(header);
     sent_ = writer_->Write(request) && writer_->WritesDone();
   }
   bool sent() const { return sent_; }
   grpc::Status Finish() { return writer_->Finish(); }
+  const pb::EvaluateResponse& response() const { return response_; }
 
  private:
   grpc::ClientContext context_;
@@ -388,6 +390,53 @@ TEST_F(DataConnectionTest, PostTrainingEvaluateFrameErrors) {
   }
   ExpectEmptyStore();
   EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
+}
+
+// Each connection's frame buffer counts against the tenant's byte quota
+// while the evaluation holds it: three connections at once, whose frames
+// together pass a quota that two fit, fail RESOURCE_EXHAUSTED and leave
+// nothing charged; two then fit.
+TEST_F(DataConnectionTest, PostTrainingFramesAreChargedToTheTenantsQuota) {
+  // A row: 29 * 4 of logits, 4 of target, 29 * 4 of a dense teacher.
+  constexpr int64_t kFrameRows = 1000;
+  constexpr int64_t kFrameBytes = kFrameRows * 236;
+  tenant_limits_.max_bytes = 2 * kFrameBytes + kFrameBytes / 2;
+  Start(0, absl::Seconds(5));
+  const std::string frame =
+      FrameOf(kFrameRows, {std::string(kFrameRows * kVocab * 4, '\0'),
+                           std::string(kFrameRows * 4, '\0'),
+                           std::string(kFrameRows * kVocab * 4, '\0')});
+  auto dense = [](pb::EvaluateHeader* header) {
+    header->mutable_distillation()->set_alpha(0.5f);
+    header->set_teacher_logits_dtype(pb::DTYPE_FLOAT32);
+  };
+  char fill = 'q';
+  for (int connections : {3, 2}) {
+    SCOPED_TRACE(connections);
+    const std::string token = Token(fill++);
+    RawPostTrainingEvaluate evaluate(stub_.get(), token, dense, connections);
+    ASSERT_TRUE(evaluate.sent());
+    std::vector<int> fds;
+    for (int i = 0; i < connections; ++i) fds.push_back(ConnectData());
+    for (int i = 0; i < connections; ++i) {
+      SendAll(fds[i], Preamble(token, i) + frame);  // (may be closed first)
+      shutdown(fds[i], SHUT_WR);
+    }
+    const grpc::Status status = evaluate.Finish();
+    for (int fd : fds) close(fd);
+    if (connections == 3) {
+      EXPECT_EQ(status.error_code(), StatusCode::RESOURCE_EXHAUSTED)
+          << status.error_message();
+      EXPECT_NE(status.error_message().find("its host buffer: tenant"),
+                std::string::npos)
+          << status.error_message();
+    } else {
+      EXPECT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(evaluate.response().rows(), 2 * kFrameRows);
+    }
+    ExpectEmptyStore();
+    EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
+  }
 }
 
 }  // namespace

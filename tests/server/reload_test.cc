@@ -109,6 +109,30 @@ TEST(TenantQuotasTest, NewLimitsJudgeTheNextChargeAndKeepOutstandingOnes) {
   EXPECT_EQ(quotas.UsageOf("alpha").tensors, 0);
 }
 
+// An RPC's working bytes (ChargeBytes) count against the byte limit beside
+// the tensors, never against the tensor limit, and go back when released.
+TEST(TenantQuotasTest, WorkingBytesCountAsBytesNotTensors) {
+  TenantLimits limits;
+  limits.max_tensors = 1;
+  limits.max_bytes = 100;
+  TenantQuotas quotas(limits);
+  absl::StatusOr<QuotaCharge> tensor = quotas.ChargeTensor("alpha", 40);
+  ASSERT_TRUE(tensor.ok());
+  absl::StatusOr<QuotaCharge> buffer = quotas.ChargeBytes("alpha", 50);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(quotas.UsageOf("alpha").bytes, 90);
+  EXPECT_EQ(quotas.UsageOf("alpha").tensors, 1);
+  const absl::Status over = quotas.ChargeBytes("alpha", 11).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.message().find("byte quota exceeded"), std::string::npos)
+      << over;
+  EXPECT_EQ(quotas.UsageOf("alpha").bytes, 90);
+  *buffer = QuotaCharge();
+  *tensor = QuotaCharge();
+  EXPECT_EQ(quotas.UsageOf("alpha").bytes, 0);
+  EXPECT_EQ(quotas.UsageOf("alpha").tensors, 0);
+}
+
 class ConfigWatcherTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -495,6 +495,151 @@ TEST(PostTrainingCpuTest, TopKWithKEqualVIsTheDenseTeacher) {
   }
 }
 
+// Edge rows (docs/api.md, "Edge rows"). Checks the row `row` of `outcome`:
+// its token loss is `loss` (NaN, +inf or finite), its gradient is NaN over
+// the whole row or finite, and every other row stays finite.
+void ExpectEdgeRow(const Problem& problem, const Outcome& outcome, int64_t row,
+                   double loss, bool nan_gradient, const std::string& what) {
+  ASSERT_TRUE(outcome.status.ok()) << what << ": " << outcome.status;
+  const double got = outcome.token_loss[row];
+  if (std::isnan(loss)) {
+    EXPECT_TRUE(std::isnan(got)) << what << ": " << got;
+  } else if (std::isinf(loss)) {
+    EXPECT_EQ(got, loss) << what;
+  } else {
+    EXPECT_TRUE(std::isfinite(got)) << what << ": " << got;
+  }
+  EXPECT_EQ(outcome.result.base.nonfinite_rows, std::isfinite(loss) ? 0 : 1)
+      << what;
+  for (int64_t r = 0; r < problem.rows; ++r) {
+    for (int64_t c = 0; c < problem.vocab; ++c) {
+      const float g = outcome.gradient[r * problem.vocab + c];
+      if (r == row && nan_gradient) {
+        ASSERT_TRUE(std::isnan(g)) << what << " [" << r << ", " << c << "]";
+      } else {
+        ASSERT_TRUE(std::isfinite(g)) << what << " [" << r << ", " << c << "]";
+      }
+    }
+  }
+}
+
+constexpr Divergence kDivergences[] = {
+    Divergence::kForwardKl, Divergence::kReverseKl, Divergence::kJsd};
+
+TEST(PostTrainingCpuTest, AStudentOfNoMassWhereTheTeacherHasIt) {
+  // Class 2 of row 1 masked (-inf) in the student, not in the teacher:
+  // forward KL is +inf with torch's kl_div gradient (p - q) / tau; reverse
+  // KL and JSD are finite and give the class no gradient.
+  for (Divergence divergence : kDivergences) {
+    Problem problem = Random(3, 6, 51);
+    AddDenseTeacher(&problem, 52);
+    problem.kd.divergence = divergence;
+    problem.kd.temperature = 2.0f;
+    problem.options.reduction = Reduction::kSum;
+    problem.logits[1 * 6 + 2] = -INFINITY;
+    const Outcome outcome = RunLoss(problem, problem.logits);
+    const bool forward = divergence == Divergence::kForwardKl;
+    const std::string what =
+        "divergence " + std::to_string(static_cast<int>(divergence));
+    ExpectEdgeRow(problem, outcome, 1, forward ? INFINITY : 1.0, false, what);
+    if (!forward) {
+      EXPECT_EQ(outcome.gradient[1 * 6 + 2], 0.0f) << what;
+      continue;
+    }
+    EXPECT_EQ(outcome.result.distillation_loss, INFINITY);
+    double sum_p = 0.0, sum_q = 0.0;
+    for (int64_t c = 0; c < 6; ++c) {
+      sum_p += std::exp(problem.logits[6 + c] / 2.0);
+      sum_q += std::exp(problem.teacher[6 + c] / 2.0);
+    }
+    for (int64_t c = 0; c < 6; ++c) {
+      const double p = std::exp(problem.logits[6 + c] / 2.0) / sum_p;
+      const double q = std::exp(problem.teacher[6 + c] / 2.0) / sum_q;
+      EXPECT_NEAR(outcome.gradient[6 + c], (p - q) / 2.0, 1e-6) << c;
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, ATeacherOfNoMassWhereTheStudentHasIt) {
+  // Reverse KL is +inf and its gradient NaN over the row (torch's: inf -
+  // inf); forward KL and JSD are finite. Three teachers: a dense logit -inf,
+  // a top-k logprob -inf inside the support, and a tail bucket of no mass (a
+  // support whose mass is 1.1: the tail is max(0, 1 - 1.1), the support not
+  // rescaled).
+  for (int teacher = 0; teacher < 3; ++teacher) {
+    for (Divergence divergence : kDivergences) {
+      Problem problem = Random(3, 6, 61);
+      if (teacher == 0) {
+        AddDenseTeacher(&problem, 62);
+        problem.teacher[1 * 6 + 4] = -INFINITY;
+      } else {
+        AddTopKTeacher(
+            &problem, 2,
+            teacher == 1 ? TopKTail::kRenormalize : TopKTail::kBucket, 63);
+        if (teacher == 1) {
+          problem.logprobs[2 + 1] = -INFINITY;
+        } else {
+          problem.logprobs[2] = std::log(0.6f);
+          problem.logprobs[2 + 1] = std::log(0.5f);
+        }
+      }
+      problem.kd.divergence = divergence;
+      problem.kd.temperature = 0.8f;
+      const bool reverse = divergence == Divergence::kReverseKl;
+      const std::string what = "teacher " + std::to_string(teacher) +
+                               " divergence " +
+                               std::to_string(static_cast<int>(divergence));
+      const Outcome outcome = RunLoss(problem, problem.logits);
+      ExpectEdgeRow(problem, outcome, 1, reverse ? INFINITY : 1.0, reverse,
+                    what);
+      if (!reverse) ExpectGradientMatchesDifferences(problem, what);
+    }
+  }
+}
+
+TEST(PostTrainingCpuTest, RowsWithoutADistributionAreNaN) {
+  // A student row all -inf, a dense teacher row all -inf, a student of no
+  // mass on a renormalised support: D, the loss and the row's gradient are
+  // NaN (torch's softmax of such a row); with ignore_index the row is
+  // skipped as any other.
+  for (int edge = 0; edge < 3; ++edge) {
+    for (Divergence divergence : kDivergences) {
+      for (bool ignored : {false, true}) {
+        Problem problem = Random(3, 6, 71);
+        if (edge == 1) {
+          AddDenseTeacher(&problem, 72);
+          for (int64_t c = 0; c < 6; ++c) problem.teacher[6 + c] = -INFINITY;
+        } else {
+          AddTopKTeacher(&problem, 3, TopKTail::kRenormalize, 73);
+        }
+        for (int64_t j = 0; j < 6; ++j) {
+          const int64_t c = edge == 2 && j < 3 ? problem.indices[3 + j] : j;
+          if (edge != 1 && (edge == 0 || j < 3)) {
+            problem.logits[6 + c] = -INFINITY;
+          }
+        }
+        problem.kd.divergence = divergence;
+        problem.kd.alpha = 0.3f;
+        problem.targets[1] = ignored                   ? kIgnore
+                             : problem.indices.empty() ? 0
+                                                       : problem.indices[3];
+        const std::string what = "edge " + std::to_string(edge) +
+                                 " divergence " +
+                                 std::to_string(static_cast<int>(divergence)) +
+                                 (ignored ? " ignored" : "");
+        const Outcome outcome = RunLoss(problem, problem.logits);
+        ExpectEdgeRow(problem, outcome, 1, ignored ? 0.0 : NAN, !ignored, what);
+        if (ignored) {
+          EXPECT_EQ(outcome.result.base.valid_tokens, 2) << what;
+          EXPECT_TRUE(std::isfinite(outcome.result.base.loss)) << what;
+        } else {
+          EXPECT_TRUE(std::isnan(outcome.result.distillation_loss)) << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(PostTrainingCpuTest, PpoClipsOnlyStrictlyPastEpsilon) {
   // V = 2 with one masked class: log p(y) is exactly 0, so the ratio against
   // a sampling logprob of 0 is exactly 1 = 1 + epsilon_high = 1 - epsilon_low.
@@ -543,6 +688,9 @@ TEST(PostTrainingCpuTest, RefusesBadInputAndWritesNothing) {
   p = base;
   p.logprobs[0] = 0.5f;
   expect_invalid(p, "positive logprob");
+  p = base;
+  p.logprobs[2] = p.logprobs[3] = -INFINITY;
+  expect_invalid(p, "a renormalised support of no mass");
   p = base;
   p.kd.temperature = 0.0f;
   expect_invalid(p, "temperature 0");
