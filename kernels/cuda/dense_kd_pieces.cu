@@ -504,13 +504,11 @@ __global__ void __launch_bounds__(kBlock, 4)
   constexpr int kVec = Tr::kVec;
   constexpr int kTeacherVecBytes = kVec * static_cast<int>(sizeof(TT));
   const DenseKdPieces& a = ka.call;
-  // Two buffers, each a student piece then its teacher piece: the next
-  // item's copies land in one while the gradient is written from the other.
-  extern __shared__ uint4 buffers[];
+  extern __shared__ uint4 kept[];  // student piece, then teacher piece
   __shared__ DenseStats scratch[kWarps];
   __shared__ double sums[kWarps][3];
-  __shared__ unsigned long long landed_both[2][kMaxBatches];
-  __shared__ long long item_s[2];
+  __shared__ unsigned long long landed[kMaxBatches];
+  __shared__ long long item_s;
   __shared__ DenseRow row_s;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -524,63 +522,51 @@ __global__ void __launch_bounds__(kBlock, 4)
                                              kCounterBytes);
   auto* sums_slots = reinterpret_cast<SumsSlot*>(slots + a.base.rows * per_row);
   const long long total = a.base.rows * per_row;
-  const size_t buffer_bytes =
-      static_cast<size_t>(a.chunk) * (sizeof(T) + sizeof(TT));
-  unsigned parities = 0;  // bit b: the phase buffer b's barriers wait for
+  uint4* const teacher_kept = reinterpret_cast<uint4*>(
+      reinterpret_cast<char*>(kept) + static_cast<size_t>(a.chunk) * sizeof(T));
+  unsigned parity = 0;
   constexpr unsigned kBatchBytes = kBatchVectors * 16;
   constexpr unsigned kTeacherBatchBytes =
       kBatchVectors * static_cast<unsigned>(kTeacherVecBytes);
-  // (thread 0) Takes the next item into item_s[b] and, if there is one,
-  // starts both its slices' copies into buffer b by the TMA unit, batch by
-  // batch (an empty batch only completes its barrier's phase).
-  auto take = [&](int b) {
-    const long long k = static_cast<long long>(atomicAdd(counter, 1ull));
-    item_s[b] = k;
-    if (k >= total) return;
-    const long long r = k / per_row;
-    const int start = static_cast<int>(k - r * per_row) * a.chunk;
-    const int n = max(0, min(a.chunk, vocab - start));
-    const char* zs = static_cast<const char*>(a.base.logits) +
-                     (r * a.base.row_stride + start) * sizeof(T);
-    const char* ts = static_cast<const char*>(a.kd.teacher_logits) +
-                     (r * a.kd.teacher_row_stride + start) * sizeof(TT);
-    char* const kb = reinterpret_cast<char*>(buffers) + b * buffer_bytes;
-    char* const tb = kb + static_cast<size_t>(a.chunk) * sizeof(T);
-    const unsigned bytes = static_cast<unsigned>(n) * sizeof(T);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int c = 0; c < ka.batches; ++c) {
-      const unsigned off = c * kBatchBytes;
-      const unsigned len = off < bytes ? min(kBatchBytes, bytes - off) : 0;
-      const unsigned tlen = len / sizeof(T) * sizeof(TT);
-      const unsigned toff = c * kTeacherBatchBytes;
-      MbarExpectTx(&landed_both[b][c], len + tlen);
-      if (len > 0) {
-        BulkLoad(kb + off, zs + off, len, &landed_both[b][c]);
-        BulkLoad(tb + toff, ts + toff, tlen, &landed_both[b][c]);
-      }
-    }
-  };
   if (tid == 0) {
-    for (int c = 0; c < ka.batches; ++c) {
-      MbarInit(&landed_both[0][c], 1);
-      MbarInit(&landed_both[1][c], 1);
-    }
+    for (int c = 0; c < ka.batches; ++c) MbarInit(&landed[c], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    take(0);
   }
-  __syncthreads();
-  int cur = 0;
 #pragma unroll 1
   for (;;) {
-    const long long k = item_s[cur];
+    if (tid == 0) {
+      const long long k = static_cast<long long>(atomicAdd(counter, 1ull));
+      item_s = k;
+      if (k < total) {
+        // Both slices into shared memory by the TMA unit, batch by batch
+        // (an empty batch only completes its barrier's phase).
+        const long long r = k / per_row;
+        const int start = static_cast<int>(k - r * per_row) * a.chunk;
+        const int n = max(0, min(a.chunk, vocab - start));
+        const char* zs = static_cast<const char*>(a.base.logits) +
+                         (r * a.base.row_stride + start) * sizeof(T);
+        const char* ts = static_cast<const char*>(a.kd.teacher_logits) +
+                         (r * a.kd.teacher_row_stride + start) * sizeof(TT);
+        const unsigned bytes = static_cast<unsigned>(n) * sizeof(T);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int c = 0; c < ka.batches; ++c) {
+          const unsigned off = c * kBatchBytes;
+          const unsigned len = off < bytes ? min(kBatchBytes, bytes - off) : 0;
+          const unsigned tlen = len / sizeof(T) * sizeof(TT);
+          const unsigned toff = c * kTeacherBatchBytes;
+          MbarExpectTx(&landed[c], len + tlen);
+          if (len > 0) {
+            BulkLoad(reinterpret_cast<char*>(kept) + off, zs + off, len,
+                     &landed[c]);
+            BulkLoad(reinterpret_cast<char*>(teacher_kept) + toff, ts + toff,
+                     tlen, &landed[c]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const long long k = item_s;
     if (k >= total) break;
-    uint4* const kept = reinterpret_cast<uint4*>(
-        reinterpret_cast<char*>(buffers) + cur * buffer_bytes);
-    uint4* const teacher_kept =
-        reinterpret_cast<uint4*>(reinterpret_cast<char*>(kept) +
-                                 static_cast<size_t>(a.chunk) * sizeof(T));
-    unsigned long long* const landed = landed_both[cur];
-    const unsigned parity = (parities >> cur) & 1u;
     if (ka.ahead > 0 && tid == kBlock - 32 && k + ka.ahead < total) {
       // (the last warp: off warp 0's publish and merge)
       const long long kn = k + ka.ahead;
@@ -724,10 +710,6 @@ __global__ void __launch_bounds__(kBlock, 4)
       }
       __syncthreads();
     }
-    // The row is merged: the next item's copies overlap this gradient. (Taken
-    // no sooner: a block holding an unpublished piece then waits for no row,
-    // so every row's pieces publish.)
-    if (tid == 0) take(cur ^ 1);
     if (owner && tid == 0) {
       WriteRecord(row_s, a.kd.alpha, has_target && row_s.arg == y,
                   a.rows_out + row);
@@ -768,18 +750,16 @@ __global__ void __launch_bounds__(kBlock, 4)
         Tr::Store(out + yl, kd + r.gy);
       }
     }
-    parities ^= 1u << cur;
-    cur ^= 1;
-    // (this buffer and row_s are rewritten by the items after; item_s[cur]
-    // is read by every thread)
-    __syncthreads();
+    parity ^= 1u;
+    __syncthreads();  // kept, row_s and item_s are rewritten by the next item
   }
 }
 
 template <typename T, typename TT, int kDiv, bool kTauOne>
 cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
-  const int smem = 2 * call.chunk * static_cast<int>(sizeof(T) + sizeof(TT));
+  const int smem = call.chunk * static_cast<int>(sizeof(T)) +
+                   call.chunk * static_cast<int>(sizeof(TT));
   constexpr long long kBatchElems =
       static_cast<long long>(kBatchVectors) * Traits<T>::kVec;
   const int batches =

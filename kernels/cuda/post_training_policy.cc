@@ -12,8 +12,8 @@ namespace {
 long long CeilDiv(long long a, long long b) { return (a + b - 1) / b; }
 
 // A dense teacher's pieces: student and teacher slices of `chunk` elements
-// (a multiple of 8: whole vectors of either dtype), two pieces in one block's
-// shared memory, the student's in at most pieces_bulk_chunks batches.
+// (a multiple of 8: whole vectors of either dtype) in one block's shared
+// memory, the student's in at most pieces_bulk_chunks batches.
 std::optional<ScheduleChoice> DenseKdChoice(const PostTrainingShape& shape,
                                             const DeviceLimits& device,
                                             const Sm90Policy& policy) {
@@ -30,7 +30,7 @@ std::optional<ScheduleChoice> DenseKdChoice(const PostTrainingShape& shape,
   const long long chunk = CeilDiv(CeilDiv(s.vocab, per_row), 8) * 8;
   const long long pieces = CeilDiv(s.vocab, chunk);
   const long long smem = chunk * pair_bytes;
-  const long long block = 2 * smem + policy.pieces_smem_headroom + 1024;
+  const long long block = smem + policy.pieces_smem_headroom + 1024;
   if (chunk * s.element_bytes >
           static_cast<long long>(policy.pieces_bulk_chunk_bytes) *
               policy.pieces_bulk_chunks ||

@@ -29,10 +29,8 @@ struct PostTrainingShape {
 };
 
 // A dense teacher's row pieces: about this many KiB of student and teacher
-// together a piece (at most 32 pieces a row); a block keeps two, the next
-// one's copies landing while the gradient is written from the other (four
-// blocks of 128 threads a SM).
-constexpr int kDenseKdPieceKib = 24;
+// together a piece (four blocks of 128 threads a SM).
+constexpr int kDenseKdPieceKib = 48;
 
 // The smem row pieces choice for `shape`, or std::nullopt for the row kernel.
 // The fast path takes policy losses, top-k distillation at any temperature

@@ -86,7 +86,6 @@ double EventTime(Enqueue enqueue, int reps) {
 // place at 8192 x 128256 and 16384 x 131072, student N(0, 2) and teacher
 // N(0, 2.5): the kernel with its gradient, the kernel's statistics alone
 // (forward only), and the whole synchronous call, against a device copy.
-// Then the kernel alone at other piece sizes.
 // LOSSD_BENCH_ONCE=1: one launch of each kernel with its gradient, at the
 // first shape and nothing else (for a profiler).
 // Run with --gtest_also_run_disabled_tests --gtest_filter=*BenchDistillation*.
@@ -148,25 +147,6 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
         "copy %.3f ms (events)\n",
         static_cast<long long>(rows), static_cast<long long>(vocab),
         choice->pieces, choice->chunk, copy_s * 1e3);
-    // A bf16 teacher's call of `divergence` at `tau` on pieces of `chunk`.
-    auto dense_call = [&](Divergence divergence, float tau, int chunk,
-                          int pieces, void* space, DistillationArgs* kd) {
-      kd->divergence = divergence;
-      kd->temperature = tau;
-      kd->teacher_logits = teacher.get();
-      kd->teacher_dtype = DType::kBFloat16;
-      kd->teacher_row_stride = vocab;
-      cuda_ce::DenseKdPieces call;
-      call.base = base;
-      call.kd = *kd;
-      call.divergence = KernelDivergence(*kd);
-      call.chunk = chunk;
-      call.pieces = pieces;
-      call.row_scale = static_cast<const float*>(d_scale.get());
-      call.rows_out = static_cast<PostTrainingCudaRow*>(d_rows.get());
-      call.workspace = space;
-      return call;
-    };
     const std::pair<Divergence, float> kinds[] = {
         {Divergence::kForwardKl, 1.0f},
         {Divergence::kReverseKl, 1.0f},
@@ -175,9 +155,20 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
     const char* names[] = {"FKL", "RKL", "JSD(0.5)", "FKL tau 2"};
     for (int i = 0; i < 4; ++i) {
       DistillationArgs kd;
-      cuda_ce::DenseKdPieces call =
-          dense_call(kinds[i].first, kinds[i].second, choice->chunk,
-                     choice->pieces, workspace.get(), &kd);
+      kd.divergence = kinds[i].first;
+      kd.temperature = kinds[i].second;
+      kd.teacher_logits = teacher.get();
+      kd.teacher_dtype = DType::kBFloat16;
+      kd.teacher_row_stride = vocab;
+      cuda_ce::DenseKdPieces call;
+      call.base = base;
+      call.kd = kd;
+      call.divergence = KernelDivergence(kd);
+      call.chunk = choice->chunk;
+      call.pieces = choice->pieces;
+      call.row_scale = static_cast<const float*>(d_scale.get());
+      call.rows_out = static_cast<PostTrainingCudaRow*>(d_rows.get());
+      call.workspace = workspace.get();
       auto launch = [&] {
         EXPECT_EQ(cuda_ce::LaunchDenseKdPieces(call, nullptr), cudaSuccess);
       };
@@ -202,30 +193,6 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
           call_s * 1e3, 150.0 * copy_s / call_s);
     }
     if (once) break;
-    // The kernel alone at other piece sizes (forward KL and JSD).
-    for (int kib : {12, 16, 32, 48}) {
-      const int64_t per_row =
-          std::min<int64_t>(32, (vocab * 4 + kib * 1024 - 1) / (kib * 1024));
-      const int chunk =
-          static_cast<int>((vocab + per_row - 1) / per_row + 7) / 8 * 8;
-      const int pieces = static_cast<int>((vocab + chunk - 1) / chunk);
-      for (Divergence divergence : {Divergence::kForwardKl, Divergence::kJsd}) {
-        DeviceMemory more(cuda_ce::DenseKdWorkspaceBytes(rows, pieces));
-        DistillationArgs kd;
-        const cuda_ce::DenseKdPieces call =
-            dense_call(divergence, 1.0f, chunk, pieces, more.get(), &kd);
-        cudaError_t e = cudaSuccess;
-        const double t = EventTime(
-            [&] { e = cuda_ce::LaunchDenseKdPieces(call, nullptr); }, reps);
-        std::printf(
-            "bench:   dense %s, pieces of %d KiB (%d of %d): kernel "
-            "%.3f ms (%.0f%% of its floor)%s\n",
-            divergence == Divergence::kJsd ? "JSD(0.5)" : "FKL", kib, pieces,
-            chunk, t * 1e3, 150.0 * copy_s / t,
-            e == cudaSuccess ? "" : " (refused)");
-        cudaGetLastError();
-      }
-    }
   }
 }
 

@@ -221,7 +221,8 @@ void Compare(const Config& c) {
   std::vector<float> cpu_loss(c.rows), cpu_entropy(c.rows);
   cpu.base.logits_dtype = DType::kFloat32;
   cpu.base.logits = logits.data();
-  cpu.base.gradient = cpu_grad.data();
+  // (mode none takes no gradient pointer)
+  cpu.base.gradient = c.forward_only ? nullptr : cpu_grad.data();
   cpu.base.targets = c.targets ? targets.data() : nullptr;
   cpu.base.token_loss = cpu_loss.data();
   cpu.token_entropy = cpu_entropy.data();
@@ -259,7 +260,9 @@ void Compare(const Config& c) {
   std::vector<float> gpu_loss(c.rows), gpu_entropy(c.rows);
   gpu.base.logits_dtype = c.dtype;
   gpu.base.logits = d_logits.get();
-  gpu.base.gradient = c.in_place ? d_logits.get() : d_grad.get();
+  gpu.base.gradient = c.forward_only ? nullptr
+                      : c.in_place   ? d_logits.get()
+                                     : d_grad.get();
   if (c.in_place && !c.forward_only) gpu.base.mode = GradientMode::kInPlace;
   gpu.base.targets = c.targets ? d_targets.get() : nullptr;
   gpu.base.token_loss = gpu_loss.data();
@@ -846,6 +849,7 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
         TimeCopyAndCrossEntropy(rows, vocab, logits, copy, d_targets.get());
     CrossEntropyArgs forward = b.base;
     forward.mode = GradientMode::kNone;
+    forward.gradient = nullptr;
     const double ce_forward_s = Time([&] {
       CrossEntropyResult result;
       const absl::Status status = CrossEntropyCuda(forward, &result, nullptr);
