@@ -30,6 +30,8 @@
 #include "kernels/cuda/sparse_residual.h"
 #include "kernels/linear_cross_entropy_validate.h"
 #include "kernels/linear_post_training.h"
+#include "kernels/post_training_plan.h"
+#include "kernels/post_training_validate.h"
 
 namespace lossd {
 namespace {
