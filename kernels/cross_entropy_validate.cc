@@ -1,6 +1,6 @@
-// ValidateCrossEntropyArgs: the argument checks every backend runs before it
-// touches memory, in a library of their own so that the CUDA backend does not
-// link the CPU one for them.
+// ValidateCrossEntropyArgs and CheckTargets: the checks every backend runs
+// before it touches memory, in a library of their own so that the CUDA backend
+// does not link the CPU one for them.
 #include "kernels/cross_entropy_validate.h"
 
 #include <cmath>
@@ -125,6 +125,24 @@ absl::Status ValidateCrossEntropyArgs(const CrossEntropyArgs& args) {
       return Invalid(
           absl::StrCat("mode must be in-place, out-of-place or none, got ",
                        static_cast<int>(args.mode)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckTargets(const void* targets, DType targets_dtype,
+                          int64_t rows, int64_t vocab, int64_t ignore_index) {
+  if (!IsTargetsDType(targets_dtype)) {
+    return Invalid(absl::StrCat("targets_dtype must be int32 or int64, got ",
+                                static_cast<int>(targets_dtype)));
+  }
+  if (rows > 0 && targets == nullptr) return Invalid("targets is nullptr");
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t target = LoadTarget(targets, targets_dtype, row);
+    if ((target < 0 || target >= vocab) && target != ignore_index) {
+      return Invalid(absl::StrCat("targets[", row, "] = ", target,
+                                  " is out of range: must be in [0, ", vocab,
+                                  ") or equal ignore_index ", ignore_index));
+    }
   }
   return absl::OkStatus();
 }

@@ -35,7 +35,7 @@ struct LinearPostTrainingArgs {
 
 // The whole call as a PostTrainingArgs without logits (its `base.logits` a
 // stand-in that is never read, mode kNone): what the post-training checks,
-// plan and reduction of kernels/cpu/post_training_cpu.h take.
+// plan and reduction (kernels/post_training_{validate,plan}.h) take.
 inline PostTrainingArgs WholePostTrainingView(
     const LinearPostTrainingArgs& args) {
   const LinearCrossEntropyArgs& linear = args.linear;

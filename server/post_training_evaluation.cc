@@ -11,7 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/post_training_cpu.h"
+#include "kernels/post_training_validate.h"
 #include "lossd/v1/lossd.pb.h"
 #include "server/evaluation.h"
 #include "server/post_training_forward.h"

@@ -23,7 +23,6 @@ using cpu_internal::ArgmaxUpdate;
 using cpu_internal::BFloat16Format;
 using cpu_internal::Float16Format;
 using cpu_internal::Float32Format;
-using cpu_internal::LoadTarget;
 using cpu_internal::StoreDouble;
 
 absl::Status Invalid(const std::string& message) {
@@ -298,24 +297,6 @@ void RunRows(const Plan& plan, int num_threads, int64_t block_rows,
 }
 
 }  // namespace
-
-absl::Status CheckTargets(const void* targets, DType targets_dtype,
-                          int64_t rows, int64_t vocab, int64_t ignore_index) {
-  if (!IsTargetsDType(targets_dtype)) {
-    return Invalid(absl::StrCat("targets_dtype must be int32 or int64, got ",
-                                static_cast<int>(targets_dtype)));
-  }
-  if (rows > 0 && targets == nullptr) return Invalid("targets is nullptr");
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t target = LoadTarget(targets, targets_dtype, row);
-    if ((target < 0 || target >= vocab) && target != ignore_index) {
-      return Invalid(absl::StrCat("targets[", row, "] = ", target,
-                                  " is out of range: must be in [0, ", vocab,
-                                  ") or equal ignore_index ", ignore_index));
-    }
-  }
-  return absl::OkStatus();
-}
 
 absl::Status CrossEntropyCpu(const CrossEntropyArgs& args,
                              CrossEntropyResult* result, int num_threads) {

@@ -12,15 +12,6 @@
 
 namespace lossd {
 
-// Checks host `targets` ([rows] of int32 or int64): every value is in
-// [0, vocab) or equals ignore_index.
-//
-// Returns OK, or INVALID_ARGUMENT naming the first bad row and its value (also
-// for a bad dtype, or targets == nullptr with rows > 0). Reads targets only.
-// Thread safety: pure function.
-absl::Status CheckTargets(const void* targets, DType targets_dtype,
-                          int64_t rows, int64_t vocab, int64_t ignore_index);
-
 // The fast backend: computes the loss and, as `args.mode` says, the gradient
 // (kInPlace overwrites args.logits; kOutOfPlace writes args.gradient; kNone
 // writes no tensor), plus the requested per-token outputs and `*result`.

@@ -33,12 +33,6 @@ struct Float16Format {
   static uint16_t Store(float v) { return FloatToHalf(v); }
 };
 
-// The target of `row`; the dtype has been validated.
-inline int64_t LoadTarget(const void* targets, DType dtype, int64_t row) {
-  if (dtype == DType::kInt32) return static_cast<const int32_t*>(targets)[row];
-  return static_cast<const int64_t*>(targets)[row];
-}
-
 // Running argmax with torch's conventions: the first maximum wins ties, and the
 // first NaN wins over everything (the maximum of a row holding a NaN is NaN).
 // Start with best = -inf, best_index = 0.

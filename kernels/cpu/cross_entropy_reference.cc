@@ -14,7 +14,6 @@ namespace lossd {
 
 using cpu_internal::ArgmaxUpdate;
 using cpu_internal::LoadLogit;
-using cpu_internal::LoadTarget;
 using cpu_internal::StoreDouble;
 
 absl::Status CrossEntropyReference(const CrossEntropyArgs& args,

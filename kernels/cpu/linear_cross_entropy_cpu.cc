@@ -24,7 +24,6 @@ namespace lossd {
 namespace {
 
 using cpu_internal::LoadLogit;
-using cpu_internal::LoadTarget;
 
 absl::Status Invalid(const std::string& message) {
   return absl::InvalidArgumentError(

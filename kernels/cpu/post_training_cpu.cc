@@ -1,5 +1,5 @@
-// Checks and the fp64 CPU backend of the post-training losses: per row its
-// statistics, its loss, then one gradient pass over the vocabulary.
+// The fp64 CPU backend of the post-training losses: per row its statistics,
+// its loss, then one gradient pass over the vocabulary.
 #include "kernels/cpu/post_training_cpu.h"
 
 #include <algorithm>
@@ -20,19 +20,13 @@ namespace {
 
 using cpu_internal::ArgmaxUpdate;
 using cpu_internal::LoadLogit;
-using cpu_internal::LoadTarget;
 using cpu_internal::StoreDouble;
 
-constexpr int64_t kMaxTopK = 512;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 absl::Status Invalid(const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat("post_training: ", message));
-}
-
-bool FiniteIn(double value, double low, double high) {
-  return std::isfinite(value) && value >= low && value <= high;
 }
 
 int64_t LoadIndex(const void* indices, DType dtype, int64_t i) {
@@ -142,12 +136,6 @@ struct Plan {
   void* gradient;           // nullptr for kNone
   const double* row_scale;  // ds/dl_i for each row (0 for ignored rows)
 };
-
-bool RowIsValid(const PostTrainingArgs& args, int64_t row) {
-  if (args.base.targets == nullptr) return true;
-  return LoadTarget(args.base.targets, args.base.targets_dtype, row) !=
-         args.base.options.ignore_index;
-}
 
 // Per-row workspace, one per thread.
 struct Scratch {
@@ -464,7 +452,7 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
   const CrossEntropyArgs& base = args.base;
   PostTrainingRowTotals totals;
   Row row = LoadRow(args, index, scratch, &totals);
-  if (!RowIsValid(args, index)) {
+  if (!PostTrainingRowIsValid(args, index)) {
     totals = PostTrainingRowTotals();
     if (base.token_loss != nullptr) base.token_loss[index] = 0.0f;
     if (args.token_logprob != nullptr) args.token_logprob[index] = 0.0f;
@@ -528,347 +516,6 @@ PostTrainingRowTotals ComputeRow(const Plan& plan, int64_t index,
 
 }  // namespace
 
-namespace {
-
-// The distillation's fields (ValidatePostTrainingArgs).
-absl::Status ValidateDistillation(const DistillationArgs& kd, int64_t vocab) {
-  if (!(std::isfinite(kd.temperature) && kd.temperature > 0.0f)) {
-    return Invalid(absl::StrCat("distillation.temperature must be > 0, got ",
-                                kd.temperature));
-  }
-  if (!FiniteIn(kd.alpha, 0.0, 1.0)) {
-    return Invalid(
-        absl::StrCat("distillation.alpha must be in [0, 1], got ", kd.alpha));
-  }
-  const int divergence = static_cast<int>(kd.divergence);
-  if (divergence < 1 || divergence > 3) {
-    return Invalid(
-        absl::StrCat("unknown distillation.divergence ", divergence));
-  }
-  if (kd.divergence == Divergence::kJsd && !FiniteIn(kd.beta, 0.0, 1.0)) {
-    return Invalid(
-        absl::StrCat("distillation.beta must be in [0, 1], got ", kd.beta));
-  }
-  const bool dense = kd.teacher_logits != nullptr;
-  const bool sparse =
-      kd.top_k_indices != nullptr || kd.top_k_logprobs != nullptr;
-  if (dense == sparse) {
-    return Invalid(
-        "distillation needs exactly one teacher: dense logits or top-k");
-  }
-  if (dense) {
-    if (!IsLogitsDType(kd.teacher_dtype)) {
-      return Invalid("the teacher logits must be fp32, bf16 or fp16");
-    }
-    if (kd.teacher_row_stride < vocab) {
-      return Invalid("teacher_row_stride must be >= vocab");
-    }
-  } else {
-    const int64_t limit = std::min(vocab, kMaxTopK);
-    if (kd.top_k < 1 || kd.top_k > limit) {
-      return Invalid(absl::StrCat("top-k k = ", kd.top_k,
-                                  " must be in [1, min(V, 512)] = [1, ", limit,
-                                  "]"));
-    }
-    if (kd.top_k_indices == nullptr || kd.top_k_logprobs == nullptr) {
-      return Invalid("a top-k teacher needs both indices and logprobs");
-    }
-    if (!IsTargetsDType(kd.top_k_indices_dtype)) {
-      return Invalid("top-k indices must be int32 or int64");
-    }
-    const int tail = static_cast<int>(kd.tail);
-    if (tail < 1 || tail > 2) {
-      return Invalid(absl::StrCat("unknown top-k tail ", tail));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// The policy's fields (ValidatePostTrainingArgs).
-absl::Status ValidatePolicy(const PolicyArgs& pg) {
-  const int loss = static_cast<int>(pg.loss);
-  if (loss < 1 || loss > 3) {
-    return Invalid(absl::StrCat("unknown policy.loss ", loss));
-  }
-  const int estimator = static_cast<int>(pg.kl_estimator);
-  if (estimator < 1 || estimator > 3) {
-    return Invalid(absl::StrCat("unknown policy.kl_estimator ", estimator));
-  }
-  if (pg.advantages == nullptr || pg.sampling_logprobs == nullptr) {
-    return Invalid("policy needs advantages and sampling logprobs");
-  }
-  if (!(std::isfinite(pg.epsilon_low) && pg.epsilon_low >= 0.0f &&
-        pg.epsilon_low < 1.0f)) {
-    return Invalid(absl::StrCat("policy.epsilon_low must be in [0, 1), got ",
-                                pg.epsilon_low));
-  }
-  if (!(std::isfinite(pg.epsilon_high) && pg.epsilon_high >= 0.0f)) {
-    return Invalid(absl::StrCat("policy.epsilon_high must be >= 0, got ",
-                                pg.epsilon_high));
-  }
-  if (!(std::isfinite(pg.kl_coef) && pg.kl_coef >= 0.0f)) {
-    return Invalid(
-        absl::StrCat("policy.kl_coef must be >= 0, got ", pg.kl_coef));
-  }
-  if (pg.kl_coef > 0.0f && pg.reference_logprobs == nullptr) {
-    return Invalid("policy.kl_coef > 0 needs reference logprobs");
-  }
-  return absl::OkStatus();
-}
-
-// The segments' fields (ValidatePostTrainingArgs).
-absl::Status ValidateSegments(const SegmentArgs& segments,
-                              Reduction options_reduction) {
-  if (segments.ids == nullptr) return Invalid("segment ids are missing");
-  if (segments.count < 1 || segments.count > INT32_MAX) {
-    return Invalid(absl::StrCat("segments.count = ", segments.count,
-                                " must be in [1, 2^31)"));
-  }
-  const int reduction = static_cast<int>(segments.reduction);
-  if (reduction < 0 || reduction > 2) {
-    return Invalid(absl::StrCat("unknown segments.reduction ", reduction));
-  }
-  if (segments.reduction != SegmentReduction::kNone &&
-      options_reduction != Reduction::kMean) {
-    return Invalid(
-        "a segment reduction needs the options' reduction to be MEAN");
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status ValidatePostTrainingArgs(const PostTrainingArgs& args) {
-  const CrossEntropyArgs& base = args.base;
-  const DistillationArgs* kd = args.distillation;
-  const PolicyArgs* pg = args.policy;
-  const bool targets_optional = kd != nullptr && kd->alpha == 0.0f;
-  if (base.targets == nullptr && !targets_optional) {
-    return Invalid(
-        "targets are required (only a distillation with alpha 0 goes "
-        "without)");
-  }
-  CrossEntropyArgs checked = base;
-  if (checked.targets == nullptr) {
-    // Validated as if present; the rows then all count.
-    checked.targets = base.logits;
-    checked.targets_dtype = DType::kInt32;
-  }
-  absl::Status status = ValidateCrossEntropyArgs(checked);
-  if (!status.ok()) return status;
-  const CrossEntropyOptions& options = base.options;
-  // A class weight would weigh a row by its target's class, which the
-  // divergence and the policy terms do not have; label smoothing changes the
-  // target distribution, which a policy loss does not have (docs/api.md).
-  if (base.class_weights != nullptr) {
-    return Invalid(
-        "class_weights do not compose with distillation, policy losses or "
-        "segments");
-  }
-  if (options.label_smoothing != 0.0f && pg != nullptr) {
-    return Invalid("label_smoothing does not compose with policy losses");
-  }
-  if (kd != nullptr && pg != nullptr) {
-    return Invalid("distillation and policy cannot be combined");
-  }
-  if (kd != nullptr) {
-    status = ValidateDistillation(*kd, base.vocab);
-    if (!status.ok()) return status;
-  }
-  if (pg != nullptr) {
-    status = ValidatePolicy(*pg);
-    if (!status.ok()) return status;
-  }
-  if (args.segments != nullptr) {
-    status = ValidateSegments(*args.segments, options.reduction);
-    if (!status.ok()) return status;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckPostTrainingData(const PostTrainingArgs& args) {
-  const CrossEntropyArgs& base = args.base;
-  const int64_t rows = base.rows;
-  if (base.targets != nullptr) {
-    absl::Status status = CheckTargets(base.targets, base.targets_dtype, rows,
-                                       base.vocab, base.options.ignore_index);
-    if (!status.ok()) return status;
-  }
-  if (args.distillation != nullptr &&
-      args.distillation->teacher_logits == nullptr) {
-    const DistillationArgs& kd = *args.distillation;
-    const int64_t k = kd.top_k;
-    std::vector<int64_t> stamp(base.vocab, 0);
-    for (int64_t row = 0; row < rows; ++row) {
-      bool row_has_mass = false;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t index =
-            LoadIndex(kd.top_k_indices, kd.top_k_indices_dtype, row * k + j);
-        if (index < 0 || index >= base.vocab) {
-          return Invalid(absl::StrCat("top-k index [", row, ", ", j,
-                                      "] = ", index, " is outside [0, ",
-                                      base.vocab, ")"));
-        }
-        if (stamp[index] == row + 1) {
-          return Invalid(absl::StrCat("top-k index ", index,
-                                      " appears twice in row ", row));
-        }
-        stamp[index] = row + 1;
-        const float logprob = kd.top_k_logprobs[row * k + j];
-        if (std::isnan(logprob) || logprob > 0.0f) {
-          return Invalid(absl::StrCat("top-k logprob [", row, ", ", j,
-                                      "] = ", logprob, " must be <= 0"));
-        }
-        row_has_mass = row_has_mass || logprob > -INFINITY;
-      }
-      if (kd.tail == TopKTail::kRenormalize && !row_has_mass) {
-        return Invalid(absl::StrCat(
-            "top-k logprobs of row ", row,
-            " are all -inf: the renormalised support has no mass"));
-      }
-    }
-  }
-  if (args.policy != nullptr) {
-    const PolicyArgs& pg = *args.policy;
-    const struct {
-      const char* name;
-      const float* values;
-    } inputs[] = {{"advantages", pg.advantages},
-                  {"sampling_logprobs", pg.sampling_logprobs},
-                  {"reference_logprobs", pg.reference_logprobs}};
-    for (const auto& input : inputs) {
-      if (input.values == nullptr) continue;
-      for (int64_t row = 0; row < rows; ++row) {
-        if (!std::isfinite(input.values[row])) {
-          return Invalid(absl::StrCat("policy ", input.name, "[", row, "] = ",
-                                      input.values[row], " is not finite"));
-        }
-      }
-    }
-  }
-  if (args.segments != nullptr) {
-    const SegmentArgs& segments = *args.segments;
-    for (int64_t row = 0; row < rows; ++row) {
-      const int32_t id = segments.ids[row];
-      if (id < 0 || id >= segments.count) {
-        return Invalid(absl::StrCat("segment id [", row, "] = ", id,
-                                    " is outside [0, ", segments.count, ")"));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args) {
-  const CrossEntropyOptions& options = args.base.options;
-  const int64_t rows = args.base.rows;
-  const SegmentArgs* segments = args.segments;
-  PostTrainingPlan plan;
-  plan.segment_reduction =
-      segments == nullptr ? SegmentReduction::kNone : segments->reduction;
-  plan.segment_tokens.assign(segments == nullptr ? 0 : segments->count, 0);
-  for (int64_t row = 0; row < rows; ++row) {
-    if (!RowIsValid(args, row)) continue;
-    ++plan.valid_tokens;
-    if (segments != nullptr) ++plan.segment_tokens[segments->ids[row]];
-  }
-  for (int64_t tokens : plan.segment_tokens) {
-    plan.nonempty_segments += tokens > 0;
-  }
-  const bool mean = options.reduction == Reduction::kMean;
-  if (plan.segment_reduction != SegmentReduction::kNone) {
-    plan.denominator = options.normalizer > 0.0
-                           ? options.normalizer
-                           : static_cast<double>(plan.nonempty_segments);
-    plan.have_denominator =
-        plan.nonempty_segments > 0 || options.normalizer > 0.0;
-  } else if (mean) {
-    plan.denominator = options.normalizer > 0.0
-                           ? options.normalizer
-                           : static_cast<double>(plan.valid_tokens);
-    plan.have_denominator = plan.valid_tokens > 0 || options.normalizer > 0.0;
-  }
-  plan.row_scale.assign(rows, 0.0);
-  for (int64_t row = 0; row < rows; ++row) {
-    if (!RowIsValid(args, row)) continue;
-    double factor = 1.0;
-    switch (plan.segment_reduction) {
-      case SegmentReduction::kNone:
-        if (mean) factor = 1.0 / plan.denominator;
-        break;
-      case SegmentReduction::kSeqMeanTokenMean:
-        factor = 1.0 /
-                 (plan.denominator *
-                  static_cast<double>(plan.segment_tokens[segments->ids[row]]));
-        break;
-      case SegmentReduction::kSeqMeanTokenSum:
-        factor = 1.0 / plan.denominator;
-        break;
-    }
-    plan.row_scale[row] = factor;
-  }
-  return plan;
-}
-
-PostTrainingResult ReducePostTrainingRows(
-    const PostTrainingArgs& args, const PostTrainingPlan& plan,
-    const std::vector<PostTrainingRowTotals>& totals) {
-  const CrossEntropyOptions& options = args.base.options;
-  const SegmentArgs* segments = args.segments;
-  const SegmentReduction segment_reduction = plan.segment_reduction;
-  PostTrainingResult out;
-  out.base.valid_tokens = plan.valid_tokens;
-  out.segment_loss.assign(plan.segment_tokens.size(), 0.0);
-  out.segment_tokens = plan.segment_tokens;
-  out.segment_distillation.assign(plan.segment_tokens.size(), 0.0);
-  double loss = 0.0, distillation = 0.0;
-  for (size_t row = 0; row < totals.size(); ++row) {
-    const PostTrainingRowTotals& t = totals[row];
-    if (!t.valid) continue;
-    if (!std::isfinite(t.loss)) ++out.base.nonfinite_rows;
-    out.base.correct_tokens += t.correct;
-    out.policy.clipped_tokens += t.clipped;
-    out.policy.ratio_sum += t.ratio;
-    out.policy.approx_kl_sum += t.approx_kl;
-    out.policy.kl_sum += t.kl;
-    out.policy.entropy_sum += t.entropy;
-    out.base.z_loss += plan.row_scale[row] * t.z_loss;
-    if (segments != nullptr) {
-      out.segment_loss[segments->ids[row]] += t.loss;
-      out.segment_distillation[segments->ids[row]] += t.distillation;
-    }
-    if (segment_reduction == SegmentReduction::kNone) {
-      loss += t.loss;
-      distillation += t.distillation;
-    }
-  }
-  if (segment_reduction != SegmentReduction::kNone) {
-    for (size_t s = 0; s < plan.segment_tokens.size(); ++s) {
-      if (plan.segment_tokens[s] == 0) continue;
-      const double per =
-          segment_reduction == SegmentReduction::kSeqMeanTokenMean
-              ? static_cast<double>(plan.segment_tokens[s])
-              : 1.0;
-      loss += out.segment_loss[s] / per;
-      distillation += out.segment_distillation[s] / per;
-    }
-  }
-  const bool reduce_mean = options.reduction == Reduction::kMean ||
-                           segment_reduction != SegmentReduction::kNone;
-  if (reduce_mean) {
-    const bool any = segment_reduction != SegmentReduction::kNone
-                         ? plan.nonempty_segments > 0
-                         : plan.valid_tokens > 0;
-    out.base.loss = any ? loss / plan.denominator : 0.0;
-    out.distillation_loss = any ? distillation / plan.denominator : 0.0;
-    if (plan.have_denominator) out.base.denominator = plan.denominator;
-  } else {
-    out.base.loss = loss;
-    out.distillation_loss = distillation;
-  }
-  return out;
-}
-
 void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
                          PostTrainingRowTotals* totals, int num_threads) {
   const CrossEntropyArgs& base = args.base;
@@ -898,62 +545,6 @@ void PostTrainingCpuRows(const PostTrainingArgs& args, const double* row_scale,
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
   work(0);
   for (std::thread& thread : pool) thread.join();
-}
-
-void SlicePostTrainingRows(const PostTrainingArgs& whole, int64_t row0,
-                           int64_t count, void* logits, DType logits_dtype,
-                           bool gradient, PostTrainingChunk* holder) {
-  const auto offset = [row0](const void* pointer, size_t row_bytes) {
-    return pointer == nullptr ? nullptr
-                              : static_cast<const char*>(pointer) +
-                                    row0 * static_cast<int64_t>(row_bytes);
-  };
-  const auto shift = [row0](auto* pointer) {
-    return pointer == nullptr ? nullptr : pointer + row0;
-  };
-  PostTrainingArgs& args = holder->args;
-  args = whole;
-  CrossEntropyArgs& base = args.base;
-  base.rows = count;
-  base.row_stride = whole.base.vocab;
-  base.logits = logits;
-  base.logits_dtype = logits_dtype;
-  base.mode = gradient ? GradientMode::kInPlace : GradientMode::kNone;
-  base.gradient = gradient ? logits : nullptr;
-  base.targets =
-      offset(whole.base.targets, DTypeSize(whole.base.targets_dtype));
-  base.token_loss = shift(whole.base.token_loss);
-  base.token_lse = shift(whole.base.token_lse);
-  base.token_argmax = shift(whole.base.token_argmax);
-  args.token_logprob = shift(whole.token_logprob);
-  args.token_entropy = shift(whole.token_entropy);
-  args.token_ratio = shift(whole.token_ratio);
-  args.token_clipped = shift(whole.token_clipped);
-  if (whole.distillation != nullptr) {
-    DistillationArgs& kd = holder->distillation;
-    kd = *whole.distillation;
-    kd.teacher_logits = offset(
-        kd.teacher_logits, kd.teacher_row_stride * DTypeSize(kd.teacher_dtype));
-    kd.top_k_indices =
-        offset(kd.top_k_indices, kd.top_k * DTypeSize(kd.top_k_indices_dtype));
-    kd.top_k_logprobs = kd.top_k_logprobs == nullptr
-                            ? nullptr
-                            : kd.top_k_logprobs + row0 * kd.top_k;
-    args.distillation = &kd;
-  }
-  if (whole.policy != nullptr) {
-    PolicyArgs& pg = holder->policy;
-    pg = *whole.policy;
-    pg.advantages = shift(pg.advantages);
-    pg.sampling_logprobs = shift(pg.sampling_logprobs);
-    pg.reference_logprobs = shift(pg.reference_logprobs);
-    args.policy = &pg;
-  }
-  if (whole.segments != nullptr) {
-    holder->segments = *whole.segments;
-    holder->segments.ids = shift(holder->segments.ids);
-    args.segments = &holder->segments;
-  }
 }
 
 absl::Status PostTrainingCpu(const PostTrainingArgs& args,

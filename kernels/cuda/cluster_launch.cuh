@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "common/dtype.h"
+#include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/launch_params.h"
 
 namespace lossd {
@@ -67,20 +68,13 @@ struct ElementTag {
 };
 
 // Returns launch(ElementTag<T>()) for the element type T of `dtype` (float,
-// __nv_bfloat16, __half): `launch` instantiates the launcher of T.
-// cudaErrorInvalidValue for any other dtype.
+// __nv_bfloat16, __half; WithElementType's switch): `launch` instantiates the
+// launcher of T. cudaErrorInvalidValue for any other dtype.
 template <typename Launch>
 cudaError_t DispatchElementType(DType dtype, const Launch& launch) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch(ElementTag<float>());
-    case DType::kBFloat16:
-      return launch(ElementTag<__nv_bfloat16>());
-    case DType::kFloat16:
-      return launch(ElementTag<__half>());
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return WithElementType(dtype, [&](auto element) {
+    return launch(ElementTag<decltype(element)>());
+  });
 }
 
 // Returns launch(ElementTag<T>(), opts) for the element type of `dtype` and

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/dtype_dispatch.cuh"
 #include "kernels/cuda/element_traits.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/row_math.cuh"
@@ -88,20 +89,10 @@ __global__ void __launch_bounds__(kGenericThreads) GenericKernel(Params p) {
 cudaError_t LaunchGenericRows(const Params& p, DType dtype,
                               cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.rows));
-  switch (dtype) {
-    case DType::kFloat32:
-      GenericKernel<float><<<grid, kGenericThreads, 0, stream>>>(p);
-      break;
-    case DType::kBFloat16:
-      GenericKernel<__nv_bfloat16><<<grid, kGenericThreads, 0, stream>>>(p);
-      break;
-    case DType::kFloat16:
-      GenericKernel<__half><<<grid, kGenericThreads, 0, stream>>>(p);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return WithElementType(dtype, [&](auto element) {
+    GenericKernel<decltype(element)><<<grid, kGenericThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace cuda_ce

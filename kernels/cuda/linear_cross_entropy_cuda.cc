@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -22,16 +23,35 @@
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/fused_linear_forward.h"
 #include "kernels/cuda/gemm_sm90_policy.h"
+#include "kernels/cuda/linear_cross_entropy_call.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
 #include "kernels/cuda/lt_gemm.h"
 #include "kernels/cuda/post_training_cuda.h"
-#include "kernels/cuda/post_training_cuda_host.h"
 #include "kernels/cuda/sparse_residual.h"
 #include "kernels/linear_cross_entropy_validate.h"
-#include "kernels/linear_post_training.h"
+#include "kernels/post_training_plan.h"
 
 namespace lossd {
+
+// The products of one chunk size.
+struct linear_cuda::ChunkGemms {
+  LtGemm logits, grad_weight, grad_x;
+};
+
+using linear_cuda::ChunkGemms;
+using linear_cuda::FinishLinearCall;
+using linear_cuda::GradientExponent;
+using linear_cuda::LabConfig;
+using linear_cuda::Layout;
+using linear_cuda::LinearCudaCall;
+using linear_cuda::MakeLayout;
+using linear_cuda::MakeParts;
+using linear_cuda::Parts;
+using linear_cuda::PlanChunkGemms;
+using linear_cuda::PrepareChunks;
+using linear_cuda::RunChunks;
+
 namespace {
 
 // Device memory a chunk may take (logits, split gradient, stacked X): large
@@ -45,37 +65,10 @@ constexpr int64_t kChunkBudgetBytes = int64_t{9} << 28;  // 2.25 GiB
 // 4.1e-5 at 50257, 4.7e-5 at 32000; below this vocabulary the dense split.
 constexpr int64_t kSparseResidualMinVocab = 50000;
 
-// The products of one chunk size.
-struct ChunkGemms {
-  LtGemm logits, grad_weight, grad_x;
-};
+}  // namespace
 
-struct Layout {
-  LinearPrecision precision;
-  bool logits_fp32;  // Z (and G) held in fp32
-  bool split;        // G copied to 16 bits (hi) for the products
-  bool lo;           // ... and its remainder (lo) too, for dW
-  bool sparse;       // ... or the large entries' residuals only
-  float sparse_threshold;
-  int sparse_slots;
-  bool dx_fp32_temp;  // dX accumulated in fp32, then converted
-  // Forward-only work with the loss in the Hopper GEMM's epilogue
-  // (fused_linear_forward.h): no logits, no cuBLASLt. Decided per call on
-  // the device (UseFusedForward); row_bytes is the cuBLASLt path's, which
-  // takes more.
-  bool fused = false;
-  // A gradient with the statistics and Z's fp32 store in the Hopper GEMM's
-  // epilogue and G split to bf16 straight from Z (FusedLinearGradientLaunch),
-  // then cuBLASLt's dX and dW: the sparse residual's layout without the
-  // cross-entropy's fp32 pass over Z. Decided per call (UseFusedGradient).
-  bool fused_gradient = false;
-  cuda_gemm::GemmSm90Schedule gemm_schedule =  // the fused paths' GEMM's
-      cuda_gemm::GemmSm90Schedule::kPolicy;
-  std::size_t row_bytes;
-};
-
-Layout MakeLayout(const LinearCrossEntropyArgs& args,
-                  const LinearCrossEntropyLabConfig& config) {
+Layout linear_cuda::MakeLayout(const LinearCrossEntropyArgs& args,
+                               const LinearCrossEntropyLabConfig& config) {
   Layout l;
   l.precision = config.precision;
   if (l.precision == LinearPrecision::kAuto) {
@@ -104,14 +97,9 @@ Layout MakeLayout(const LinearCrossEntropyArgs& args,
   return l;
 }
 
-// Offsets of the workspace block's parts.
-struct Parts {
-  std::size_t prepare, results, ce, bias, logits, hi, x2, dx, sparse, colsum,
-      lt, total;
-};
-
-Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
-                int64_t chunk_rows, int64_t chunks) {
+Parts linear_cuda::MakeParts(const LinearCrossEntropyArgs& args,
+                             const Layout& l, int64_t chunk_rows,
+                             int64_t chunks) {
   const std::size_t c = static_cast<std::size_t>(chunk_rows);
   const std::size_t v = static_cast<std::size_t>(args.vocab);
   Parts p;
@@ -161,14 +149,12 @@ Parts MakeParts(const LinearCrossEntropyArgs& args, const Layout& l,
   return p;
 }
 
-// Power of two k with |s| * 2^k in [1, 2): the gradient is formed scaled by
-// 2^k so that its 16-bit copies keep their precision far from fp16's
-// underflow (s = 1/D is ~1e-4), and the products take alpha = 2^-k back
-// (exact).
-int GradientExponent(float s) {
+int linear_cuda::GradientExponent(float s) {
   if (!(std::isfinite(s)) || s == 0.0f) return 0;
   return -std::ilogb(s);
 }
+
+namespace {
 
 absl::Status BuildGemms(cublasLtHandle_t handle,
                         const LinearCrossEntropyArgs& args, const Layout& l,
@@ -343,45 +329,8 @@ LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCudaLab(
   return plan;
 }
 
-namespace {
-
-// One call: its arguments, layout and workspace block, and what its steps
-// find out for the ones after them.
-struct LinearCudaCall {
-  const LinearCrossEntropyArgs& args;
-  const Layout& l;
-  const Parts& parts;
-  char* block;  // the workspace, parts.total bytes
-  cudaStream_t stream;
-  int64_t chunk_rows;
-  int64_t chunks;
-
-  // The products of a full chunk, and of a shorter last one.
-  std::shared_ptr<const ChunkGemms> full, tail;
-  // From the target check: the bad row, if any, and the targets' weight.
-  LinearPrepareResult host_prepare = {};
-  // Each chunk's loss options; the gradient's scale s and the power of two
-  // (2^exponent, undone by alpha in the products) that brings it near 1 for
-  // 16-bit copies of G.
-  CrossEntropyOptions chunk_options;
-  float s = 1.0f;
-  int exponent = 0;
-  float alpha = 1.0f;
-  DType z_dtype = DType::kFloat32;  // Z's (and G's)
-  const void* bias_z = nullptr;     // the bias in Z's dtype, or null
-  // Set when the call may be cancelled: each chunk waits for the one before.
-  cudaEvent_t chunk_done = nullptr;
-  // A post-training loss instead of cross entropy (LinearPostTrainingCuda):
-  // the whole call's arguments, each row's factor (times 2^exponent) and
-  // where the row kernel writes each row's totals, all on the device.
-  const PostTrainingArgs* post_training = nullptr;
-  const float* row_scale = nullptr;
-  PostTrainingCudaRow* rows_out = nullptr;
-};
-
-// The products of the call's chunk sizes, planned (or found planned) before
-// anything is enqueued, while the GPU has nothing of ours to wait on.
-absl::Status PlanChunkGemms(cublasLtHandle_t handle, LinearCudaCall* call) {
+absl::Status linear_cuda::PlanChunkGemms(cublasLtHandle_t handle,
+                                         LinearCudaCall* call) {
   const LinearCrossEntropyArgs& args = call->args;
   const int64_t tail_rows = args.rows - (call->chunks - 1) * call->chunk_rows;
   if (args.rows > 0) {
@@ -422,6 +371,8 @@ absl::Status CheckTargetsOnDevice(LinearCudaCall* call) {
   return absl::OkStatus();
 }
 
+namespace {
+
 // The chunks' loss options and the gradient's scaling (LinearCudaCall).
 void ScaleGradient(LinearCudaCall* call) {
   call->chunk_options = LinearChunkOptions(
@@ -437,10 +388,9 @@ void ScaleGradient(LinearCudaCall* call) {
   call->alpha = std::ldexp(1.0f, -call->exponent);
 }
 
-// What comes before the first chunk: accumulators to overwrite cleared when
-// no chunk will write them, the bias converted to Z's dtype, and the event
-// a cancellable call waits on.
-absl::Status PrepareChunks(LinearCudaCall* call) {
+}  // namespace
+
+absl::Status linear_cuda::PrepareChunks(LinearCudaCall* call) {
   const LinearCrossEntropyArgs& args = call->args;
   if (args.accumulate == AccumulateMode::kOverwrite && args.rows == 0) {
     RETURN_IF_ERROR(CudaStatus(
@@ -475,6 +425,8 @@ absl::Status PrepareChunks(LinearCudaCall* call) {
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 // A cancellable call: waits for the chunks before `chunk`, then asks
 // whether to go on.
@@ -734,8 +686,9 @@ absl::Status ApplyChunkGradient(const LinearCudaCall& call, const ChunkGemms& g,
       "linear_cross_entropy: dX convert");
 }
 
-// Every chunk in row order: its loss, then its gradients.
-absl::Status RunChunks(const LinearCudaCall& call) {
+}  // namespace
+
+absl::Status linear_cuda::RunChunks(const LinearCudaCall& call) {
   const LinearCrossEntropyArgs& args = call.args;
   const std::size_t es = DTypeSize(args.dtype);
   for (int64_t chunk = 0; chunk < call.chunks; ++chunk) {
@@ -770,6 +723,22 @@ absl::Status RunChunks(const LinearCudaCall& call) {
   }
   return absl::OkStatus();
 }
+
+absl::Status linear_cuda::FinishLinearCall(absl::Status status,
+                                           LinearCudaCall* call,
+                                           void* rows_block, const char* what) {
+  const absl::Status freed = CudaStatus(
+      cudaFreeAsync(call->block, call->stream), absl::StrCat(what, ": free"));
+  if (rows_block != nullptr) cudaFreeAsync(rows_block, call->stream);
+  const absl::Status synced = CudaStatus(cudaStreamSynchronize(call->stream),
+                                         absl::StrCat(what, ": synchronize"));
+  if (call->chunk_done != nullptr) cudaEventDestroy(call->chunk_done);
+  RETURN_IF_ERROR(status);
+  RETURN_IF_ERROR(freed);
+  return synced;
+}
+
+namespace {
 
 // The call's steps up to the last chunk enqueued; the first error stops
 // them.
@@ -838,23 +807,14 @@ absl::Status LinearCrossEntropyCudaLab(
                                    cudaMemcpyDeviceToHost, stream),
                    "linear_cross_entropy: result copy");
   }
-  const absl::Status freed =
-      CudaStatus(cudaFreeAsync(block, stream), "linear_cross_entropy: free");
-  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
-                                         "linear_cross_entropy: synchronize");
-  if (call.chunk_done != nullptr) cudaEventDestroy(call.chunk_done);
-  RETURN_IF_ERROR(status);
-  RETURN_IF_ERROR(freed);
-  RETURN_IF_ERROR(synced);
+  RETURN_IF_ERROR(FinishLinearCall(std::move(status), &call, nullptr,
+                                   "linear_cross_entropy"));
   *result =
       SumChunkResults(args, host_results, call.host_prepare.target_weight_sum);
   return absl::OkStatus();
 }
 
-namespace {
-
-// A caller's settings (null: all chosen) with the lab's knobs chosen.
-LinearCrossEntropyLabConfig LabConfig(
+LinearCrossEntropyLabConfig linear_cuda::LabConfig(
     const LinearCrossEntropyCudaConfig* config) {
   LinearCrossEntropyLabConfig lab;
   if (config != nullptr) {
@@ -862,8 +822,6 @@ LinearCrossEntropyLabConfig LabConfig(
   }
   return lab;
 }
-
-}  // namespace
 
 LinearCrossEntropyCudaPlan PlanLinearCrossEntropyCuda(
     const LinearCrossEntropyArgs& args,
@@ -876,108 +834,6 @@ absl::Status LinearCrossEntropyCuda(
     cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
   return LinearCrossEntropyCudaLab(device_args, result, stream,
                                    LabConfig(config));
-}
-
-namespace {
-
-// The rows' factors of a post-training call (the plan's times grad_scale),
-// and the scaling of G for its 16-bit copies from the largest of them.
-std::vector<float> ScalePostTrainingRows(const PostTrainingPlan& plan,
-                                         double grad_scale,
-                                         LinearCudaCall* call) {
-  double largest = 0.0;
-  for (double scale : plan.row_scale) {
-    largest = std::max(largest, std::fabs(scale * grad_scale));
-  }
-  call->s = static_cast<float>(largest);
-  const bool g16 = call->l.split || !call->l.logits_fp32;
-  call->exponent = g16 ? GradientExponent(call->s) : 0;
-  call->alpha = std::ldexp(1.0f, -call->exponent);
-  std::vector<float> row_scale(plan.row_scale.size());
-  for (size_t row = 0; row < row_scale.size(); ++row) {
-    row_scale[row] = static_cast<float>(
-        std::ldexp(plan.row_scale[row] * grad_scale, call->exponent));
-  }
-  return row_scale;
-}
-
-}  // namespace
-
-absl::Status LinearPostTrainingCuda(
-    const LinearPostTrainingArgs& device_args, PostTrainingResult* result,
-    cudaStream_t stream, const LinearCrossEntropyCudaConfig* config) {
-  if (result == nullptr) {
-    return absl::InvalidArgumentError(
-        "linear_post_training: result is nullptr");
-  }
-  const LinearCrossEntropyArgs& args = device_args.linear;
-  LinearCrossEntropyArgs checked = args;
-  if (checked.targets == nullptr) {  // alpha-0 distillation: see below
-    checked.targets = args.x;
-    checked.targets_dtype = DType::kInt32;
-  }
-  RETURN_IF_ERROR(ValidateLinearCrossEntropyArgs(checked));
-  const PostTrainingArgs whole = WholePostTrainingView(device_args);
-  RETURN_IF_ERROR(ValidatePostTrainingArgs(whole));
-  RETURN_IF_ERROR(CheckPostTrainingCudaSupport(whole));
-  PostTrainingHostView host;
-  RETURN_IF_ERROR(CopyPostTrainingPlanInputs(whole, stream, &host));
-  const PostTrainingPlan plan = PlanPostTraining(host.args);
-
-  const LinearCrossEntropyLabConfig lab = LabConfig(config);
-  const Layout l = MakeLayout(args, lab);
-  const int64_t chunk_rows =
-      PlanLinearCrossEntropyCudaLab(args, lab).chunk_rows;
-  const int64_t chunks = (args.rows + chunk_rows - 1) / chunk_rows;
-  const Parts parts = MakeParts(args, l, chunk_rows, chunks);
-  ASSIGN_OR_RETURN(cublasLtHandle_t handle, LtThreadHandle());
-  const size_t rows = static_cast<size_t>(std::max<int64_t>(args.rows, 0));
-  const size_t rows_offset = AlignUp(rows * sizeof(float));
-  char* block = nullptr;
-  char* per_row = nullptr;
-  RETURN_IF_ERROR(CudaStatus(
-      cudaMallocAsync(reinterpret_cast<void**>(&block), parts.total, stream),
-      "linear_post_training: workspace allocation"));
-  absl::Status status = CudaStatus(
-      cudaMallocAsync(reinterpret_cast<void**>(&per_row),
-                      rows_offset + rows * sizeof(PostTrainingCudaRow) + 1,
-                      stream),
-      "linear_post_training: row allocation");
-  LinearCudaCall call{args, l, parts, block, stream, chunk_rows, chunks};
-  call.post_training = &whole;
-  call.row_scale = reinterpret_cast<const float*>(per_row);
-  call.rows_out = reinterpret_cast<PostTrainingCudaRow*>(per_row + rows_offset);
-  const std::vector<float> row_scale =
-      ScalePostTrainingRows(plan, args.options.grad_scale, &call);
-  if (status.ok() && rows > 0) {
-    status = CudaStatus(
-        cudaMemcpyAsync(per_row, row_scale.data(), rows * sizeof(float),
-                        cudaMemcpyHostToDevice, stream),
-        "linear_post_training: row factors");
-  }
-  if (status.ok()) status = PlanChunkGemms(handle, &call);
-  if (status.ok()) status = PrepareChunks(&call);
-  if (status.ok()) status = RunChunks(call);
-  std::vector<PostTrainingCudaRow> out(rows);
-  if (status.ok() && rows > 0) {
-    status = CudaStatus(cudaMemcpyAsync(out.data(), call.rows_out,
-                                        rows * sizeof(PostTrainingCudaRow),
-                                        cudaMemcpyDeviceToHost, stream),
-                        "linear_post_training: row copy");
-  }
-  const absl::Status freed =
-      CudaStatus(cudaFreeAsync(block, stream), "linear_post_training: free");
-  if (per_row != nullptr) cudaFreeAsync(per_row, stream);
-  const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream),
-                                         "linear_post_training: synchronize");
-  if (call.chunk_done != nullptr) cudaEventDestroy(call.chunk_done);
-  RETURN_IF_ERROR(status);
-  RETURN_IF_ERROR(freed);
-  RETURN_IF_ERROR(synced);
-  std::vector<PostTrainingRowTotals> totals(rows);
-  CollectPostTrainingCudaRows(whole, out.data(), totals.data());
-  *result = ReducePostTrainingRows(host.args, plan, totals);
-  return absl::OkStatus();
 }
 
 }  // namespace lossd

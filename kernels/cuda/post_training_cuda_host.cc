@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/post_training_cpu.h"
 #include "kernels/cuda/cross_entropy_cuda.h"
 #include "kernels/cuda/cross_entropy_cuda_host.h"
 #include "kernels/cuda/dense_kd_pieces.h"
@@ -19,6 +18,8 @@
 #include "kernels/cuda/post_training_policy.h"
 #include "kernels/cuda/row_terms.h"
 #include "kernels/cuda/schedules.h"
+#include "kernels/post_training_plan.h"
+#include "kernels/post_training_validate.h"
 
 namespace lossd {
 namespace {

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "kernels/cpu/post_training_cpu.h"
 #include "kernels/cuda/post_training_cuda.h"
 #include "kernels/post_training.h"
+#include "kernels/post_training_plan.h"
 
 namespace lossd {
 

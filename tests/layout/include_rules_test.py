@@ -6,6 +6,9 @@ Fails, naming each offending include, when
 - kernels/ includes a generated protobuf or gRPC header (.pb.h), gRPC, server/
   or client/;
 - server/ includes client/;
+- kernels/ outside kernels/cpu/, or server/ but its CPU device
+  (server/cpu_device.cc), includes kernels/cpu/: what the backends share
+  lives in kernels/ itself;
 - common/ includes kernels/, server/, client/, protobuf or gRPC;
 - the store and the devices (nothing below the service) reach a .pb.h or gRPC,
   directly or through the project's headers;
@@ -83,6 +86,18 @@ check_direct("kernels",
              "kernels know no protobuf, gRPC, server or client")
 check_direct("server", lambda h: h.startswith("client/"),
              "the server never includes the client")
+# The CPU backend is one backend among others: the CUDA backend, the shared
+# checks and the server's request code reach only what kernels/ itself holds.
+CPU_BACKEND_USERS = ("server/cpu_device.cc",)
+for directory in ("kernels", "server"):
+    for path in files_under(directory):
+        if path.startswith("kernels/cpu/") or path in CPU_BACKEND_USERS:
+            continue
+        for header in includes(path):
+            if header.startswith("kernels/cpu/"):
+                violations.append(
+                    f"{path}: includes {header} (only the CPU device reaches "
+                    "the CPU backend; shared code lives in kernels/)")
 check_direct("common",
              lambda h: is_protobuf(h) or is_grpc(h) or
              h.startswith(("kernels/", "server/", "client/", "lossd/v1/")),
