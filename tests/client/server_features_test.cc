@@ -7,7 +7,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,10 +28,10 @@ using ::testing::IsEmpty;
 constexpr int64_t kRows = 4;
 constexpr int64_t kVocab = 6;
 
-std::vector<float> AsFloats(const std::vector<uint8_t>& bytes) {
-  std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
-  return out;
+// The bytes a stored fp32 tensor of `values` holds.
+std::vector<uint8_t> BytesOf(const std::vector<float>& values) {
+  const auto* data = reinterpret_cast<const uint8_t*>(values.data());
+  return std::vector<uint8_t>(data, data + values.size() * sizeof(float));
 }
 
 // A lossd started with `extra_args`, a client of it, and small inputs.
@@ -58,10 +57,10 @@ class ServerFeaturesTest : public ::testing::Test {
     return info.ok() ? info->handle : "";
   }
 
-  std::vector<float> Contents(const std::string& handle) {
+  std::vector<uint8_t> Contents(const std::string& handle) {
     absl::StatusOr<DownloadedTensor> got = client_->Download(handle);
     EXPECT_TRUE(got.ok()) << got.status();
-    return got.ok() ? AsFloats(got->data) : std::vector<float>();
+    return got.ok() ? got->data : std::vector<uint8_t>();
   }
 
   // A top-k teacher (k = 2) and a PPO policy over kRows rows, inline.
@@ -149,8 +148,8 @@ TEST_F(ServerFeaturesTest, OlderServerIsRefusedBeforeAnythingIsSent) {
       client_->LinearForward(hidden, weight_handle, inline_targets_, linear)
           .status(),
       "LinearForward");
-  EXPECT_EQ(Contents(logits), logits_);
-  EXPECT_EQ(Contents(hidden), identity);
+  EXPECT_EQ(Contents(logits), BytesOf(logits_));
+  EXPECT_EQ(Contents(hidden), BytesOf(identity));
   absl::StatusOr<ListResult> listed = client_->List();
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_EQ(listed->tensors.size(), 3u);  // no gradient was made
@@ -222,7 +221,7 @@ TEST_F(ServerFeaturesTest, LossctlPrintsTheRefusal) {
   EXPECT_NE(forward.exit_code, 0);
   EXPECT_THAT(forward.err, HasSubstr("FAILED_PRECONDITION"));
   EXPECT_THAT(forward.err, HasSubstr("does not serve post-training losses"));
-  EXPECT_EQ(Contents(logits), logits_);
+  EXPECT_EQ(Contents(logits), BytesOf(logits_));
 }
 
 TEST_F(ServerFeaturesTest, UnknownFeatureFlagIsRefused) {
