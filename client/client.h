@@ -600,9 +600,13 @@ class Client {
   absl::StatusOr<int64_t> Release(const std::string& handle);
 
   // Cross entropy on stored logits (see the Forward RPC). INVALID_ARGUMENT
-  // (client side): inline targets with an unknown dtype or null data. Server
-  // errors as the Forward RPC: NOT_FOUND, INVALID_ARGUMENT,
-  // FAILED_PRECONDITION (logits consumed or busy), RESOURCE_EXHAUSTED.
+  // (client side): inline targets with an unknown dtype or null data. With a
+  // post-training field (LinearForward and Evaluate alike):
+  // FAILED_PRECONDITION (client side, nothing sent) as RequirePostTraining,
+  // and UNIMPLEMENTED when the answer lacks the policy_stats or segment sums
+  // asked for (a server that skipped them). Server errors as the Forward
+  // RPC: NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION (logits consumed or
+  // busy), RESOURCE_EXHAUSTED.
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
