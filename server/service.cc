@@ -175,7 +175,12 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
       info->add_features(feature);
     }
   } else {
-    for (const char* feature : kServedFeatures) info->add_features(feature);
+    const bool post_training = rpc_.store()->device()->serves_post_training();
+    for (const char* feature : kServedFeatures) {
+      if (feature != kFeaturePostTraining || post_training) {
+        info->add_features(feature);
+      }
+    }
   }
   if (rpc_.data_plane() != nullptr) {
     info->set_data_port(rpc_.data_plane()->port());
