@@ -19,10 +19,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client_internal.h"
 #include "client/data_connection.h"
 #include "common/files.h"
+#include "common/server_features.h"
 #include "common/status_macros.h"
 #include "common/tensor_math.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -30,6 +32,7 @@
 
 namespace lossd {
 
+using client_internal::CheckPostTrainingAnswered;
 using client_internal::ConnectionCloser;
 using client_internal::FinishAfterData;
 using client_internal::FromProto;
@@ -126,7 +129,25 @@ ServerInfo FromProto(const v1::ServerInfo& proto) {
   info.tensors = proto.tensors();
   info.version = proto.version();
   info.data_port = proto.data_port();
+  info.features.assign(proto.features().begin(), proto.features().end());
   return info;
+}
+
+absl::Status CheckPostTrainingAnswered(const std::string& target, bool policy,
+                                       int32_t segments, bool has_policy_stats,
+                                       int segment_sums) {
+  std::string missing;
+  if (policy && !has_policy_stats) missing = "no policy_stats";
+  if (segments > 0 && segment_sums != segments) {
+    missing =
+        absl::StrCat(segment_sums, " segment sums for ", segments, " segments");
+  }
+  if (missing.empty()) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "the server at ", target, " answered with ", missing,
+      ": it does not serve post-training losses and computed plain cross "
+      "entropy (an in-place gradient it wrote is that loss's); upgrade lossd "
+      "there"));
 }
 
 }  // namespace client_internal
@@ -530,6 +551,15 @@ absl::Status SetPostTrainingFields(const Options& options, Request* request) {
   return absl::OkStatus();
 }
 
+// Whether Forward or LinearForward `options` ask for anything of the
+// post-training losses, which older servers skip.
+template <typename Options>
+bool UsesPostTraining(const Options& options) {
+  return options.distillation.has_value() || options.policy.has_value() ||
+         options.segments.has_value() || options.token_logprob ||
+         options.token_entropy || options.token_ratio || options.token_clipped;
+}
+
 }  // namespace
 
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
@@ -545,12 +575,16 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& logits,
   request.mutable_outputs()->set_token_argmax(options.token_argmax);
   request.set_gradient_label(options.gradient_label);
   RETURN_IF_ERROR(SetPostTrainingFields(options, &request));
+  if (UsesPostTraining(options)) {
+    RETURN_IF_ERROR(RequirePostTraining("Forward"));
+  }
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
   v1::ForwardResponse response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->Forward(&context, request, &response)));
+  RETURN_IF_ERROR(CheckPostTrainingAnswered(target_, options, response));
   return ForwardFromProto(response);
 }
 
@@ -577,12 +611,17 @@ absl::StatusOr<LinearForwardResult> Client::LinearForward(
                                            options.token_grad_output.end());
   request.set_precision(static_cast<v1::LinearPrecision>(options.precision));
   RETURN_IF_ERROR(SetPostTrainingFields(options, &request));
+  if (UsesPostTraining(options)) {
+    RETURN_IF_ERROR(RequirePostTraining("LinearForward"));
+  }
 
   grpc::ClientContext context;
   PrepareContext(options_, channel_->channel.get(), &context);
   v1::LinearForwardResponse response;
   RETURN_IF_ERROR(
       ToAbsl(channel_->lossd->LinearForward(&context, request, &response)));
+  RETURN_IF_ERROR(
+      CheckPostTrainingAnswered(target_, options, response.result()));
   LinearForwardResult result;
   result.forward = ForwardFromProto(response.result());
   result.weight_grad = response.weight_grad();
@@ -630,7 +669,37 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo response;
   RETURN_IF_ERROR(ToAbsl(channel_->lossd->GetServerInfo(
       &context, v1::GetServerInfoRequest(), &response)));
-  return FromProto(response);
+  ServerInfo info = FromProto(response);
+  absl::MutexLock lock(&channel_->mu);
+  channel_->features = info.features;
+  return info;
+}
+
+absl::Status Client::RequirePostTraining(const std::string& call) {
+  if (!options_.check_server_features) return absl::OkStatus();
+  std::optional<std::vector<std::string>> features;
+  {
+    absl::MutexLock lock(&channel_->mu);
+    features = channel_->features;
+  }
+  if (!features.has_value()) {
+    ASSIGN_OR_RETURN(ServerInfo info, GetServerInfo());
+    features = std::move(info.features);
+  }
+  if (std::find(features->begin(), features->end(), kFeaturePostTraining) !=
+      features->end()) {
+    return absl::OkStatus();
+  }
+  // An empty list is a server from before the list, which serves none of
+  // the post-training losses (ClientOptions::check_server_features says
+  // what to do about a server between the two).
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the server at ", target_, " does not serve post-training losses (", call,
+      " with distillation, policy, segments or their outputs): its "
+      "ServerInfo.features ",
+      features->empty() ? "is empty, a server from before the list"
+                        : absl::StrCat("are ", absl::StrJoin(*features, ",")),
+      "; nothing was sent. Upgrade lossd there"));
 }
 
 const char* DTypeString(DType dtype) {

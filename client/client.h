@@ -82,6 +82,14 @@ struct ClientOptions {
   // client's scratch buffers (two per connection, kept for the Client's
   // life). In [64 KiB, 1 GiB].
   std::size_t piece_bytes = std::size_t{8} << 20;
+  // A Forward, LinearForward or Evaluate with a post-training loss or output
+  // first checks that the server lists "post_training" in
+  // ServerInfo.features (asked once per Client, with the first such call),
+  // and fails FAILED_PRECONDITION before sending anything when it does not:
+  // an older server would skip those fields and answer plain cross entropy.
+  // false skips the check, e.g. for a server built with post-training losses
+  // but before the features list (docs/api.md, "Server features").
+  bool check_server_features = true;
 };
 
 // Metadata of a stored tensor (lossd.v1.TensorInfo).
@@ -110,6 +118,9 @@ struct ServerInfo {
   int64_t tensors = 0;
   std::string version;
   int data_port = 0;  // the data-connection port; 0 = none
+  // What the server serves beyond the first protocol
+  // (common/server_features.h); empty from a server built before the list.
+  std::vector<std::string> features;
 };
 
 // Tensors per List RPC that Client::List asks for: the server's largest page
@@ -589,9 +600,13 @@ class Client {
   absl::StatusOr<int64_t> Release(const std::string& handle);
 
   // Cross entropy on stored logits (see the Forward RPC). INVALID_ARGUMENT
-  // (client side): inline targets with an unknown dtype or null data. Server
-  // errors as the Forward RPC: NOT_FOUND, INVALID_ARGUMENT,
-  // FAILED_PRECONDITION (logits consumed or busy), RESOURCE_EXHAUSTED.
+  // (client side): inline targets with an unknown dtype or null data. With a
+  // post-training field (LinearForward and Evaluate alike):
+  // FAILED_PRECONDITION (client side, nothing sent) as RequirePostTraining,
+  // and UNIMPLEMENTED when the answer lacks the policy_stats or segment sums
+  // asked for (a server that skipped them). Server errors as the Forward
+  // RPC: NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION (logits consumed or
+  // busy), RESOURCE_EXHAUSTED.
   absl::StatusOr<ForwardResult> Forward(const std::string& logits,
                                         const Targets& targets,
                                         const ForwardOptions& options = {});
@@ -674,7 +689,19 @@ class Client {
   // NOT_FOUND: the server does not know `service`. UNAVAILABLE: unreachable.
   absl::StatusOr<bool> Health(const std::string& service = "");
 
+  // The server's identity, memory figures and features (also remembered for
+  // the feature checks of later calls). Errors as the GetServerInfo RPC.
   absl::StatusOr<ServerInfo> GetServerInfo();
+
+  // OK when the server serves the post-training losses (its
+  // ServerInfo.features lists "post_training"; asked once per Client and
+  // kept) or options().check_server_features is false. FAILED_PRECONDITION
+  // naming the server and `call` when it does not (an empty list: a server
+  // from before the list); GetServerInfo's error when the features are not
+  // known yet and cannot be asked. Forward, LinearForward and Evaluate call
+  // it before sending a post-training request; a caller that uploads large
+  // inputs for one first (lossd.torch) calls it before them.
+  absl::Status RequirePostTraining(const std::string& call);
 
  private:
   struct Channel;  // gRPC channel and stubs, kept out of this header

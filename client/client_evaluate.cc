@@ -23,6 +23,7 @@
 
 namespace lossd {
 
+using client_internal::CheckPostTrainingAnswered;
 using client_internal::ConnectionCloser;
 using client_internal::EvaluateHeaderFor;
 using client_internal::FinishAfterData;
@@ -91,19 +92,6 @@ class BlockQueue {
 bool TargetsOptional(const EvaluateOptions& options) {
   return options.distillation.has_value() &&
          options.distillation->alpha == 0.0f;
-}
-
-// A server from before Evaluate's policy losses skips the unknown header
-// field and evaluates plain cross entropy; this server always answers a
-// policy with its statistics.
-absl::Status CheckPolicyAnswered(const EvaluateOptions& options,
-                                 const v1::EvaluateResponse& response) {
-  if (options.policy.has_value() && !response.has_policy_stats()) {
-    return absl::UnimplementedError(
-        "the server does not serve policy losses in Evaluate (its response "
-        "has no policy_stats); use Forward with mode NONE");
-  }
-  return absl::OkStatus();
 }
 
 // The frame layout of an Evaluate's blocks: rows of `vocab` values of
@@ -243,6 +231,12 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
         " is not int32/int64 (kInvalid, no targets, only for a distillation "
         "with alpha 0)"));
   }
+  // Before any block is produced or sent, on either path: an older server
+  // would evaluate plain cross entropy on the stream and misread the frames.
+  if (options.distillation.has_value() || options.policy.has_value() ||
+      options.segments.has_value()) {
+    RETURN_IF_ERROR(RequirePostTraining("Evaluate"));
+  }
   // Data connections for an evaluation of a known size of at least
   // stripe_min_bytes of logits: a smaller one is not worth their set-up, and
   // one of unknown size may come from a slow producer (a connection idle for
@@ -326,7 +320,7 @@ absl::StatusOr<EvaluateResult> Client::Evaluate(
   }
   if (sending) writer->WritesDone();
   RETURN_IF_ERROR(ToAbsl(writer->Finish()));
-  RETURN_IF_ERROR(CheckPolicyAnswered(options, response));
+  RETURN_IF_ERROR(CheckPostTrainingAnswered(target_, options, response));
   return FromProto(response);
 }
 
@@ -431,7 +425,8 @@ Client::EvaluateOverDataConnections(int64_t vocab, DType logits_dtype,
     return Result(sent);
   }
   if (!finished.ok()) return Result(ToAbsl(finished));
-  if (absl::Status answered = CheckPolicyAnswered(options, response);
+  if (absl::Status answered =
+          CheckPostTrainingAnswered(target_, options, response);
       !answered.ok()) {
     return Result(answered);
   }

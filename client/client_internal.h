@@ -67,6 +67,9 @@ struct Client::Channel {
   // The server's data port as learnt from GetServerInfo; 0 = none, or not
   // reachable from here. Unset until the first large upload asks.
   std::optional<int> data_port ABSL_GUARDED_BY(mu);
+  // ServerInfo.features as the last successful GetServerInfo answered;
+  // unset until one did.
+  std::optional<std::vector<std::string>> features ABSL_GUARDED_BY(mu);
 
   // The dtype and shape of handles this client uploaded or described (they
   // never change on the server), so that a ranged Download needs no Describe
@@ -182,6 +185,26 @@ TensorInfo FromProto(const v1::TensorInfo& proto);
 PolicyStats PolicyStatsFromProto(const v1::PolicyStats& proto);
 EvaluateResult FromProto(const v1::EvaluateResponse& proto);
 ServerInfo FromProto(const v1::ServerInfo& proto);
+
+// A server that skipped a request's post-training fields answers plain cross
+// entropy. Where the answer tells (this server always answers a policy with
+// its statistics and segments with one sum each), UNIMPLEMENTED naming
+// `target` instead of that answer: `policy` asked, `segments` the count
+// asked (0 = none), and what the response holds.
+absl::Status CheckPostTrainingAnswered(const std::string& target, bool policy,
+                                       int32_t segments, bool has_policy_stats,
+                                       int segment_sums);
+// The same for the answer to a Forward, LinearForward or Evaluate with
+// `options`.
+template <typename Options, typename Response>
+absl::Status CheckPostTrainingAnswered(const std::string& target,
+                                       const Options& options,
+                                       const Response& response) {
+  return CheckPostTrainingAnswered(
+      target, options.policy.has_value(),
+      options.segments.has_value() ? options.segments->count : 0,
+      response.has_policy_stats(), response.segment_loss_size());
+}
 
 // The header of an Evaluate of rows `vocab` wide (H with options.weight:
 // then sent as vocab 0, V being the weight's) with `options`; targets_dtype

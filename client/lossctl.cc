@@ -84,6 +84,11 @@ ABSL_FLAG(bool, data_connection, true,
           "blocks, over --upload_streams plain TCP connections to the "
           "server's data port when the server offers one and TLS is off "
           "(otherwise, or when that port cannot be reached, over gRPC)");
+ABSL_FLAG(bool, check_server_features, true,
+          "forward, linear and eval with a post-training flag first check "
+          "that the server lists post_training in its features (lossctl "
+          "info) and fail FAILED_PRECONDITION, sending nothing, when it does "
+          "not; false skips that check");
 ABSL_FLAG(int, upload_streams, 4,
           "upload: a tensor of at least --stripe_min_bytes that does not go "
           "over a data connection goes as this many parallel streams over as "
@@ -293,6 +298,8 @@ absl::StatusOr<std::unique_ptr<RoutingClient>> MakeClient() {
   if (stripe_min < 0) return UsageError("--stripe_min_bytes must be >= 0");
   options.client.stripe_min_bytes = static_cast<std::size_t>(stripe_min);
   options.client.data_connection = absl::GetFlag(FLAGS_data_connection);
+  options.client.check_server_features =
+      absl::GetFlag(FLAGS_check_server_features);
   const int64_t piece = absl::GetFlag(FLAGS_piece_bytes);
   if (piece < (int64_t{64} << 10) || piece > (int64_t{1} << 30)) {
     return UsageError("--piece_bytes must be in [64 KiB, 1 GiB]");
@@ -405,12 +412,14 @@ absl::Status Info(RoutingClient& client) {
     const ServerInfo& info = instance.info;
     std::printf(
         "instance %s\ndevice %s\nversion %s\ntensors %lld\nbudget_bytes "
-        "%lld\nused_bytes %lld\nfree_bytes %lld\ndata_port %d\n",
+        "%lld\nused_bytes %lld\nfree_bytes %lld\ndata_port %d\nfeatures "
+        "%s\n",
         info.instance_id.c_str(), info.device.c_str(), info.version.c_str(),
         static_cast<long long>(info.tensors),
         static_cast<long long>(info.budget_bytes),
         static_cast<long long>(info.used_bytes),
-        static_cast<long long>(info.free_bytes), info.data_port);
+        static_cast<long long>(info.free_bytes), info.data_port,
+        absl::StrJoin(info.features, ",").c_str());
   }
   return first_error;
 }

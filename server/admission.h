@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -30,6 +32,10 @@ struct ServiceOptions {
   int64_t default_chunk_bytes = 1 << 20;  // Download chunk when not asked
   int64_t max_chunk_bytes = 16 << 20;     // largest Download chunk allowed
   std::string version = "0.1.0";
+  // The names ServerInfo.features lists; unset = every feature this build
+  // serves (common/server_features.h). Set only to look like an older server
+  // to clients (tests): the server still serves everything.
+  std::optional<std::vector<std::string>> advertised_features;
   // Decides each call's tenant; null = every caller is kDefaultTenant. Must
   // outlive the service.
   const Authenticator* authenticator = nullptr;

@@ -41,6 +41,7 @@ class CpuDevice final : public Device {
   // PostTrainingCpu (fp64 rows).
   absl::Status PostTraining(const PostTrainingArgs& args,
                             PostTrainingResult* result) override;
+  bool serves_post_training() const override { return true; }
   // LinearCrossEntropyCpu (OpenBLAS).
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,
                                   CrossEntropyResult* result) override;

@@ -101,6 +101,7 @@ class CudaDevice final : public Device {
   // on a stream of the pool.
   absl::Status PostTraining(const PostTrainingArgs& args,
                             PostTrainingResult* result) override;
+  bool serves_post_training() const override { return true; }
   // LinearCrossEntropyCuda (cuBLASLt) on a stream of the pool, the per-token
   // arrays staged through one device block.
   absl::Status LinearCrossEntropy(const LinearCrossEntropyArgs& args,

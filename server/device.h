@@ -149,6 +149,10 @@ class Device {
     return absl::UnimplementedError(
         "this device has no post-training losses yet");
   }
+  // Whether this device runs PostTraining and LinearPostTraining (not their
+  // UNIMPLEMENTED defaults): ServerInfo.features lists "post_training" only
+  // then, so that clients refuse such calls before sending them.
+  virtual bool serves_post_training() const { return false; }
 
   // Copies `bytes` bytes from `src` to `dst`, both inside allocations of this
   // device and not overlapping. Blocks until the copy is done. INTERNAL on a

@@ -1,13 +1,22 @@
 // Flag definitions of lossd (see docs/operations.md for their use).
 #include "server/flags.h"
 
+#include <algorithm>
+#include <iterator>
 #include <limits>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/data_wire.h"
+#include "common/server_features.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (see --port_file)");
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
@@ -94,8 +103,34 @@ ABSL_FLAG(int, data_max_unauthenticated_per_peer, 128,
 ABSL_FLAG(absl::Duration, stripe_timeout, absl::Seconds(60),
           "a striped Upload whose stripes have not all arrived this long "
           "after the first is abandoned (every stripe fails ABORTED)");
+ABSL_FLAG(std::string, advertise_features, "all",
+          "for tests of clients against older servers: the comma-separated "
+          "names GetServerInfo lists as served ('all' = every feature of "
+          "this build; '' = none, as a server from before the list). The "
+          "server still serves every feature");
 
 namespace lossd {
+namespace {
+
+// --advertise_features: nullopt for "all", else its names, each one this
+// build serves.
+absl::StatusOr<std::optional<std::vector<std::string>>> AdvertisedFeatures() {
+  const std::string flag = absl::GetFlag(FLAGS_advertise_features);
+  if (flag == "all") return std::nullopt;
+  std::vector<std::string> names;
+  for (absl::string_view name : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    if (std::find(std::begin(kServedFeatures), std::end(kServedFeatures),
+                  name) == std::end(kServedFeatures)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--advertise_features names '", name, "'; this build serves ",
+          absl::StrJoin(kServedFeatures, ",")));
+    }
+    names.emplace_back(name);
+  }
+  return names;
+}
+
+}  // namespace
 
 absl::StatusOr<ServerConfig> ConfigFromFlags() {
   ServerConfig config;
@@ -211,6 +246,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   if (config.stripe_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--stripe_timeout must be positive");
   }
+  ASSIGN_OR_RETURN(config.advertised_features, AdvertisedFeatures());
   return config;
 }
 

@@ -39,6 +39,7 @@ ABSL_DECLARE_FLAG(int64_t, tenant_max_inflight);
 ABSL_DECLARE_FLAG(std::string, quota_file);
 ABSL_DECLARE_FLAG(absl::Duration, reload_interval);
 ABSL_DECLARE_FLAG(absl::Duration, stripe_timeout);
+ABSL_DECLARE_FLAG(std::string, advertise_features);
 ABSL_DECLARE_FLAG(int, data_max_connections);
 ABSL_DECLARE_FLAG(absl::Duration, data_auth_timeout);
 ABSL_DECLARE_FLAG(int, data_max_unauthenticated_per_peer);

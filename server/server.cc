@@ -269,6 +269,7 @@ absl::Status LossdServer::StartService(ServiceOptions* service_options) {
   service_options->authenticator = authenticator_.get();
   service_options->quotas = quotas_.get();
   service_options->stripe_timeout = config_.stripe_timeout;
+  service_options->advertised_features = config_.advertised_features;
   if (config_.metrics_port >= 0) {
     metrics_ = std::make_unique<Metrics>(store_.get());
     UpdateConfigMetrics();

@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -97,6 +99,10 @@ struct ServerConfig {
   // authenticated; further ones are closed at once. In [64, 65536]: one
   // transfer's connections (at most 64) may all come before its header.
   int data_max_unauthenticated_per_peer = 128;
+  // ServiceOptions::advertised_features: unset = every feature served; a
+  // list (empty: as a server from before ServerInfo.features) makes the
+  // server look older to clients while it still serves everything.
+  std::optional<std::vector<std::string>> advertised_features;
 };
 
 // Makes the device `name`: "cpu"; "cuda" or "cuda:N" (FAILED_PRECONDITION

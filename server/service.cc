@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/server_features.h"
 #include "common/status_macros.h"
 #include "server/cancellation.h"
 #include "server/download_reactor.h"
@@ -169,6 +170,18 @@ void LossdService::FillServerInfo(pb::ServerInfo* info) const {
   info->set_free_bytes(stats.budget_bytes - stats.used_bytes);
   info->set_tensors(stats.tensors);
   info->set_version(rpc_.options().version);
+  if (rpc_.options().advertised_features.has_value()) {
+    for (const std::string& feature : *rpc_.options().advertised_features) {
+      info->add_features(feature);
+    }
+  } else {
+    const bool post_training = rpc_.store()->device()->serves_post_training();
+    for (const char* feature : kServedFeatures) {
+      if (feature != kFeaturePostTraining || post_training) {
+        info->add_features(feature);
+      }
+    }
+  }
   if (rpc_.data_plane() != nullptr) {
     info->set_data_port(rpc_.data_plane()->port());
   }

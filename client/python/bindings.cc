@@ -60,7 +60,8 @@ constexpr char kClientDoc[] = R"doc(A connection to one lossd instance.
 Client(target, *, token=None, tls=False, ca_file=None, cert_file=None,
        key_file=None, server_name=None, deadline=None, connect_wait=1.0,
        upload_streams=4, data_connection=True, stripe_min_bytes=64 MiB,
-       chunk_bytes=1 MiB, piece_bytes=8 MiB, max_message_bytes=64 MiB)
+       chunk_bytes=1 MiB, piece_bytes=8 MiB, max_message_bytes=64 MiB,
+       check_server_features=True)
 
 target: "host:port" (or any gRPC target URI). Does not contact the server
 (use health()). token: sent as "authorization: Bearer TOKEN". tls / ca_file /
@@ -71,6 +72,11 @@ Tensors of at least stripe_min_bytes go over upload_streams plain TCP data
 connections when the server offers them (data_connection, no TLS), else as
 that many gRPC stripes. piece_bytes: the most bytes one upload_from source or
 download_to sink call covers, and the size of the client's scratch buffers.
+A call with a post-training loss (distillation, policy, segments) first
+checks, once per Client, that the server lists 'post_training' in
+info().features, and raises lossd.FailedPrecondition before sending anything
+when it does not (an older server would answer plain cross entropy);
+check_server_features=False skips that check.
 
 Every method releases the GIL while it waits on the server, and raises a
 lossd.Error subclass (lossd.NotFound, lossd.FailedPrecondition, ...) carrying
@@ -326,6 +332,9 @@ PYBIND11_MODULE(_lossd, m) {
       .def_readonly("tensors", &ServerInfo::tensors)
       .def_readonly("version", &ServerInfo::version)
       .def_readonly("data_port", &ServerInfo::data_port)
+      .def_readonly("features", &ServerInfo::features,
+                    "what the server serves beyond the first protocol "
+                    "('post_training', ...); empty from an older server")
       .def("__repr__", [](const ServerInfo& info) {
         return "ServerInfo(instance_id='" + info.instance_id + "', device='" +
                info.device +
@@ -477,7 +486,8 @@ PYBIND11_MODULE(_lossd, m) {
                        py::object deadline, double connect_wait,
                        int upload_streams, bool data_connection,
                        int64_t stripe_min_bytes, int64_t chunk_bytes,
-                       int64_t piece_bytes, int64_t max_message_bytes) {
+                       int64_t piece_bytes, int64_t max_message_bytes,
+                       bool check_server_features) {
              ClientOptions options;
              auto text = [](const py::object& value) {
                return value.is_none() ? std::string()
@@ -502,6 +512,7 @@ PYBIND11_MODULE(_lossd, m) {
              options.chunk_bytes = static_cast<std::size_t>(chunk_bytes);
              options.piece_bytes = static_cast<std::size_t>(piece_bytes);
              options.max_message_bytes = static_cast<int>(max_message_bytes);
+             options.check_server_features = check_server_features;
              CheckGrpcUsableHere();
              std::unique_ptr<Client> client =
                  ValueOrThrow(Client::Connect(target, std::move(options)));
@@ -519,7 +530,8 @@ PYBIND11_MODULE(_lossd, m) {
            py::arg("stripe_min_bytes") = int64_t{64} << 20,
            py::arg("chunk_bytes") = int64_t{1} << 20,
            py::arg("piece_bytes") = int64_t{8} << 20,
-           py::arg("max_message_bytes") = int64_t{64} << 20)
+           py::arg("max_message_bytes") = int64_t{64} << 20,
+           py::arg("check_server_features") = true)
       .def_property_readonly("target", &PyClient::target)
       .def_property_readonly(
           "piece_bytes",
@@ -733,6 +745,20 @@ PYBIND11_MODULE(_lossd, m) {
           "released. Raises "
           "NotFound.",
           py::arg("handle"))
+      .def(
+          "require_post_training",
+          [](PyClient& self, const std::string& call) {
+            std::shared_ptr<Client> client = self.Get();
+            ThrowIfError(
+                WithoutGil([&] { return client->RequirePostTraining(call); }));
+          },
+          "require_post_training(call='') -> None\n\nRaises "
+          "FailedPrecondition when the server does not serve the "
+          "post-training losses (info().features lacks 'post_training'; "
+          "asked once per Client), naming `call`; forward, linear_forward "
+          "and evaluate check it themselves before sending one. lossd.torch "
+          "calls it before uploading the logits.",
+          py::arg("call") = "")
       .def(
           "info",
           [](PyClient& self) {

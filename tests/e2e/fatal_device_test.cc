@@ -3,8 +3,12 @@
 // NOT_SERVING at once, the server's fatal policy runs, and liveness and
 // the other RPCs keep answering until the process policy ends it. The CPU
 // device cannot fail like that on demand, so a device over it does (the
-// real one's sticky-error report is CudaDevice::Check).
+// real one's sticky-error report is CudaDevice::Check). That device has no
+// post-training losses either: the server does not list them, and answers
+// UNIMPLEMENTED to a client that sends one all the same.
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -120,6 +124,53 @@ TEST(FatalDeviceTest, UnusableDeviceTurnsReadinessOffAndRunsThePolicy) {
   absl::StatusOr<TensorInfo> described = (*client)->Describe(stored->handle);
   EXPECT_TRUE(described.ok()) << described.status();
   (*server)->Drain();
+}
+
+TEST(FatalDeviceTest, DeviceWithoutPostTrainingIsNotListedAndRefusesThem) {
+  ServerConfig config =
+      e2e_test::LoopbackConfig("cpu", 16 << 20, absl::Seconds(5));
+  config.device_factory = []() -> absl::StatusOr<std::unique_ptr<Device>> {
+    return std::unique_ptr<Device>(new BreakingDevice());
+  };
+  absl::StatusOr<std::unique_ptr<LossdServer>> server =
+      LossdServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::vector<float> logits(4 * 16, 0.5f);
+  const std::vector<int64_t> targets = {0, 1, 2, 3};
+  const std::vector<int32_t> ids = {0, 0, 1, 1};
+  ForwardOptions options;
+  options.segments = SegmentOptions();
+  options.segments->ids = LossInput::Inline(ids);
+  options.segments->count = 2;
+  for (bool check : {true, false}) {
+    ClientOptions client_options;
+    client_options.check_server_features = check;
+    absl::StatusOr<std::unique_ptr<Client>> client =
+        Client::Connect((*server)->address(), client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    absl::StatusOr<ServerInfo> info = (*client)->GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(std::count(info->features.begin(), info->features.end(),
+                         "post_training"),
+              0);
+    EXPECT_FALSE(info->features.empty());  // the rest still listed
+    absl::StatusOr<TensorInfo> stored = (*client)->Upload(
+        DType::kFloat32, {4, 16}, logits.data(), logits.size() * 4);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    absl::StatusOr<ForwardResult> forward = (*client)->Forward(
+        stored->handle,
+        Targets::Inline(DType::kInt64, targets.data(), targets.size() * 8),
+        options);
+    EXPECT_EQ(forward.status().code(),
+              check ? absl::StatusCode::kFailedPrecondition
+                    : absl::StatusCode::kUnimplemented)
+        << forward.status();
+    absl::StatusOr<DownloadedTensor> kept = (*client)->Download(stored->handle);
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    EXPECT_EQ(kept->data.size(), logits.size() * 4);
+    EXPECT_EQ(std::memcmp(kept->data.data(), logits.data(), kept->data.size()),
+              0);
+  }
 }
 
 // Serves on the breaking device with lossd's own fatal policy and sends one

@@ -1,8 +1,9 @@
 // ParseByteSize: the --memory_budget and --chunk_bytes syntax; ConfigFromFlags
-// for --staging_bytes and the data connections' bounds.
+// for --staging_bytes, the data connections' bounds and --advertise_features.
 #include "server/flags.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
@@ -94,6 +95,26 @@ TEST(ConfigFromFlagsTest, DataAuthFlagsAreBounded) {
   for (int bad : {0, -1, 63, 65537}) {
     absl::SetFlag(&FLAGS_data_max_unauthenticated_per_peer, bad);
     ExpectRefused("--data_max_unauthenticated_per_peer", std::to_string(bad));
+  }
+}
+
+TEST(ConfigFromFlagsTest, AdvertiseFeaturesNamesServedFeaturesOnly) {
+  absl::FlagSaver saver;
+  absl::StatusOr<ServerConfig> config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->advertised_features.has_value());  // "all"
+  absl::SetFlag(&FLAGS_advertise_features, "");
+  config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->advertised_features, std::vector<std::string>());
+  absl::SetFlag(&FLAGS_advertise_features, "linear_forward,post_training");
+  config = ConfigFromFlags();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->advertised_features,
+            (std::vector<std::string>{"linear_forward", "post_training"}));
+  for (const char* bad : {"post-training", "all,post_training", "ALL"}) {
+    absl::SetFlag(&FLAGS_advertise_features, bad);
+    ExpectRefused("--advertise_features", bad);
   }
 }
 

@@ -193,6 +193,8 @@ def _forward(logits, target, client, options, need_gradient, stream=None):
         weight = weight.detach().to("cpu", torch.float32).contiguous().numpy()
     reduction = options["reduction"]
     extra = dict(options.get("extra") or {})
+    if extra:  # a server that cannot serve it is refused before the logits go
+        client.require_post_training("lossd.torch")
 
     stored = _store(client, logits, options["label"], stream)
     result = _call_staged(client, stored, options, extra, lambda extra: client.forward(

@@ -138,6 +138,8 @@ def _linear_forward(hidden, target, client, options, need_gradient):
     target = _host_targets(target).numpy() if target is not None else None
     reduction = options["reduction"]
     extra = dict(options.get("extra") or {})
+    if extra:  # a server that cannot serve it is refused before the states go
+        client.require_post_training("lossd.torch")
     stored = _store(client, hidden, options["label"])
     result = _call_staged(client, stored, options, extra, lambda extra: client.linear_forward(
         stored.handle, options["weight"], target, bias=options["bias"],
