@@ -10,7 +10,8 @@ namespace lossd {
 // (cudaEventDestroy, cublasLtMatrixLayoutDestroy, ...) when it goes. Destroy's
 // status is dropped: a destructor has no one to report it to, and the handle
 // is gone either way. Neither copied nor moved: a handle has one owner, which
-// stays where it was made.
+// stays where it was made. (std::unique_ptr with a deleter would do but for
+// put(): the CUDA create functions write the handle through a pointer.)
 template <typename H, auto Destroy>
 class UniqueHandle {
  public:
