@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cross_entropy_validate.h"
+#include "kernels/cuda/unique_handle.h"
 
 namespace lossd {
 
@@ -64,24 +65,18 @@ absl::Status CrossEntropyCudaRun(const CrossEntropyArgs& device_args,
       static_cast<char*>(scratch) + workspace_bytes);
   // The kernels' own time, as the kernel bench measures it: events around
   // the launch, not the host's wait (allocation, result copy, wake-up).
-  cudaEvent_t timing[2] = {nullptr, nullptr};
-  const bool timed = cudaEventCreate(&timing[0]) == cudaSuccess &&
-                     cudaEventCreate(&timing[1]) == cudaSuccess &&
-                     cudaEventRecord(timing[0], stream) == cudaSuccess;
+  UniqueHandle<cudaEvent_t, cudaEventDestroy> timing[2];
+  const bool timed = cudaEventCreate(timing[0].put()) == cudaSuccess &&
+                     cudaEventCreate(timing[1].put()) == cudaSuccess &&
+                     cudaEventRecord(timing[0].get(), stream) == cudaSuccess;
   if (!timed) cudaGetLastError();
   const cudaError_t launched = CrossEntropyCudaLaunch(
       device_args, device_result, scratch, workspace_bytes, stream, config);
-  if (timed && cudaEventRecord(timing[1], stream) != cudaSuccess) {
+  if (timed && cudaEventRecord(timing[1].get(), stream) != cudaSuccess) {
     cudaGetLastError();
   }
-  const auto destroy_timing = [&] {
-    for (cudaEvent_t e : timing) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-  };
   if (launched == cudaErrorInvalidValue) {
     cudaGetLastError();  // not sticky: nothing was enqueued past the check
-    destroy_timing();
     return absl::InvalidArgumentError(absl::StrCat(
         "cross_entropy: shape [", device_args.rows, ", ", device_args.vocab,
         "] is not supported by the CUDA kernel"));
@@ -98,11 +93,11 @@ absl::Status CrossEntropyCudaRun(const CrossEntropyArgs& device_args,
   }
   float kernel_ms = 0.0f;
   if (status.ok() && timed &&
-      cudaEventElapsedTime(&kernel_ms, timing[0], timing[1]) != cudaSuccess) {
+      cudaEventElapsedTime(&kernel_ms, timing[0].get(), timing[1].get()) !=
+          cudaSuccess) {
     cudaGetLastError();
     kernel_ms = 0.0f;
   }
-  destroy_timing();
   if (!status.ok()) return status;
   const CrossEntropyCudaResult& host = *host_result;
   if (host.error == kCrossEntropyBadTarget) {

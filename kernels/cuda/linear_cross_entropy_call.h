@@ -18,6 +18,7 @@
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
 #include "kernels/cuda/linear_cross_entropy_lab.h"
 #include "kernels/cuda/post_training_cuda.h"
+#include "kernels/cuda/unique_handle.h"
 #include "kernels/linear_cross_entropy.h"
 #include "kernels/post_training.h"
 
@@ -84,7 +85,7 @@ struct LinearCudaCall {
   DType z_dtype = DType::kFloat32;  // Z's (and G's)
   const void* bias_z = nullptr;     // the bias in Z's dtype, or null
   // Set when the call may be cancelled: each chunk waits for the one before.
-  cudaEvent_t chunk_done = nullptr;
+  UniqueHandle<cudaEvent_t, cudaEventDestroy> chunk_done;
   // A post-training loss instead of cross entropy (LinearPostTrainingCuda):
   // the whole call's arguments, each row's factor (times 2^exponent) and
   // where the row kernel writes each row's totals, all on the device.

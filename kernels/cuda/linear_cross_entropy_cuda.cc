@@ -419,9 +419,9 @@ absl::Status linear_cuda::PrepareChunks(LinearCudaCall* call) {
   // chunk it is running (the price: the launches of each chunk no longer
   // overlap the chunk before).
   if (args.cancelled) {
-    RETURN_IF_ERROR(CudaStatus(
-        cudaEventCreateWithFlags(&call->chunk_done, cudaEventDisableTiming),
-        "linear_cross_entropy: chunk event"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(call->chunk_done.put(),
+                                                        cudaEventDisableTiming),
+                               "linear_cross_entropy: chunk event"));
   }
   return absl::OkStatus();
 }
@@ -432,9 +432,10 @@ namespace {
 // whether to go on.
 absl::Status WaitAndAskBeforeChunk(const LinearCudaCall& call, int64_t chunk) {
   if (chunk > 0) {
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(call.chunk_done, call.stream),
-                               "linear_cross_entropy: chunk event"));
-    RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(call.chunk_done),
+    RETURN_IF_ERROR(
+        CudaStatus(cudaEventRecord(call.chunk_done.get(), call.stream),
+                   "linear_cross_entropy: chunk event"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(call.chunk_done.get()),
                                "linear_cross_entropy: chunk wait"));
   }
   if (call.args.cancelled()) {
@@ -692,7 +693,7 @@ absl::Status linear_cuda::RunChunks(const LinearCudaCall& call) {
   const LinearCrossEntropyArgs& args = call.args;
   const std::size_t es = DTypeSize(args.dtype);
   for (int64_t chunk = 0; chunk < call.chunks; ++chunk) {
-    if (call.chunk_done != nullptr) {
+    if (call.chunk_done.get() != nullptr) {
       RETURN_IF_ERROR(WaitAndAskBeforeChunk(call, chunk));
     }
     const int64_t row0 = chunk * call.chunk_rows;
@@ -732,7 +733,7 @@ absl::Status linear_cuda::FinishLinearCall(absl::Status status,
   if (rows_block != nullptr) cudaFreeAsync(rows_block, call->stream);
   const absl::Status synced = CudaStatus(cudaStreamSynchronize(call->stream),
                                          absl::StrCat(what, ": synchronize"));
-  if (call->chunk_done != nullptr) cudaEventDestroy(call->chunk_done);
+  call->chunk_done.reset();
   RETURN_IF_ERROR(status);
   RETURN_IF_ERROR(freed);
   return synced;

@@ -52,43 +52,46 @@ absl::Status LtGemm::Init(cublasLtHandle_t handle, bool trans_a, bool trans_b,
   handle_ = handle;
   bias_ = bias;
   RETURN_IF_ERROR(LtStatus(
-      cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), what));
+      cublasLtMatmulDescCreate(op_.put(), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+      what));
   if (bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     RETURN_IF_ERROR(LtStatus(
-        cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_EPILOGUE,
+        cublasLtMatmulDescSetAttribute(op_.get(), CUBLASLT_MATMUL_DESC_EPILOGUE,
                                        &epilogue, sizeof(epilogue)),
         what));
     // The heuristic reads only the pointer's alignment: Run passes
     // workspace addresses, 256-byte aligned.
     const void* aligned = reinterpret_cast<const void*>(uintptr_t{256});
-    RETURN_IF_ERROR(LtStatus(
-        cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                       &aligned, sizeof(aligned)),
-        what));
+    RETURN_IF_ERROR(LtStatus(cublasLtMatmulDescSetAttribute(
+                                 op_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                 &aligned, sizeof(aligned)),
+                             what));
   }
   const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   RETURN_IF_ERROR(
-      LtStatus(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA,
-                                              &ta, sizeof(ta)),
+      LtStatus(cublasLtMatmulDescSetAttribute(
+                   op_.get(), CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
                what));
   RETURN_IF_ERROR(
-      LtStatus(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB,
-                                              &tb, sizeof(tb)),
+      LtStatus(cublasLtMatmulDescSetAttribute(
+                   op_.get(), CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
                what));
   RETURN_IF_ERROR(
-      LtStatus(cublasLtMatrixLayoutCreate(&a_, ab_type, trans_a ? k : m,
+      LtStatus(cublasLtMatrixLayoutCreate(a_.put(), ab_type, trans_a ? k : m,
                                           trans_a ? m : k, lda),
                what));
   RETURN_IF_ERROR(
-      LtStatus(cublasLtMatrixLayoutCreate(&b_, ab_type, trans_b ? n : k,
+      LtStatus(cublasLtMatrixLayoutCreate(b_.put(), ab_type, trans_b ? n : k,
                                           trans_b ? k : n, ldb),
                what));
   RETURN_IF_ERROR(
-      LtStatus(cublasLtMatrixLayoutCreate(&d_, d_type, m, n, ldd), what));
-  cublasLtMatmulPreference_t preference = nullptr;
-  RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceCreate(&preference), what));
+      LtStatus(cublasLtMatrixLayoutCreate(d_.put(), d_type, m, n, ldd), what));
+  UniqueHandle<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>
+      preference;
+  RETURN_IF_ERROR(
+      LtStatus(cublasLtMatmulPreferenceCreate(preference.put()), what));
   const std::size_t workspace = kLtWorkspaceBytes;
   // Split-K only where its partial sums are reduced by a separate pass in a
   // fixed order; in-place (atomic) reductions would change bits run to run.
@@ -96,19 +99,19 @@ absl::Status LtGemm::Init(cublasLtHandle_t handle, bool trans_a, bool trans_b,
                            CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
                            CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
   cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+      preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
       sizeof(workspace));
   if (status == CUBLAS_STATUS_SUCCESS) {
     status = cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+        preference.get(), CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
         sizeof(schemes));
   }
   int found = 0;
   if (status == CUBLAS_STATUS_SUCCESS) {
-    status = cublasLtMatmulAlgoGetHeuristic(handle, op_, a_, b_, d_, d_,
-                                            preference, 1, &heuristic_, &found);
+    status = cublasLtMatmulAlgoGetHeuristic(
+        handle, op_.get(), a_.get(), b_.get(), d_.get(), d_.get(),
+        preference.get(), 1, &heuristic_, &found);
   }
-  cublasLtMatmulPreferenceDestroy(preference);
   RETURN_IF_ERROR(LtStatus(status, what));
   if (found == 0) {
     return absl::InternalError(
@@ -124,13 +127,14 @@ absl::Status LtGemm::Run(float alpha, const void* a, const void* b, float beta,
     // The descriptor is read when the product is enqueued, and a thread's
     // products are its own (CachedGemms), so setting it here is safe.
     RETURN_IF_ERROR(LtStatus(
-        cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                       &bias, sizeof(bias)),
+        cublasLtMatmulDescSetAttribute(
+            op_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
         what_));
   }
   return LtStatus(
-      cublasLtMatmul(handle_, op_, &alpha, a, a_, b, b_, &beta, d, d_, d, d_,
-                     &heuristic_.algo, workspace, kLtWorkspaceBytes, stream),
+      cublasLtMatmul(handle_, op_.get(), &alpha, a, a_.get(), b, b_.get(),
+                     &beta, d, d_.get(), d, d_.get(), &heuristic_.algo,
+                     workspace, kLtWorkspaceBytes, stream),
       what_);
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
+#include "kernels/cuda/unique_handle.h"
 
 namespace lossd {
 
@@ -36,12 +37,6 @@ class LtGemm {
   LtGemm() = default;
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
-  ~LtGemm() {
-    if (a_ != nullptr) cublasLtMatrixLayoutDestroy(a_);
-    if (b_ != nullptr) cublasLtMatrixLayoutDestroy(b_);
-    if (d_ != nullptr) cublasLtMatrixLayoutDestroy(d_);
-    if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
-  }
 
   // bias: D += bias[i] on D's row i (length m, D's type) in the epilogue,
   // the pointer given to each Run.
@@ -58,8 +53,8 @@ class LtGemm {
   const char* what_ = "";
   bool bias_ = false;
   cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulDesc_t op_ = nullptr;
-  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, d_ = nullptr;
+  UniqueHandle<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> op_;
+  UniqueHandle<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> a_, b_, d_;
   cublasLtMatmulHeuristicResult_t heuristic_ = {};
 };
 
