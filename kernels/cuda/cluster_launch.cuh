@@ -1,6 +1,6 @@
-// Host side of the cluster schedules: launching a kernel in clusters,
-// persistent (as many clusters as can be resident), and the dispatch of a
-// launcher on the logits' element type.
+// What the cluster schedules share: a block's slice of a row, launching a
+// kernel in clusters, persistent (as many clusters as can be resident), and
+// the dispatch of a launcher on the logits' element type.
 
 #ifndef LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
 #define LOSSD_KERNELS_CUDA_CLUSTER_LAUNCH_CUH_
@@ -17,6 +17,24 @@
 
 namespace lossd {
 namespace cuda_ce {
+
+// The columns [start, end) of every row that one block of a cluster owns:
+// p.chunk columns from rank * p.chunk, cut at the vocab (none past it).
+struct VocabSlice {
+  int start;
+  int end;
+
+  __device__ bool Holds(long long column) const {
+    return column >= start && column < end;
+  }
+  __device__ int Size() const { return max(0, end - start); }
+};
+
+// The slice of the block of rank `rank` in its cluster.
+__device__ __forceinline__ VocabSlice VocabSliceOf(const Params& p, int rank) {
+  const int start = rank * p.chunk;
+  return {start, min(start + p.chunk, p.vocab)};
+}
 
 // Makes `cfg` launch `kernel` in clusters of `csize` blocks along x, with
 // `attr` (which must outlive the launch) as its one attribute; clusters past

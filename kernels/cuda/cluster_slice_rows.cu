@@ -31,7 +31,7 @@ constexpr int kMaxStages = 8;
 
 // Logits [N, V] with 16-byte aligned rows, V a multiple of the vector width;
 // persistent grid of clusters of C blocks (kMinBlocks blocks of kBlock threads
-// a SM); block `rank` owns columns [start, end) of every row its cluster takes
+// a SM); block `rank` owns its VocabSlice of every row its cluster takes
 // (rows g, g + G, ...). Thread 0 streams the block's slices of the next rows
 // into `stages` shared-memory buffers with bulk copies (TMA) that complete on
 // mbarriers, so DRAM reads run ahead of the arithmetic. Per row: statistics of
@@ -65,9 +65,8 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   const int csize = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x;
-  const int start = rank * p.chunk;
-  const int end = min(start + p.chunk, p.vocab);
-  const int n = max(0, end - start);
+  const VocabSlice slice = VocabSliceOf(p, rank);
+  const int n = slice.Size();
   const unsigned slice_bytes = static_cast<unsigned>(n) * sizeof(T);
   const long long g = blockIdx.x / csize;
   const long long ncl = gridDim.x / csize;
@@ -113,7 +112,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     if (i >= nrows || slice_bytes == 0) return;
     unsigned long long* bar = &full[r.stage];
     const char* src = reinterpret_cast<const char*>(
-        static_cast<const T*>(p.logits) + row_of(i) * p.stride + start);
+        static_cast<const T*>(p.logits) + row_of(i) * p.stride + slice.start);
     char* dst = reinterpret_cast<char*>(stage_ptr(r));
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     MbarExpectTx(bar, slice_bytes);
@@ -142,9 +141,10 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     const T* sl = stage_ptr(r);
     if (slice_bytes != 0) MbarWait(&full[r.stage], r.parity);
     Stats st = SliceStats<T, kBlock, false, false, kOpts>(
-        sl, n, start, tid, 0, nullptr, NoWait(), opts);
-    const bool mine = y != p.ignore_index && y >= start && y < end;
-    *zy = mine ? OptionZ<T, kOpts>(opts, Tr::Load(sl + (y - start))) : 0.0f;
+        sl, n, slice.start, tid, 0, nullptr, NoWait(), opts);
+    const bool mine = y != p.ignore_index && slice.Holds(y);
+    *zy =
+        mine ? OptionZ<T, kOpts>(opts, Tr::Load(sl + (y - slice.start))) : 0.0f;
     st = BlockMergeStats<kBlock>(st, scratch);  // every thread is past sl
     if (forward_only && tid == 0) issue(i + stages, r);
     if (csize == 1) {
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     __syncthreads();
     const Stats row_st = scratch[0];
     const bool valid = y != p.ignore_index;
-    const bool owner = valid ? (y >= start && y < end) : rank == 0;
+    const bool owner = valid ? slice.Holds(y) : rank == 0;
     const T* sl = stage_ptr(ring);
 
     if (tid == 0) arm(i + kInbox);
@@ -201,16 +201,17 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     const RowMath rm = rowmath;
 
     if (!forward_only) {
-      T* out = static_cast<T*>(p.grad) + row * p.stride + start;
+      T* out = static_cast<T*>(p.grad) + row * p.stride + slice.start;
       const uint4* sv = reinterpret_cast<const uint4*>(sl);
       const int nvec = n / kVec;
       if (!valid) {
         ZeroSlice<T, kBlock>(out, nvec, tid);
       } else {
-        GradientSlice<T, kBlock, kOpts>(sv, out, nvec, tid, rm, opts, start);
+        GradientSlice<T, kBlock, kOpts>(sv, out, nvec, tid, rm, opts,
+                                        slice.start);
         // The target column, computed without cancellation, overwrites what
         // the same thread stored there (program order).
-        const int yl = static_cast<int>(y - start);
+        const int yl = static_cast<int>(y - slice.start);
         if (owner && (yl / kVec) % kBlock == tid) {
           Tr::Store(out + yl,
                     kOpts ? TargetGrad<T, kOpts>(rm, opts, Tr::Load(sl + yl))

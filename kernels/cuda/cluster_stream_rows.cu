@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int csize = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x;
-  const int start = rank * p.chunk;
-  const int end = min(start + p.chunk, p.vocab);
+  const VocabSlice slice = VocabSliceOf(p, rank);
   const WorkspaceHeader& hdr = *p.header;
   // DSMEM may be written only once every peer has started.
   cluster.sync();
@@ -80,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // the padding past `end` stays -inf, which a softcap would make -c).
   const auto zof = [&](const uint4& v, int base, int u, int j) {
     if (!kOpts) return Tr::Get(v, j);
-    return base + (u * kThreads + tid) * kVec + j < end
+    return base + (u * kThreads + tid) * kVec + j < slice.end
                ? OptionZ<T, kOpts>(opts, Tr::Get(v, j))
                : -INFINITY;
   };
@@ -94,10 +93,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
        row += nclusters, parity ^= 1) {
     const T* in = static_cast<const T*>(p.logits) + row * p.stride;
     uint4 cur[kU];
-    LoadBatch<T, false>(in, start, tid, end, cur);
+    LoadBatch<T, false>(in, slice.start, tid, slice.end, cur);
     const long long y = LoadTarget(p, row);
     const bool valid = y != p.ignore_index;
-    const bool owner = valid ? (y >= start && y < end) : rank == 0;
+    const bool owner = valid ? slice.Holds(y) : rank == 0;
     const float xy = (valid && owner) ? Tr::Load(in + y) : 0.0f;
     const float zy = OptionZ<T, kOpts>(opts, xy);
 
@@ -109,13 +108,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     float shift = 0.0f;       // ExponentShift(m)
     float m_l2 = 0.0f;        // fl(m * log2e); 0 while m = -inf
     float wz = 0.0f;
-    int arg_base = start;
+    int arg_base = slice.start;
     float acc[2] = {0.0f, 0.0f};
 #pragma unroll 1
-    for (int base = start; base < end; base += kBatch) {
+    for (int base = slice.start; base < slice.end; base += kBatch) {
       uint4 nxt[kU];
-      if (base + kBatch < end)
-        LoadBatch<T, false>(in, base + kBatch, tid, end, nxt);
+      if (base + kBatch < slice.end)
+        LoadBatch<T, false>(in, base + kBatch, tid, slice.end, nxt);
       float bmx = -INFINITY;
 #pragma unroll
       for (int u = 0; u < kU; ++u)
@@ -157,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     } else {
       // First index of m: in the batch that set it (earlier ones were below).
       uint4 v[kU];
-      LoadBatch<T, false>(in, arg_base, tid, end, v);
+      LoadBatch<T, false>(in, arg_base, tid, slice.end, v);
 #pragma unroll
       for (int u = kU - 1; u >= 0; --u)
 #pragma unroll
@@ -181,9 +180,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       // exchange again (rare; uniform over the cluster, nothing written yet).
       float t = 0.0f;
 #pragma unroll 1
-      for (int base = start; base < end; base += kBatch) {
+      for (int base = slice.start; base < slice.end; base += kBatch) {
         uint4 v[kU];
-        LoadBatch<T, false>(in, base, tid, end, v);
+        LoadBatch<T, false>(in, base, tid, slice.end, v);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
 #pragma unroll
@@ -211,10 +210,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       // Ignored row: zeros, no re-read (the formula would give NaN for
       // non-finite logits).
 #pragma unroll 1
-      for (int base = start; base < end; base += kBatch) {
+      for (int base = slice.start; base < slice.end; base += kBatch) {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
-          StoreZeroVector(out, base + (u * kThreads + tid) * kVec, end);
+          StoreZeroVector(out, base + (u * kThreads + tid) * kVec, slice.end);
         }
       }
       continue;
@@ -222,12 +221,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
     // Pass 2: the slice again (L2), gradient out with streaming stores.
     const int yl = owner ? static_cast<int>(y) : -1;
-    LoadBatch<T, true>(in, start, tid, end, cur);
+    LoadBatch<T, true>(in, slice.start, tid, slice.end, cur);
 #pragma unroll 1
-    for (int base = start; base < end; base += kBatch) {
+    for (int base = slice.start; base < slice.end; base += kBatch) {
       uint4 nxt[kU];
-      if (base + kBatch < end)
-        LoadBatch<T, true>(in, base + kBatch, tid, end, nxt);
+      if (base + kBatch < slice.end)
+        LoadBatch<T, true>(in, base + kBatch, tid, slice.end, nxt);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int e = base + (u * kThreads + tid) * kVec;
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                            : rm.gy;
             }
         }
-        StoreVector(out, e, end, g);
+        StoreVector(out, e, slice.end, g);
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
