@@ -23,12 +23,15 @@ namespace cuda_ce {
 // and its policy inputs, copied there by one thread when a piece of the row
 // is taken (cp.async: nothing held in registers across the statistics) and
 // read after the merge. Loaded there instead, they would add a round trip to
-// DRAM to the row's chain, which every piece of the row waits for.
-constexpr int kInScale = 0;
-constexpr int kInAdvantage = 1;
-constexpr int kInSampling = 2;
-constexpr int kInReference = 3;
-constexpr int kRowInputs = 4;
+// DRAM to the row's chain, which every piece of the row waits for. The
+// slots, in order; kRowInputs counts them.
+enum RowInput : int {
+  kInScale,
+  kInAdvantage,
+  kInSampling,
+  kInReference,
+  kRowInputs,
+};
 __device__ __forceinline__ void CopyFloatAsync(float* smem, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(smem)),
                "l"(src)
