@@ -13,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/cuda/dense_kd_pieces.h"
@@ -385,7 +386,8 @@ __device__ __forceinline__ DenseRow MakeDenseRow(const DenseStats& rs,
   r.gy = r.a_ce * expm1f(r.logp);
   r.lse = static_cast<float>(rs.mz + lz);
   r.entropy = static_cast<float>(lz - rs.hz / rs.sz);
-  r.arg = rs.arg;
+  // (a row of -inf raises no max: its argmax is column 0, as on the CPU)
+  r.arg = rs.arg == INT_MAX ? 0 : rs.arg;
   r.cp = r.cp_ce = r.a_rkl = r.k_hi = r.k_lo = r.gbar = 0.0f;
   // lse(u) - lse(v)
   const double gap =
@@ -755,6 +757,59 @@ __global__ void __launch_bounds__(kBlock, 4)
   }
 }
 
+// A kernel build's facts on one device, asked once rather than on every call:
+// the SMs, the opt-in shared memory a block, the largest dynamic shared
+// memory set on the build so far, and its blocks a SM at the last size asked.
+struct KernelFit {
+  bool known = false;
+  int sms = 0;
+  int smem_max = 0;
+  int smem_set = 0;
+  int smem = -1;
+  int per_sm = 0;
+};
+constexpr int kCachedDevices = 64;
+
+// `kernel`'s KernelFit for `smem` bytes of dynamic shared memory on the
+// current device (smem within the device's opt-in less its reserve: the
+// caller checks it against fit->smem_max first, through `smem` 0).
+template <typename Kernel>
+cudaError_t FitKernel(Kernel kernel, int smem, KernelFit* out) {
+  static std::mutex mu;
+  static KernelFit fits[kCachedDevices];
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  KernelFit uncached;
+  KernelFit& fit =
+      device >= 0 && device < kCachedDevices ? fits[device] : uncached;
+  if (!fit.known) {
+    e = cudaDeviceGetAttribute(&fit.sms, cudaDevAttrMultiProcessorCount,
+                               device);
+    if (e == cudaSuccess) {
+      e = cudaDeviceGetAttribute(
+          &fit.smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (e != cudaSuccess) return e;
+    fit.known = true;
+  }
+  if (smem > fit.smem_set) {
+    e = cudaFuncSetAttribute(kernel,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    fit.smem_set = smem;
+  }
+  if (smem > 0 && smem != fit.smem) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit.per_sm, kernel,
+                                                      kBlock, smem);
+    if (e != cudaSuccess) return e;
+    fit.smem = smem;
+  }
+  *out = fit;
+  return cudaSuccess;
+}
+
 template <typename T, typename TT, int kDiv, bool kTauOne>
 cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
@@ -767,24 +822,14 @@ cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   if (batches > kMaxBatches || call.pieces > 32 || call.chunk % 8 != 0) {
     return cudaErrorInvalidConfiguration;
   }
-  int device = 0, sms = 0, smem_max = 0, per_sm = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  if (e == cudaSuccess) {
-    e = cudaDeviceGetAttribute(&smem_max,
-                               cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
+  KernelFit fit;
+  cudaError_t e = FitKernel(kernel, 0, &fit);
   if (e != cudaSuccess) return e;
-  if (smem > smem_max - 1024) return cudaErrorInvalidConfiguration;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlock,
-                                                      smem);
-  }
+  if (smem > fit.smem_max - 1024) return cudaErrorInvalidConfiguration;
+  e = FitKernel(kernel, smem, &fit);
   if (e != cudaSuccess) return e;
+  const int sms = fit.sms;
+  const int per_sm = fit.per_sm;
   if (per_sm <= 0 || static_cast<long long>(sms) * per_sm < call.pieces) {
     return cudaErrorInvalidConfiguration;
   }

@@ -87,7 +87,9 @@ double EventTime(Enqueue enqueue, int reps) {
 // N(0, 2.5): the kernel with its gradient, the kernel's statistics alone
 // (forward only), and the whole synchronous call, against a device copy.
 // LOSSD_BENCH_ONCE=1: one launch of each kernel with its gradient, at the
-// first shape and nothing else (for a profiler).
+// first shape and nothing else (for a profiler). LOSSD_DKD_PIECE_KIB=n: pieces
+// of n KiB (student and teacher together) instead of the policy's, for the
+// kernel rows (the whole call keeps the policy's).
 // Run with --gtest_also_run_disabled_tests --gtest_filter=*BenchDistillation*.
 TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
   int count = 0;
@@ -139,14 +141,21 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
     shape.teacher_whole_vectors = true;
     const auto choice = cuda_ce::ChoosePostTrainingSchedule(shape, limits);
     ASSERT_TRUE(choice.has_value());
-    DeviceMemory workspace(
-        cuda_ce::DenseKdWorkspaceBytes(rows, choice->pieces));
+    cuda_ce::ScheduleChoice chosen = *choice;
+    if (const char* kib = std::getenv("LOSSD_DKD_PIECE_KIB")) {
+      // (pieces of another size, student and teacher bytes together: a
+      // sweep of the piece size without rebuilding)
+      chosen.chunk = std::atoi(kib) * 1024 / 4 / 8 * 8;
+      chosen.pieces =
+          static_cast<int>((vocab + chosen.chunk - 1) / chosen.chunk);
+    }
+    DeviceMemory workspace(cuda_ce::DenseKdWorkspaceBytes(rows, chosen.pieces));
 
     std::printf(
         "bench: kernels bf16 %lld x %lld in place (%d pieces of %d): "
         "copy %.3f ms (events)\n",
         static_cast<long long>(rows), static_cast<long long>(vocab),
-        choice->pieces, choice->chunk, copy_s * 1e3);
+        chosen.pieces, chosen.chunk, copy_s * 1e3);
     const std::pair<Divergence, float> kinds[] = {
         {Divergence::kForwardKl, 1.0f},
         {Divergence::kReverseKl, 1.0f},
@@ -164,8 +173,8 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
       call.base = base;
       call.kd = kd;
       call.divergence = KernelDivergence(kd);
-      call.chunk = choice->chunk;
-      call.pieces = choice->pieces;
+      call.chunk = chosen.chunk;
+      call.pieces = chosen.pieces;
       call.row_scale = static_cast<const float*>(d_scale.get());
       call.rows_out = static_cast<PostTrainingCudaRow*>(d_rows.get());
       call.workspace = workspace.get();

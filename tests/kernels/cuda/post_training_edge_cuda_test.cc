@@ -137,8 +137,10 @@ void CompareEdges(const EdgeCase& c) {
   cpu.base.logits_dtype = DType::kFloat32;
   cpu.base.logits = c.student.data();
   std::vector<float> cpu_grad(n), cpu_loss(kRows), gpu_loss(kRows);
+  std::vector<int32_t> cpu_argmax(kRows), gpu_argmax(kRows);
   cpu.base.gradient = cpu_grad.data();
   cpu.base.token_loss = cpu_loss.data();
+  cpu.base.token_argmax = cpu_argmax.data();
   DistillationArgs cpu_kd = kd;
   if (c.dense) {
     cpu_kd.teacher_logits = c.teacher.data();
@@ -169,6 +171,7 @@ void CompareEdges(const EdgeCase& c) {
   gpu.base.gradient = d_grad.get();
   gpu.base.targets = d_targets.get();
   gpu.base.token_loss = gpu_loss.data();
+  gpu.base.token_argmax = gpu_argmax.data();
   DistillationArgs gpu_kd = kd;
   if (c.dense) {
     gpu_kd.teacher_logits = d_teacher.get();
@@ -192,6 +195,8 @@ void CompareEdges(const EdgeCase& c) {
     const std::string row = "row " + std::to_string(r);
     ExpectSame(gpu_loss[r], cpu_loss[r], 2e-4 * std::fabs(cpu_loss[r]) + 2e-5,
                row + " loss");
+    // (row 4, the student all -inf: column 0 on every path)
+    EXPECT_EQ(gpu_argmax[r], cpu_argmax[r]) << row << " argmax";
     double row_max = 0.0;
     for (int64_t i = 0; i < c.vocab; ++i) {
       const double g = cpu_grad[r * c.vocab + i];
