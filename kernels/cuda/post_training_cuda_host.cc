@@ -1,9 +1,10 @@
-// The host wrapper of the CUDA post-training losses: the host's plan (made
-// while the kernels run where they need nothing of it), the fast schedule or
-// the row kernel, and the CPU backend's reduction of the rows (same order).
+// The host wrapper of the CUDA post-training losses: the fast schedule
+// without segments reduced on the device (one small copy back), else the
+// host's plan, the row kernel and the CPU backend's reduction of the rows.
 #include "kernels/cuda/post_training_cuda_host.h"
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "kernels/cuda/dispatch.h"
 #include "kernels/cuda/post_training_cuda.h"
 #include "kernels/cuda/post_training_policy.h"
+#include "kernels/cuda/post_training_reduce.h"
 #include "kernels/cuda/row_terms.h"
 #include "kernels/cuda/schedules.h"
 #include "kernels/post_training_plan.h"
@@ -191,13 +193,11 @@ cudaError_t LaunchFast(const PostTrainingArgs& args,
   return e;
 }
 
-// Pinned host memory of at least `bytes` that a thread reuses, one buffer a
-// slot: the rows' records (64 bytes a row: a pageable copy of them ran at a
-// fraction of the bus's speed) and the targets (copied while the kernels
-// run); nullptr where it cannot be had (then pageable memory).
-constexpr int kRecordsSlot = 0;
-constexpr int kTargetsSlot = 1;
-void* PinnedStaging(int slot, size_t bytes) {
+// Pinned host memory of at least `bytes` that a thread reuses: the rows'
+// records (80 bytes a row: a pageable copy of them ran at a fraction of the
+// bus's speed), or the device reduction's sums and the per-token outputs
+// asked for; nullptr where it cannot be had (then pageable memory).
+void* PinnedStaging(size_t bytes) {
   struct Staging {
     void* pointer = nullptr;
     size_t bytes = 0;
@@ -205,8 +205,7 @@ void* PinnedStaging(int slot, size_t bytes) {
       if (pointer != nullptr) cudaFreeHost(pointer);
     }
   };
-  thread_local Staging slots[2];
-  Staging& staging = slots[slot];
+  thread_local Staging staging;
   if (staging.bytes < bytes) {
     if (staging.pointer != nullptr) cudaFreeHost(staging.pointer);
     staging.bytes = 0;
@@ -292,55 +291,85 @@ absl::Status PlanOnHost(const PostTrainingArgs& device_args, HostView* view,
   return absl::OkStatus();
 }
 
-// An event of one call, destroyed with it.
-class Event {
- public:
-  Event() = default;
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
-  }
-  cudaError_t Record(cudaStream_t stream) {
-    const cudaError_t e =
-        cudaEventCreateWithFlags(&event_, cudaEventDisableTiming);
-    return e == cudaSuccess ? cudaEventRecord(event_, stream) : e;
-  }
-  cudaEvent_t get() const { return event_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
+// Where the device reduction's copy back puts each part: the sums, then
+// each per-token output asked for, 16-byte aligned (offset 0: not asked).
+struct TokenLayout {
+  size_t loss = 0, lse = 0, argmax = 0, logprob = 0, entropy = 0, ratio = 0,
+         clipped = 0;
+  size_t bytes = 0;
 };
+TokenLayout LayOutTokens(const PostTrainingArgs& args) {
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  TokenLayout layout;
+  layout.bytes = sizeof(PostTrainingSums);
+  const auto place = [&](const void* asked, size_t element, size_t* offset) {
+    if (asked == nullptr) return;
+    layout.bytes = (layout.bytes + 15) / 16 * 16;
+    *offset = layout.bytes;
+    layout.bytes += rows * element;
+  };
+  place(args.base.token_loss, sizeof(float), &layout.loss);
+  place(args.base.token_lse, sizeof(float), &layout.lse);
+  place(args.base.token_argmax, sizeof(int32_t), &layout.argmax);
+  place(args.token_logprob, sizeof(float), &layout.logprob);
+  place(args.token_entropy, sizeof(float), &layout.entropy);
+  place(args.token_ratio, sizeof(float), &layout.ratio);
+  place(args.token_clipped, sizeof(uint8_t), &layout.clipped);
+  return layout;
+}
+
+// The part of `buffer` at `offset`, or nullptr where it is 0 (not asked).
+template <typename T>
+T* At(void* buffer, size_t offset) {
+  return offset == 0
+             ? nullptr
+             : reinterpret_cast<T*>(static_cast<char*>(buffer) + offset);
+}
+
+// The per-token outputs `args` asks for (HOST pointers) from `staging`, laid
+// out as `layout` says.
+void CopyTokensOut(const PostTrainingArgs& args, const TokenLayout& layout,
+                   void* staging) {
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  const auto copy = [&](void* out, size_t offset, size_t element) {
+    if (out != nullptr)
+      std::memcpy(out, At<char>(staging, offset), rows * element);
+  };
+  copy(args.base.token_loss, layout.loss, sizeof(float));
+  copy(args.base.token_lse, layout.lse, sizeof(float));
+  copy(args.base.token_argmax, layout.argmax, sizeof(int32_t));
+  copy(args.token_logprob, layout.logprob, sizeof(float));
+  copy(args.token_entropy, layout.entropy, sizeof(float));
+  copy(args.token_ratio, layout.ratio, sizeof(float));
+  copy(args.token_clipped, layout.clipped, sizeof(uint8_t));
+}
 
 // The fast schedule without segments, whose gradient factor is then the
-// prepare kernel's scale (RowTerms::row_scale nullptr): the targets' copy
-// back, the kernels and the records' copy back are enqueued at once, and the
-// host plans from the targets while the kernels run. *ran is false where the
-// pieces do not fit this device (the caller takes the other path) or no
-// pinned memory could be had.
+// prepare kernel's scale (RowTerms::row_scale nullptr), ended on the device:
+// the records summed there (post_training_reduce.h) and the per-token outputs
+// asked for gathered, one copy back of those. *ran is false where the pieces
+// do not fit this device (the caller takes the other path) or no pinned
+// memory could be had.
 absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
                                 const cuda_ce::ScheduleChoice& choice,
-                                PostTrainingCudaRow* out, HostView* view,
-                                bool* ran, cudaStream_t stream) {
+                                PostTrainingResult* result, bool* ran,
+                                cudaStream_t stream) {
   *ran = false;
   const size_t rows = static_cast<size_t>(args.base.rows);
-  const size_t target_bytes = rows * DTypeSize(args.base.targets_dtype);
-  void* targets = PinnedStaging(kTargetsSlot, target_bytes);
-  if (targets == nullptr) return absl::OkStatus();
-  Event copied;
-  RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(targets, args.base.targets, target_bytes,
-                                 cudaMemcpyDeviceToHost, stream),
-                 "post_training copy targets"));
-  RETURN_IF_ERROR(CudaStatus(copied.Record(stream), "post_training event"));
-  DeviceBuffer device_rows(stream), workspace(stream), floats(stream);
+  const TokenLayout layout = LayOutTokens(args);
+  void* staging = PinnedStaging(layout.bytes);
+  if (staging == nullptr) return absl::OkStatus();
+  DeviceBuffer device_rows(stream), workspace(stream), floats(stream),
+      device_out(stream);
   RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
   RETURN_IF_ERROR(
       workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+  RETURN_IF_ERROR(device_out.Allocate(layout.bytes));
   if (args.distillation != nullptr) {
     RETURN_IF_ERROR(floats.Allocate(TermsFloats(args, choice) * sizeof(float)));
   }
-  const cudaError_t launched = LaunchFast(
+  const auto* records = static_cast<PostTrainingCudaRow*>(device_rows.get());
+  cudaError_t launched = LaunchFast(
       args, choice, nullptr, workspace.get(), static_cast<float*>(floats.get()),
       static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
   if (launched == cudaErrorInvalidConfiguration) {
@@ -348,17 +377,30 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
     return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");
   }
   RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
-  RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(out, device_rows.get(),
-                                             rows * sizeof(PostTrainingCudaRow),
-                                             cudaMemcpyDeviceToHost, stream),
-                             "post_training copy to host"));
-  RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied.get()),
-                             "post_training copy targets"));
-  view->host.args = args;
-  view->host.args.base.targets = targets;
-  view->plan = PlanPostTraining(view->host.args);
-  RETURN_IF_ERROR(
-      CudaStatus(cudaStreamSynchronize(stream), "post_training synchronize"));
+  const bool policy = args.policy != nullptr;
+  // (the fast schedule takes no z-loss: its records leave that field unset)
+  launched = LaunchPostTrainingReduce(
+      records, args.base.rows, policy, /*z_loss=*/false,
+      static_cast<PostTrainingSums*>(device_out.get()), stream);
+  if (launched == cudaSuccess) {
+    PostTrainingCudaTokens tokens;
+    void* out = device_out.get();
+    tokens.loss = At<float>(out, layout.loss);
+    tokens.lse = At<float>(out, layout.lse);
+    tokens.argmax = At<int32_t>(out, layout.argmax);
+    tokens.logprob = At<float>(out, layout.logprob);
+    tokens.entropy = At<float>(out, layout.entropy);
+    tokens.ratio = At<float>(out, layout.ratio);
+    tokens.clipped = At<uint8_t>(out, layout.clipped);
+    launched = LaunchPostTrainingTokens(records, args.base.rows, policy, tokens,
+                                        stream);
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training reduce"));
+  RETURN_IF_ERROR(CopyToHost(staging, device_out.get(), layout.bytes, stream));
+  PostTrainingSums sums;
+  std::memcpy(&sums, staging, sizeof(sums));
+  CopyTokensOut(args, layout, staging);
+  *result = FinishUnsegmentedPostTraining(args.base.options, sums);
   *ran = true;
   return absl::OkStatus();
 }
@@ -451,38 +493,38 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
   const int64_t rows = base.rows;
   RETURN_IF_ERROR(CheckPostTrainingCudaSupport(device_args));
 
+  if (rows > 0 && path == PostTrainingCudaPath::kAuto) {
+    std::optional<cuda_ce::ScheduleChoice> fast;
+    RETURN_IF_ERROR(ChooseFast(device_args, &fast));
+    // (a dense teacher's pieces take each row's factor from the plan)
+    if (fast && device_args.segments == nullptr && !DenseTeacher(device_args)) {
+      bool ran = false;
+      RETURN_IF_ERROR(
+          RunFastUnsegmented(device_args, *fast, result, &ran, stream));
+      if (ran) return absl::OkStatus();
+    }
+  }
+
   std::vector<PostTrainingCudaRow> pageable;
   PostTrainingCudaRow* out = nullptr;
   HostView view;
-  bool ran = false;
   if (rows > 0) {
-    out = static_cast<PostTrainingCudaRow*>(PinnedStaging(
-        kRecordsSlot, static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
+    out = static_cast<PostTrainingCudaRow*>(
+        PinnedStaging(static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
     if (out == nullptr) {
       pageable.resize(static_cast<size_t>(rows));
       out = pageable.data();
     }
-    std::optional<cuda_ce::ScheduleChoice> fast;
-    if (path == PostTrainingCudaPath::kAuto) {
-      RETURN_IF_ERROR(ChooseFast(device_args, &fast));
-    }
-    // (a dense teacher's pieces take each row's factor from the plan)
-    if (fast && device_args.segments == nullptr && !DenseTeacher(device_args)) {
-      RETURN_IF_ERROR(
-          RunFastUnsegmented(device_args, *fast, out, &view, &ran, stream));
-    }
   }
-  if (!ran) {
-    // The plan first: the kernels need each row's factor.
-    RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
-    if (rows > 0) {
-      std::vector<float> row_scale(static_cast<size_t>(rows));
-      for (int64_t row = 0; row < rows; ++row) {
-        row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
-                                            base.options.grad_scale);
-      }
-      RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
+  // The plan first: the kernels need each row's factor.
+  RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
+  if (rows > 0) {
+    std::vector<float> row_scale(static_cast<size_t>(rows));
+    for (int64_t row = 0; row < rows; ++row) {
+      row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
+                                          base.options.grad_scale);
     }
+    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
   }
 
   // Reused by the thread up to 64Ki rows: a fresh 80 bytes a row, zeroed,
