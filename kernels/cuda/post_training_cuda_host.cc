@@ -1,6 +1,7 @@
-// The host wrapper of the CUDA post-training losses: the fast schedule
-// without segments reduced on the device (one small copy back), else the
-// host's plan, the row kernel and the CPU backend's reduction of the rows.
+// The host wrapper of the CUDA post-training losses: the host's plan where
+// the kernels need it, the fast schedule or the row kernel, and the rows
+// reduced on the device (one small copy back), or with segments on the host
+// as the CPU backend does.
 #include "kernels/cuda/post_training_cuda_host.h"
 
 #include <cstdint>
@@ -219,15 +220,17 @@ void* PinnedStaging(size_t bytes) {
   return staging.pointer;
 }
 
-// The rows' records of `args` into `out` (host, [rows] > 0), on the path
-// `path` asks for, each row's gradient scaled by `row_scale`.
+// Enqueues the rows' records of `args` into `device_rows` (allocated here,
+// [rows] > 0), on the path `path` asks for, each row's gradient scaled by
+// `row_scale`.
 absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
                      const std::vector<float>& row_scale,
-                     PostTrainingCudaRow* out, cudaStream_t stream) {
+                     DeviceBuffer* device_rows, cudaStream_t stream) {
   const size_t rows = row_scale.size();
-  DeviceBuffer device_scale(stream), device_rows(stream);
+  DeviceBuffer device_scale(stream);
   RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
-  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(device_rows->Allocate(rows * sizeof(PostTrainingCudaRow)));
+  auto* records = static_cast<PostTrainingCudaRow*>(device_rows->get());
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
                                  row_scale.size() * sizeof(float),
@@ -242,10 +245,9 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
   if (fast && DenseTeacher(args)) {
     RETURN_IF_ERROR(workspace.Allocate(
         cuda_ce::DenseKdWorkspaceBytes(args.base.rows, fast->pieces)));
-    launched = LaunchDense(
-        args, *fast, static_cast<const float*>(device_scale.get()),
-        workspace.get(), static_cast<PostTrainingCudaRow*>(device_rows.get()),
-        stream);
+    launched =
+        LaunchDense(args, *fast, static_cast<const float*>(device_scale.get()),
+                    workspace.get(), records, stream);
   } else if (fast) {
     RETURN_IF_ERROR(
         workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
@@ -255,24 +257,19 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
     }
     launched = LaunchFast(
         args, *fast, static_cast<const float*>(device_scale.get()),
-        workspace.get(), static_cast<float*>(floats.get()),
-        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+        workspace.get(), static_cast<float*>(floats.get()), records, stream);
   }
   if (launched == cudaErrorInvalidConfiguration) {
     cudaGetLastError();  // (the fast schedule's refusal, if any)
     launched = PostTrainingCudaLaunch(
-        args, static_cast<const float*>(device_scale.get()),
-        static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
+        args, static_cast<const float*>(device_scale.get()), records, stream);
   }
   if (launched == cudaErrorInvalidValue) {
     cudaStreamSynchronize(stream);
     return absl::InvalidArgumentError(
         "post_training: the shape is not supported by the GPU kernel");
   }
-  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
-  RETURN_IF_ERROR(CopyToHost(out, device_rows.get(),
-                             rows * sizeof(PostTrainingCudaRow), stream));
-  return absl::OkStatus();
+  return CudaStatus(launched, "post_training launch");
 }
 
 // The host's view of a call: the targets and segment ids copied back
@@ -344,43 +341,25 @@ void CopyTokensOut(const PostTrainingArgs& args, const TokenLayout& layout,
   copy(args.token_clipped, layout.clipped, sizeof(uint8_t));
 }
 
-// The fast schedule without segments, whose gradient factor is then the
-// prepare kernel's scale (RowTerms::row_scale nullptr), ended on the device:
-// the records summed there (post_training_reduce.h) and the per-token outputs
-// asked for gathered, one copy back of those. *ran is false where the pieces
-// do not fit this device (the caller takes the other path) or no pinned
-// memory could be had.
-absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
-                                const cuda_ce::ScheduleChoice& choice,
-                                PostTrainingResult* result, bool* ran,
-                                cudaStream_t stream) {
-  *ran = false;
-  const size_t rows = static_cast<size_t>(args.base.rows);
+// The end of a call without segments on the device, after the kernels that
+// wrote `records` [rows > 0] (device): their sums (post_training_reduce.h,
+// the z-loss where `z_loss`) and the per-token outputs asked for, one copy
+// back, and `result` from them. Synchronizes `stream`.
+absl::Status EndOnDevice(const PostTrainingArgs& args,
+                         const PostTrainingCudaRow* records, bool z_loss,
+                         PostTrainingResult* result, cudaStream_t stream) {
   const TokenLayout layout = LayOutTokens(args);
+  std::vector<char> pageable;
   void* staging = PinnedStaging(layout.bytes);
-  if (staging == nullptr) return absl::OkStatus();
-  DeviceBuffer device_rows(stream), workspace(stream), floats(stream),
-      device_out(stream);
-  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
-  RETURN_IF_ERROR(
-      workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+  if (staging == nullptr) {
+    pageable.resize(layout.bytes);
+    staging = pageable.data();
+  }
+  DeviceBuffer device_out(stream);
   RETURN_IF_ERROR(device_out.Allocate(layout.bytes));
-  if (args.distillation != nullptr) {
-    RETURN_IF_ERROR(floats.Allocate(TermsFloats(args, choice) * sizeof(float)));
-  }
-  const auto* records = static_cast<PostTrainingCudaRow*>(device_rows.get());
-  cudaError_t launched = LaunchFast(
-      args, choice, nullptr, workspace.get(), static_cast<float*>(floats.get()),
-      static_cast<PostTrainingCudaRow*>(device_rows.get()), stream);
-  if (launched == cudaErrorInvalidConfiguration) {
-    cudaGetLastError();
-    return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");
-  }
-  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
   const bool policy = args.policy != nullptr;
-  // (the fast schedule takes no z-loss: its records leave that field unset)
-  launched = LaunchPostTrainingReduce(
-      records, args.base.rows, policy, /*z_loss=*/false,
+  cudaError_t launched = LaunchPostTrainingReduce(
+      records, args.base.rows, policy, z_loss,
       static_cast<PostTrainingSums*>(device_out.get()), stream);
   if (launched == cudaSuccess) {
     PostTrainingCudaTokens tokens;
@@ -401,6 +380,37 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
   std::memcpy(&sums, staging, sizeof(sums));
   CopyTokensOut(args, layout, staging);
   *result = FinishUnsegmentedPostTraining(args.base.options, sums);
+  return absl::OkStatus();
+}
+
+// The fast schedule without segments, whose gradient factor is then the
+// prepare kernel's scale (RowTerms::row_scale nullptr): no plan on the host,
+// and the call ends on the device. *ran is false where the pieces do not fit
+// this device (the caller takes the other path).
+absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
+                                const cuda_ce::ScheduleChoice& choice,
+                                PostTrainingResult* result, bool* ran,
+                                cudaStream_t stream) {
+  *ran = false;
+  const size_t rows = static_cast<size_t>(args.base.rows);
+  DeviceBuffer device_rows(stream), workspace(stream), floats(stream);
+  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  RETURN_IF_ERROR(
+      workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+  if (args.distillation != nullptr) {
+    RETURN_IF_ERROR(floats.Allocate(TermsFloats(args, choice) * sizeof(float)));
+  }
+  auto* records = static_cast<PostTrainingCudaRow*>(device_rows.get());
+  const cudaError_t launched =
+      LaunchFast(args, choice, nullptr, workspace.get(),
+                 static_cast<float*>(floats.get()), records, stream);
+  if (launched == cudaErrorInvalidConfiguration) {
+    cudaGetLastError();
+    return CudaStatus(cudaStreamSynchronize(stream), "post_training sync");
+  }
+  RETURN_IF_ERROR(CudaStatus(launched, "post_training launch"));
+  // (the fast schedule takes no z-loss: its records leave that field unset)
+  RETURN_IF_ERROR(EndOnDevice(args, records, /*z_loss=*/false, result, stream));
   *ran = true;
   return absl::OkStatus();
 }
@@ -459,7 +469,8 @@ void CollectPostTrainingCudaRows(const PostTrainingArgs& args,
     t.ratio = r.ratio;
     t.approx_kl = r.approx_kl;
     t.kl = r.kl;
-    t.z_loss = r.z_loss;
+    // (the smem row pieces leave it unwritten: they take no z-loss)
+    t.z_loss = base.options.z_loss_scale != 0.0f ? r.z_loss : 0.0;
     t.entropy = args.policy != nullptr && t.valid ? r.entropy : 0.0;
     if (base.token_loss != nullptr) {
       base.token_loss[row] = static_cast<float>(r.loss);
@@ -505,26 +516,35 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
     }
   }
 
+  // The plan first: the kernels need each row's factor.
+  HostView view;
+  RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
   std::vector<PostTrainingCudaRow> pageable;
   PostTrainingCudaRow* out = nullptr;
-  HostView view;
-  if (rows > 0) {
-    out = static_cast<PostTrainingCudaRow*>(
-        PinnedStaging(static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow)));
-    if (out == nullptr) {
-      pageable.resize(static_cast<size_t>(rows));
-      out = pageable.data();
-    }
-  }
-  // The plan first: the kernels need each row's factor.
-  RETURN_IF_ERROR(PlanOnHost(device_args, &view, stream));
   if (rows > 0) {
     std::vector<float> row_scale(static_cast<size_t>(rows));
     for (int64_t row = 0; row < rows; ++row) {
       row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
                                           base.options.grad_scale);
     }
-    RETURN_IF_ERROR(RunRows(device_args, path, row_scale, out, stream));
+    DeviceBuffer device_rows(stream);
+    RETURN_IF_ERROR(
+        RunRows(device_args, path, row_scale, &device_rows, stream));
+    const auto* records =
+        static_cast<const PostTrainingCudaRow*>(device_rows.get());
+    if (device_args.segments == nullptr) {
+      // (only the row kernel takes a z-loss, and writes it)
+      return EndOnDevice(device_args, records,
+                         base.options.z_loss_scale != 0.0f, result, stream);
+    }
+    const size_t bytes =
+        static_cast<size_t>(rows) * sizeof(PostTrainingCudaRow);
+    out = static_cast<PostTrainingCudaRow*>(PinnedStaging(bytes));
+    if (out == nullptr) {
+      pageable.resize(static_cast<size_t>(rows));
+      out = pageable.data();
+    }
+    RETURN_IF_ERROR(CopyToHost(out, records, bytes, stream));
   }
 
   // Reused by the thread up to 64Ki rows: a fresh 80 bytes a row, zeroed,

@@ -28,10 +28,10 @@ enum class PostTrainingCudaPath { kAuto, kRowKernel };
 // or for result == nullptr; UNIMPLEMENTED for a top-k teacher over more than
 // kPostTrainingCudaMaxTopKVocab classes; RESOURCE_EXHAUSTED when device
 // memory runs out; INTERNAL for other CUDA errors. Synchronizes `stream`.
-// Without segments, on the fast schedule, the rows are reduced on the device
-// (post_training_reduce.h) and only the sums and the per-token outputs asked
-// for come back; else the rows' records come back and are reduced as the CPU
-// backend does. Each calling thread keeps a pinned host buffer (what comes
+// Without segments the rows are reduced on the device (post_training_reduce.h)
+// and only the sums and the per-token outputs asked for come back; with
+// segments the rows' records come back and are reduced as the CPU backend
+// does. Each calling thread keeps a pinned host buffer (what comes
 // back comes through it), grown as needed, freed at its exit.
 // Thread safety: reentrant for distinct buffers.
 absl::Status PostTrainingCuda(
