@@ -17,6 +17,48 @@ bool PostTrainingRowIsValid(const PostTrainingArgs& args, int64_t row) {
          args.base.options.ignore_index;
 }
 
+namespace {
+
+// The denominator of `plan`, whose counts are set, as `options` say.
+void SetDenominator(const CrossEntropyOptions& options,
+                    PostTrainingPlan* plan) {
+  if (plan->segment_reduction != SegmentReduction::kNone) {
+    plan->denominator = options.normalizer > 0.0
+                            ? options.normalizer
+                            : static_cast<double>(plan->nonempty_segments);
+    plan->have_denominator =
+        plan->nonempty_segments > 0 || options.normalizer > 0.0;
+  } else if (options.reduction == Reduction::kMean) {
+    plan->denominator = options.normalizer > 0.0
+                            ? options.normalizer
+                            : static_cast<double>(plan->valid_tokens);
+    plan->have_denominator = plan->valid_tokens > 0 || options.normalizer > 0.0;
+  }
+}
+
+// The reduced loss and divergence of `out` from their sums `loss` and
+// `distillation` (over rows, or over segments' means).
+void FinishLoss(const CrossEntropyOptions& options,
+                const PostTrainingPlan& plan, double loss, double distillation,
+                PostTrainingResult* out) {
+  const SegmentReduction segment_reduction = plan.segment_reduction;
+  const bool reduce_mean = options.reduction == Reduction::kMean ||
+                           segment_reduction != SegmentReduction::kNone;
+  if (reduce_mean) {
+    const bool any = segment_reduction != SegmentReduction::kNone
+                         ? plan.nonempty_segments > 0
+                         : plan.valid_tokens > 0;
+    out->base.loss = any ? loss / plan.denominator : 0.0;
+    out->distillation_loss = any ? distillation / plan.denominator : 0.0;
+    if (plan.have_denominator) out->base.denominator = plan.denominator;
+  } else {
+    out->base.loss = loss;
+    out->distillation_loss = distillation;
+  }
+}
+
+}  // namespace
+
 PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args) {
   const CrossEntropyOptions& options = args.base.options;
   const int64_t rows = args.base.rows;
@@ -34,18 +76,7 @@ PostTrainingPlan PlanPostTraining(const PostTrainingArgs& args) {
     plan.nonempty_segments += tokens > 0;
   }
   const bool mean = options.reduction == Reduction::kMean;
-  if (plan.segment_reduction != SegmentReduction::kNone) {
-    plan.denominator = options.normalizer > 0.0
-                           ? options.normalizer
-                           : static_cast<double>(plan.nonempty_segments);
-    plan.have_denominator =
-        plan.nonempty_segments > 0 || options.normalizer > 0.0;
-  } else if (mean) {
-    plan.denominator = options.normalizer > 0.0
-                           ? options.normalizer
-                           : static_cast<double>(plan.valid_tokens);
-    plan.have_denominator = plan.valid_tokens > 0 || options.normalizer > 0.0;
-  }
+  SetDenominator(options, &plan);
   plan.row_scale.assign(rows, 0.0);
   for (int64_t row = 0; row < rows; ++row) {
     if (!PostTrainingRowIsValid(args, row)) continue;
@@ -111,19 +142,29 @@ PostTrainingResult ReducePostTrainingRows(
       distillation += out.segment_distillation[s] / per;
     }
   }
-  const bool reduce_mean = options.reduction == Reduction::kMean ||
-                           segment_reduction != SegmentReduction::kNone;
-  if (reduce_mean) {
-    const bool any = segment_reduction != SegmentReduction::kNone
-                         ? plan.nonempty_segments > 0
-                         : plan.valid_tokens > 0;
-    out.base.loss = any ? loss / plan.denominator : 0.0;
-    out.distillation_loss = any ? distillation / plan.denominator : 0.0;
-    if (plan.have_denominator) out.base.denominator = plan.denominator;
-  } else {
-    out.base.loss = loss;
-    out.distillation_loss = distillation;
-  }
+  FinishLoss(options, plan, loss, distillation, &out);
+  return out;
+}
+
+PostTrainingResult FinishUnsegmentedPostTraining(
+    const CrossEntropyOptions& options, const PostTrainingSums& sums) {
+  PostTrainingPlan plan;
+  plan.valid_tokens = sums.valid_tokens;
+  SetDenominator(options, &plan);
+  PostTrainingResult out;
+  out.base.valid_tokens = sums.valid_tokens;
+  out.base.nonfinite_rows = sums.nonfinite_rows;
+  out.base.correct_tokens = sums.correct_tokens;
+  out.policy.clipped_tokens = sums.clipped_tokens;
+  out.policy.ratio_sum = sums.ratio;
+  out.policy.approx_kl_sum = sums.approx_kl;
+  out.policy.kl_sum = sums.kl;
+  out.policy.entropy_sum = sums.entropy;
+  // (PlanPostTraining's row factor without segments)
+  const double factor =
+      options.reduction == Reduction::kMean ? 1.0 / plan.denominator : 1.0;
+  out.base.z_loss = sums.z_loss == 0.0 ? 0.0 : factor * sums.z_loss;
+  FinishLoss(options, plan, sums.loss, sums.distillation, &out);
   return out;
 }
 

@@ -53,6 +53,31 @@ PostTrainingResult ReducePostTrainingRows(
     const PostTrainingArgs& args, const PostTrainingPlan& plan,
     const std::vector<PostTrainingRowTotals>& totals);
 
+// The totals of an unsegmented problem's valid rows, however summed
+// (ReducePostTrainingRows sums them in row order; the CUDA backend's device
+// reduction in its own fixed order): what its result needs besides the
+// options.
+struct PostTrainingSums {
+  int64_t valid_tokens = 0;
+  int64_t nonfinite_rows = 0;  // valid rows whose loss is NaN or infinite
+  int64_t correct_tokens = 0;
+  int64_t clipped_tokens = 0;
+  double loss = 0.0;
+  double distillation = 0.0;
+  double ratio = 0.0;
+  double approx_kl = 0.0;
+  double kl = 0.0;
+  double entropy = 0.0;  // of a policy's valid rows only
+  double z_loss = 0.0;   // unscaled: z_loss_scale * lse^2 summed
+};
+
+// The result of a problem without segments from its valid rows' `sums` and
+// `options`: the denominator and row factor as PlanPostTraining makes them,
+// the z-loss scaled by that factor after its sum (ReducePostTrainingRows
+// scales each row's before: the same value to rounding). Pure.
+PostTrainingResult FinishUnsegmentedPostTraining(
+    const CrossEntropyOptions& options, const PostTrainingSums& sums);
+
 // The rows [row0, row0 + count) of `whole` as a problem of their own, their
 // logits at `logits` ([count, vocab] of `logits_dtype`, the gradient written
 // over them when `gradient` is true): every row-indexed input and per-token

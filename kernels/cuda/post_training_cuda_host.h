@@ -1,5 +1,5 @@
-// The absl::Status face of the CUDA post-training losses: plan the reduction
-// on the host, launch the row kernel, reduce the rows as the CPU backend does.
+// The absl::Status face of the CUDA post-training losses: launch the fast
+// schedule or the row kernel and reduce the rows, on the device or the host.
 // The server's CudaDevice and the GPU tests call it.
 #ifndef LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_HOST_H_
 #define LOSSD_KERNELS_CUDA_POST_TRAINING_CUDA_HOST_H_
@@ -28,8 +28,11 @@ enum class PostTrainingCudaPath { kAuto, kRowKernel };
 // or for result == nullptr; UNIMPLEMENTED for a top-k teacher over more than
 // kPostTrainingCudaMaxTopKVocab classes; RESOURCE_EXHAUSTED when device
 // memory runs out; INTERNAL for other CUDA errors. Synchronizes `stream`.
-// Each calling thread keeps two pinned host buffers (the rows' records and
-// targets come back through them), grown as needed, freed at its exit.
+// Without segments the rows are reduced on the device (post_training_reduce.h)
+// and only the sums and the per-token outputs asked for come back; with
+// segments the rows' records come back and are reduced as the CPU backend
+// does. Each calling thread keeps a pinned host buffer (what comes
+// back comes through it), grown as needed, freed at its exit.
 // Thread safety: reentrant for distinct buffers.
 absl::Status PostTrainingCuda(
     const PostTrainingArgs& device_args, PostTrainingResult* result,

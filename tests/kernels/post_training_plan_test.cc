@@ -4,6 +4,7 @@
 #include "kernels/post_training_plan.h"
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -77,6 +78,64 @@ TEST(PostTrainingPlanTest, AMeanOverTokensWithoutSegmentsTakesTheNormalizer) {
   const PostTrainingPlan plan = PlanPostTraining(rows.args);
   EXPECT_EQ(plan.denominator, 8.0);
   EXPECT_EQ(plan.row_scale, (std::vector<double>{0.125, 0.0, 0.125, 0.125}));
+}
+
+// The sums' end (a device reduction's) against the row-order reduction of
+// the same rows: equal to rounding, for a mean, a normalizer, a sum and no
+// valid rows at all.
+TEST(PostTrainingPlanTest, FinishingUnsegmentedSumsMatchesTheRowReduction) {
+  for (const auto& [reduction, normalizer, ignored] :
+       {std::tuple<Reduction, double, bool>{Reduction::kMean, 0.0, false},
+        {Reduction::kMean, 8.0, false},
+        {Reduction::kSum, 0.0, false},
+        {Reduction::kMean, 0.0, true},
+        {Reduction::kMean, 8.0, true}}) {
+    FourRows rows(SegmentReduction::kNone);
+    rows.args.segments = nullptr;
+    rows.args.base.options.reduction = reduction;
+    rows.args.base.options.normalizer = normalizer;
+    if (ignored) rows.targets.assign(4, kIgnore);
+    std::vector<PostTrainingRowTotals> totals(4);
+    PostTrainingSums sums;
+    for (int row = 0; row < 4; ++row) {
+      PostTrainingRowTotals& t = totals[row];
+      t.valid = PostTrainingRowIsValid(rows.args, row);
+      t.loss = 1.5 + row;
+      t.distillation = 0.25 * row;
+      t.correct = row % 2 == 0;
+      t.clipped = row == 3;
+      t.ratio = 1.0 + 0.1 * row;
+      t.approx_kl = 0.01 * row;
+      t.kl = 0.02 * row;
+      t.entropy = 2.0 + row;
+      t.z_loss = 0.001 * row;
+      if (!t.valid) continue;
+      ++sums.valid_tokens;
+      sums.correct_tokens += t.correct;
+      sums.clipped_tokens += t.clipped;
+      sums.loss += t.loss;
+      sums.distillation += t.distillation;
+      sums.ratio += t.ratio;
+      sums.approx_kl += t.approx_kl;
+      sums.kl += t.kl;
+      sums.entropy += t.entropy;
+      sums.z_loss += t.z_loss;
+    }
+    const PostTrainingResult want =
+        ReducePostTrainingRows(rows.args, PlanPostTraining(rows.args), totals);
+    const PostTrainingResult got =
+        FinishUnsegmentedPostTraining(rows.args.base.options, sums);
+    EXPECT_EQ(got.base.valid_tokens, want.base.valid_tokens);
+    EXPECT_EQ(got.base.correct_tokens, want.base.correct_tokens);
+    EXPECT_EQ(got.policy.clipped_tokens, want.policy.clipped_tokens);
+    EXPECT_EQ(got.base.denominator, want.base.denominator);
+    EXPECT_DOUBLE_EQ(got.base.loss, want.base.loss);
+    EXPECT_DOUBLE_EQ(got.distillation_loss, want.distillation_loss);
+    EXPECT_DOUBLE_EQ(got.base.z_loss, want.base.z_loss);
+    EXPECT_DOUBLE_EQ(got.policy.ratio_sum, want.policy.ratio_sum);
+    EXPECT_DOUBLE_EQ(got.policy.entropy_sum, want.policy.entropy_sum);
+    EXPECT_TRUE(got.segment_tokens.empty());
+  }
 }
 
 TEST(SlicePostTrainingRowsTest, OffsetsEveryRowIndexedInputAndOutput) {

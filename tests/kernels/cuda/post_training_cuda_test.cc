@@ -815,8 +815,9 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchDistillation) {
 // cross entropy, fwd+gradient in place, bf16, at the two large shapes,
 // against a device copy of the logits (their traffic floor: one read and one
 // write) and cross entropy itself in the same run, on the fast schedule and
-// (two rows) on the row kernel; then forward only (no gradient: one read),
-// beside cross entropy's forward only. Run with
+// (two rows) on the row kernel, with every per-token output asked for (two
+// rows: what comes back to the host); then forward only (no gradient: one
+// read), beside cross entropy's forward only. Run with
 // --gtest_also_run_disabled_tests --gtest_filter=*Bench*.
 TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
   const int64_t k = 64;
@@ -864,6 +865,7 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
       TopKTail tail = TopKTail::kBucket;
       PostTrainingCudaPath path = PostTrainingCudaPath::kAuto;
       bool forward_only = false;
+      bool tokens = false;  // every per-token output asked for
     };
     constexpr auto kRowKernel = PostTrainingCudaPath::kRowKernel;
     const BenchRow bench_rows[] = {
@@ -874,7 +876,20 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
         {"PPO-clip + k3 KL, row kernel", Family::kPolicy,
          PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
          TopKTail::kBucket, kRowKernel},
+        {"PPO-clip + k3 KL, every per-token output", Family::kPolicy,
+         PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
+         TopKTail::kBucket, PostTrainingCudaPath::kAuto, false, true},
         {"top-k bucket FKL tau 1", Family::kTopK},
+        {"top-k bucket FKL tau 1, every per-token output",
+         Family::kTopK,
+         {},
+         1.0f,
+         0.0f,
+         Divergence::kForwardKl,
+         TopKTail::kBucket,
+         PostTrainingCudaPath::kAuto,
+         false,
+         true},
         {"top-k bucket FKL tau 2", Family::kTopK, {}, 2.0f},
         {"top-k bucket FKL tau 0.5 alpha 0.5", Family::kTopK, {}, 0.5f, 0.5f},
         {"top-k bucket RKL tau 2",
@@ -923,9 +938,22 @@ TEST_F(PostTrainingCudaTest, DISABLED_BenchPolicyAndTopK) {
          PolicyLossKind::kPpoClip, 1.0f, 0.0f, Divergence::kForwardKl,
          TopKTail::kBucket, kRowKernel, true},
     };
+    std::vector<float> token_floats(static_cast<size_t>(rows) * 6);
+    std::vector<int32_t> token_argmax(rows);
+    std::vector<uint8_t> token_clipped(rows);
     auto run = [&](const BenchRow& r) {
       PostTrainingArgs args;
       args.base = r.forward_only ? forward : b.base;
+      if (r.tokens) {
+        float* f = token_floats.data();
+        args.base.token_loss = f;
+        args.base.token_lse = f + rows;
+        args.token_logprob = f + 2 * rows;
+        args.token_entropy = f + 3 * rows;
+        args.token_ratio = f + 4 * rows;
+        args.base.token_argmax = token_argmax.data();
+        args.token_clipped = token_clipped.data();
+      }
       PolicyArgs pg;
       pg.loss = r.loss;
       pg.advantages = static_cast<const float*>(d_adv.get());
