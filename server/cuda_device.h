@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cuda/stream_block.h"
 #include "server/device.h"
 
 namespace lossd {
@@ -153,29 +154,6 @@ class CudaDevice final : public Device {
    private:
     CudaDevice* const device_;
     cudaStream_t stream_;
-  };
-
-  // A stream-ordered block of device memory, freed on its stream
-  // (cudaFreeAsync) by Free or, on any path that did not, when this goes;
-  // declared after its stream, so that the free comes before the stream
-  // returns to the pool. Not thread-safe: one owner.
-  class StreamBlock {
-   public:
-    explicit StreamBlock(cudaStream_t stream) : stream_(stream) {}
-    StreamBlock(const StreamBlock&) = delete;
-    StreamBlock& operator=(const StreamBlock&) = delete;
-    ~StreamBlock() { Free(); }
-    // Where AllocateOn (or StageRowScale's result) puts the block.
-    void** address() { return &pointer_; }
-    void* get() const { return pointer_; }
-    void Free() {
-      if (pointer_ != nullptr) cudaFreeAsync(pointer_, stream_);
-      pointer_ = nullptr;
-    }
-
-   private:
-    const cudaStream_t stream_;
-    void* pointer_ = nullptr;
   };
 
   explicit CudaDevice(const CudaDeviceOptions& options);

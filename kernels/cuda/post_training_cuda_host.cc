@@ -21,31 +21,17 @@
 #include "kernels/cuda/post_training_reduce.h"
 #include "kernels/cuda/row_terms.h"
 #include "kernels/cuda/schedules.h"
+#include "kernels/cuda/stream_block.h"
 #include "kernels/post_training_plan.h"
 #include "kernels/post_training_validate.h"
 
 namespace lossd {
 namespace {
 
-// Device memory of one call, freed on the stream.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(cudaStream_t stream) : stream_(stream) {}
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (pointer_ != nullptr) cudaFreeAsync(pointer_, stream_);
-  }
-  absl::Status Allocate(size_t bytes) {
-    return CudaStatus(cudaMallocAsync(&pointer_, bytes, stream_),
-                      "post_training allocate");
-  }
-  void* get() const { return pointer_; }
-
- private:
-  cudaStream_t stream_;
-  void* pointer_ = nullptr;
-};
+// `bytes` of device memory for `block`, ordered on its stream.
+absl::Status Allocate(StreamBlock* block, size_t bytes) {
+  return CudaStatus(block->Allocate(bytes), "post_training allocate");
+}
 
 absl::Status CopyToHost(void* host, const void* device, size_t bytes,
                         cudaStream_t stream) {
@@ -225,11 +211,11 @@ void* PinnedStaging(size_t bytes) {
 // `row_scale`.
 absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
                      const std::vector<float>& row_scale,
-                     DeviceBuffer* device_rows, cudaStream_t stream) {
+                     StreamBlock* device_rows, cudaStream_t stream) {
   const size_t rows = row_scale.size();
-  DeviceBuffer device_scale(stream);
-  RETURN_IF_ERROR(device_scale.Allocate(row_scale.size() * sizeof(float)));
-  RETURN_IF_ERROR(device_rows->Allocate(rows * sizeof(PostTrainingCudaRow)));
+  StreamBlock device_scale(stream);
+  RETURN_IF_ERROR(Allocate(&device_scale, row_scale.size() * sizeof(float)));
+  RETURN_IF_ERROR(Allocate(device_rows, rows * sizeof(PostTrainingCudaRow)));
   auto* records = static_cast<PostTrainingCudaRow*>(device_rows->get());
   RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(device_scale.get(), row_scale.data(),
@@ -241,19 +227,19 @@ absl::Status RunRows(const PostTrainingArgs& args, PostTrainingCudaPath path,
     RETURN_IF_ERROR(ChooseFast(args, &fast));
   }
   cudaError_t launched = cudaErrorInvalidConfiguration;
-  DeviceBuffer workspace(stream), floats(stream);
+  StreamBlock workspace(stream), floats(stream);
   if (fast && DenseTeacher(args)) {
-    RETURN_IF_ERROR(workspace.Allocate(
-        cuda_ce::DenseKdWorkspaceBytes(args.base.rows, fast->pieces)));
+    RETURN_IF_ERROR(Allocate(&workspace, cuda_ce::DenseKdWorkspaceBytes(
+                                             args.base.rows, fast->pieces)));
     launched =
         LaunchDense(args, *fast, static_cast<const float*>(device_scale.get()),
                     workspace.get(), records, stream);
   } else if (fast) {
     RETURN_IF_ERROR(
-        workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+        Allocate(&workspace, CrossEntropyCudaWorkspaceBytes(args.base.rows)));
     if (args.distillation != nullptr) {
       RETURN_IF_ERROR(
-          floats.Allocate(TermsFloats(args, *fast) * sizeof(float)));
+          Allocate(&floats, TermsFloats(args, *fast) * sizeof(float)));
     }
     launched = LaunchFast(
         args, *fast, static_cast<const float*>(device_scale.get()),
@@ -355,8 +341,8 @@ absl::Status EndOnDevice(const PostTrainingArgs& args,
     pageable.resize(layout.bytes);
     staging = pageable.data();
   }
-  DeviceBuffer device_out(stream);
-  RETURN_IF_ERROR(device_out.Allocate(layout.bytes));
+  StreamBlock device_out(stream);
+  RETURN_IF_ERROR(Allocate(&device_out, layout.bytes));
   const bool policy = args.policy != nullptr;
   cudaError_t launched = LaunchPostTrainingReduce(
       records, args.base.rows, policy, z_loss,
@@ -393,12 +379,13 @@ absl::Status RunFastUnsegmented(const PostTrainingArgs& args,
                                 cudaStream_t stream) {
   *ran = false;
   const size_t rows = static_cast<size_t>(args.base.rows);
-  DeviceBuffer device_rows(stream), workspace(stream), floats(stream);
-  RETURN_IF_ERROR(device_rows.Allocate(rows * sizeof(PostTrainingCudaRow)));
+  StreamBlock device_rows(stream), workspace(stream), floats(stream);
+  RETURN_IF_ERROR(Allocate(&device_rows, rows * sizeof(PostTrainingCudaRow)));
   RETURN_IF_ERROR(
-      workspace.Allocate(CrossEntropyCudaWorkspaceBytes(args.base.rows)));
+      Allocate(&workspace, CrossEntropyCudaWorkspaceBytes(args.base.rows)));
   if (args.distillation != nullptr) {
-    RETURN_IF_ERROR(floats.Allocate(TermsFloats(args, choice) * sizeof(float)));
+    RETURN_IF_ERROR(
+        Allocate(&floats, TermsFloats(args, choice) * sizeof(float)));
   }
   auto* records = static_cast<PostTrainingCudaRow*>(device_rows.get());
   const cudaError_t launched =
@@ -527,7 +514,7 @@ absl::Status PostTrainingCuda(const PostTrainingArgs& device_args,
       row_scale[row] = static_cast<float>(view.plan.row_scale[row] *
                                           base.options.grad_scale);
     }
-    DeviceBuffer device_rows(stream);
+    StreamBlock device_rows(stream);
     RETURN_IF_ERROR(
         RunRows(device_args, path, row_scale, &device_rows, stream));
     const auto* records =
