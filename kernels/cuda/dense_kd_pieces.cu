@@ -770,11 +770,14 @@ struct KernelFit {
 };
 constexpr int kCachedDevices = 64;
 
-// `kernel`'s KernelFit for `smem` bytes of dynamic shared memory on the
-// current device (smem within the device's opt-in less its reserve: the
-// caller checks it against fit->smem_max first, through `smem` 0).
-template <typename Kernel>
-cudaError_t FitKernel(Kernel kernel, int smem, KernelFit* out) {
+// The KernelFit of the build DenseKdKernel<T, TT, kDiv, kTauOne> for `smem`
+// bytes of dynamic shared memory on the current device (smem within the
+// device's opt-in less its reserve: the caller checks it against
+// fit->smem_max first, through `smem` 0). One cache a build: the statics are
+// the template's, so each build sets its own shared-memory attribute.
+template <typename T, typename TT, int kDiv, bool kTauOne>
+cudaError_t FitKernel(int smem, KernelFit* out) {
+  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
   static std::mutex mu;
   static KernelFit fits[kCachedDevices];
   int device = 0;
@@ -823,10 +826,10 @@ cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;
   }
   KernelFit fit;
-  cudaError_t e = FitKernel(kernel, 0, &fit);
+  cudaError_t e = FitKernel<T, TT, kDiv, kTauOne>(0, &fit);
   if (e != cudaSuccess) return e;
   if (smem > fit.smem_max - 1024) return cudaErrorInvalidConfiguration;
-  e = FitKernel(kernel, smem, &fit);
+  e = FitKernel<T, TT, kDiv, kTauOne>(smem, &fit);
   if (e != cudaSuccess) return e;
   const int sms = fit.sms;
   const int per_sm = fit.per_sm;

@@ -343,7 +343,8 @@ MakeTermsRow(const Params& p, WorkspaceHeader h, const Stats& st, bool valid,
     r.entropy = 0.0;
     r.lse = out.rm.lse;
     r.logprob = logp;
-    r.argmax = st.arg;
+    // (a row of no finite logit has no argmax: 0, as the CPU's)
+    r.argmax = st.arg == INT_MAX ? 0 : st.arg;
     r.flags = flags;
   }
   return out;

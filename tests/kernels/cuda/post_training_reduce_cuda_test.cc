@@ -98,6 +98,8 @@ PostTrainingArgs HostArgs(const std::vector<int64_t>& targets, bool policy,
   args.base.options.ignore_index = -100;
   args.base.options.reduction = reduction;
   args.base.options.normalizer = normalizer;
+  // (the records carry a z-loss: the host collects it only where it is on)
+  args.base.options.z_loss_scale = 1e-4f;
   args.base.token_loss = tokens->loss.data();
   args.base.token_lse = tokens->lse.data();
   args.base.token_argmax = tokens->argmax.data();
