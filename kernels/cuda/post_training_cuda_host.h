@@ -41,9 +41,7 @@ absl::Status PostTrainingCuda(
 
 // UNIMPLEMENTED for a top-k teacher over more than
 // kPostTrainingCudaMaxTopKVocab classes (the row kernel's support bitmap),
-// and for label smoothing or z-loss beside the loss (the row kernel computes
-// them, but that has not yet run on a GPU: the CPU device serves them), else
-// OK. Pure.
+// else OK. Pure.
 absl::Status CheckPostTrainingCudaSupport(const PostTrainingArgs& args);
 
 // `device_args` with its targets and segment ids copied to the host (what
