@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/raw_messages.h"
 #include "common/status_macros.h"
 #include "server/cancellation.h"
@@ -20,6 +21,7 @@
 #include "server/pipelined_read_reactor.h"
 #include "server/post_training_evaluation.h"
 #include "server/post_training_forward.h"
+#include "server/quota.h"
 #include "server/raw_bytes.h"
 #include "server/tensor_lookup.h"
 #include "server/unparsed_request.h"
@@ -106,6 +108,17 @@ class EvaluateReactor final : public PipelinedReadReactor<grpc::ByteBuffer> {
 
   absl::Status ConsumeBytes(grpc::ByteBuffer* buffer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // The message (a block of up to the 64 MiB gRPC limit) counts against the
+    // tenant's byte quota while it is evaluated, as a data connection's frame
+    // buffer does.
+    absl::StatusOr<QuotaCharge> held = rpc_->store()->ChargeTenantBytes(
+        admission_.tenant(), static_cast<int64_t>(buffer->Length()));
+    if (!held.ok()) {
+      return absl::Status(
+          held.status().code(),
+          absl::StrCat("an Evaluate message of ", buffer->Length(),
+                       " bytes: ", held.status().message()));
+    }
     ReceivedBytes bytes;
     RETURN_IF_ERROR(DumpBytes(buffer, "EvaluateRequest", &bytes));
     ByteRange logits;

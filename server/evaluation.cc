@@ -330,15 +330,21 @@ LinearCrossEntropyArgs EvaluationLane::LinearArgs(int64_t rows,
 absl::StatusOr<ScratchBuffer> EvaluationLane::LinearWorkspace(
     const LinearCrossEntropyArgs& args) const {
   return store_->ChargeWorkspace(
-      store_->device()->LinearCrossEntropyWorkspaceBytes(args),
+      config_->tenant, store_->device()->LinearCrossEntropyWorkspaceBytes(args),
       "the evaluation's working memory over hidden states");
 }
 
 absl::Status EvaluationLane::Reserve(ScratchBuffer* buffer, size_t bytes) {
   if (bytes <= buffer->bytes()) return absl::OkStatus();
   *buffer = ScratchBuffer();  // its bytes go back first
-  ASSIGN_OR_RETURN(*buffer,
-                   store_->AllocateScratch(static_cast<int64_t>(bytes)));
+  absl::StatusOr<ScratchBuffer> grown =
+      store_->AllocateScratch(config_->tenant, static_cast<int64_t>(bytes));
+  if (!grown.ok()) {
+    return absl::Status(grown.status().code(),
+                        absl::StrCat("a block buffer on the device: ",
+                                     grown.status().message()));
+  }
+  *buffer = *std::move(grown);
   return absl::OkStatus();
 }
 

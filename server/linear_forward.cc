@@ -589,17 +589,17 @@ absl::Status RunLinearForward(RpcSupport* rpc, const std::string& tenant,
   // call that fails or stops part-way leaves them as they were.
   ScratchBuffer staged_dx;
   if (mode == GradientMode::kInPlace) {
-    ASSIGN_OR_RETURN(staged_dx, store->AllocateScratch(hidden.bytes()));
+    ASSIGN_OR_RETURN(staged_dx, store->AllocateScratch(tenant, hidden.bytes()));
   }
   void* dx = mode == GradientMode::kInPlace      ? staged_dx.data()
              : mode == GradientMode::kOutOfPlace ? call.dx->data()
                                                  : nullptr;
   LinearCrossEntropyArgs args =
       LinearArgs(request, spec, tensors, call, dx, &outputs);
-  ASSIGN_OR_RETURN(
-      const ScratchBuffer workspace,
-      store->ChargeWorkspace(device->LinearCrossEntropyWorkspaceBytes(args),
-                             "LinearForward's working memory"));
+  ASSIGN_OR_RETURN(const ScratchBuffer workspace,
+                   store->ChargeWorkspace(
+                       tenant, device->LinearCrossEntropyWorkspaceBytes(args),
+                       "LinearForward's working memory"));
 
   const bool adds_to_given =
       tensors.weight_grad != nullptr || tensors.bias_grad != nullptr;

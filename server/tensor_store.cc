@@ -479,37 +479,46 @@ absl::StatusOr<QuotaCharge> TensorStore::ChargeTenantBytes(
   return options_.quotas->ChargeBytes(tenant, bytes);
 }
 
-absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(int64_t bytes) {
+absl::StatusOr<ScratchBuffer> TensorStore::AllocateScratch(
+    const std::string& tenant, int64_t bytes) {
   if (bytes <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("scratch of ", bytes, " bytes"));
   }
+  // The tenant's quota first, as for a tensor.
+  ASSIGN_OR_RETURN(QuotaCharge charge, ChargeTenantBytes(tenant, bytes));
   RETURN_IF_ERROR(account_->Reserve(bytes));
   absl::StatusOr<void*> data = device_->Allocate(static_cast<size_t>(bytes));
   if (!data.ok()) {
     account_->Return(bytes);
     return data.status();
   }
-  return ScratchBuffer(
-      std::make_shared<internal::Allocation>(device_, *data, bytes, account_),
-      static_cast<size_t>(bytes));
+  return ScratchBuffer(std::make_shared<internal::Allocation>(
+                           device_, *data, bytes, account_, std::move(charge)),
+                       static_cast<size_t>(bytes));
 }
 
 absl::StatusOr<ScratchBuffer> TensorStore::ChargeWorkspace(
-    int64_t bytes, absl::string_view what) {
+    const std::string& tenant, int64_t bytes, absl::string_view what) {
   if (bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("workspace of ", bytes, " bytes"));
   }
   if (bytes == 0) return ScratchBuffer();
+  const auto named = [what](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrCat(what, ": ", status.message()));
+  };
+  absl::StatusOr<QuotaCharge> charge = ChargeTenantBytes(tenant, bytes);
+  if (!charge.ok()) return named(charge.status());
   if (absl::Status reserved = account_->Reserve(bytes); !reserved.ok()) {
-    return absl::Status(reserved.code(),
-                        absl::StrCat(what, ": ", reserved.message()));
+    return named(reserved);
   }
   // Device::Free ignores the null buffer: the allocation only returns the
-  // bytes to the account.
+  // bytes to the account and the quota.
   return ScratchBuffer(
-      std::make_shared<internal::Allocation>(device_, nullptr, bytes, account_),
+      std::make_shared<internal::Allocation>(device_, nullptr, bytes, account_,
+                                             *std::move(charge)),
       static_cast<size_t>(bytes));
 }
 

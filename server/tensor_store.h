@@ -346,9 +346,13 @@ class TensorStore {
       const std::string& tenant, const std::string& idempotency_key,
       DType dtype, const std::vector<int64_t>& shape, const std::string& label);
 
-  // Allocates `bytes` (> 0) of working memory on the device under the
-  // budget. RESOURCE_EXHAUSTED as Create.
-  absl::StatusOr<ScratchBuffer> AllocateScratch(int64_t bytes);
+  // Allocates `bytes` (> 0) of working memory on the device that an RPC of
+  // `tenant` holds (an Evaluate's block buffers, LinearForward's staged dX):
+  // charged to the tenant's byte quota, then to the budget, until the buffer
+  // goes. RESOURCE_EXHAUSTED as Create (the quota's message naming the
+  // tenant and its numbers).
+  absl::StatusOr<ScratchBuffer> AllocateScratch(const std::string& tenant,
+                                                int64_t bytes);
 
   // Charges `bytes` of host memory that an RPC of `tenant` holds (a data
   // connection's frame buffer) to the tenant's byte quota until the charge
@@ -358,10 +362,11 @@ class TensorStore {
                                                 int64_t bytes);
 
   // Charges `bytes` (>= 0) of working memory that the device allocates by
-  // itself (a kernel's workspace) to the budget, until the result goes; its
-  // data() is null. RESOURCE_EXHAUSTED as Create, the message beginning with
-  // `what`.
-  absl::StatusOr<ScratchBuffer> ChargeWorkspace(int64_t bytes,
+  // itself for an RPC of `tenant` (a kernel's workspace) to the tenant's byte
+  // quota and the budget, until the result goes; its data() is null.
+  // RESOURCE_EXHAUSTED as AllocateScratch, the message beginning with `what`.
+  absl::StatusOr<ScratchBuffer> ChargeWorkspace(const std::string& tenant,
+                                                int64_t bytes,
                                                 absl::string_view what);
 
   // The tensor `handle` of `tenant`, touched as used. INVALID_ARGUMENT (before

@@ -292,6 +292,70 @@ TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheBudget) {
   ExpectEmptyStore();
 }
 
+// An Evaluate's block buffers on the device, and on the stream each message
+// while it is evaluated, count against the tenant's byte quota: blocks
+// larger than the quota leaves are RESOURCE_EXHAUSTED naming the quota, over
+// data connections and on the stream, and every charge goes back.
+TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheTenantsQuota) {
+  tenant_limits_.max_bytes = 1 << 20;
+  Start();
+  const int64_t rows = 8, vocab = 65536;  // 2 MiB of fp32 logits a block
+  const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
+  const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
+  const auto quota_returned = [this] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (server_->quotas()->UsageOf(kDefaultTenant).bytes != 0) {
+      if (absl::Now() >= deadline) return false;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return true;
+  };
+  for (bool data_connection : {true, false}) {
+    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    absl::StatusOr<EvaluateResult> result =
+        MakeClient(data_connection)
+            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                       DType::kInt64, targets.data(), EvaluateOptions(),
+                       /*block_rows=*/8);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
+        << result.status();
+    EXPECT_NE(result.status().message().find("byte quota exceeded"),
+              std::string::npos)
+        << result.status();
+    EXPECT_TRUE(quota_returned());
+  }
+  // Blocks of 768 KiB fit it over one data connection (received straight
+  // into the block buffer), not on the stream (the message counts too).
+  for (bool data_connection : {true, false}) {
+    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    absl::StatusOr<EvaluateResult> result =
+        MakeClient(data_connection, /*streams=*/1)
+            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                       DType::kInt64, targets.data(), EvaluateOptions(),
+                       /*block_rows=*/3);
+    if (data_connection) {
+      EXPECT_TRUE(result.ok()) << result.status();
+    } else {
+      EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
+          << result.status();
+    }
+    EXPECT_TRUE(quota_returned());
+  }
+  // Blocks of 256 KiB fit it both ways.
+  for (bool data_connection : {true, false}) {
+    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    absl::StatusOr<EvaluateResult> small =
+        MakeClient(data_connection)
+            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
+                       DType::kInt64, targets.data(), EvaluateOptions(),
+                       /*block_rows=*/1);
+    ASSERT_TRUE(small.ok()) << small.status();
+    EXPECT_EQ(small->rows, rows);
+    EXPECT_TRUE(quota_returned());
+  }
+  ExpectEmptyStore();
+}
+
 // Frames that come ahead of their turn wait for the blocks before them, up
 // to 65536 of them: a connection that runs that far ahead of another fails
 // the evaluation.

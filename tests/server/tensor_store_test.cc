@@ -168,20 +168,22 @@ TEST_F(TensorStoreTest, ScratchIsChargedToTheBudget) {
   MakeStore(1000);
   auto tensor = store_->Create(kDefaultTenant, DType::kFloat32, {150}, "");
   ASSERT_TRUE(tensor.ok());
-  absl::StatusOr<ScratchBuffer> scratch = store_->AllocateScratch(300);
+  absl::StatusOr<ScratchBuffer> scratch =
+      store_->AllocateScratch(kDefaultTenant, 300);
   ASSERT_TRUE(scratch.ok()) << scratch.status();
   EXPECT_NE(scratch->data(), nullptr);
   EXPECT_EQ(scratch->bytes(), 300u);
   EXPECT_EQ(store_->Stats().used_bytes, 900);
-  absl::StatusOr<ScratchBuffer> more = store_->AllocateScratch(101);
+  absl::StatusOr<ScratchBuffer> more =
+      store_->AllocateScratch(kDefaultTenant, 101);
   ASSERT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(more.status().message(), HasSubstr("900 of 1000"));
   EXPECT_FALSE(store_->Create(kDefaultTenant, DType::kFloat32, {26}, "").ok());
   *scratch = ScratchBuffer();
   EXPECT_EQ(store_->Stats().used_bytes, 600);
-  EXPECT_EQ(store_->AllocateScratch(0).status().code(),
+  EXPECT_EQ(store_->AllocateScratch(kDefaultTenant, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(store_->AllocateScratch(400).ok());
+  EXPECT_TRUE(store_->AllocateScratch(kDefaultTenant, 400).ok());
   EXPECT_EQ(store_->Stats().used_bytes, 600);  // the temporary went again
 }
 
@@ -572,6 +574,39 @@ TEST_F(TensorStoreTest, QuotaChargesLabelsAndBookkeeping) {
   held.clear();
   EXPECT_EQ(options.quotas->UsageOf("t").bytes, 0);
   // The device budget still counts tensor bytes only.
+  EXPECT_EQ(store_->Stats().used_bytes, 0);
+}
+
+// Working memory an RPC holds (scratch, a kernel's workspace) counts against
+// its tenant's byte quota before the budget: past the quota it is refused,
+// the budget untouched, and another tenant is not affected.
+TEST_F(TensorStoreTest, ScratchAndWorkspaceAreChargedToTheTenantsQuota) {
+  TensorStore::Options options;
+  options.budget_bytes = 1 << 20;
+  options.clock = [this] { return clock_.Now(); };
+  TenantLimits limits;
+  limits.max_bytes = 1000;
+  options.quotas = std::make_shared<TenantQuotas>(limits);
+  store_ = std::make_unique<TensorStore>(&device_, options);
+  absl::StatusOr<ScratchBuffer> scratch = store_->AllocateScratch("t", 600);
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  absl::StatusOr<ScratchBuffer> workspace =
+      store_->ChargeWorkspace("t", 300, "the workspace");
+  ASSERT_TRUE(workspace.ok()) << workspace.status();
+  EXPECT_EQ(options.quotas->UsageOf("t").bytes, 900);
+  EXPECT_EQ(store_->Stats().used_bytes, 900);
+  absl::StatusOr<ScratchBuffer> over = store_->AllocateScratch("t", 101);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(), HasSubstr("tenant 't' byte quota"));
+  absl::StatusOr<ScratchBuffer> named =
+      store_->ChargeWorkspace("t", 101, "the workspace");
+  EXPECT_EQ(named.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(named.status().message(), HasSubstr("the workspace: tenant"));
+  EXPECT_EQ(store_->Stats().used_bytes, 900);  // nothing reserved for those
+  EXPECT_TRUE(store_->AllocateScratch("u", 1000).ok());  // another tenant
+  *scratch = ScratchBuffer();
+  *workspace = ScratchBuffer();
+  EXPECT_EQ(options.quotas->UsageOf("t").bytes, 0);
   EXPECT_EQ(store_->Stats().used_bytes, 0);
 }
 
