@@ -48,14 +48,14 @@ constexpr float kNoMax = -3.402823466e38f;
 
 // The statistics of a slice of a row, in raw logits: z's max mz (first
 // argmax arg) and the teacher's max mt; sz = sum e^(z - mz) and hz = sum
-// e^(z - mz) (z - mz) (the entropy's); su = sum e^((z - mz) / tau); sv = sum
-// e^((t - mt) / tau); and the divergence's weighted sum w, forward KL sum
-// e^((t - mt) / tau) (t - z), reverse KL sum e^((z - mz) / tau) (z - t)
-// (w / sv or w / su is the mean of (v - u) or (u - v) times tau: the row
-// kernel's WeightedStats). A thread sums each 16-byte vector in fp32 and
-// adds the vector's sums to fp64 totals (sv and su, w's denominators, kept
-// to fp64's digits: bench/NOTES.md, the reverse KL of a sharp student);
-// every merge past the thread is in fp64.
+// e^(z - mz) (z - mz) (the entropy's, 0 in the builds without it); su = sum
+// e^((z - mz) / tau); sv = sum e^((t - mt) / tau); and the divergence's
+// weighted sum w, forward KL sum e^((t - mt) / tau) (t - z), reverse KL sum
+// e^((z - mz) / tau) (z - t) (w / sv or w / su is the mean of (v - u) or (u -
+// v) times tau: the row kernel's WeightedStats). A thread sums each 16-byte
+// vector in fp32 and adds the vector's sums to fp64 totals (sv and su, w's
+// denominators, kept to fp64's digits: bench/NOTES.md, the reverse KL of a
+// sharp student); every merge past the thread is in fp64.
 struct DenseStats {
   float mz;
   float mt;
@@ -197,7 +197,7 @@ __device__ __forceinline__ float VectorMax(const uint4& v) {
 // first vectors); w's terms are centred on the pair at the running max of
 // their weights (fp32 rounds each term relative to its distance from the
 // centre, and a sharp row's terms near it carry the sum).
-template <typename T, typename TT, int kDiv, bool kTauOne>
+template <typename T, typename TT, int kDiv, bool kTauOne, bool kEntropy>
 __device__ __forceinline__ DenseStats PieceStats(const uint4* kept,
                                                  const uint4* tkept, int nvec,
                                                  int start, int tid,
@@ -251,7 +251,7 @@ __device__ __forceinline__ DenseStats PieceStats(const uint4* kept,
           centre = c;
           partner = isfinite(tc) ? tc : 0.0f;
         }
-        hz = fz * fma(dz, sz, hz);
+        if (kEntropy) hz = fz * fma(dz, sz, hz);
         sz *= fz;
         su *= fu;
         bz = vz;
@@ -280,7 +280,7 @@ __device__ __forceinline__ DenseStats PieceStats(const uint4* kept,
         const float ez = Exp2(dz * kLog2e);
         pz += ez;
         // (a class of z -inf: e 0, no 0 * inf)
-        ph = ez > 0.0f ? fmaf(ez, dz, ph) : ph;
+        if (kEntropy) ph = ez > 0.0f ? fmaf(ez, dz, ph) : ph;
         float eu = ez;
         if (!kTauOne) {
           eu = Exp2(dz * c_u);
@@ -296,7 +296,7 @@ __device__ __forceinline__ DenseStats PieceStats(const uint4* kept,
         }
       }
       sz += pz;
-      hz += ph;
+      if (kEntropy) hz += ph;
       if (!kTauOne) su += pu;
       sv += pv;
       if (kDiv != kJsd) w += pw;
@@ -499,7 +499,7 @@ struct KernelArgs {
   int batches;      // chunk barriers a piece
 };
 
-template <typename T, typename TT, int kDiv, bool kTauOne>
+template <typename T, typename TT, int kDiv, bool kTauOne, bool kEntropy>
 __global__ void __launch_bounds__(kBlock, 4)
     DenseKdKernel(const KernelArgs ka) {
   using Tr = Traits<T>;
@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(kBlock, 4)
     const bool valid = !has_target || y != a.base.options.ignore_index;
 
     {
-      const DenseStats st = PieceStats<T, TT, kDiv, kTauOne>(
+      const DenseStats st = PieceStats<T, TT, kDiv, kTauOne, kEntropy>(
           kept, teacher_kept, nvec, start, tid, landed, parity, ka.c_u);
       const DenseStats w = WarpMergeDense<kDiv>(st, inv_tau_d);
       if (lane == 0) scratch[warp] = w;
@@ -647,6 +647,7 @@ __global__ void __launch_bounds__(kBlock, 4)
         row_s = MakeDenseRow<kDiv, kTauOne>(rs, a.kd, zy, has_target, valid,
                                             valid ? a.row_scale[row] : 0.0f,
                                             ka.c_u, ka.inv_tau);
+        if (!kEntropy) row_s.entropy = 0.0f;  // (not summed: no one reads it)
       }
     }
     __syncthreads();
@@ -770,14 +771,14 @@ struct KernelFit {
 };
 constexpr int kCachedDevices = 64;
 
-// The KernelFit of the build DenseKdKernel<T, TT, kDiv, kTauOne> for `smem`
-// bytes of dynamic shared memory on the current device (smem within the
+// The KernelFit of the build DenseKdKernel<T, TT, kDiv, kTauOne, kEntropy> for
+// `smem` bytes of dynamic shared memory on the current device (smem within the
 // device's opt-in less its reserve: the caller checks it against
 // fit->smem_max first, through `smem` 0). One cache a build: the statics are
 // the template's, so each build sets its own shared-memory attribute.
-template <typename T, typename TT, int kDiv, bool kTauOne>
+template <typename T, typename TT, int kDiv, bool kTauOne, bool kEntropy>
 cudaError_t FitKernel(int smem, KernelFit* out) {
-  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
+  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne, kEntropy>;
   static std::mutex mu;
   static KernelFit fits[kCachedDevices];
   int device = 0;
@@ -813,9 +814,9 @@ cudaError_t FitKernel(int smem, KernelFit* out) {
   return cudaSuccess;
 }
 
-template <typename T, typename TT, int kDiv, bool kTauOne>
+template <typename T, typename TT, int kDiv, bool kTauOne, bool kEntropy>
 cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
-  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne>;
+  const auto kernel = DenseKdKernel<T, TT, kDiv, kTauOne, kEntropy>;
   const int smem = call.chunk * static_cast<int>(sizeof(T)) +
                    call.chunk * static_cast<int>(sizeof(TT));
   constexpr long long kBatchElems =
@@ -826,10 +827,10 @@ cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;
   }
   KernelFit fit;
-  cudaError_t e = FitKernel<T, TT, kDiv, kTauOne>(0, &fit);
+  cudaError_t e = FitKernel<T, TT, kDiv, kTauOne, kEntropy>(0, &fit);
   if (e != cudaSuccess) return e;
   if (smem > fit.smem_max - 1024) return cudaErrorInvalidConfiguration;
-  e = FitKernel<T, TT, kDiv, kTauOne>(smem, &fit);
+  e = FitKernel<T, TT, kDiv, kTauOne, kEntropy>(smem, &fit);
   if (e != cudaSuccess) return e;
   const int sms = fit.sms;
   const int per_sm = fit.per_sm;
@@ -853,21 +854,29 @@ cudaError_t Launch(const DenseKdPieces& call, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// One build per divergence and for tau 1 (u = z: its sums and p are z's),
-// so that no branch of another stays in the loops.
+// One build per divergence, for tau 1 (u = z: its sums and p are z's) and
+// with or without the entropy, so that no branch of another stays in the
+// loops.
+template <typename T, typename TT, int kDiv, bool kTauOne>
+cudaError_t LaunchWithEntropy(const DenseKdPieces& call, cudaStream_t stream) {
+  return call.entropy ? Launch<T, TT, kDiv, kTauOne, true>(call, stream)
+                      : Launch<T, TT, kDiv, kTauOne, false>(call, stream);
+}
+template <typename T, typename TT, int kDiv>
+cudaError_t LaunchAtTau(const DenseKdPieces& call, cudaStream_t stream) {
+  return call.kd.temperature == 1.0f
+             ? LaunchWithEntropy<T, TT, kDiv, true>(call, stream)
+             : LaunchWithEntropy<T, TT, kDiv, false>(call, stream);
+}
 template <typename T, typename TT>
 cudaError_t LaunchFor(const DenseKdPieces& call, cudaStream_t stream) {
-  const bool one = call.kd.temperature == 1.0f;
   switch (call.divergence) {
     case kFkl:
-      return one ? Launch<T, TT, kFkl, true>(call, stream)
-                 : Launch<T, TT, kFkl, false>(call, stream);
+      return LaunchAtTau<T, TT, kFkl>(call, stream);
     case kRkl:
-      return one ? Launch<T, TT, kRkl, true>(call, stream)
-                 : Launch<T, TT, kRkl, false>(call, stream);
+      return LaunchAtTau<T, TT, kRkl>(call, stream);
     case kJsd:
-      return one ? Launch<T, TT, kJsd, true>(call, stream)
-                 : Launch<T, TT, kJsd, false>(call, stream);
+      return LaunchAtTau<T, TT, kJsd>(call, stream);
     default:
       return cudaErrorInvalidValue;
   }

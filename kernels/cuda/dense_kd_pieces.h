@@ -33,6 +33,9 @@ struct DenseKdPieces {
   // false: the records alone, nothing written over the gradient (forward
   // only; the statistics pass and JSD's sums without the gradient pass).
   bool gradient = true;
+  // false: the records' entropy is 0, not summed (an FMA and a select an
+  // element) where no one reads it (no policy, no per-token entropy).
+  bool entropy = true;
 };
 
 // Device bytes of the launch's workspace (a work counter and each piece's

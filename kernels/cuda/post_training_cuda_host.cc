@@ -101,6 +101,7 @@ cudaError_t LaunchDense(const PostTrainingArgs& args,
   call.rows_out = rows_out;
   call.workspace = workspace;
   call.gradient = args.base.mode != GradientMode::kNone;
+  call.entropy = args.policy != nullptr || args.token_entropy != nullptr;
   return cuda_ce::LaunchDenseKdPieces(call, stream);
 }
 
