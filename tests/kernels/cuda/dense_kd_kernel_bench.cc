@@ -178,6 +178,7 @@ TEST(DenseKdKernelBench, DISABLED_BenchDistillationKernels) {
       call.row_scale = static_cast<const float*>(d_scale.get());
       call.rows_out = static_cast<PostTrainingCudaRow*>(d_rows.get());
       call.workspace = workspace.get();
+      call.entropy = false;  // (as a call without a policy or token entropy)
       auto launch = [&] {
         EXPECT_EQ(cuda_ce::LaunchDenseKdPieces(call, nullptr), cudaSuccess);
       };
