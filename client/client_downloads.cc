@@ -224,8 +224,8 @@ struct RangedDownload {
   std::function<char*(int)> scratch;
   int64_t piece;
 
-  absl::Mutex mu;
-  TensorInfo first_header;  // guarded by mu
+  absl::Mutex mu = {};
+  TensorInfo first_header = {};  // guarded by mu
   // A server older than ranged Download ignores offset and length and
   // announces the whole tensor: then fetch it as one stream instead.
   std::atomic<bool> no_ranges{false};

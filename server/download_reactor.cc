@@ -43,7 +43,7 @@ class DownloadReactor final
     // Start registers it (on a connection's thread); its outcome then waits
     // here and finds the header being written.
     absl::MutexLock lock(&mu_);
-    const absl::Status status = Start(context, request);
+    const absl::Status status = Start(request);
     if (!status.ok()) {
       RefuseDataToken(*rpc_, request.data_token());
       End(ToGrpcStatus(status));
@@ -126,8 +126,7 @@ class DownloadReactor final
   }
 
  private:
-  absl::Status Start(grpc::CallbackServerContext* context,
-                     const pb::DownloadRequest& request) {
+  absl::Status Start(const pb::DownloadRequest& request) {
     ASSIGN_OR_RETURN(
         DownloadSpec spec,
         ValidateDownloadRequest(request, rpc_->options().max_chunk_bytes));

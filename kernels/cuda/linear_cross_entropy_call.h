@@ -72,20 +72,20 @@ struct LinearCudaCall {
   int64_t chunks;
 
   // The products of a full chunk, and of a shorter last one.
-  std::shared_ptr<const ChunkGemms> full, tail;
+  std::shared_ptr<const ChunkGemms> full = nullptr, tail = nullptr;
   // From the target check: the bad row, if any, and the targets' weight.
   LinearPrepareResult host_prepare = {};
   // Each chunk's loss options; the gradient's scale s and the power of two
   // (2^exponent, undone by alpha in the products) that brings it near 1 for
   // 16-bit copies of G.
-  CrossEntropyOptions chunk_options;
+  CrossEntropyOptions chunk_options = {};
   float s = 1.0f;
   int exponent = 0;
   float alpha = 1.0f;
   DType z_dtype = DType::kFloat32;  // Z's (and G's)
   const void* bias_z = nullptr;     // the bias in Z's dtype, or null
   // Set when the call may be cancelled: each chunk waits for the one before.
-  UniqueHandle<cudaEvent_t, cudaEventDestroy> chunk_done;
+  UniqueHandle<cudaEvent_t, cudaEventDestroy> chunk_done = {};
   // A post-training loss instead of cross entropy (LinearPostTrainingCuda):
   // the whole call's arguments, each row's factor (times 2^exponent) and
   // where the row kernel writes each row's totals, all on the device.

@@ -127,7 +127,9 @@ TEST_F(BadRequestsTest, NonFiniteLogitsGiveTorchsLossAndAreCounted) {
             for (int64_t c = 0; c < kV; ++c) {
               const float g = values[row * kV + c];
               EXPECT_TRUE(std::isfinite(g)) << row << "," << c << ": " << g;
-              if (row == 6) EXPECT_EQ(g, 0.0f);
+              if (row == 6) {
+                EXPECT_EQ(g, 0.0f);
+              }
             }
           }
           if (mode == pb::GRADIENT_MODE_OUT_OF_PLACE) {

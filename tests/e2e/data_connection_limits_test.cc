@@ -193,7 +193,9 @@ TEST_F(DataConnectionLimitsTest, ExtraBytesOnOneOfSeveralConnections) {
                                       RandomBytes(i == 2 ? 401 : 400, i)));
       // The server may have reset the connection with the extra byte already.
       const absl::Status ended = EndDataSending(fds[i]);
-      if (i != 2) EXPECT_TRUE(ended.ok()) << ended;
+      if (i != 2) {
+        EXPECT_TRUE(ended.ok()) << ended;
+      }
     }
     const grpc::Status status = upload->writer->Finish();
     for (int fd : fds) close(fd);
@@ -217,7 +219,9 @@ TEST_F(DataConnectionLimitsTest, ExtraBytesOnOneOfSeveralConnections) {
           SendAll(fds[i], EncodeDataPreamble(token, i) + RandomBytes(4, i)));
       // The server may have reset connection 0 (the extra bytes) already.
       const absl::Status ended = EndDataSending(fds[i]);
-      if (i != 0) EXPECT_TRUE(ended.ok()) << ended;
+      if (i != 0) {
+        EXPECT_TRUE(ended.ok()) << ended;
+      }
     }
     const grpc::Status status = upload->writer->Finish();
     for (int fd : fds) close(fd);

@@ -98,7 +98,7 @@ std::string RowsOf(const std::vector<T>& values, int64_t width, int64_t first,
 // input.
 struct Kind {
   const char* name;
-  EvaluateOptions options;
+  EvaluateOptions options = {};
   bool hidden_states = false;
   bool targets = true;
   bool dense = false, top_k = false, segments = false, policy = false,
@@ -243,8 +243,12 @@ TEST_F(DataConnectionTest, PostTrainingEvaluateMatchesTheStream) {
     ASSERT_TRUE(streamed.ok()) << streamed.status();
     EXPECT_EQ(streamed->rows, kRows);
     EXPECT_NE(streamed->loss, 0.0);
-    if (kind.dense || kind.top_k) EXPECT_GT(streamed->distillation_loss, 0.0);
-    if (kind.policy) EXPECT_GT(streamed->policy_stats.ratio_sum, 0.0);
+    if (kind.dense || kind.top_k) {
+      EXPECT_GT(streamed->distillation_loss, 0.0);
+    }
+    if (kind.policy) {
+      EXPECT_GT(streamed->policy_stats.ratio_sum, 0.0);
+    }
     if (kind.segments) {
       ASSERT_EQ(streamed->segment_tokens.size(), size_t{kSegments});
       EXPECT_EQ(streamed->segment_tokens.back(), 0);

@@ -84,7 +84,6 @@ TEST_F(DataConnectionTest, DownloadsMatchGrpc) {
   std::mt19937 random(5);
   RandomRows data = MakeRandomRows(rows, vocab, 0, random);
   std::vector<float>& logits = data.logits;
-  std::vector<int64_t>& targets = data.targets;
   std::unique_ptr<Client> grpc_only = MakeClient(false);
   absl::StatusOr<TensorInfo> uploaded =
       grpc_only->Upload(DType::kFloat32, {rows, vocab}, logits.data(),

@@ -465,8 +465,12 @@ TEST_F(EvaluateLinearTest, PostTrainingLossesEqualLinearForward) {
     EXPECT_NEAR(streamed->policy_stats.entropy_sum,
                 want.policy_stats.entropy_sum,
                 1e-6 * std::abs(want.policy_stats.entropy_sum) + 1e-12);
-    if (distill) EXPECT_GT(std::abs(want.distillation_loss), 0.0);
-    if (!distill) EXPECT_GT(want.policy_stats.ratio_sum, 0.0);
+    if (distill) {
+      EXPECT_GT(std::abs(want.distillation_loss), 0.0);
+    }
+    if (!distill) {
+      EXPECT_GT(want.policy_stats.ratio_sum, 0.0);
+    }
   }
 }
 

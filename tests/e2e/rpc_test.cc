@@ -224,7 +224,9 @@ TEST_F(RpcTest, UploadDownloadRoundTripIsBitExact) {
     ASSERT_TRUE(got.status.ok()) << got.status.error_message();
     EXPECT_EQ(got.bytes, Bytes(problem.logits));
     EXPECT_EQ(got.header.bytes(), info.bytes());
-    if (chunk == 1024) EXPECT_EQ(got.chunks, (37 * 101 * 4 + 1023) / 1024);
+    if (chunk == 1024) {
+      EXPECT_EQ(got.chunks, (37 * 101 * 4 + 1023) / 1024);
+    }
   }
   // int64 targets round trip too.
   const std::string targets = UploadTargets(problem.targets);

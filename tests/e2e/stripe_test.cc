@@ -507,7 +507,9 @@ TEST_F(StripeTest, RangedDownload) {
       if (response.has_chunk()) bytes += response.chunk();
     }
     *status = reader->Finish();
-    if (status->ok()) EXPECT_EQ(announced, static_cast<int64_t>(bytes.size()));
+    if (status->ok()) {
+      EXPECT_EQ(announced, static_cast<int64_t>(bytes.size()));
+    }
     return bytes;
   };
   grpc::Status status;
