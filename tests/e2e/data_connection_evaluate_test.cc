@@ -262,33 +262,48 @@ TEST_F(DataConnectionTest, EvaluateErrors) {
   EXPECT_TRUE(AwaitRegistered(0, absl::Seconds(5)));
 }
 
+// Eight rows of 65536 fp32 zeros (2 MiB), targets 0, that `client`
+// evaluates in blocks of `block_rows` rows.
+struct ZeroRows {
+  static constexpr int64_t kRows = 8, kVocab = 65536;
+  std::vector<float> logits = std::vector<float>(kRows * kVocab, 0.0f);
+  std::vector<int64_t> targets = std::vector<int64_t>(kRows, 0);
+  absl::StatusOr<EvaluateResult> Evaluate(Client* client,
+                                          int64_t block_rows) const {
+    return client->Evaluate(kRows, kVocab, DType::kFloat32, logits.data(),
+                            DType::kInt64, targets.data(), EvaluateOptions(),
+                            block_rows);
+  }
+};
+
+// `result` is RESOURCE_EXHAUSTED and its message holds `says`.
+void ExpectExhausted(const absl::StatusOr<EvaluateResult>& result,
+                     const char* says) {
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
+      << result.status();
+  EXPECT_NE(result.status().message().find(says), std::string::npos)
+      << result.status();
+}
+
+const char* Way(bool data_connection) {
+  return data_connection ? "over data connections" : "on the stream";
+}
+
 // An Evaluate's block buffers on the device count against the memory budget
 // while it runs: blocks larger than the budget leaves are RESOURCE_EXHAUSTED,
 // over data connections and on the stream, and leave nothing behind.
 TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheBudget) {
   Start(0, absl::Seconds(30), absl::Seconds(10), "cpu", /*budget=*/1 << 20);
-  const int64_t rows = 8, vocab = 65536;  // 2 MiB of fp32 logits a block
-  const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
-  const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
+  const ZeroRows zeros;
   for (bool data_connection : {true, false}) {
-    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
-    absl::StatusOr<EvaluateResult> result =
-        MakeClient(data_connection)
-            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
-                       DType::kInt64, targets.data(), EvaluateOptions(),
-                       /*block_rows=*/8);
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
-        << result.status();
-    EXPECT_NE(result.status().message().find("memory budget"),
-              std::string::npos)
-        << result.status();
+    SCOPED_TRACE(Way(data_connection));
+    ExpectExhausted(zeros.Evaluate(MakeClient(data_connection).get(), 8),
+                    "memory budget");
   }
   // Blocks that fit it are evaluated.
-  absl::StatusOr<EvaluateResult> small = MakeClient()->Evaluate(
-      rows, vocab, DType::kFloat32, logits.data(), DType::kInt64,
-      targets.data(), EvaluateOptions(), /*block_rows=*/1);
+  absl::StatusOr<EvaluateResult> small = zeros.Evaluate(MakeClient().get(), 1);
   ASSERT_TRUE(small.ok()) << small.status();
-  EXPECT_EQ(small->rows, rows);
+  EXPECT_EQ(small->rows, ZeroRows::kRows);
   ExpectEmptyStore();
 }
 
@@ -299,9 +314,7 @@ TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheBudget) {
 TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheTenantsQuota) {
   tenant_limits_.max_bytes = 1 << 20;
   Start();
-  const int64_t rows = 8, vocab = 65536;  // 2 MiB of fp32 logits a block
-  const std::vector<float> logits(static_cast<size_t>(rows * vocab), 0.0f);
-  const std::vector<int64_t> targets(static_cast<size_t>(rows), 0);
+  const ZeroRows zeros;
   const auto quota_returned = [this] {
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     while (server_->quotas()->UsageOf(kDefaultTenant).bytes != 0) {
@@ -311,46 +324,31 @@ TEST_F(DataConnectionTest, EvaluateBlocksCountAgainstTheTenantsQuota) {
     return true;
   };
   for (bool data_connection : {true, false}) {
-    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
-    absl::StatusOr<EvaluateResult> result =
-        MakeClient(data_connection)
-            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
-                       DType::kInt64, targets.data(), EvaluateOptions(),
-                       /*block_rows=*/8);
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
-        << result.status();
-    EXPECT_NE(result.status().message().find("byte quota exceeded"),
-              std::string::npos)
-        << result.status();
+    SCOPED_TRACE(Way(data_connection));
+    ExpectExhausted(zeros.Evaluate(MakeClient(data_connection).get(), 8),
+                    "byte quota exceeded");
     EXPECT_TRUE(quota_returned());
   }
   // Blocks of 768 KiB fit it over one data connection (received straight
   // into the block buffer), not on the stream (the message counts too).
   for (bool data_connection : {true, false}) {
-    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    SCOPED_TRACE(Way(data_connection));
     absl::StatusOr<EvaluateResult> result =
-        MakeClient(data_connection, /*streams=*/1)
-            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
-                       DType::kInt64, targets.data(), EvaluateOptions(),
-                       /*block_rows=*/3);
+        zeros.Evaluate(MakeClient(data_connection, /*streams=*/1).get(), 3);
     if (data_connection) {
       EXPECT_TRUE(result.ok()) << result.status();
     } else {
-      EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted)
-          << result.status();
+      ExpectExhausted(result, "byte quota exceeded");
     }
     EXPECT_TRUE(quota_returned());
   }
   // Blocks of 256 KiB fit it both ways.
   for (bool data_connection : {true, false}) {
-    SCOPED_TRACE(data_connection ? "over data connections" : "on the stream");
+    SCOPED_TRACE(Way(data_connection));
     absl::StatusOr<EvaluateResult> small =
-        MakeClient(data_connection)
-            ->Evaluate(rows, vocab, DType::kFloat32, logits.data(),
-                       DType::kInt64, targets.data(), EvaluateOptions(),
-                       /*block_rows=*/1);
+        zeros.Evaluate(MakeClient(data_connection).get(), 1);
     ASSERT_TRUE(small.ok()) << small.status();
-    EXPECT_EQ(small->rows, rows);
+    EXPECT_EQ(small->rows, ZeroRows::kRows);
     EXPECT_TRUE(quota_returned());
   }
   ExpectEmptyStore();
